@@ -1,0 +1,36 @@
+#pragma once
+// CPU matrix products against stored-dtype weights. Weights stay in their checkpoint dtype
+// (F32, BF16, F16, F8_E4M3 with 128x128 block scales) and are converted to f32 in registers as
+// they stream through; products accumulate in f32. Both the decode case (T = 1, a GEMV bound by
+// memory bandwidth) and the prefill case (T > 1, weights reused across rows) go through here.
+#include <cstdint>
+
+#include "core/tensor.h"
+#include "core/thread_pool.h"
+
+namespace vireo {
+
+// A linear layer's weight as stored: w [out, in]; for F8_E4M3, scale_inv [ceil(out/128),
+// ceil(in/128)] F32 with value(i, j) = w[i, j] * scale_inv[i / 128, j / 128]. Other dtypes leave
+// scale_inv empty.
+struct Weight {
+  Tensor w;
+  Tensor scale_inv;
+  int64_t out() const { return w.dim(0); }
+  int64_t in() const { return w.dim(1); }
+  size_t nbytes() const { return w.nbytes() + (scale_inv.empty() ? 0 : scale_inv.nbytes()); }
+};
+
+// y[t, o] = sum_i x[t, i] * value(o, i) for t < T. x is [T, in] f32 with row stride in, y is
+// [T, out] f32 with row stride out. Parallel over output rows on `pool`; the result does not
+// depend on the number of threads.
+void cpu_matmul(const float* x, int64_t T, const Weight& w, float* y, ThreadPool& pool);
+
+// Reference implementation: one element at a time, scalar conversion, f64 accumulation. Used by
+// tests as the oracle for cpu_matmul.
+void cpu_matmul_reference(const float* x, int64_t T, const Weight& w, float* y);
+
+// Converts row `row` of a stored weight to f32 (applying block scales). out has w.in() floats.
+void cpu_dequantize_row(const Weight& w, int64_t row, float* out);
+
+}  // namespace vireo

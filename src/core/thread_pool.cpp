@@ -1,0 +1,101 @@
+#include "core/thread_pool.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <memory>
+
+namespace vireo {
+
+namespace {
+std::unique_ptr<ThreadPool> g_pool;
+int g_threads = 0;
+
+void chunk(int64_t n, int64_t grain, int parts, int index, int64_t* b, int64_t* e) {
+  int64_t blocks = (n + grain - 1) / grain;
+  int64_t per = blocks / parts, extra = blocks % parts;
+  int64_t start = index * per + std::min<int64_t>(index, extra);
+  int64_t count = per + (index < extra ? 1 : 0);
+  *b = std::min(n, start * grain);
+  *e = std::min(n, (start + count) * grain);
+}
+}  // namespace
+
+ThreadPool::ThreadPool(int n_threads) : n_threads_(std::max(1, n_threads)) {
+  for (int i = 1; i < n_threads_; ++i) threads_.emplace_back([this, i] { worker(i); });
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_start_.notify_all();
+  for (auto& t : threads_) t.join();
+}
+
+void ThreadPool::worker(int index) {
+  uint64_t seen = 0;
+  for (;;) {
+    const std::function<void(int64_t, int64_t, int)>* job;
+    int64_t n, grain;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_start_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      if (stop_) return;
+      seen = generation_;
+      job = job_;
+      n = job_n_;
+      grain = job_grain_;
+    }
+    int64_t b, e;
+    chunk(n, grain, n_threads_, index, &b, &e);
+    if (b < e) (*job)(b, e, index);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--pending_ == 0) cv_done_.notify_one();
+    }
+  }
+}
+
+void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int64_t, int)>& fn,
+                              int64_t grain) {
+  if (n <= 0) return;
+  grain = std::max<int64_t>(1, grain);
+  if (n_threads_ == 1 || n <= grain) {
+    fn(0, n, 0);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    job_ = &fn;
+    job_n_ = n;
+    job_grain_ = grain;
+    pending_ = n_threads_ - 1;
+    ++generation_;
+  }
+  cv_start_.notify_all();
+  int64_t b, e;
+  chunk(n, grain, n_threads_, 0, &b, &e);
+  if (b < e) fn(b, e, 0);
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_done_.wait(lock, [&] { return pending_ == 0; });
+}
+
+ThreadPool& ThreadPool::global() {
+  if (!g_pool) {
+    int n = g_threads;
+    if (n <= 0) {
+      if (const char* env = std::getenv("VIREO_THREADS")) n = std::atoi(env);
+      if (n <= 0) n = int(std::thread::hardware_concurrency());
+    }
+    g_pool = std::make_unique<ThreadPool>(n);
+  }
+  return *g_pool;
+}
+
+void ThreadPool::set_global_threads(int n) {
+  g_threads = n;
+  g_pool.reset();
+}
+
+}  // namespace vireo
