@@ -1,0 +1,99 @@
+#pragma once
+// The Backend interface: the coarse ops the forward pass is written against. Activations are f32
+// buffers the backend allocated (host memory for the CPU backend, device memory for CUDA);
+// weights are stored-dtype `Weight`s bound from the checkpoint. The CPU backend is the reference;
+// every other backend is checked against it op by op.
+#include <cstdint>
+#include <memory>
+
+#include "backend/cpu/matmul.h"
+#include "core/tensor.h"
+
+namespace vireo {
+
+enum class RopeKind : uint8_t {
+  Interleaved,  // pairs (x[2i], x[2i+1]); written back as [rotated evens | rotated odds] (oracle layout)
+  HalfSplit,    // pairs (x[i], x[i + r/2])
+};
+
+// Which keys each query may attend to. `keys == nullptr` means every causal key (u <= position).
+struct KeySelection {
+  const int32_t* keys = nullptr;    // [T, stride] positions, ascending, `counts[t]` valid
+  const int32_t* counts = nullptr;  // [T]
+  int64_t stride = 0;
+};
+
+struct MlaAttentionArgs {
+  const float* q = nullptr;   // [T, H, qk_nope + qk_rope], rope part rotated
+  int64_t T = 0, n_heads = 0, qk_nope = 0, qk_rope = 0, v_dim = 0, kv_lora = 0;
+  const float* kv = nullptr;  // [N, kv_lora + qk_rope]: normalized latent | rotated k_rope
+  int64_t n_keys = 0;         // N: cached keys, including these T queries' own
+  int64_t pos0 = 0;           // position of query 0 (queries are pos0 .. pos0 + T - 1)
+  const Weight* kv_b = nullptr;  // [H * (qk_nope + v_dim), kv_lora]
+  float scale = 1.0f;         // sigma
+  KeySelection selection;
+  bool absorbed = false;      // absorbed (decode) path vs reconstructed (prefill) path
+  float* out = nullptr;       // [T, H, v_dim]
+};
+
+struct IndexerArgs {
+  const float* q = nullptr;        // [T, n_heads, head_dim], rope part rotated
+  const float* weights = nullptr;  // [T, n_heads], already times n_heads^-1/2
+  const float* keys = nullptr;     // [N, head_dim]
+  int64_t T = 0, n_heads = 0, head_dim = 0, n_keys = 0, pos0 = 0;
+  int64_t topk = 0;
+  float scale = 1.0f;              // head_dim^-1/2
+  int32_t* selected = nullptr;     // [T, topk] key positions, ascending
+  int32_t* counts = nullptr;       // [T]
+};
+
+struct RouterArgs {
+  const Weight* gate = nullptr;  // [n_experts, hidden]
+  const float* bias = nullptr;   // [n_experts] e_score_correction_bias (selection only)
+  int n_experts = 0, n_group = 1, topk_group = 1, top_k = 0;
+  bool norm_topk_prob = true;
+  float routed_scaling_factor = 1.0f;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual const char* name() const = 0;
+
+  // Scratch memory for activations (f32), owned by the returned buffer.
+  virtual std::shared_ptr<float> alloc_f32(size_t n) = 0;
+  virtual void copy_to_host(float* dst, const float* src, size_t n) = 0;
+  virtual void copy_from_host(float* dst, const float* src, size_t n) = 0;
+
+  // out[t] = table[ids[t]] as f32.                                  out [T, hidden]
+  virtual void embed(const Weight& table, const int32_t* ids, int64_t T, float* out) = 0;
+  // y = w * x / sqrt(mean(x^2) + eps), row by row.                  x, y [T, n] (row strides)
+  virtual void rms_norm(const float* x, int64_t x_stride, int64_t T, int64_t n, const float* w, float eps,
+                        float* y, int64_t y_stride) = 0;
+  // y = (x - mean) / sqrt(var + eps) * w + b.                       x, y [T, n]
+  virtual void layer_norm(const float* x, int64_t T, int64_t n, const float* w, const float* b, float eps,
+                          float* y) = 0;
+  // y = x @ W^T.                                                    x [T, in], y [T, out]
+  virtual void matmul(const float* x, int64_t T, const Weight& w, float* y) = 0;
+  // Rotates x[t, h, offset : offset + width] in place by cos_sin[t] ([T, width/2, 2]).
+  virtual void rope(float* x, int64_t T, int64_t n_heads, int64_t token_stride, int64_t head_stride,
+                    int64_t offset, int64_t width, const float* cos_sin, RopeKind kind) = 0;
+  virtual void add(float* y, const float* x, int64_t n) = 0;  // y += x
+  virtual void scale(float* y, float s, int64_t n) = 0;       // y *= s
+  // out = silu(gate) * up.                                          [n]
+  virtual void swiglu(const float* gate, const float* up, float* out, int64_t n) = 0;
+  virtual void mla_attention(const MlaAttentionArgs& a) = 0;
+  virtual void indexer_select(const IndexerArgs& a) = 0;
+  // ids, weights [T, top_k]: chosen experts (ascending id) and their routing weights.
+  virtual void moe_route(const float* x, int64_t T, const RouterArgs& a, int32_t* ids, float* weights) = 0;
+  // rows[i] = x[index[i]]                                          x [*, n], rows [m, n]
+  virtual void gather_rows(const float* x, const int32_t* index, int64_t m, int64_t n, float* rows) = 0;
+  // y[index[i]] += scale[i] * rows[i]                               in order of i
+  virtual void scatter_add_rows(float* y, const int32_t* index, const float* scale, const float* rows, int64_t m,
+                                int64_t n) = 0;
+};
+
+// The CPU reference backend, running on `threads` threads (0: the global pool's).
+std::unique_ptr<Backend> make_cpu_backend();
+
+}  // namespace vireo

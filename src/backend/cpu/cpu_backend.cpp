@@ -1,0 +1,318 @@
+// The CPU reference backend. Straightforward loops in f32 (f64 only where a reduction is long and
+// the oracle's order is unknowable anyway), parallel over independent rows/heads on the global
+// thread pool. Every op's result is independent of the thread count.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+#include "backend/backend.h"
+#include "core/thread_pool.h"
+
+namespace vireo {
+
+namespace {
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+
+class CpuBackend final : public Backend {
+ public:
+  const char* name() const override { return "cpu"; }
+  ThreadPool& pool() { return ThreadPool::global(); }
+
+  std::shared_ptr<float> alloc_f32(size_t n) override {
+    size_t bytes = (std::max<size_t>(n, 1) * sizeof(float) + 63) / 64 * 64;
+    float* p = static_cast<float*>(std::aligned_alloc(64, bytes));
+    if (!p) fail("out of memory allocating ", bytes, " bytes of activations");
+    std::memset(p, 0, bytes);
+    return std::shared_ptr<float>(p, [](float* q) { std::free(q); });
+  }
+  void copy_to_host(float* dst, const float* src, size_t n) override { std::memcpy(dst, src, n * 4); }
+  void copy_from_host(float* dst, const float* src, size_t n) override { std::memcpy(dst, src, n * 4); }
+
+  void embed(const Weight& table, const int32_t* ids, int64_t T, float* out) override {
+    const int64_t n = table.in();
+    for (int64_t t = 0; t < T; ++t) {
+      if (ids[t] < 0 || ids[t] >= table.out())
+        fail("token id ", ids[t], " is out of range (vocab size ", table.out(), ")");
+      cpu_dequantize_row(table, ids[t], out + t * n);
+    }
+  }
+
+  void rms_norm(const float* x, int64_t xs, int64_t T, int64_t n, const float* w, float eps, float* y,
+                int64_t ys) override {
+    for (int64_t t = 0; t < T; ++t) {
+      const float* xr = x + t * xs;
+      float* yr = y + t * ys;
+      double ss = 0;
+      for (int64_t i = 0; i < n; ++i) ss += double(xr[i]) * xr[i];
+      float inv = 1.0f / std::sqrt(float(ss / double(n)) + eps);
+      for (int64_t i = 0; i < n; ++i) yr[i] = w[i] * (xr[i] * inv);
+    }
+  }
+
+  void layer_norm(const float* x, int64_t T, int64_t n, const float* w, const float* b, float eps,
+                  float* y) override {
+    for (int64_t t = 0; t < T; ++t) {
+      const float* xr = x + t * n;
+      float* yr = y + t * n;
+      double mean = 0, var = 0;
+      for (int64_t i = 0; i < n; ++i) mean += xr[i];
+      mean /= double(n);
+      for (int64_t i = 0; i < n; ++i) var += (xr[i] - mean) * (xr[i] - mean);
+      var /= double(n);
+      float inv = float(1.0 / std::sqrt(var + eps));
+      for (int64_t i = 0; i < n; ++i) yr[i] = float(xr[i] - mean) * inv * w[i] + b[i];
+    }
+  }
+
+  void matmul(const float* x, int64_t T, const Weight& w, float* y) override { cpu_matmul(x, T, w, y, pool()); }
+
+  void rope(float* x, int64_t T, int64_t H, int64_t ts, int64_t hs, int64_t offset, int64_t width,
+            const float* cs, RopeKind kind) override {
+    const int64_t half = width / 2;
+    std::vector<float> tmp(static_cast<size_t>(width));
+    for (int64_t t = 0; t < T; ++t) {
+      const float* c = cs + t * width;  // [half, 2] (cos, sin)
+      for (int64_t h = 0; h < H; ++h) {
+        float* v = x + t * ts + h * hs + offset;
+        if (kind == RopeKind::Interleaved) {
+          for (int64_t i = 0; i < half; ++i) {
+            float a = v[2 * i], b = v[2 * i + 1], co = c[2 * i], si = c[2 * i + 1];
+            tmp[size_t(i)] = a * co - b * si;
+            tmp[size_t(half + i)] = b * co + a * si;
+          }
+        } else {
+          for (int64_t i = 0; i < half; ++i) {
+            float a = v[i], b = v[half + i], co = c[2 * i], si = c[2 * i + 1];
+            tmp[size_t(i)] = a * co - b * si;
+            tmp[size_t(half + i)] = b * co + a * si;
+          }
+        }
+        std::memcpy(v, tmp.data(), size_t(width) * 4);
+      }
+    }
+  }
+
+  void add(float* y, const float* x, int64_t n) override {
+    for (int64_t i = 0; i < n; ++i) y[i] += x[i];
+  }
+  void scale(float* y, float s, int64_t n) override {
+    for (int64_t i = 0; i < n; ++i) y[i] *= s;
+  }
+  void swiglu(const float* gate, const float* up, float* out, int64_t n) override {
+    for (int64_t i = 0; i < n; ++i) out[i] = silu(gate[i]) * up[i];
+  }
+
+  void mla_attention(const MlaAttentionArgs& a) override {
+    if (a.absorbed) attention_absorbed(a);
+    else attention_reconstructed(a);
+  }
+
+  void indexer_select(const IndexerArgs& a) override {
+    pool().parallel_for(a.T, [&](int64_t b, int64_t e, int) {
+      std::vector<float> score(static_cast<size_t>(a.n_keys));
+      std::vector<int32_t> order(static_cast<size_t>(a.n_keys));
+      for (int64_t t = b; t < e; ++t) {
+        const int64_t n_causal = a.pos0 + t + 1;
+        int32_t* sel = a.selected + t * a.topk;
+        if (n_causal <= a.topk) {  // every causal key: sparse equals dense
+          for (int64_t u = 0; u < n_causal; ++u) sel[u] = int32_t(u);
+          a.counts[t] = int32_t(n_causal);
+          continue;
+        }
+        const float* qt = a.q + t * a.n_heads * a.head_dim;
+        const float* wt = a.weights + t * a.n_heads;
+        for (int64_t u = 0; u < n_causal; ++u) {
+          const float* k = a.keys + u * a.head_dim;
+          float s = 0;
+          for (int64_t j = 0; j < a.n_heads; ++j) {
+            float d = dot(qt + j * a.head_dim, k, a.head_dim) * a.scale;
+            s += wt[j] * std::max(d, 0.0f);
+          }
+          score[size_t(u)] = s;
+        }
+        std::iota(order.begin(), order.begin() + n_causal, 0);
+        // Higher score first; equal scores: lower position first.
+        std::partial_sort(order.begin(), order.begin() + a.topk, order.begin() + n_causal,
+                          [&](int32_t x, int32_t y) {
+                            return score[size_t(x)] != score[size_t(y)] ? score[size_t(x)] > score[size_t(y)] : x < y;
+                          });
+        std::copy(order.begin(), order.begin() + a.topk, sel);
+        std::sort(sel, sel + a.topk);
+        a.counts[t] = int32_t(a.topk);
+      }
+    });
+  }
+
+  void moe_route(const float* x, int64_t T, const RouterArgs& a, int32_t* ids, float* weights) override {
+    const int E = a.n_experts, G = a.n_group, per_group = E / G;
+    std::vector<float> logits(static_cast<size_t>(T * E));
+    cpu_matmul(x, T, *a.gate, logits.data(), pool());
+    std::vector<float> p(static_cast<size_t>(E)), choice(static_cast<size_t>(E)), gscore(static_cast<size_t>(G));
+    std::vector<int> order(static_cast<size_t>(std::max(E, G)));
+    for (int64_t t = 0; t < T; ++t) {
+      for (int e = 0; e < E; ++e) {
+        p[size_t(e)] = 1.0f / (1.0f + std::exp(-logits[size_t(t * E + e)]));
+        choice[size_t(e)] = p[size_t(e)] + (a.bias ? a.bias[e] : 0.0f);
+      }
+      if (G > 1) {
+        for (int g = 0; g < G; ++g) {  // group score: sum of its top-2 selection scores
+          float m1 = -INFINITY, m2 = -INFINITY;
+          for (int e = g * per_group; e < (g + 1) * per_group; ++e) {
+            float v = choice[size_t(e)];
+            if (v > m1) { m2 = m1; m1 = v; } else if (v > m2) { m2 = v; }
+          }
+          gscore[size_t(g)] = per_group >= 2 ? m1 + m2 : m1;
+        }
+        std::iota(order.begin(), order.begin() + G, 0);
+        std::stable_sort(order.begin(), order.begin() + G,
+                         [&](int x, int y) { return gscore[size_t(x)] > gscore[size_t(y)]; });
+        std::vector<bool> keep(static_cast<size_t>(G), false);
+        for (int i = 0; i < a.topk_group; ++i) keep[size_t(order[size_t(i)])] = true;
+        for (int e = 0; e < E; ++e)
+          if (!keep[size_t(e / per_group)]) choice[size_t(e)] = -INFINITY;
+      }
+      std::iota(order.begin(), order.begin() + E, 0);
+      // Highest selection score first; ties: lower expert id.
+      std::stable_sort(order.begin(), order.begin() + E,
+                       [&](int x, int y) { return choice[size_t(x)] > choice[size_t(y)]; });
+      int32_t* id = ids + t * a.top_k;
+      for (int k = 0; k < a.top_k; ++k) id[k] = order[size_t(k)];
+      std::sort(id, id + a.top_k);
+      float sum = 0;
+      for (int k = 0; k < a.top_k; ++k) sum += p[size_t(id[k])];
+      float* w = weights + t * a.top_k;
+      for (int k = 0; k < a.top_k; ++k) {
+        float v = p[size_t(id[k])];
+        if (a.norm_topk_prob) v /= (sum + 1e-20f);
+        w[k] = v * a.routed_scaling_factor;
+      }
+    }
+  }
+
+  void gather_rows(const float* x, const int32_t* index, int64_t m, int64_t n, float* rows) override {
+    for (int64_t i = 0; i < m; ++i) std::memcpy(rows + i * n, x + int64_t(index[i]) * n, size_t(n) * 4);
+  }
+  void scatter_add_rows(float* y, const int32_t* index, const float* s, const float* rows, int64_t m,
+                        int64_t n) override {
+    for (int64_t i = 0; i < m; ++i) {
+      float* yr = y + int64_t(index[i]) * n;
+      const float* r = rows + i * n;
+      for (int64_t j = 0; j < n; ++j) yr[j] += s[i] * r[j];
+    }
+  }
+
+ private:
+  // Keys query t attends to: the selection, or every causal key.
+  static int64_t keys_for(const MlaAttentionArgs& a, int64_t t, const int32_t** list) {
+    if (a.selection.keys) {
+      *list = a.selection.keys + t * a.selection.stride;
+      return a.selection.counts[t];
+    }
+    *list = nullptr;
+    return a.pos0 + t + 1;
+  }
+
+  static void softmax_inplace(float* s, int64_t n) {
+    float m = -INFINITY;
+    for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
+    float sum = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      s[i] = std::exp(s[i] - m);
+      sum += s[i];
+    }
+    float inv = 1.0f / sum;
+    for (int64_t i = 0; i < n; ++i) s[i] *= inv;
+  }
+
+  // Reconstructed path: expand every key's latent through kv_b into per-head k_nope and v, then
+  // ordinary attention with key = [k_nope | k_rope].
+  void attention_reconstructed(const MlaAttentionArgs& a) {
+    const int64_t H = a.n_heads, nope = a.qk_nope, rope = a.qk_rope, vd = a.v_dim, L = a.kv_lora;
+    const int64_t N = a.n_keys, kvw = L + rope, qw = nope + rope, hw = nope + vd;
+    std::vector<float> latent(static_cast<size_t>(N * L));
+    for (int64_t u = 0; u < N; ++u) std::memcpy(&latent[size_t(u * L)], a.kv + u * kvw, size_t(L) * 4);
+    std::vector<float> kvx(static_cast<size_t>(N * H * hw));  // [N, H, nope + v]
+    cpu_matmul(latent.data(), N, *a.kv_b, kvx.data(), pool());
+    pool().parallel_for(a.T * H, [&](int64_t b, int64_t e, int) {
+      std::vector<float> s(static_cast<size_t>(N));
+      for (int64_t th = b; th < e; ++th) {
+        const int64_t t = th / H, h = th % H;
+        const float* q = a.q + (t * H + h) * qw;
+        const int32_t* list;
+        const int64_t n = keys_for(a, t, &list);
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t u = list ? list[i] : i;
+          const float* kn = &kvx[size_t((u * H + h) * hw)];
+          s[size_t(i)] = (dot(q, kn, nope) + dot(q + nope, a.kv + u * kvw + L, rope)) * a.scale;
+        }
+        softmax_inplace(s.data(), n);
+        float* o = a.out + (t * H + h) * vd;
+        std::fill(o, o + vd, 0.0f);
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t u = list ? list[i] : i;
+          const float* v = &kvx[size_t((u * H + h) * hw + nope)];
+          const float p = s[size_t(i)];
+          for (int64_t j = 0; j < vd; ++j) o[j] += p * v[j];
+        }
+      }
+    });
+  }
+
+  // Absorbed path: fold W_UK into the query and W_UV after the weighted sum, so attention runs
+  // directly over the cached latents (MQA with one kv_lora + rope wide key head).
+  void attention_absorbed(const MlaAttentionArgs& a) {
+    const int64_t H = a.n_heads, nope = a.qk_nope, rope = a.qk_rope, vd = a.v_dim, L = a.kv_lora;
+    const int64_t kvw = L + rope, qw = nope + rope, hw = nope + vd;
+    pool().parallel_for(H, [&](int64_t hb, int64_t he, int) {
+      std::vector<float> wrow(static_cast<size_t>(L)), qlat(static_cast<size_t>(L)), olat(static_cast<size_t>(L)), s(static_cast<size_t>(a.n_keys));
+      std::vector<float> w_uk(static_cast<size_t>(nope * L));
+      for (int64_t h = hb; h < he; ++h) {
+        for (int64_t i = 0; i < nope; ++i) cpu_dequantize_row(*a.kv_b, h * hw + i, &w_uk[size_t(i * L)]);
+        for (int64_t t = 0; t < a.T; ++t) {
+          const float* q = a.q + (t * H + h) * qw;
+          std::fill(qlat.begin(), qlat.end(), 0.0f);
+          for (int64_t i = 0; i < nope; ++i) {  // q_lat = W_UK^T q_nope
+            const float qi = q[i];
+            const float* wr = &w_uk[size_t(i * L)];
+            for (int64_t c = 0; c < L; ++c) qlat[size_t(c)] += qi * wr[c];
+          }
+          const int32_t* list;
+          const int64_t n = keys_for(a, t, &list);
+          for (int64_t i = 0; i < n; ++i) {
+            const int64_t u = list ? list[i] : i;
+            const float* kv = a.kv + u * kvw;
+            s[size_t(i)] = (dot(qlat.data(), kv, L) + dot(q + nope, kv + L, rope)) * a.scale;
+          }
+          softmax_inplace(s.data(), n);
+          std::fill(olat.begin(), olat.end(), 0.0f);
+          for (int64_t i = 0; i < n; ++i) {
+            const int64_t u = list ? list[i] : i;
+            const float* kv = a.kv + u * kvw;
+            const float p = s[size_t(i)];
+            for (int64_t c = 0; c < L; ++c) olat[size_t(c)] += p * kv[c];
+          }
+          float* o = a.out + (t * H + h) * vd;
+          for (int64_t j = 0; j < vd; ++j) {  // o = W_UV o_lat
+            cpu_dequantize_row(*a.kv_b, h * hw + nope + j, wrow.data());
+            o[j] = dot(wrow.data(), olat.data(), L);
+          }
+        }
+      }
+    });
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend() { return std::make_unique<CpuBackend>(); }
+
+}  // namespace vireo
