@@ -26,6 +26,17 @@ struct Weight {
 // depend on the number of threads.
 void cpu_matmul(const float* x, int64_t T, const Weight& w, float* y, ThreadPool& pool);
 
+// Kernel families. Auto (the default) picks the widest the CPU supports at run time; tests force
+// each one to check it against the reference. Results differ between families only by f32
+// rounding; within one family they never depend on the thread count.
+enum class MatmulIsa { Auto, Scalar, Avx2, Avx512 };
+bool cpu_matmul_isa_supported(MatmulIsa isa);
+// Throws vireo::Error if the CPU lacks `isa`. Not thread-safe against concurrent cpu_matmul.
+void cpu_matmul_set_isa(MatmulIsa isa);
+// The family cpu_matmul uses now (never Auto).
+MatmulIsa cpu_matmul_isa();
+const char* matmul_isa_name(MatmulIsa isa);
+
 // Reference implementation: one element at a time, scalar conversion, f64 accumulation. Used by
 // tests as the oracle for cpu_matmul.
 void cpu_matmul_reference(const float* x, int64_t T, const Weight& w, float* y);
