@@ -172,4 +172,27 @@ std::unique_ptr<Checkpoint> Checkpoint::open(const std::string& dir) {
   return ck;
 }
 
+std::unique_ptr<Checkpoint> Checkpoint::in_memory(const std::string& name) {
+  auto ck = std::make_unique<Checkpoint>();
+  ck->dir_ = name;
+  return ck;
+}
+
+void* Checkpoint::add_tensor(const std::string& name, DType dtype, const std::vector<int64_t>& shape) {
+  if (tensors_.count(name)) fail(dir_, ": tensor ", name, " added twice");
+  size_t numel = 1;
+  for (int64_t d : shape) numel *= size_t(d);
+  owned_data_.emplace_back(numel * dtype_size(dtype));
+  TensorInfo info;
+  info.name = name;
+  info.file = dir_;
+  info.dtype = dtype;
+  info.shape = shape;
+  info.data = owned_data_.back().data();
+  info.nbytes = numel * dtype_size(dtype);
+  owned_infos_.push_back(std::move(info));
+  tensors_[name] = &owned_infos_.back();
+  return owned_data_.back().data();
+}
+
 }  // namespace vireo

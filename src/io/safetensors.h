@@ -4,6 +4,7 @@
 // (known dtype, offsets inside the file, byte size = numel * dtype size), so later code can trust
 // any TensorInfo it gets.
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <string>
@@ -59,7 +60,14 @@ class Checkpoint {
   const std::map<std::string, const TensorInfo*>& tensors() const { return tensors_; }
   const std::vector<std::unique_ptr<SafetensorsFile>>& files() const { return files_; }
 
+  // A checkpoint held in memory (synthetic models for benchmarks and tests): add_tensor
+  // allocates zeroed, 64-byte aligned storage owned by the checkpoint and returns it.
+  static std::unique_ptr<Checkpoint> in_memory(const std::string& name);
+  void* add_tensor(const std::string& name, DType dtype, const std::vector<int64_t>& shape);
+
  private:
+  std::deque<TensorInfo> owned_infos_;
+  std::deque<HostBuffer> owned_data_;
   std::string dir_;
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::map<std::string, const TensorInfo*> tensors_;

@@ -50,7 +50,11 @@ GlmDsaModel::GlmDsaModel(GlmDsaConfig config, std::unique_ptr<Checkpoint> ck, Ba
 std::unique_ptr<GlmDsaModel> GlmDsaModel::load(const std::string& dir, Backend& backend,
                                                std::unique_ptr<ExpertStore> experts) {
   GlmDsaConfig config = load_glm_dsa_config(dir);
-  auto ck = Checkpoint::open(dir);
+  return create(std::move(config), Checkpoint::open(dir), backend, std::move(experts));
+}
+
+std::unique_ptr<GlmDsaModel> GlmDsaModel::create(GlmDsaConfig config, std::unique_ptr<Checkpoint> ck,
+                                                 Backend& backend, std::unique_ptr<ExpertStore> experts) {
   std::unique_ptr<GlmDsaModel> m(new GlmDsaModel(std::move(config), std::move(ck), backend));
   const GlmDsaConfig& c = m->config_;
   m->weights_ = bind_glm_dsa_weights(*m->checkpoint_, c);

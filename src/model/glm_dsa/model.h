@@ -26,6 +26,10 @@ class GlmDsaModel {
   static std::unique_ptr<GlmDsaModel> load(const std::string& dir, Backend& backend,
                                            std::unique_ptr<ExpertStore> experts = nullptr);
 
+  // Builds a model over an already opened checkpoint (e.g. an in-memory synthetic one).
+  static std::unique_ptr<GlmDsaModel> create(GlmDsaConfig config, std::unique_ptr<Checkpoint> ck, Backend& backend,
+                                             std::unique_ptr<ExpertStore> experts = nullptr);
+
   const GlmDsaConfig& config() const { return config_; }
   const GlmDsaWeights& weights() const { return weights_; }
   const Checkpoint& checkpoint() const { return *checkpoint_; }

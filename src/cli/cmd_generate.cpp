@@ -1,0 +1,116 @@
+// `vireo run` and `vireo logits`.
+#include <cstdio>
+#include <memory>
+
+#include "cli/commands.h"
+#include "io/npy.h"
+#include "model/glm_dsa/model.h"
+#include "runtime/generate.h"
+
+namespace vireo::cli {
+
+std::vector<int32_t> parse_id_list(const std::string& s, const std::string& flag) {
+  std::vector<int32_t> ids;
+  size_t i = 0;
+  while (i <= s.size()) {
+    size_t j = s.find(',', i);
+    if (j == std::string::npos) j = s.size();
+    std::string tok = s.substr(i, j - i);
+    while (!tok.empty() && tok.front() == ' ') tok.erase(tok.begin());
+    while (!tok.empty() && tok.back() == ' ') tok.pop_back();
+    size_t used = 0;
+    long long v = -1;
+    try {
+      v = std::stoll(tok, &used);
+    } catch (...) {
+      used = 0;
+    }
+    if (tok.empty() || used != tok.size() || v < 0 || v > INT32_MAX)
+      fail(flag, ": '", tok, "' is not a token id (expected a comma-separated list like 1,2,3)");
+    ids.push_back(int32_t(v));
+    i = j + 1;
+  }
+  if (ids.empty()) fail(flag, ": no token ids");
+  return ids;
+}
+
+Action add_run(CLI::App& app) {
+  struct Opts {
+    std::string model, prompt_ids;
+    int64_t n = 64;
+    SamplingParams s;
+    bool ignore_eos = false;
+  };
+  auto o = std::make_shared<Opts>();
+  app.add_option("--model,-m", o->model, "Model directory (config.json + safetensors)")->required();
+  app.add_option("--prompt-ids", o->prompt_ids, "Prompt as comma-separated token ids")->required();
+  app.add_option("-n,--max-tokens", o->n, "Tokens to generate at most")->check(CLI::Range(int64_t(1), int64_t(1) << 30));
+  app.add_option("--temp", o->s.temperature, "Sampling temperature (0: greedy)");
+  app.add_option("--top-k", o->s.top_k, "Keep the k most likely tokens (0: off)");
+  app.add_option("--top-p", o->s.top_p, "Nucleus sampling mass (1: off)");
+  app.add_option("--min-p", o->s.min_p, "Drop tokens below min_p x the top probability (0: off)");
+  app.add_option("--seed", o->s.seed, "Sampling seed");
+  app.add_flag("--ignore-eos", o->ignore_eos, "Do not stop at end-of-sequence tokens");
+  return [o]() {
+    validate_sampling(o->s);
+    std::vector<int32_t> prompt = parse_id_list(o->prompt_ids, "--prompt-ids");
+    auto backend = make_cpu_backend();
+    auto model = GlmDsaModel::load(o->model, *backend);
+    for (int32_t id : prompt)
+      if (id >= model->config().vocab_size)
+        fail("--prompt-ids: token id ", id, " is out of range (vocab size ", model->config().vocab_size, ")");
+    MlaCache cache(*backend, model->cache_shape(), 1, int64_t(prompt.size()) + o->n);
+    GenerateOptions opt;
+    opt.max_new_tokens = o->n;
+    opt.sampling = o->s;
+    opt.stop_at_eos = !o->ignore_eos;
+    bool first = true;
+    GenerateResult r = generate(*model, cache, 0, prompt, opt, [&](int32_t id) {
+      std::printf(first ? "%d" : ",%d", id);
+      std::fflush(stdout);
+      first = false;
+      return true;
+    });
+    std::printf("\n");
+    const int64_t decoded = int64_t(r.tokens.size()) - 1;
+    std::fprintf(stderr, "prompt: %lld tokens in %.3f s (%.1f tok/s); generated: %zu tokens, %.1f tok/s%s\n",
+                 (long long)r.prompt_tokens, r.prefill_seconds, double(r.prompt_tokens) / r.prefill_seconds,
+                 r.tokens.size(), decoded > 0 ? double(decoded) / r.decode_seconds : 0.0,
+                 r.stopped_at_eos ? " (stopped at EOS)" : "");
+    return 0;
+  };
+}
+
+Action add_logits(CLI::App& app) {
+  struct Opts {
+    std::string model, tokens, out, mode = "prefill";
+  };
+  auto o = std::make_shared<Opts>();
+  app.add_option("--model,-m", o->model, "Model directory")->required();
+  app.add_option("--tokens", o->tokens, "Comma-separated token ids")->required();
+  app.add_option("--mode", o->mode, "prefill: the whole sequence at once (reconstructed attention); "
+                                    "decode: one token at a time through the cache (absorbed attention)")
+      ->check(CLI::IsMember({"prefill", "decode"}));
+  app.add_option("--out,-o", o->out, "Output .npy file (float32 [T, vocab])")->required();
+  return [o]() {
+    std::vector<int32_t> ids = parse_id_list(o->tokens, "--tokens");
+    auto backend = make_cpu_backend();
+    auto model = GlmDsaModel::load(o->model, *backend);
+    const int64_t V = model->config().vocab_size, T = int64_t(ids.size());
+    for (int32_t id : ids)
+      if (id >= V) fail("--tokens: token id ", id, " is out of range (vocab size ", V, ")");
+    MlaCache cache(*backend, model->cache_shape(), 1, T);
+    std::vector<float> logits(size_t(T * V));
+    if (o->mode == "prefill") {
+      model->forward(ids.data(), T, cache, 0, logits.data(), true, AttentionPath::Reconstructed);
+    } else {
+      for (int64_t t = 0; t < T; ++t)
+        model->forward(&ids[size_t(t)], 1, cache, 0, logits.data() + t * V, false, AttentionPath::Absorbed);
+    }
+    write_npy_f32(o->out, logits.data(), {T, V});
+    std::fprintf(stderr, "wrote %s [%lld, %lld]\n", o->out.c_str(), (long long)T, (long long)V);
+    return 0;
+  };
+}
+
+}  // namespace vireo::cli

@@ -1,0 +1,36 @@
+#include "runtime/generate.h"
+
+namespace vireo {
+
+GenerateResult generate(GlmDsaModel& model, MlaCache& cache, int row, const std::vector<int32_t>& prompt,
+                        const GenerateOptions& opt, const std::function<bool(int32_t)>& on_token) {
+  using clock = std::chrono::steady_clock;
+  const GlmDsaConfig& c = model.config();
+  if (prompt.empty()) fail("the prompt is empty");
+  if (int64_t(prompt.size()) + opt.max_new_tokens > cache.capacity() - cache.length(row))
+    fail("prompt (", prompt.size(), " tokens) + max new tokens (", opt.max_new_tokens,
+         ") exceed the context of ", cache.capacity() - cache.length(row), " tokens");
+  GenerateResult r;
+  r.prompt_tokens = int64_t(prompt.size());
+  Sampler sampler(opt.sampling);
+  std::vector<float> logits(size_t(c.vocab_size));
+  auto t0 = clock::now();
+  model.forward(prompt.data(), int64_t(prompt.size()), cache, row, logits.data(), false, AttentionPath::Auto);
+  auto t1 = clock::now();
+  r.prefill_seconds = std::chrono::duration<double>(t1 - t0).count();
+  for (int64_t i = 0; i < opt.max_new_tokens; ++i) {
+    const int32_t next = sampler.sample(logits.data(), c.vocab_size);
+    r.tokens.push_back(next);
+    const bool keep_going = on_token ? on_token(next) : true;
+    if (opt.stop_at_eos && c.eos_ids.count(next)) {
+      r.stopped_at_eos = true;
+      break;
+    }
+    if (!keep_going || i + 1 == opt.max_new_tokens) break;
+    model.forward(&next, 1, cache, row, logits.data(), false, AttentionPath::Absorbed);
+  }
+  r.decode_seconds = std::chrono::duration<double>(clock::now() - t1).count();
+  return r;
+}
+
+}  // namespace vireo

@@ -1,0 +1,31 @@
+#pragma once
+// Single-sequence generation: prefill the prompt (reconstructed attention), then decode one
+// token at a time (absorbed attention) until max_new_tokens or an EOS id.
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "model/glm_dsa/model.h"
+#include "runtime/sampler.h"
+
+namespace vireo {
+
+struct GenerateOptions {
+  int64_t max_new_tokens = 128;
+  SamplingParams sampling;
+  bool stop_at_eos = true;
+};
+
+struct GenerateResult {
+  std::vector<int32_t> tokens;   // generated ids (the EOS id included if it stopped there)
+  bool stopped_at_eos = false;
+  int64_t prompt_tokens = 0;
+  double prefill_seconds = 0, decode_seconds = 0;
+};
+
+// on_token(id) is called as each token is chosen; returning false stops generation.
+GenerateResult generate(GlmDsaModel& model, MlaCache& cache, int row, const std::vector<int32_t>& prompt,
+                        const GenerateOptions& opt, const std::function<bool(int32_t)>& on_token = nullptr);
+
+}  // namespace vireo
