@@ -1,0 +1,282 @@
+// Per-op tests of the CPU backend against naive code written out here.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+#include "backend/backend.h"
+
+using namespace vireo;
+
+namespace {
+
+std::vector<float> random_vec(size_t n, uint32_t seed, float a = 1.0f) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> d(-a, a);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+double rel_l2(const float* a, const float* b, size_t n) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < n; ++i) {
+    num += double(a[i] - b[i]) * (a[i] - b[i]);
+    den += double(b[i]) * b[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+Weight f32_weight(std::vector<float>& data, int64_t out, int64_t in) {
+  Weight w;
+  w.w = Tensor(data.data(), DType::F32, {out, in});
+  return w;
+}
+
+}  // namespace
+
+TEST(Ops, RmsNormMatchesFormula) {
+  auto be = make_cpu_backend();
+  const int64_t T = 3, n = 37;
+  auto x = random_vec(static_cast<size_t>(T * n), 1), w = random_vec(static_cast<size_t>(n), 2);
+  std::vector<float> y(static_cast<size_t>(T * n));
+  be->rms_norm(x.data(), n, T, n, w.data(), 1e-5f, y.data(), n);
+  for (int64_t t = 0; t < T; ++t) {
+    double ss = 0;
+    for (int64_t i = 0; i < n; ++i) ss += double(x[size_t(t * n + i)]) * x[size_t(t * n + i)];
+    double inv = 1.0 / std::sqrt(ss / n + 1e-5);
+    for (int64_t i = 0; i < n; ++i)
+      EXPECT_NEAR(y[size_t(t * n + i)], w[size_t(i)] * x[size_t(t * n + i)] * inv, 1e-6);
+  }
+}
+
+TEST(Ops, LayerNormMatchesFormula) {
+  auto be = make_cpu_backend();
+  const int64_t n = 32;
+  auto x = random_vec(static_cast<size_t>(n), 3), w = random_vec(static_cast<size_t>(n), 4), b = random_vec(static_cast<size_t>(n), 5);
+  std::vector<float> y(static_cast<size_t>(n));
+  be->layer_norm(x.data(), 1, n, w.data(), b.data(), 1e-6f, y.data());
+  double mean = 0, var = 0;
+  for (float v : x) mean += v;
+  mean /= n;
+  for (float v : x) var += (v - mean) * (v - mean);
+  var /= n;
+  for (int64_t i = 0; i < n; ++i)
+    EXPECT_NEAR(y[size_t(i)], (x[size_t(i)] - mean) / std::sqrt(var + 1e-6) * w[size_t(i)] + b[size_t(i)], 1e-5);
+}
+
+TEST(Ops, RopeInterleavedUsesOracleLayout) {
+  auto be = make_cpu_backend();
+  const int64_t width = 8, half = 4;
+  auto x = random_vec(static_cast<size_t>(width), 6);
+  std::vector<float> cs(static_cast<size_t>(width));
+  for (int64_t i = 0; i < half; ++i) {
+    cs[size_t(2 * i)] = std::cos(0.3f * float(i + 1));
+    cs[size_t(2 * i + 1)] = std::sin(0.3f * float(i + 1));
+  }
+  std::vector<float> y = x;
+  be->rope(y.data(), 1, 1, width, width, 0, width, cs.data(), RopeKind::Interleaved);
+  for (int64_t i = 0; i < half; ++i) {
+    float a = x[size_t(2 * i)], b = x[size_t(2 * i + 1)], c = cs[size_t(2 * i)], s = cs[size_t(2 * i + 1)];
+    EXPECT_FLOAT_EQ(y[size_t(i)], a * c - b * s);         // rotated evens first
+    EXPECT_FLOAT_EQ(y[size_t(half + i)], b * c + a * s);  // then rotated odds
+  }
+  std::vector<float> z = x;
+  be->rope(z.data(), 1, 1, width, width, 0, width, cs.data(), RopeKind::HalfSplit);
+  for (int64_t i = 0; i < half; ++i) {
+    float a = x[size_t(i)], b = x[size_t(half + i)], c = cs[size_t(2 * i)], s = cs[size_t(2 * i + 1)];
+    EXPECT_FLOAT_EQ(z[size_t(i)], a * c - b * s);
+    EXPECT_FLOAT_EQ(z[size_t(half + i)], b * c + a * s);
+  }
+}
+
+TEST(Ops, RopePreservesDotProductsOfEqualPositions) {
+  // q.k after rotating both by the same angle equals q.k before: the layout is consistent.
+  auto be = make_cpu_backend();
+  const int64_t width = 16;
+  auto q = random_vec(static_cast<size_t>(width), 7), k = random_vec(static_cast<size_t>(width), 8);
+  std::vector<float> cs(static_cast<size_t>(width));
+  for (int64_t i = 0; i < width / 2; ++i) {
+    cs[size_t(2 * i)] = std::cos(1.7f * float(i));
+    cs[size_t(2 * i + 1)] = std::sin(1.7f * float(i));
+  }
+  double before = 0, after = 0;
+  for (int64_t i = 0; i < width; ++i) before += q[size_t(i)] * k[size_t(i)];
+  for (RopeKind kind : {RopeKind::Interleaved, RopeKind::HalfSplit}) {
+    auto q2 = q, k2 = k;
+    be->rope(q2.data(), 1, 1, width, width, 0, width, cs.data(), kind);
+    be->rope(k2.data(), 1, 1, width, width, 0, width, cs.data(), kind);
+    after = 0;
+    for (int64_t i = 0; i < width; ++i) after += q2[size_t(i)] * k2[size_t(i)];
+    EXPECT_NEAR(before, after, 1e-5);
+  }
+}
+
+// The absorbed path computes the same attention as the reconstructed path, with and without a
+// key selection.
+TEST(Ops, MlaAbsorbedEqualsReconstructed) {
+  auto be = make_cpu_backend();
+  const int64_t T = 5, H = 3, nope = 8, rope = 4, vd = 6, L = 10, N = 12, pos0 = N - T;
+  auto q = random_vec(static_cast<size_t>(T * H * (nope + rope)), 10);
+  auto kv = random_vec(static_cast<size_t>(N * (L + rope)), 11);
+  auto wkvb = random_vec(static_cast<size_t>(H * (nope + vd) * L), 12, 0.5f);
+  Weight kvb = f32_weight(wkvb, H * (nope + vd), L);
+  std::vector<int32_t> sel(static_cast<size_t>(T * 4)), cnt(static_cast<size_t>(T));
+  for (int64_t t = 0; t < T; ++t) {  // keys 0, 2, 4, ... up to the query's own position
+    int c = 0;
+    for (int64_t u = 0; u <= pos0 + t && c < 4; u += 2) sel[size_t(t * 4 + c++)] = int32_t(u);
+    cnt[size_t(t)] = c;
+  }
+  for (bool sparse : {false, true}) {
+    std::vector<float> a(static_cast<size_t>(T * H * vd)), b(static_cast<size_t>(T * H * vd));
+    MlaAttentionArgs args;
+    args.q = q.data();
+    args.T = T;
+    args.n_heads = H;
+    args.qk_nope = nope;
+    args.qk_rope = rope;
+    args.v_dim = vd;
+    args.kv_lora = L;
+    args.kv = kv.data();
+    args.n_keys = N;
+    args.pos0 = pos0;
+    args.kv_b = &kvb;
+    args.scale = 0.3f;
+    if (sparse) args.selection = KeySelection{sel.data(), cnt.data(), 4};
+    args.out = a.data();
+    be->mla_attention(args);
+    args.absorbed = true;
+    args.out = b.data();
+    be->mla_attention(args);
+    EXPECT_LT(rel_l2(b.data(), a.data(), a.size()), 1e-6) << "sparse=" << sparse;
+  }
+  // Naive reconstructed attention for query 0, head 0, dense.
+  std::vector<float> out(static_cast<size_t>(T * H * vd));
+  MlaAttentionArgs args;
+  args.q = q.data(); args.T = T; args.n_heads = H; args.qk_nope = nope; args.qk_rope = rope; args.v_dim = vd;
+  args.kv_lora = L; args.kv = kv.data(); args.n_keys = N; args.pos0 = pos0; args.kv_b = &kvb; args.scale = 0.3f;
+  args.out = out.data();
+  be->mla_attention(args);
+  std::vector<double> s(static_cast<size_t>(pos0 + 1));
+  double mx = -1e300, sum = 0;
+  for (int64_t u = 0; u <= pos0; ++u) {
+    double d = 0;
+    for (int64_t i = 0; i < nope; ++i) {
+      double k = 0;
+      for (int64_t c = 0; c < L; ++c) k += double(wkvb[size_t(i * L + c)]) * kv[size_t(u * (L + rope) + c)];
+      d += q[size_t(i)] * k;
+    }
+    for (int64_t i = 0; i < rope; ++i) d += double(q[size_t(nope + i)]) * kv[size_t(u * (L + rope) + L + i)];
+    s[size_t(u)] = d * 0.3;
+    mx = std::max(mx, s[size_t(u)]);
+  }
+  for (double& v : s) { v = std::exp(v - mx); sum += v; }
+  for (int64_t j = 0; j < vd; ++j) {
+    double o = 0;
+    for (int64_t u = 0; u <= pos0; ++u) {
+      double v = 0;
+      for (int64_t c = 0; c < L; ++c) v += double(wkvb[size_t((nope + j) * L + c)]) * kv[size_t(u * (L + rope) + c)];
+      o += s[size_t(u)] / sum * v;
+    }
+    EXPECT_NEAR(out[size_t(j)], o, 1e-5);
+  }
+}
+
+TEST(Ops, IndexerTopkTiesPickLowerPosition) {
+  auto be = make_cpu_backend();
+  // One head, head_dim 1: score(u) = w * relu(q * k_u * scale). Keys chosen so that several
+  // scores tie exactly, and negative products tie at zero.
+  const int64_t N = 8, topk = 3;
+  std::vector<float> keys = {1, 2, 2, -1, 2, 0.5f, 2, -3};
+  std::vector<float> q = {1}, w = {1};
+  std::vector<int32_t> sel(static_cast<size_t>(topk)), cnt(1);
+  IndexerArgs a;
+  a.q = q.data(); a.weights = w.data(); a.keys = keys.data();
+  a.T = 1; a.n_heads = 1; a.head_dim = 1; a.n_keys = N; a.pos0 = N - 1; a.topk = topk; a.scale = 1.0f;
+  a.selected = sel.data(); a.counts = cnt.data();
+  be->indexer_select(a);
+  ASSERT_EQ(cnt[0], 3);
+  // Scores: 1,2,2,0,2,0.5,2,0. Four keys tie at 2 (positions 1,2,4,6): the lowest three win.
+  EXPECT_EQ(sel, (std::vector<int32_t>{1, 2, 4}));
+  // Ties at zero (relu): with q negative, every score is 0 except keys 3 and 7 (score 1 and 3):
+  // then the lowest zero-score position fills the last slot.
+  q = {-1};
+  be->indexer_select(a);
+  EXPECT_EQ(sel, (std::vector<int32_t>{0, 3, 7}));
+}
+
+TEST(Ops, IndexerSelectsAllCausalKeysBelowTopk) {
+  auto be = make_cpu_backend();
+  const int64_t N = 6, T = 6, d = 4, topk = 4;
+  auto keys = random_vec(static_cast<size_t>(N * d), 20), q = random_vec(static_cast<size_t>(T * 2 * d), 21), w = random_vec(static_cast<size_t>(T * 2), 22);
+  std::vector<int32_t> sel(static_cast<size_t>(T * topk), -1), cnt(static_cast<size_t>(T));
+  IndexerArgs a;
+  a.q = q.data(); a.weights = w.data(); a.keys = keys.data();
+  a.T = T; a.n_heads = 2; a.head_dim = d; a.n_keys = N; a.pos0 = 0; a.topk = topk; a.scale = 0.5f;
+  a.selected = sel.data(); a.counts = cnt.data();
+  be->indexer_select(a);
+  for (int64_t t = 0; t < T; ++t) {
+    EXPECT_EQ(cnt[size_t(t)], std::min<int64_t>(t + 1, topk));
+    for (int64_t i = 0; i < cnt[size_t(t)]; ++i) {
+      EXPECT_LE(sel[size_t(t * topk + i)], t);  // causal
+      if (i) EXPECT_LT(sel[size_t(t * topk + i - 1)], sel[size_t(t * topk + i)]);  // ascending
+    }
+  }
+}
+
+namespace {
+// Router weights that make logits equal to `target` for x = e_0 (one-hot input).
+struct RouterFixture {
+  std::vector<float> w;
+  Weight gate;
+  std::vector<float> x;
+  RouterFixture(const std::vector<float>& logits, int64_t hidden = 4) : w(logits.size() * size_t(hidden), 0.0f) {
+    for (size_t e = 0; e < logits.size(); ++e) w[e * size_t(hidden)] = logits[e];
+    gate.w = Tensor(w.data(), DType::F32, {int64_t(logits.size()), hidden});
+    x.assign(static_cast<size_t>(hidden), 0.0f);
+    x[0] = 1.0f;
+  }
+};
+}  // namespace
+
+TEST(Ops, RoutingTiesPickLowerExpertAndWeightsUseUnbiasedScores) {
+  auto be = make_cpu_backend();
+  RouterFixture f({0.5f, 1.0f, 1.0f, 1.0f, -2.0f, 1.0f});
+  std::vector<float> bias = {0, 0, 0, 0, 0, 0};
+  RouterArgs a;
+  a.gate = &f.gate; a.bias = bias.data(); a.n_experts = 6; a.top_k = 2; a.routed_scaling_factor = 2.5f;
+  std::vector<int32_t> ids(2);
+  std::vector<float> w(2);
+  be->moe_route(f.x.data(), 1, a, ids.data(), w.data());
+  EXPECT_EQ(ids, (std::vector<int32_t>{1, 2}));  // four-way tie at 1.0: lowest ids
+  EXPECT_NEAR(w[0], 2.5f * 0.5f, 1e-6);           // equal p -> normalized 0.5 each, scaled
+  // The bias steers selection only: expert 4 chosen, but weighted by its unbiased sigmoid.
+  bias = {0, 0, 0, 0, 10.0f, 0};
+  be->moe_route(f.x.data(), 1, a, ids.data(), w.data());
+  EXPECT_EQ(ids, (std::vector<int32_t>{1, 4}));
+  const double p1 = 1 / (1 + std::exp(-1.0)), p4 = 1 / (1 + std::exp(2.0));
+  EXPECT_NEAR(w[1], 2.5 * p4 / (p1 + p4), 1e-6);
+  a.norm_topk_prob = false;
+  be->moe_route(f.x.data(), 1, a, ids.data(), w.data());
+  EXPECT_NEAR(w[1], 2.5 * p4, 1e-6);
+}
+
+TEST(Ops, RoutingGroupLimit) {
+  auto be = make_cpu_backend();
+  // 4 groups of 2. Group sums of top-2: g0 = 1+1, g1 = 3+(-5), g2 = 0.9+0.9, g3 = 1+1 (tie with g0).
+  // topk_group 2 keeps g0 and g3 (g0 wins the tie with g3? both 2.0: lower group id first, so g0
+  // and g3 remain as the two best since g1=-2, g2=1.8). Expert 2 (score 3) is in a dropped group.
+  std::vector<float> logits = {1, 1, 3, -5, 0.9f, 0.9f, 1, 1};
+  for (float& v : logits) v = std::log(1.0f / (1.0f / (0.5f + v / 10.0f) - 1.0f));  // sigmoid(v') = 0.5 + v/10
+  RouterFixture f(logits);
+  std::vector<float> bias(8, 0.0f);
+  RouterArgs a;
+  a.gate = &f.gate; a.bias = bias.data(); a.n_experts = 8; a.n_group = 4; a.topk_group = 2; a.top_k = 3;
+  std::vector<int32_t> ids(3);
+  std::vector<float> w(3);
+  be->moe_route(f.x.data(), 1, a, ids.data(), w.data());
+  EXPECT_EQ(ids, (std::vector<int32_t>{0, 1, 6}));
+  a.topk_group = 4;  // no limit: expert 2 is the best
+  be->moe_route(f.x.data(), 1, a, ids.data(), w.data());
+  EXPECT_EQ(ids, (std::vector<int32_t>{0, 1, 2}));
+}
