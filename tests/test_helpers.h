@@ -1,0 +1,69 @@
+#pragma once
+// Shared test utilities: temporary directories, file I/O, running the vireo binary.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+namespace vireo::test {
+
+inline std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+inline void write_file(const std::string& path, const std::string& data) {
+  std::ofstream out(path, std::ios::binary);
+  out.write(data.data(), std::streamsize(data.size()));
+}
+
+// A fresh directory under the system temp dir, removed on destruction.
+struct TempDir {
+  std::filesystem::path path;
+  explicit TempDir(const std::string& tag) {
+    static int counter = 0;
+    path = std::filesystem::temp_directory_path() /
+           ("vireo_test_" + tag + "_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
+    std::filesystem::remove_all(path);
+    std::filesystem::create_directories(path);
+  }
+  ~TempDir() { std::filesystem::remove_all(path); }
+  std::string str() const { return path.string(); }
+  std::string operator/(const std::string& name) const { return (path / name).string(); }
+};
+
+struct RunResult {
+  int exit_code = -1;   // -1: killed by a signal
+  int signal = 0;
+  std::string out, err;
+};
+
+// Runs `vireo <args>` (a shell-quoted argument string) capturing stdout and stderr.
+inline RunResult run_vireo(const std::string& args, const std::string& stdin_text = "") {
+  TempDir tmp("run");
+  const std::string out = tmp / "out", err = tmp / "err", in = tmp / "in";
+  write_file(in, stdin_text);
+  const std::string cmd = std::string(VIREO_BIN) + " " + args + " <" + in + " >" + out + " 2>" + err;
+  int status = std::system(cmd.c_str());
+  RunResult r;
+  if (WIFEXITED(status)) r.exit_code = WEXITSTATUS(status);
+  else if (WIFSIGNALED(status)) r.signal = WTERMSIG(status);
+  r.out = read_file(out);
+  r.err = read_file(err);
+  return r;
+}
+
+inline int count_lines(const std::string& s) {
+  int n = 0;
+  for (char c : s) n += c == '\n';
+  if (!s.empty() && s.back() != '\n') ++n;
+  return n;
+}
+
+}  // namespace vireo::test

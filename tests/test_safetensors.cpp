@@ -1,0 +1,162 @@
+// Safetensors parsing and checkpoint directories: valid files load, every malformed file is an
+// Error naming the file, never a crash.
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "core/error.h"
+#include "io/json_file.h"
+#include "io/npy.h"
+#include "io/safetensors.h"
+#include "test_helpers.h"
+
+using namespace vireo;
+using namespace vireo::test;
+
+namespace {
+
+// header JSON text + data bytes -> file bytes
+std::string pack(const std::string& header, const std::string& data) {
+  std::string out(8, '\0');
+  uint64_t n = header.size();
+  for (int i = 0; i < 8; ++i) out[size_t(i)] = char((n >> (8 * i)) & 0xff);
+  return out + header + data;
+}
+
+std::string valid_data() {
+  std::string d(24, '\0');
+  float a[4] = {1, 2, 3, 4};
+  std::memcpy(d.data(), a, 16);
+  uint16_t b[4] = {0x3f80, 0x4000, 0x4040, 0x4080};  // bf16 1, 2, 3, 4
+  std::memcpy(d.data() + 16, b, 8);
+  return d;
+}
+
+const char* kValidHeader =
+    R"({"a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]},)"
+    R"( "b": {"dtype": "BF16", "shape": [4], "data_offsets": [16, 24]}, "__metadata__": {"format": "pt"}})";
+
+std::string open_error(const std::string& bytes) {
+  TempDir d("st");
+  write_file(d / "x.safetensors", bytes);
+  try {
+    SafetensorsFile f(d / "x.safetensors");
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(Safetensors, ReadsValidFile) {
+  TempDir d("st");
+  write_file(d / "model.safetensors", pack(kValidHeader, valid_data()));
+  auto ck = Checkpoint::open(d.str());
+  const TensorInfo& a = ck->require("a", {2, 2});
+  EXPECT_EQ(a.dtype, DType::F32);
+  EXPECT_EQ(static_cast<const float*>(a.data)[3], 4.0f);
+  const TensorInfo& b = ck->require("b", {4});
+  EXPECT_EQ(bf16_to_f32(static_cast<const uint16_t*>(b.data)[2]), 3.0f);
+  EXPECT_EQ(b.file_offset, 8 + std::strlen(kValidHeader) + 16);
+}
+
+TEST(Safetensors, RequireNamesTensorAndShape) {
+  TempDir d("st");
+  write_file(d / "model.safetensors", pack(kValidHeader, valid_data()));
+  auto ck = Checkpoint::open(d.str());
+  try {
+    ck->require("a", {4, 1});
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("tensor a has shape [2, 2], expected [4, 1]"), std::string::npos) << e.what();
+  }
+  try {
+    ck->require("missing.weight", {3});
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("missing tensor missing.weight"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Safetensors, MalformedFilesAreErrors) {
+  const std::string data = valid_data();
+  EXPECT_NE(open_error("abc").find("truncated"), std::string::npos);
+  EXPECT_NE(open_error(pack(kValidHeader, data).substr(0, 40)).find("truncated"), std::string::npos);
+  EXPECT_NE(open_error(pack(kValidHeader, data.substr(0, 20))).find("truncated"), std::string::npos);
+  EXPECT_NE(open_error(pack("{not json", data)).find("invalid JSON"), std::string::npos);
+  EXPECT_NE(open_error(pack(R"({"a": {"dtype": "Q4_K", "shape": [2, 2], "data_offsets": [0, 16]}})", data))
+                .find("unknown dtype Q4_K"), std::string::npos);
+  EXPECT_NE(open_error(pack(R"({"a": {"dtype": "F32", "shape": [3, 2], "data_offsets": [0, 16]}})", data))
+                .find("expected 24"), std::string::npos);
+  EXPECT_NE(open_error(pack(R"({"a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [16, 0]}})", data))
+                .find("reversed"), std::string::npos);
+  EXPECT_NE(open_error(pack(R"({"a": {"dtype": "F32", "shape": [-2, 2], "data_offsets": [0, 16]}})", data))
+                .find("negative"), std::string::npos);
+  EXPECT_NE(open_error(pack("[1, 2]", data)).find("not a JSON object"), std::string::npos);
+}
+
+TEST(Safetensors, FuzzedHeadersFailCleanly) {
+  const std::string good = pack(kValidHeader, valid_data());
+  TempDir d("fuzz");
+  uint64_t s = 99;
+  auto rnd = [&]() { s = s * 6364136223846793005ull + 1442695040888963407ull; return uint32_t(s >> 33); };
+  int opened = 0;
+  for (int it = 0; it < 600; ++it) {
+    std::string t = good;
+    int edits = 1 + int(rnd() % 3);
+    for (int k = 0; k < edits && !t.empty(); ++k) {
+      size_t pos = rnd() % t.size();
+      switch (rnd() % 4) {
+        case 0: t[pos] = char(rnd() & 0xff); break;
+        case 1: t[pos] = "0123456789[]{},\":-"[rnd() % 18]; break;
+        case 2: t.erase(pos, 1 + rnd() % 6); break;
+        default: t.resize(rnd() % t.size()); break;
+      }
+    }
+    write_file(d / "x.safetensors", t);
+    try {
+      SafetensorsFile f(d / "x.safetensors");
+      ++opened;
+      for (const auto& [name, info] : f.tensors())  // every accepted tensor lies inside the file
+        ASSERT_LE(info.file_offset + info.nbytes, f.file_size()) << name;
+    } catch (const Error&) {
+    }
+  }
+  EXPECT_GT(opened, 0);
+}
+
+TEST(Safetensors, ShardedIndex) {
+  TempDir d("shard");
+  write_file(d / "m-1.safetensors", pack(R"({"a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}})",
+                                         valid_data().substr(0, 16)));
+  write_file(d / "m-2.safetensors", pack(R"({"b": {"dtype": "BF16", "shape": [4], "data_offsets": [0, 8]}})",
+                                         valid_data().substr(16)));
+  write_file(d / "model.safetensors.index.json",
+             R"({"metadata": {}, "weight_map": {"a": "m-1.safetensors", "b": "m-2.safetensors"}})");
+  auto ck = Checkpoint::open(d.str());
+  EXPECT_TRUE(ck->has("a"));
+  EXPECT_TRUE(ck->has("b"));
+  EXPECT_EQ(ck->files().size(), 2u);
+  // A weight_map entry whose tensor is not in its shard.
+  write_file(d / "model.safetensors.index.json",
+             R"({"weight_map": {"a": "m-1.safetensors", "b": "m-2.safetensors", "c": "m-2.safetensors"}})");
+  try {
+    Checkpoint::open(d.str());
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("tensor c listed in weight_map is missing"), std::string::npos) << e.what();
+  }
+  write_file(d / "model.safetensors.index.json", R"({"weight_map": {"a": "m-3.safetensors"}})");
+  EXPECT_THROW(Checkpoint::open(d.str()), Error);
+}
+
+TEST(Npy, RoundTrip) {
+  TempDir d("npy");
+  std::vector<float> v = {1.5f, -2, 3, 4, 5, 6};
+  write_npy_f32(d / "x.npy", v.data(), {2, 3});
+  NpyArray a = read_npy_f32(d / "x.npy");
+  EXPECT_EQ(a.shape, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(a.data, v);
+  EXPECT_EQ(read_file(d / "x.npy").size() % 64, 24u % 64);  // header padded to 64 bytes, then 24 data bytes
+}
