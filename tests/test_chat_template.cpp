@@ -1,0 +1,142 @@
+// Chat templates end to end: the real templates from ../shared (DeepSeek-V3, Qwen3, Gemma 3) and the
+// GLM-5-style template in tests/data/chat, each over a set of conversations, compared byte for byte
+// with transformers' apply_chat_template (goldens from tools/make_template_goldens.py).
+#include <gtest/gtest.h>
+#include <zlib.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "core/error.h"
+#include "text/chat_template.h"
+
+using vireo::ChatTemplate;
+using vireo::Error;
+using ojson = nlohmann::ordered_json;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string read_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+std::string gunzip_file(const std::string& path) {
+  gzFile f = gzopen(path.c_str(), "rb");
+  if (!f) throw Error("cannot open " + path);
+  std::string out;
+  char buf[1 << 16];
+  int n;
+  while ((n = gzread(f, buf, sizeof(buf))) > 0) out.append(buf, n);
+  gzclose(f);
+  if (n < 0) throw Error("cannot decompress " + path);
+  return out;
+}
+
+std::string shared_tokenizer_dir() { return std::string(VIREO_SHARED_DIR) + "/data/tokenizers"; }
+
+ojson goldens(const std::string& id) {
+  return ojson::parse(read_file(std::string(VIREO_SOURCE_DIR) + "/tests/data/chat/goldens_" + id + ".json"));
+}
+
+// Renders every golden case; returns the number of mismatches (each reported).
+int check_goldens(const ChatTemplate& ct, const ojson& doc) {
+  int mismatches = 0;
+  for (const auto& c : doc["cases"]) {
+    const std::string name = c["name"];
+    std::string got;
+    bool threw = false;
+    std::string err;
+    try {
+      got = ct.render(c["messages"], c["add_generation_prompt"].get<bool>(), c["extra"]);
+    } catch (const Error& e) {
+      threw = true;
+      err = e.what();
+    }
+    if (c.contains("expected")) {
+      if (threw) {
+        ADD_FAILURE() << name << ": unexpected error: " << err;
+        ++mismatches;
+      } else if (got != c["expected"].get<std::string>()) {
+        ADD_FAILURE() << name << ":\n--- expected\n" << c["expected"].get<std::string>() << "\n--- got\n" << got;
+        ++mismatches;
+      }
+    } else if (!threw) {
+      ADD_FAILURE() << name << ": expected an error (" << c["error"] << "), got output:\n" << got;
+      ++mismatches;
+    }
+  }
+  return mismatches;
+}
+
+void check_shared_template(const std::string& id) {
+  const std::string gz = shared_tokenizer_dir() + "/" + id + "/tokenizer_config.json.gz";
+  if (!fs::exists(gz)) GTEST_SKIP() << "shared tokenizers not available: " << gz << " is missing";
+  ojson config = ojson::parse(gunzip_file(gz));
+  ChatTemplate ct = ChatTemplate::from_tokenizer_config_json(config, id);
+  ojson doc = goldens(id);
+  EXPECT_EQ(check_goldens(ct, doc), 0) << id << ": " << doc["cases"].size() << " cases";
+}
+
+}  // namespace
+
+TEST(ChatTemplate, DeepSeekV3Goldens) { check_shared_template("deepseek_v3"); }
+TEST(ChatTemplate, Qwen3Goldens) { check_shared_template("qwen3"); }
+TEST(ChatTemplate, Gemma3Goldens) { check_shared_template("gemma3"); }
+
+TEST(ChatTemplate, Glm5Goldens) {
+  ojson doc = goldens("glm5");
+  std::map<std::string, std::string> special;
+  for (auto it = doc["special_tokens"].begin(); it != doc["special_tokens"].end(); ++it) special[it.key()] = it.value();
+  ChatTemplate ct(read_file(std::string(VIREO_SOURCE_DIR) + "/tests/data/chat/glm5_template.jinja"), special, "glm5");
+  EXPECT_EQ(check_goldens(ct, doc), 0);
+}
+
+TEST(ChatTemplate, FromTokenizerConfigFile) {
+  const std::string gz = shared_tokenizer_dir() + "/deepseek_v3/tokenizer_config.json.gz";
+  if (!fs::exists(gz)) GTEST_SKIP() << "shared tokenizers not available: " << gz << " is missing";
+  fs::path tmp = fs::temp_directory_path() / "vireo_test_chat_template_config.json";
+  {
+    std::ofstream f(tmp, std::ios::binary);
+    f << gunzip_file(gz);
+  }
+  ChatTemplate ct = ChatTemplate::from_tokenizer_config(tmp.string());
+  fs::remove(tmp);
+  EXPECT_EQ(ct.bos_token(), "<｜begin▁of▁sentence｜>");  // AddedToken dict form
+  EXPECT_EQ(ct.eos_token(), "<｜end▁of▁sentence｜>");
+  EXPECT_EQ(ct.render(ojson::parse(R"([{"role":"user","content":"hi"}])"), true),
+            "<｜begin▁of▁sentence｜><｜User｜>hi<｜Assistant｜>");
+}
+
+TEST(ChatTemplate, NamedTemplateList) {
+  ojson config = ojson::parse(R"({
+    "bos_token": "<s>", "eos_token": {"__type": "AddedToken", "content": "</s>"},
+    "chat_template": [
+      {"name": "default", "template": "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}"},
+      {"name": "tool_use", "template": "TOOLS{{ tools | length }}:{{ messages[0].content }}{{ eos_token }}"}
+    ]})");
+  ChatTemplate ct = ChatTemplate::from_tokenizer_config_json(config, "inline");
+  ojson msgs = ojson::parse(R"([{"role":"user","content":"hi"}])");
+  EXPECT_EQ(ct.render(msgs, false), "<s>hi");
+  EXPECT_EQ(ct.render(msgs, false, {{"tools", ojson::array({{{"name", "f"}}})}}), "TOOLS1:hi</s>");
+  EXPECT_TRUE(ct.has_tool_use_template());
+}
+
+TEST(ChatTemplate, NormalizesMessagesLikeTransformers) {
+  ChatTemplate ct("{% for m in messages %}{{ m | tojson }}{% endfor %}|{{ tools }}|{{ documents }}", {});
+  ojson msgs = ojson::parse(R"([{"role":"assistant","content":null,"reasoning":"r"}])");
+  EXPECT_EQ(ct.render(msgs, false), R"({"thinking": "r", "role": "assistant", "reasoning": "r", "reasoning_content": "r"}|None|None)");
+}
+
+TEST(ChatTemplate, BadConfigsAreErrors) {
+  EXPECT_THROW(ChatTemplate::from_tokenizer_config_json(ojson::parse(R"({"eos_token": "x"})"), "c"), Error);
+  EXPECT_THROW(ChatTemplate::from_tokenizer_config_json(ojson::parse(R"({"chat_template": 3})"), "c"), Error);
+  EXPECT_THROW(ChatTemplate::from_tokenizer_config_json(ojson::parse(R"({"chat_template": "{% if %}"})"), "c"), Error);
+  EXPECT_THROW(ChatTemplate::from_tokenizer_config("/nonexistent/tokenizer_config.json"), Error);
+  ChatTemplate ct("{{ messages[0].content }}", {});
+  EXPECT_THROW(ct.render(ojson::array(), true), Error);
+}
