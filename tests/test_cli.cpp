@@ -1,0 +1,155 @@
+// The vireo binary on bad input: each case exits non-zero with one line naming what is wrong,
+// never a crash. Plus the happy paths of run / logits / info.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "io/json_file.h"
+#include "io/npy.h"
+#include "test_helpers.h"
+
+using namespace vireo;
+using namespace vireo::test;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kFixture = std::string(VIREO_FIXTURES_DIR) + "/glm_dsa_full_f32";
+
+// A copy of the f32 fixture whose model.safetensors header is passed through `edit`.
+struct MutableModel {
+  TempDir dir{"model"};
+  MutableModel() {
+    for (const auto& e : fs::directory_iterator(kFixture)) fs::copy(e.path(), dir.path / e.path().filename());
+  }
+  std::string st() const { return dir / "model.safetensors"; }
+  void edit_header(const std::function<void(Json&)>& edit) {
+    std::string bytes = read_file(st());
+    uint64_t n = 0;
+    for (int i = 0; i < 8; ++i) n |= uint64_t(uint8_t(bytes[size_t(i)])) << (8 * i);
+    Json h = Json::parse(bytes.substr(8, n));
+    edit(h);
+    std::string header = h.dump();
+    std::string out(8, '\0');
+    for (int i = 0; i < 8; ++i) out[size_t(i)] = char((header.size() >> (8 * i)) & 0xff);
+    write_file(st(), out + header + bytes.substr(8 + n));
+  }
+};
+
+void expect_clean_error(const RunResult& r, const std::string& needle) {
+  EXPECT_EQ(r.signal, 0) << "crashed with signal " << r.signal;
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(count_lines(r.err), 1) << r.err;
+  EXPECT_EQ(r.err.rfind("vireo: error: ", 0), 0u) << r.err;
+  EXPECT_NE(r.err.find(needle), std::string::npos) << "expected '" << needle << "' in: " << r.err;
+}
+
+std::string logits_cmd(const std::string& dir, const std::string& tokens = "1,2,3") {
+  return "logits --model " + dir + " --tokens " + tokens + " --out " + dir + "/out.npy";
+}
+
+}  // namespace
+
+TEST(CliErrors, MissingTensor) {
+  MutableModel m;
+  m.edit_header([](Json& h) { h.erase("model.layers.1.self_attn.kv_b_proj.weight"); });
+  expect_clean_error(run_vireo(logits_cmd(m.dir.str())), "missing tensor model.layers.1.self_attn.kv_b_proj.weight");
+}
+
+TEST(CliErrors, WrongShape) {
+  MutableModel m;
+  m.edit_header([](Json& h) {
+    auto& s = h["model.layers.0.self_attn.o_proj.weight"]["shape"];
+    std::swap(s[0], s[1]);  // same byte size, transposed shape
+  });
+  expect_clean_error(run_vireo(logits_cmd(m.dir.str())), "tensor model.layers.0.self_attn.o_proj.weight has shape");
+}
+
+TEST(CliErrors, TruncatedShard) {
+  MutableModel m;
+  fs::resize_file(m.st(), fs::file_size(m.st()) - 1000);
+  expect_clean_error(run_vireo(logits_cmd(m.dir.str())), "truncated safetensors file");
+}
+
+TEST(CliErrors, UnknownDtype) {
+  MutableModel m;
+  m.edit_header([](Json& h) { h["model.norm.weight"]["dtype"] = "F4_E2M1"; });
+  expect_clean_error(run_vireo(logits_cmd(m.dir.str())), "unknown dtype F4_E2M1");
+}
+
+TEST(CliErrors, MalformedConfigJson) {
+  MutableModel m;
+  std::string cfg = read_file(m.dir / "config.json");
+  write_file(m.dir / "config.json", cfg.substr(0, cfg.size() / 2));
+  expect_clean_error(run_vireo(logits_cmd(m.dir.str())), "config.json: malformed JSON");
+}
+
+TEST(CliErrors, UnknownModelType) {
+  MutableModel m;
+  Json cfg = read_json_file(m.dir / "config.json");
+  cfg["model_type"] = "llama";
+  write_file(m.dir / "config.json", cfg.dump());
+  expect_clean_error(run_vireo(logits_cmd(m.dir.str())), "unknown model_type 'llama'");
+}
+
+TEST(CliErrors, TokenIdBeyondVocab) {
+  expect_clean_error(run_vireo("run --model " + kFixture + " --prompt-ids 1,99999999 -n 2"),
+                     "token id 99999999 is out of range");
+  expect_clean_error(run_vireo("run --model " + kFixture + " --prompt-ids 1,x -n 2"), "'x' is not a token id");
+}
+
+TEST(CliErrors, MissingModelDirectory) {
+  expect_clean_error(run_vireo("info --model /nonexistent/model"), "/nonexistent/model");
+}
+
+TEST(Cli, RunPrintsTheGreedyContinuation) {
+  Json e = read_json_file(kFixture + "/expected.json");
+  std::string prompt, want;
+  for (int id : e["greedy_prompt"]) prompt += (prompt.empty() ? "" : ",") + std::to_string(id);
+  std::vector<int> cont = e["greedy_new"];
+  for (size_t i = 0; i < 8; ++i) want += (i ? "," : "") + std::to_string(cont[i]);
+  RunResult r = run_vireo("run --model " + kFixture + " --prompt-ids " + prompt + " -n 8");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, want + "\n");
+  EXPECT_NE(r.err.find("tok/s"), std::string::npos);
+}
+
+TEST(Cli, LogitsWritesNpyInBothModes) {
+  TempDir d("logits");
+  Json e = read_json_file(kFixture + "/expected.json");
+  std::string toks;
+  std::vector<int> ids = e["tokens"];
+  for (size_t i = 0; i < 20; ++i) toks += (i ? "," : "") + std::to_string(ids[i]);
+  for (std::string mode : {"prefill", "decode"}) {
+    RunResult r = run_vireo("logits --model " + kFixture + " --tokens " + toks + " --mode " + mode + " --out " + (d / "x.npy"));
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    NpyArray a = read_npy_f32(d / "x.npy");
+    NpyArray want = read_npy_f32(kFixture + "/logits.npy");
+    ASSERT_EQ(a.shape[0], 20);
+    ASSERT_EQ(a.shape[1], want.shape[1]);
+    double num = 0, den = 0;
+    for (size_t i = 0; i < a.data.size(); ++i) {
+      num += double(a.data[i] - want.data[i]) * (a.data[i] - want.data[i]);
+      den += double(want.data[i]) * want.data[i];
+    }
+    EXPECT_LE(std::sqrt(num / den), 1e-4) << mode;
+  }
+}
+
+TEST(Cli, InfoDescribesTheSchedule) {
+  RunResult r = run_vireo("info --model " + std::string(VIREO_FIXTURES_DIR) + "/glm_dsa_shared_f32");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("glm_moe_dsa"), std::string::npos);
+  EXPECT_NE(r.out.find("active per token"), std::string::npos);
+  EXPECT_NE(r.out.find("layer   3  "), std::string::npos);
+  EXPECT_NE(r.out.find("S\n"), std::string::npos);  // a shared indexer layer
+}
+
+TEST(Cli, BadFlagsAreRejected) {
+  RunResult r = run_vireo("run --model " + kFixture + " --prompt-ids 1 --top-p 0");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("top_p"), std::string::npos) << r.err;
+  r = run_vireo("bench");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("--model DIR or --synthetic"), std::string::npos) << r.err;
+}
