@@ -2,6 +2,7 @@
 // environment (tests/data/chat/jinja_unit_goldens.json, from tools/make_template_goldens.py), plus
 // error reporting and a fuzz test that malformed templates throw vireo::Error rather than crash.
 #include <gtest/gtest.h>
+#include <zlib.h>
 
 #include <fstream>
 #include <random>
@@ -21,6 +22,17 @@ std::string read_file(const std::string& path) {
   std::stringstream ss;
   ss << f.rdbuf();
   return ss.str();
+}
+
+std::string gunzip_file(const std::string& path) {
+  gzFile f = gzopen(path.c_str(), "rb");
+  if (!f) return "";
+  std::string out;
+  char buf[1 << 16];
+  int n;
+  while ((n = gzread(f, buf, sizeof(buf))) > 0) out.append(buf, n);
+  gzclose(f);
+  return out;
 }
 
 std::string render(const std::string& src, const ojson& ctx = ojson::object()) { return Template(src).render(ctx); }
@@ -95,6 +107,13 @@ TEST(Jinja, FuzzMutationsNeverCrash) {
   seeds.push_back(read_file(std::string(VIREO_SOURCE_DIR) + "/tests/data/chat/glm5_template.jinja"));
   ojson unit = ojson::parse(read_file(std::string(VIREO_SOURCE_DIR) + "/tests/data/chat/jinja_unit_goldens.json"));
   for (const auto& c : unit["cases"]) seeds.push_back(c["template"].get<std::string>());
+  // The real templates weigh most; where ../shared is absent the fuzz runs on the rest.
+  for (const char* id : {"deepseek_v3", "qwen3", "gemma3"}) {
+    std::string cfg = gunzip_file(std::string(VIREO_SHARED_DIR) + "/data/tokenizers/" + id + "/tokenizer_config.json.gz");
+    if (cfg.empty()) continue;
+    std::string t = ojson::parse(cfg)["chat_template"].get<std::string>();
+    for (int k = 0; k < 20; ++k) seeds.push_back(t);
+  }
   const std::vector<std::string> fragments = {"{%", "%}", "{{", "}}", "{#", "#}", "-", "+", "(", ")", "[", "]",
                                               "{", "}", "'", "\"", "|", ".", ",", ":", "=", " if ", " else ",
                                               " endif ", " for ", " in ", " endfor ", " set ", "\n", "\\", "~",

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <ctime>
 #include <map>
 
@@ -118,7 +119,9 @@ int64_t py_len(const Value& v) {
   switch (v.type()) {
     case Value::Type::undefined: return 0;
     case Value::Type::string: return static_cast<int64_t>(utf8_length(v.as_string()));
-    case Value::Type::array: return static_cast<int64_t>(v.as_array().size());
+    case Value::Type::array:
+      if (v.is_generator()) break;
+      return static_cast<int64_t>(v.as_array().size());
     case Value::Type::object:
       if (!v.as_object().is_namespace) return static_cast<int64_t>(v.as_object().items.size());
       break;
@@ -311,6 +314,156 @@ std::vector<std::string> py_splitlines(const std::string& s, bool keepends) {
   return lines;
 }
 
+
+bool is_num(const Value& v);
+
+// Python's printf-style `fmt % args` (s, r, d, i, f, F, e, E, g, x, X, o, c, %), with flags,
+// width and precision. Chat templates rarely use it, but jinja2 allows it, so it must not differ.
+std::string percent_format(const std::string& fmt, const Value& args) {
+  Array positional;
+  const ObjectData* mapping = nullptr;
+  if (args.is_tuple()) positional = args.as_array();
+  else if (args.is_object() && !args.as_object().is_namespace) mapping = &args.as_object();
+  else positional.push_back(args);
+  size_t next = 0;
+  std::string out;
+  for (size_t i = 0; i < fmt.size(); ++i) {
+    if (fmt[i] != '%') {
+      out += fmt[i];
+      continue;
+    }
+    if (++i >= fmt.size()) fail("incomplete format");
+    Value arg;
+    if (fmt[i] == '(') {
+      size_t close = fmt.find(')', i);
+      if (close == std::string::npos) fail("incomplete format key");
+      if (!mapping) fail("format requires a mapping");
+      const Value* v = mapping->find(fmt.substr(i + 1, close - i - 1));
+      if (!v) fail("format key ", fmt.substr(i + 1, close - i - 1), " not found");
+      arg = *v;
+      i = close + 1;
+    }
+    std::string flags;
+    while (i < fmt.size() && std::strchr("-+ 0#", fmt[i]) && fmt[i]) flags += fmt[i++];
+    int width = 0, precision = -1;
+    while (i < fmt.size() && fmt[i] >= '0' && fmt[i] <= '9') width = std::min(width * 10 + (fmt[i++] - '0'), 10000);
+    if (i < fmt.size() && fmt[i] == '.') {
+      precision = 0;
+      ++i;
+      while (i < fmt.size() && fmt[i] >= '0' && fmt[i] <= '9') precision = std::min(precision * 10 + (fmt[i++] - '0'), 1000);
+    }
+    if (i >= fmt.size()) fail("incomplete format");
+    char conv = fmt[i];
+    if (conv == '%') {
+      out += '%';
+      continue;
+    }
+    if (arg.is_undefined() && !mapping) {
+      if (next >= positional.size()) fail("not enough arguments for format string");
+      arg = positional[next++];
+    }
+    std::string body;
+    bool numeric = false;
+    switch (conv) {
+      case 's': body = to_str(arg); break;
+      case 'r': case 'a': body = repr(arg); break;
+      case 'c': body = arg.is_string() ? arg.as_string() : utf8_encode(std::u32string(1, static_cast<char32_t>(to_int(arg)))); break;
+      case 'd': case 'i': case 'u': case 'x': case 'X': case 'o': {
+        if (!is_num(arg)) fail("%", conv, " format: a real number is required, not ", type_name(arg));
+        int64_t n = arg.is_float() ? static_cast<int64_t>(arg.as_float()) : to_int(arg);
+        char buf[64];
+        uint64_t mag = n < 0 ? 0 - static_cast<uint64_t>(n) : static_cast<uint64_t>(n);
+        std::snprintf(buf, sizeof(buf), conv == 'x' ? "%llx" : conv == 'X' ? "%llX" : conv == 'o' ? "%llo" : "%llu",
+                      static_cast<unsigned long long>(mag));
+        body = std::string(n < 0 ? "-" : (flags.find('+') != std::string::npos ? "+" : flags.find(' ') != std::string::npos ? " " : "")) + buf;
+        numeric = true;
+        break;
+      }
+      case 'f': case 'F': case 'e': case 'E': case 'g': case 'G': {
+        if (!is_num(arg)) fail("must be real number, not ", type_name(arg));
+        char spec[16];
+        std::snprintf(spec, sizeof(spec), "%%%s.%d%c", flags.find('+') != std::string::npos ? "+" : flags.find(' ') != std::string::npos ? " " : "",
+                      precision < 0 ? 6 : precision, conv);
+        std::vector<char> buf(1100 + 32);
+        std::snprintf(buf.data(), buf.size(), spec, arg.as_double());
+        body = buf.data();
+        numeric = true;
+        break;
+      }
+      default: fail("unsupported format character '", conv, "'");
+    }
+    if (conv == 's' || conv == 'r' || conv == 'a') {
+      if (precision >= 0) body = utf8_encode(utf8_decode(body).substr(0, precision));
+    }
+    int len = static_cast<int>(utf8_length(body));
+    if (len < width) {
+      if (flags.find('-') != std::string::npos) body += std::string(width - len, ' ');
+      else if (numeric && flags.find('0') != std::string::npos) {
+        size_t sign = (!body.empty() && (body[0] == '-' || body[0] == '+' || body[0] == ' ')) ? 1 : 0;
+        body.insert(sign, std::string(width - len, '0'));
+      } else body = std::string(width - len, ' ') + body;
+    }
+    out += body;
+  }
+  if (!mapping && next < positional.size()) fail("not all arguments converted during string formatting");
+  return out;
+}
+
+// str.format with {}, {0}, {name}, !r/!s conversions and {{ }} escapes (no format specs).
+std::string brace_format(const std::string& fmt, CallArgs& a) {
+  std::string out;
+  size_t auto_index = 0;
+  for (size_t i = 0; i < fmt.size(); ++i) {
+    char c = fmt[i];
+    if (c == '}') {
+      if (i + 1 < fmt.size() && fmt[i + 1] == '}') {
+        out += '}';
+        ++i;
+        continue;
+      }
+      fail("single '}' encountered in format string");
+    }
+    if (c != '{') {
+      out += c;
+      continue;
+    }
+    if (i + 1 < fmt.size() && fmt[i + 1] == '{') {
+      out += '{';
+      ++i;
+      continue;
+    }
+    size_t close = fmt.find('}', i);
+    if (close == std::string::npos) fail("single '{' encountered in format string");
+    std::string field = fmt.substr(i + 1, close - i - 1);
+    i = close;
+    char conversion = 0;
+    if (size_t bang = field.find('!'); bang != std::string::npos) {
+      conversion = bang + 1 < field.size() ? field[bang + 1] : 0;
+      field = field.substr(0, bang);
+    }
+    if (field.find(':') != std::string::npos) fail("format specs in str.format are not supported");
+    Value v;
+    if (field.empty()) {
+      if (auto_index >= a.positional.size()) fail("Replacement index ", auto_index, " out of range for positional args tuple");
+      v = a.positional[auto_index++];
+    } else if (std::all_of(field.begin(), field.end(), [](char d) { return d >= '0' && d <= '9'; })) {
+      size_t k = std::stoul(field.substr(0, 6));
+      if (k >= a.positional.size()) fail("Replacement index ", k, " out of range for positional args tuple");
+      v = a.positional[k];
+    } else {
+      bool found = false;
+      for (const auto& [name, val] : a.keyword)
+        if (name == field) {
+          v = val;
+          found = true;
+        }
+      if (!found) fail("KeyError: '", field, "'");
+    }
+    out += conversion == 'r' ? repr(v) : to_str(v);
+  }
+  return out;
+}
+
 Value string_method(const std::string& s, const std::string& name) {
   auto m = [&](auto fn) { return make_function("str." + name, [s, fn](CallArgs& a) -> Value { return fn(s, Args{a, "str method"}); }); };
   if (name == "startswith" || name == "endswith") {
@@ -327,6 +480,7 @@ Value string_method(const std::string& s, const std::string& name) {
       return py_split(s, a.get(0, "sep", Value::none()), to_int(a.get(1, "maxsplit", Value(-1))), right);
     });
   }
+  if (name == "format") return m([](const std::string& s, Args a) -> Value { return brace_format(s, a.a); });
   if (name == "upper") return m([](const std::string& s, Args) -> Value { return ascii_upper(s); });
   if (name == "lower") return m([](const std::string& s, Args) -> Value { return ascii_lower(s); });
   if (name == "title") return m([](const std::string& s, Args) -> Value { return py_title(s); });
@@ -611,6 +765,7 @@ Value binop(const std::string& op, const Value& a, const Value& b) {
       return a.is_tuple() ? Value::tuple(std::move(out)) : Value(std::move(out));
     }
   }
+  if (op == "%" && a.is_string()) return percent_format(a.as_string(), b);
   if (op == "*") {
     if ((a.is_string() || a.is_array()) && (b.is_int() || b.is_bool())) return repeat(a, to_int(b));
     if ((b.is_string() || b.is_array()) && (a.is_int() || a.is_bool())) return repeat(b, to_int(a));
@@ -1112,7 +1267,7 @@ Value select_or_reject(Interp& in, const Value& seq, Args& a, bool by_attr, bool
     bool ok = has_test ? in.call_test(test_name, subject, test_args) : truthy(subject);
     if (ok == select) out.push_back(item);
   }
-  return out;
+  return Value::generator(std::move(out));
 }
 
 Value f_length(Interp&, const Value& v, Args&) { return Value(py_len(v)); }
@@ -1148,7 +1303,7 @@ Value items_of(const Value& v) {
   for (const auto& [k, val] : v.as_object().items) out.push_back(Value::tuple({Value(k), val}));
   return out;
 }
-Value f_items(Interp&, const Value& v, Args&) { return items_of(v); }
+Value f_items(Interp&, const Value& v, Args&) { return Value::generator(items_of(v).as_array()); }
 
 Value f_default(Interp&, const Value& v, Args& a) {
   Value def = a.get(0, "default_value", Value(""));
@@ -1183,6 +1338,7 @@ Value f_first(Interp&, const Value& v, Args&) {
 
 Value f_last(Interp&, const Value& v, Args&) {
   if (v.is_undefined()) fail(v.undefined_hint().empty() ? "undefined value" : v.undefined_hint(), " is not reversible");
+  if (v.is_generator()) fail("'generator' object is not reversible");
   Array items = iterate(v);
   if (items.empty()) return Value::undefined("no last item, sequence was empty");
   return items.back();
@@ -1200,9 +1356,9 @@ Value f_map(Interp& in, const Value& v, Args& a) {
       Value x = attr_path(item, attribute);
       out.push_back(x.is_undefined() && has_default ? def : x);
     }
-    return out;
+    return Value::generator(std::move(out));
   }
-  if (a.a.positional.empty()) return iterate(v);
+  if (a.a.positional.empty()) return Value::generator(iterate(v));
   std::string name = need_string(a.a.positional[0], "filter name");
   if (!has_filter(name)) fail("no filter named '", name, "'");
   CallArgs rest;
@@ -1212,7 +1368,7 @@ Value f_map(Interp& in, const Value& v, Args& a) {
     CallArgs copy = rest;
     out.push_back(in.call_filter(name, item, copy));
   }
-  return out;
+  return Value::generator(std::move(out));
 }
 
 Value f_select(Interp& in, const Value& v, Args& a) { return select_or_reject(in, v, a, false, true); }
@@ -1226,9 +1382,10 @@ Value f_reverse(Interp&, const Value& v, Args&) {
     std::reverse(cs.begin(), cs.end());
     return utf8_encode(cs);
   }
+  if (v.is_generator()) fail("'generator' object is not reversible");
   Array items = iterate(v);
   std::reverse(items.begin(), items.end());
-  return items;
+  return Value::generator(std::move(items));
 }
 
 Value sort_key(const Value& v, bool case_sensitive) {
@@ -1274,7 +1431,7 @@ Value f_unique(Interp&, const Value& v, Args& a) {
     seen.push_back(key);
     out.push_back(item);
   }
-  return out;
+  return Value::generator(std::move(out));
 }
 
 Value min_max(const Value& v, Args& a, bool want_max) {
@@ -1380,6 +1537,12 @@ Value f_attr(Interp&, const Value& v, Args& a) {
   return get_attr(v, name);
 }
 
+Value f_format(Interp&, const Value& v, Args& a) {
+  if (!a.a.positional.empty() && !a.a.keyword.empty()) fail("can't handle positional and keyword arguments at the same time");
+  if (!a.a.keyword.empty()) return percent_format(to_str(v), make_object(a.a.keyword));
+  return percent_format(to_str(v), Value::tuple(a.a.positional));
+}
+
 Value f_wordcount(Interp&, const Value& v, Args&) {
   return Value(static_cast<int64_t>(py_split(to_str(v), Value::none(), -1, false).size()));
 }
@@ -1388,7 +1551,7 @@ const std::map<std::string, FilterFn>& filters() {
   static const std::map<std::string, FilterFn> table = {
       {"abs", f_abs},         {"attr", f_attr},           {"capitalize", f_capitalize}, {"count", f_length},
       {"d", f_default},       {"default", f_default},     {"dictsort", f_dictsort},     {"e", f_escape},
-      {"escape", f_escape},   {"first", f_first},         {"float", f_float},           {"indent", f_indent},
+      {"escape", f_escape},   {"first", f_first},         {"float", f_float},           {"format", f_format},         {"indent", f_indent},
       {"int", f_int},         {"items", f_items},         {"join", f_join},             {"last", f_last},
       {"length", f_length},   {"list", f_list},           {"lower", f_lower},           {"map", f_map},
       {"max", f_max},         {"min", f_min},             {"reject", f_reject},         {"rejectattr", f_rejectattr},

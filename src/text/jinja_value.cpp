@@ -70,7 +70,7 @@ bool truthy(const Value& v) {
     case Value::Type::integer: return v.as_int() != 0;
     case Value::Type::floating: return v.as_float() != 0.0;
     case Value::Type::string: return !v.as_string().empty();
-    case Value::Type::array: return !v.as_array().empty();
+    case Value::Type::array: return v.is_generator() || !v.as_array().empty();
     case Value::Type::object: return v.as_object().is_namespace || !v.as_object().items.empty();
     case Value::Type::function: return true;
   }
@@ -151,7 +151,7 @@ std::string type_name(const Value& v) {
     case Value::Type::integer: return "int";
     case Value::Type::floating: return "float";
     case Value::Type::string: return "str";
-    case Value::Type::array: return v.is_tuple() ? "tuple" : "list";
+    case Value::Type::array: return v.is_generator() ? "generator" : v.is_tuple() ? "tuple" : "list";
     case Value::Type::object: return v.as_object().is_namespace ? "Namespace" : "dict";
     case Value::Type::function: return "function";
   }
@@ -323,6 +323,7 @@ static std::string repr_impl(const Value& v, bool top_str) {
     case Value::Type::floating: return float_repr(v.as_float());
     case Value::Type::string: return top_str ? v.as_string() : repr_string(v.as_string());
     case Value::Type::array: {
+      if (v.is_generator()) return "<generator object>";
       const Array& a = v.as_array();
       std::string out = v.is_tuple() ? "(" : "[";
       for (size_t i = 0; i < a.size(); ++i) {
@@ -401,6 +402,7 @@ static void json_impl(std::string& out, const Value& v, const JsonOptions& o, in
     }
     case Value::Type::string: json_string(out, v.as_string(), o.ensure_ascii); return;
     case Value::Type::array: {
+      if (v.is_generator()) fail("Object of type generator is not JSON serializable");
       const Array& a = v.as_array();
       if (a.empty()) {
         out += "[]";

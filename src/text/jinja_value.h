@@ -54,6 +54,13 @@ class Value {
     v.b_ = true;
     return v;
   }
+  // What jinja2's select/map/... filters return: a one-pass generator, which Python treats as
+  // always true, without len(), not reversible and not JSON-serializable. Iterates like a list.
+  static Value generator(Array a) {
+    Value v(std::move(a));
+    v.gen_ = true;
+    return v;
+  }
 
   Type type() const { return type_; }
   bool is_undefined() const { return type_ == Type::undefined; }
@@ -65,6 +72,7 @@ class Value {
   bool is_string() const { return type_ == Type::string; }
   bool is_array() const { return type_ == Type::array; }
   bool is_tuple() const { return type_ == Type::array && b_; }
+  bool is_generator() const { return type_ == Type::array && gen_; }
   bool is_object() const { return type_ == Type::object; }
   bool is_function() const { return type_ == Type::function; }
 
@@ -84,6 +92,7 @@ class Value {
  private:
   Type type_ = Type::undefined;
   bool b_ = false;  // the bool, or "this array is a tuple"
+  bool gen_ = false;  // this array is a generator
   int64_t i_ = 0;
   double f_ = 0;
   std::string s_;  // the string, or the undefined hint
