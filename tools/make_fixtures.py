@@ -43,7 +43,7 @@ MIN_GREEDY = 1e-3  # top-1 minus top-2 logit
 # ----------------------------------------------------------------------------------------------
 
 F32_BASE = dict(
-    vocab_size=384,
+    vocab_size=256,
     hidden_size=64,
     intermediate_size=128,
     moe_intermediate_size=32,
@@ -189,7 +189,7 @@ FIXTURES = [
             kv_lora_rank=160,
             qk_nope_head_dim=32,
             v_head_dim=32,
-            index_head_dim=64,
+            index_head_dim=32,
             index_n_heads=8,
             index_topk=10,
             num_hidden_layers=3,
@@ -602,6 +602,9 @@ def write_checkpoint(model, config, fx, stored, d):
         shutil.rmtree(tmp)
     cj["architectures"] = [type(model).__name__]
     cj["dtype"] = fx["cfg"].get("dtype", "float32")
+    if "mlp_layer_types" not in fx["cfg"]:
+        # as in the official files: the dense prefix comes from first_k_dense_replace alone
+        cj.pop("mlp_layer_types", None)
     if "schedule" in fx:
         cj.pop("indexer_types", None)
         cj.update(fx["schedule"])
@@ -701,6 +704,8 @@ def verify_reload(d, fx, ref_logits, tokens, prompt, new, effective_official):
         model.eval()
         problems = {k: v for k, v in info.items() if v}
         assert not problems, f"loading info: {problems}"
+        mlp_types = ["sparse" if hasattr(layer.mlp, "experts") else "dense" for layer in model.model.layers]
+        assert mlp_types == list(config_mlp_types(fx)), mlp_types
         if "expect_indexer_types" in fx:
             assert list(model.config.indexer_types) == fx["expect_indexer_types"], model.config.indexer_types
         logits = model(torch.tensor([tokens]), use_cache=False).logits[0]
@@ -714,6 +719,15 @@ def verify_reload(d, fx, ref_logits, tokens, prompt, new, effective_official):
     finally:
         if tmp:
             shutil.rmtree(tmp)
+
+
+def config_mlp_types(fx):
+    c = fx["cfg"]
+    if "mlp_layer_types" in c:
+        return c["mlp_layer_types"]
+    n = c["num_hidden_layers"]
+    k = min(c["first_k_dense_replace"], n)
+    return ["dense"] * k + ["sparse"] * (n - k)
 
 
 def dir_size(d):
