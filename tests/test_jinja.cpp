@@ -100,6 +100,22 @@ TEST(Jinja, ErrorsNameTheLine) {
   EXPECT_EQ(error_of("x\n  {{ foo.bar.baz }}"), "t:2:9: 'foo' is undefined, cannot read its attribute 'bar'");
 }
 
+TEST(Jinja, DeepNestingIsBounded) {
+  const std::string rec = "{% macro r(n) %}{% if n > 0 %}({{ r(n - 1) }}){% endif %}{% endmacro %}";
+  EXPECT_EQ(render(rec + "{{ r(50) | length }}"), "100");
+  EXPECT_THROW(render(rec + "{{ r(100000) }}"), Error);
+  EXPECT_THROW(render("{{ " + std::string(5000, '(') + "1" + std::string(5000, ')') + " }}"), Error);
+  EXPECT_EQ(render("{{ " + std::string(20, '(') + "1" + std::string(20, ')') + " }}"), "1");
+  std::string ifs;
+  for (int i = 0; i < 100; ++i) ifs += "{% if true %}";
+  ifs += "x";
+  for (int i = 0; i < 100; ++i) ifs += "{% endif %}";
+  EXPECT_EQ(render(ifs), "x");
+  std::string deep_ifs;
+  for (int i = 0; i < 5000; ++i) deep_ifs += "{% if true %}";
+  EXPECT_THROW(render(deep_ifs), Error);
+}
+
 // Random mutations of real-world-shaped templates must render or throw vireo::Error, never crash
 // or hang. Deterministic seed, bounded iterations.
 TEST(Jinja, FuzzMutationsNeverCrash) {

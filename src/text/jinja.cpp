@@ -25,7 +25,7 @@ struct RaisedError : Error {
 };
 
 constexpr size_t kMaxOutput = size_t(64) << 20;  // guards against runaway templates
-constexpr int kMaxCallDepth = 200;
+constexpr int kMaxCallDepth = 100;  // recursive macros (nested JSON schemas) stay far below
 constexpr int64_t kMaxRange = 100000;  // jinja2's sandbox limit
 
 struct Scope {
@@ -1243,7 +1243,7 @@ Value attr_path(const Value& v, const Value& attribute) {
   while (true) {
     size_t dot = path.find('.', start);
     std::string part = path.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
-    bool numeric = !part.empty() && std::all_of(part.begin(), part.end(), [](char c) { return c >= '0' && c <= '9'; });
+    bool numeric = !part.empty() && part.size() < 18 && std::all_of(part.begin(), part.end(), [](char c) { return c >= '0' && c <= '9'; });
     cur = get_item(cur, numeric ? Value(static_cast<int64_t>(std::stoll(part))) : Value(part));
     if (dot == std::string::npos) return cur;
     start = dot + 1;
@@ -1634,7 +1634,15 @@ const std::map<std::string, TestFn>& tests() {
 bool has_filter(const std::string& name) { return filters().count(name) != 0; }
 bool has_test(const std::string& name) { return tests().count(name) != 0; }
 
-Template::Template(const std::string& source, const std::string& name) : program_(parse_template(source, name)) {}
+Template::Template(const std::string& source, const std::string& name) {
+  try {
+    program_ = parse_template(source, name);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {  // a bug, but a template must never take the process down
+    throw Error(name + ": internal error while parsing: " + e.what());
+  }
+}
 
 std::string Template::render(const nlohmann::ordered_json& context) const {
   Interp in(*program_);
@@ -1644,6 +1652,10 @@ std::string Template::render(const nlohmann::ordered_json& context) const {
     throw Error(e.what());
   } catch (const LocatedError& e) {
     throw Error(e.what());
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw Error(program_->name + ": internal error while rendering: " + e.what());
   }
 }
 
