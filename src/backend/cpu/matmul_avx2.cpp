@@ -19,6 +19,10 @@
 namespace vireo::kernels {
 namespace {
 
+// Loops over register-block indices must be unrolled completely so the accumulator arrays live
+// in registers; GCC's -O2 does not do that by itself.
+#define VIREO_UNROLL _Pragma("GCC unroll 16")
+
 constexpr float kFp8Fold = 256.0f;  // e4m3 bits moved into f16 give value * 2^-8
 
 inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -64,25 +68,32 @@ void direct(const MatmulArgs& a, int64_t r0, int64_t t0) {
   constexpr int64_t es = elem_size(D);
   const int64_t in = a.in;
   const char* wr[R];
+  VIREO_UNROLL
   for (int r = 0; r < R; ++r) wr[r] = static_cast<const char*>(a.w) + (r0 + r) * in * es;
   const float* xr[NT];
+  VIREO_UNROLL
   for (int t = 0; t < NT; ++t) xr[t] = a.x + (t0 + t) * in;
 
   __m256 lo[R][NT], hi[R][NT];
   auto zero_acc = [&] {
+    VIREO_UNROLL
     for (int r = 0; r < R; ++r)
+      VIREO_UNROLL
       for (int t = 0; t < NT; ++t) lo[r][t] = hi[r][t] = _mm256_setzero_ps();
   };
   // One 16-column step from explicit pointers (the tail passes padded copies).
   auto step_ptr = [&](const char* const* wp, const float* const* xp) {
     __m256 xl[NT], xh[NT];
+    VIREO_UNROLL
     for (int t = 0; t < NT; ++t) {
       xl[t] = _mm256_loadu_ps(xp[t]);
       xh[t] = _mm256_loadu_ps(xp[t] + 8);
     }
+    VIREO_UNROLL
     for (int r = 0; r < R; ++r) {
       __m256 wl, wh;
       load16<D>(wp[r], wl, wh);
+      VIREO_UNROLL
       for (int t = 0; t < NT; ++t) {
         lo[r][t] = _mm256_fmadd_ps(wl, xl[t], lo[r][t]);
         hi[r][t] = _mm256_fmadd_ps(wh, xh[t], hi[r][t]);
@@ -92,7 +103,9 @@ void direct(const MatmulArgs& a, int64_t r0, int64_t t0) {
   auto step = [&](int64_t i) {
     const char* wp[R];
     const float* xp[NT];
+    VIREO_UNROLL
     for (int r = 0; r < R; ++r) wp[r] = wr[r] + i * es;
+    VIREO_UNROLL
     for (int t = 0; t < NT; ++t) xp[t] = xr[t] + i;
     step_ptr(wp, xp);
   };
@@ -101,11 +114,13 @@ void direct(const MatmulArgs& a, int64_t r0, int64_t t0) {
     alignas(32) float xbuf[NT][16];
     const char* wp[R];
     const float* xp[NT];
+    VIREO_UNROLL
     for (int r = 0; r < R; ++r) {
       std::memset(wbuf[r], 0, sizeof(wbuf[r]));
       std::memcpy(wbuf[r], wr[r] + i * es, size_t(n * es));
       wp[r] = wbuf[r];
     }
+    VIREO_UNROLL
     for (int t = 0; t < NT; ++t) {
       std::memset(xbuf[t], 0, sizeof(xbuf[t]));
       std::memcpy(xbuf[t], xr[t] + i, size_t(n) * sizeof(float));
@@ -120,13 +135,18 @@ void direct(const MatmulArgs& a, int64_t r0, int64_t t0) {
     int64_t i = 0;
     for (; i + 16 <= in; i += 16) step(i);
     if (i < in) step_tail(i, in - i);
+    VIREO_UNROLL
     for (int r = 0; r < R; ++r)
+      VIREO_UNROLL
       for (int t = 0; t < NT; ++t) result[r][t] = hsum(_mm256_add_ps(lo[r][t], hi[r][t]));
   } else {
     const float* srow[R];
+    VIREO_UNROLL
     for (int r = 0; r < R; ++r) srow[r] = a.scale + ((r0 + r) / 128) * a.scale_cols;
     __m256 tot[R][NT];
+    VIREO_UNROLL
     for (int r = 0; r < R; ++r)
+      VIREO_UNROLL
       for (int t = 0; t < NT; ++t) tot[r][t] = _mm256_setzero_ps();
     for (int64_t b0 = 0, blk = 0; b0 < in; b0 += 128, ++blk) {
       const int64_t bend = imin(b0 + 128, in);
@@ -134,16 +154,22 @@ void direct(const MatmulArgs& a, int64_t r0, int64_t t0) {
       int64_t i = b0;
       for (; i + 16 <= bend; i += 16) step(i);
       if (i < bend) step_tail(i, bend - i);
+      VIREO_UNROLL
       for (int r = 0; r < R; ++r) {
         const __m256 s = _mm256_set1_ps(srow[r][blk] * kFp8Fold);
+        VIREO_UNROLL
         for (int t = 0; t < NT; ++t)
           tot[r][t] = _mm256_fmadd_ps(_mm256_add_ps(lo[r][t], hi[r][t]), s, tot[r][t]);
       }
     }
+    VIREO_UNROLL
     for (int r = 0; r < R; ++r)
+      VIREO_UNROLL
       for (int t = 0; t < NT; ++t) result[r][t] = hsum(tot[r][t]);
   }
+  VIREO_UNROLL
   for (int r = 0; r < R; ++r)
+    VIREO_UNROLL
     for (int t = 0; t < NT; ++t) a.y[(t0 + t) * a.out + r0 + r] = result[r][t];
 }
 
@@ -170,6 +196,8 @@ void rows(const MatmulArgs& a, int64_t r0, int64_t r1) {
     if (t < a.T) direct_rows<D, 1>(a, rb, re, t);
   }
 }
+
+#undef VIREO_UNROLL
 
 }  // namespace
 

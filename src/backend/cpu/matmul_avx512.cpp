@@ -23,6 +23,10 @@
 namespace vireo::kernels {
 namespace {
 
+// Loops over register-block indices must be unrolled completely so the accumulator arrays live
+// in registers; GCC's -O2 does not do that by itself.
+#define VIREO_UNROLL _Pragma("GCC unroll 16")
+
 constexpr int64_t kDirectMaxT = 4;  // T above this uses the packed prefill kernel
 constexpr int64_t kKc = 512;        // prefill: columns per packed tile (multiple of 128)
 constexpr int64_t kRowTile = 64;    // prefill: rows per packed tile
@@ -103,21 +107,28 @@ void direct(const MatmulArgs& a, int64_t r0, int64_t t0) {
   constexpr int64_t es = elem_size(D);
   const int64_t in = a.in;
   const char* wr[R];
+  VIREO_UNROLL
   for (int r = 0; r < R; ++r) wr[r] = static_cast<const char*>(a.w) + (r0 + r) * in * es;
   const float* xr[NT];
+  VIREO_UNROLL
   for (int t = 0; t < NT; ++t) xr[t] = a.x + (t0 + t) * in;
 
   __m512 lo[R][NT], hi[R][NT];
   auto zero_acc = [&] {
+    VIREO_UNROLL
     for (int r = 0; r < R; ++r)
+      VIREO_UNROLL
       for (int t = 0; t < NT; ++t) lo[r][t] = hi[r][t] = _mm512_setzero_ps();
   };
   auto step = [&]<bool Masked>(int64_t i, __mmask32 m) {
     __m512 xl[NT], xh[NT];
+    VIREO_UNROLL
     for (int t = 0; t < NT; ++t) load32_x<Masked>(xr[t] + i, m, xl[t], xh[t]);
+    VIREO_UNROLL
     for (int r = 0; r < R; ++r) {
       __m512 wl, wh;
       load32<D, Masked>(wr[r] + i * es, m, wl, wh);
+      VIREO_UNROLL
       for (int t = 0; t < NT; ++t) {
         lo[r][t] = _mm512_fmadd_ps(wl, xl[t], lo[r][t]);
         hi[r][t] = _mm512_fmadd_ps(wh, xh[t], hi[r][t]);
@@ -131,13 +142,18 @@ void direct(const MatmulArgs& a, int64_t r0, int64_t t0) {
     int64_t i = 0;
     for (; i + 32 <= in; i += 32) step.template operator()<false>(i, 0);
     if (i < in) step.template operator()<true>(i, low_mask32(in - i));
+    VIREO_UNROLL
     for (int r = 0; r < R; ++r)
+      VIREO_UNROLL
       for (int t = 0; t < NT; ++t) result[r][t] = _mm512_reduce_add_ps(_mm512_add_ps(lo[r][t], hi[r][t]));
   } else {
     const float* srow[R];
+    VIREO_UNROLL
     for (int r = 0; r < R; ++r) srow[r] = a.scale + ((r0 + r) / 128) * a.scale_cols;
     __m512 tot[R][NT];
+    VIREO_UNROLL
     for (int r = 0; r < R; ++r)
+      VIREO_UNROLL
       for (int t = 0; t < NT; ++t) tot[r][t] = _mm512_setzero_ps();
     for (int64_t b0 = 0, blk = 0; b0 < in; b0 += 128, ++blk) {
       const int64_t bend = imin(b0 + 128, in);
@@ -145,16 +161,22 @@ void direct(const MatmulArgs& a, int64_t r0, int64_t t0) {
       int64_t i = b0;
       for (; i + 32 <= bend; i += 32) step.template operator()<false>(i, 0);
       if (i < bend) step.template operator()<true>(i, low_mask32(bend - i));
+      VIREO_UNROLL
       for (int r = 0; r < R; ++r) {
         const __m512 s = _mm512_set1_ps(srow[r][blk] * kFp8Fold);
+        VIREO_UNROLL
         for (int t = 0; t < NT; ++t)
           tot[r][t] = _mm512_fmadd_ps(_mm512_add_ps(lo[r][t], hi[r][t]), s, tot[r][t]);
       }
     }
+    VIREO_UNROLL
     for (int r = 0; r < R; ++r)
+      VIREO_UNROLL
       for (int t = 0; t < NT; ++t) result[r][t] = _mm512_reduce_add_ps(tot[r][t]);
   }
+  VIREO_UNROLL
   for (int r = 0; r < R; ++r)
+    VIREO_UNROLL
     for (int t = 0; t < NT; ++t) a.y[(t0 + t) * a.out + r0 + r] = result[r][t];
 }
 
@@ -195,14 +217,17 @@ void pack_row(const MatmulArgs& a, int64_t row, int64_t k0, int64_t klen, float*
 // acc[4r + t]. A fixed shuffle tree: 30 shuffles and 15 adds instead of 16 full reductions.
 inline __m512 reduce16(const __m512* acc) {
   __m512 b[8], c[4], d[2];
+  VIREO_UNROLL
   for (int i = 0; i < 8; ++i) {  // lanes 0-7: acc[2i], 8-15: acc[2i+1]
     b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0x44),
                          _mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0xEE));
   }
+  VIREO_UNROLL
   for (int i = 0; i < 4; ++i) {  // 128-bit quarter k: acc[4i + k]
     c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
                          _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
   }
+  VIREO_UNROLL
   for (int i = 0; i < 2; ++i) {  // quarter k: (acc[8i + k] x2, acc[8i + 4 + k] x2)
     d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44),
                          _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
@@ -211,60 +236,61 @@ inline __m512 reduce16(const __m512* acc) {
   return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
 }
 
-// y[t, r] += sum_k x[t, k] * w[r, k] for t < MT, r < nr (<= 4), k < klen. w is a packed tile
-// row block (zero-padded past klen to a multiple of 32); x rows have stride ldx.
+// y[t, r] += sum_k x[t, k] * w[r, k] for t < MT, r < nr (<= 4), k < klen (a multiple of 16;
+// both operands are zero-padded). x rows have stride ldx, w rows ldw.
 template <int MT>
 void micro(const float* x, int64_t ldx, int64_t klen, const float* w, int64_t ldw, float* y,
            int64_t ldy, int nr) {
   __m512 acc[16];
+  VIREO_UNROLL
   for (auto& v : acc) v = _mm512_setzero_ps();
-  const float* w0 = w;
-  const float* w1 = w + ldw;
-  const float* w2 = w + 2 * ldw;
-  const float* w3 = w + 3 * ldw;
-  int64_t k = 0;
-  auto step = [&]<bool Masked>(__mmask16 m) {
-    const __m512 a0 = _mm512_loadu_ps(w0 + k), a1 = _mm512_loadu_ps(w1 + k);
-    const __m512 a2 = _mm512_loadu_ps(w2 + k), a3 = _mm512_loadu_ps(w3 + k);
+  for (int64_t k = 0; k < klen; k += 16) {
+    const __m512 a0 = _mm512_loadu_ps(w + k), a1 = _mm512_loadu_ps(w + ldw + k);
+    const __m512 a2 = _mm512_loadu_ps(w + 2 * ldw + k), a3 = _mm512_loadu_ps(w + 3 * ldw + k);
+    VIREO_UNROLL
     for (int t = 0; t < MT; ++t) {
-      const __m512 xv = Masked ? _mm512_maskz_loadu_ps(m, x + t * ldx + k)
-                               : _mm512_loadu_ps(x + t * ldx + k);
+      const __m512 xv = _mm512_loadu_ps(x + t * ldx + k);
       acc[0 + t] = _mm512_fmadd_ps(a0, xv, acc[0 + t]);
       acc[4 + t] = _mm512_fmadd_ps(a1, xv, acc[4 + t]);
       acc[8 + t] = _mm512_fmadd_ps(a2, xv, acc[8 + t]);
       acc[12 + t] = _mm512_fmadd_ps(a3, xv, acc[12 + t]);
     }
-  };
-  for (; k + 16 <= klen; k += 16) step.template operator()<false>(0);
-  if (k < klen) step.template operator()<true>(__mmask16((1u << (klen - k)) - 1));
+  }
   alignas(64) float s[16];
   _mm512_store_ps(s, reduce16(acc));
+  VIREO_UNROLL
   for (int t = 0; t < MT; ++t)
     for (int r = 0; r < nr; ++r) y[t * ldy + r] += s[4 * t + r];
 }
 
 template <DType D>
-void prefill_rows(const MatmulArgs& a, int64_t r0, int64_t r1, float* buf) {
+void prefill_rows(const MatmulArgs& a, int64_t r0, int64_t r1, float* scratch) {
   const int64_t in = a.in, out = a.out, T = a.T;
-  for (int64_t rt = r0; rt < r1; rt += kRowTile) {
-    const int64_t nrows = imin(kRowTile, r1 - rt);
-    const int64_t npad = (nrows + 3) / 4 * 4;
-    for (int64_t t = 0; t < T; ++t) std::memset(a.y + t * out + rt, 0, nrows * sizeof(float));
-    for (int64_t k0 = 0; k0 < in; k0 += kKc) {
-      const int64_t klen = imin(kKc, in - k0);
-      for (int64_t r = 0; r < nrows; ++r) pack_row<D>(a, rt + r, k0, klen, buf + r * kKc);
-      for (int64_t r = nrows; r < npad; ++r) std::memset(buf + r * kKc, 0, kKc * sizeof(float));
+  float* wbuf = scratch;                 // [kRowTile, kKc]
+  float* xbuf = scratch + kRowTile * kKc;  // [T, kKc]
+  for (int64_t t = 0; t < T; ++t) std::memset(a.y + t * out + r0, 0, (r1 - r0) * sizeof(float));
+  for (int64_t k0 = 0; k0 < in; k0 += kKc) {
+    const int64_t klen = imin(kKc, in - k0);
+    const int64_t kpad = (klen + 15) / 16 * 16;
+    for (int64_t t = 0; t < T; ++t) {
+      std::memcpy(xbuf + t * kKc, a.x + t * in + k0, klen * sizeof(float));
+      std::memset(xbuf + t * kKc + klen, 0, (kpad - klen) * sizeof(float));
+    }
+    for (int64_t rt = r0; rt < r1; rt += kRowTile) {
+      const int64_t nrows = imin(kRowTile, r1 - rt);
+      const int64_t npad = (nrows + 3) / 4 * 4;
+      for (int64_t r = 0; r < nrows; ++r) pack_row<D>(a, rt + r, k0, klen, wbuf + r * kKc);
+      for (int64_t r = nrows; r < npad; ++r) std::memset(wbuf + r * kKc, 0, kKc * sizeof(float));
       for (int64_t r = 0; r < npad; r += 4) {
         const int nr = int(imin(4, nrows - r));
-        const float* w = buf + r * kKc;
+        const float* w = wbuf + r * kKc;
         float* yb = a.y + rt + r;
-        const float* xb = a.x + k0;
         int64_t t = 0;
-        for (; t + 4 <= T; t += 4) micro<4>(xb + t * in, in, klen, w, kKc, yb + t * out, out, nr);
+        for (; t + 4 <= T; t += 4) micro<4>(xbuf + t * kKc, kKc, kpad, w, kKc, yb + t * out, out, nr);
         switch (T - t) {
-          case 3: micro<3>(xb + t * in, in, klen, w, kKc, yb + t * out, out, nr); break;
-          case 2: micro<2>(xb + t * in, in, klen, w, kKc, yb + t * out, out, nr); break;
-          case 1: micro<1>(xb + t * in, in, klen, w, kKc, yb + t * out, out, nr); break;
+          case 3: micro<3>(xbuf + t * kKc, kKc, kpad, w, kKc, yb + t * out, out, nr); break;
+          case 2: micro<2>(xbuf + t * kKc, kKc, kpad, w, kKc, yb + t * out, out, nr); break;
+          case 1: micro<1>(xbuf + t * kKc, kKc, kpad, w, kKc, yb + t * out, out, nr); break;
           default: break;
         }
       }
@@ -283,10 +309,12 @@ void rows(const MatmulArgs& a, int64_t r0, int64_t r1, float* scratch) {
   }
 }
 
+#undef VIREO_UNROLL
+
 }  // namespace
 
 size_t scratch_floats_avx512(const MatmulArgs& a) {
-  return a.T > kDirectMaxT ? size_t(kRowTile * kKc) : 0;
+  return a.T > kDirectMaxT ? size_t((kRowTile + a.T) * kKc) : 0;
 }
 
 void matmul_rows_avx512(const MatmulArgs& a, int64_t r0, int64_t r1, float* scratch) {
