@@ -60,12 +60,23 @@ class Backend {
   virtual ~Backend() = default;
   virtual const char* name() const = 0;
 
-  // Scratch memory for activations (f32), owned by the returned buffer.
+  // Scratch memory for activations (f32) and indices (i32), owned by the returned buffer.
   virtual std::shared_ptr<float> alloc_f32(size_t n) = 0;
+  virtual std::shared_ptr<int32_t> alloc_i32(size_t n) = 0;
   virtual void copy_to_host(float* dst, const float* src, size_t n) = 0;
   virtual void copy_from_host(float* dst, const float* src, size_t n) = 0;
+  virtual void copy_to_host_i32(int32_t* dst, const int32_t* src, size_t n) = 0;
+  virtual void copy_from_host_i32(int32_t* dst, const int32_t* src, size_t n) = 0;
+  // Makes a checkpoint weight usable by this backend's ops (the CPU backend uses the mapped
+  // bytes as they are; a GPU backend uploads them once, in their stored dtype).
+  virtual Weight upload_weight(const Weight& w) { return w; }
 
-  // out[t] = table[ids[t]] as f32.                                  out [T, hidden]
+  // dst[r, 0:n] = src[r, 0:n] for r < rows, with row strides.
+  virtual void copy_rows(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
+                         int64_t n) = 0;
+  virtual void fill(float* y, float v, int64_t n) = 0;
+
+  // out[t] = table[ids[t]] as f32; ids in host memory.             out [T, hidden]
   virtual void embed(const Weight& table, const int32_t* ids, int64_t T, float* out) = 0;
   // y = w * x / sqrt(mean(x^2) + eps), row by row.                  x, y [T, n] (row strides)
   virtual void rms_norm(const float* x, int64_t x_stride, int64_t T, int64_t n, const float* w, float eps,

@@ -34,8 +34,18 @@ class CpuBackend final : public Backend {
     std::memset(p, 0, bytes);
     return std::shared_ptr<float>(p, [](float* q) { std::free(q); });
   }
+  std::shared_ptr<int32_t> alloc_i32(size_t n) override {
+    auto f = alloc_f32(n);  // same size and alignment
+    return std::shared_ptr<int32_t>(f, reinterpret_cast<int32_t*>(f.get()));
+  }
   void copy_to_host(float* dst, const float* src, size_t n) override { std::memcpy(dst, src, n * 4); }
   void copy_from_host(float* dst, const float* src, size_t n) override { std::memcpy(dst, src, n * 4); }
+  void copy_to_host_i32(int32_t* dst, const int32_t* src, size_t n) override { std::memcpy(dst, src, n * 4); }
+  void copy_from_host_i32(int32_t* dst, const int32_t* src, size_t n) override { std::memcpy(dst, src, n * 4); }
+  void copy_rows(float* dst, int64_t ds, const float* src, int64_t ss, int64_t rows, int64_t n) override {
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + r * ds, src + r * ss, size_t(n) * sizeof(float));
+  }
+  void fill(float* y, float v, int64_t n) override { std::fill(y, y + n, v); }
 
   void embed(const Weight& table, const int32_t* ids, int64_t T, float* out) override {
     const int64_t n = table.in();

@@ -67,6 +67,7 @@ std::unique_ptr<GlmDsaModel> GlmDsaModel::create(GlmDsaConfig config, std::uniqu
                                                         c.hidden_size, c.moe_intermediate_size);
   }
   m->inv_freq_ = compute_inv_freq(c);
+  m->upload_weights();
   return m;
 }
 
@@ -94,9 +95,9 @@ size_t GlmDsaModel::active_weight_bytes_per_token() {
 }
 
 float* GlmDsaModel::scratch(int slot, size_t n) {
-  if (static_cast<size_t>(slot) >= scratch_.size()) {
-    scratch_.resize(static_cast<size_t>(slot) + 1);
-    scratch_size_.resize(static_cast<size_t>(slot) + 1, 0);
+  if (size_t(slot) >= scratch_.size()) {
+    scratch_.resize(size_t(slot) + 1);
+    scratch_size_.resize(size_t(slot) + 1, 0);
   }
   if (scratch_size_[size_t(slot)] < n) {
     scratch_[size_t(slot)] = backend_.alloc_f32(n);
@@ -105,10 +106,57 @@ float* GlmDsaModel::scratch(int slot, size_t n) {
   return scratch_[size_t(slot)].get();
 }
 
+int32_t* GlmDsaModel::scratch_i32(int slot, size_t n) {
+  if (size_t(slot) >= scratch_i32_.size()) {
+    scratch_i32_.resize(size_t(slot) + 1);
+    scratch_i32_size_.resize(size_t(slot) + 1, 0);
+  }
+  if (scratch_i32_size_[size_t(slot)] < n) {
+    scratch_i32_[size_t(slot)] = backend_.alloc_i32(n);
+    scratch_i32_size_[size_t(slot)] = n;
+  }
+  return scratch_i32_[size_t(slot)].get();
+}
+
+const float* GlmDsaModel::vec(const std::vector<float>& host) const {
+  auto it = vectors_.find(host.data());
+  VIREO_ASSERT(it != vectors_.end());
+  return it->second.get();
+}
+
+void GlmDsaModel::upload_weights() {
+  auto up = [&](Weight& w) {
+    if (!w.w.empty()) w = backend_.upload_weight(w);
+  };
+  auto v = [&](const std::vector<float>& x) {
+    if (x.empty() || vectors_.count(x.data())) return;
+    auto buf = backend_.alloc_f32(x.size());
+    backend_.copy_from_host(buf.get(), x.data(), x.size());
+    vectors_[x.data()] = buf;
+  };
+  const bool tied = weights_.lm_head.w.data == weights_.embed.w.data;
+  up(weights_.embed);
+  if (tied) weights_.lm_head = weights_.embed;
+  else up(weights_.lm_head);
+  v(weights_.final_norm);
+  for (LayerWeights& L : weights_.layers) {
+    v(L.attn_norm);
+    v(L.ffn_norm);
+    AttentionWeights& a = L.attn;
+    for (Weight* w : {&a.q_a_proj, &a.q_b_proj, &a.q_proj, &a.kv_a_proj, &a.kv_b_proj, &a.o_proj, &a.idx_wq_b,
+                      &a.idx_wk, &a.idx_weights_proj, &L.mlp.gate, &L.mlp.up, &L.mlp.down, &L.router,
+                      &L.shared.gate, &L.shared.up, &L.shared.down})
+      up(*w);
+    for (const std::vector<float>* x : {&a.q_a_norm, &a.kv_a_norm, &a.idx_k_norm_w, &a.idx_k_norm_b, &L.router_bias})
+      v(*x);
+  }
+}
+
 void GlmDsaModel::rope_table(int64_t pos0, int64_t T, float* cs) const {
   const int64_t half = config_.qk_rope_dim / 2;
   const float af = float(config_.rope.attention_factor);
   for (int64_t t = 0; t < T; ++t) {
+    // As the oracle: the angle is a float32 product, cos/sin of it scaled by attention_factor.
     const float pos = float(pos0 + t);
     for (int64_t i = 0; i < half; ++i) {
       const float angle = pos * inv_freq_[size_t(i)];
@@ -120,132 +168,182 @@ void GlmDsaModel::rope_table(int64_t pos0, int64_t T, float* cs) const {
 
 void GlmDsaModel::forward(const int32_t* tokens, int64_t T, MlaCache& cache, int row, float* logits,
                           bool all_logits, AttentionPath path) {
-  const GlmDsaConfig& c = config_;
-  const int64_t D = c.hidden_size;
-  const int64_t pos0 = cache.length(row);
-  if (T <= 0) fail("forward: no tokens");
-  if (pos0 + T > cache.capacity())
-    fail("context full: ", pos0 + T, " tokens exceed the context capacity of ", cache.capacity());
-  for (int64_t t = 0; t < T; ++t)
-    if (tokens[t] < 0 || tokens[t] >= c.vocab_size)
-      fail("token id ", tokens[t], " is out of range (vocab size ", c.vocab_size, ")");
-  if (path == AttentionPath::Auto) path = T == 1 ? AttentionPath::Absorbed : AttentionPath::Reconstructed;
-
-  float* h = scratch(0, size_t(T * D));    // residual stream [T, D]
-  float* xn = scratch(1, size_t(T * D));   // normed input    [T, D]
-  float* out = scratch(2, size_t(T * D));  // sublayer output [T, D]
-  backend_.embed(weights_.embed, tokens, T, h);
-  cache.set_length(row, pos0 + T);  // entries for the new positions are written layer by layer
-  for (int l = 0; l < c.num_layers; ++l) {
-    const LayerWeights& L = weights_.layers[size_t(l)];
-    backend_.rms_norm(h, D, T, D, L.attn_norm.data(), float(c.rms_norm_eps), xn, D);
-    attention(l, xn, T, cache, row, pos0, path, out);
-    backend_.add(h, out, T * D);
-    backend_.rms_norm(h, D, T, D, L.ffn_norm.data(), float(c.rms_norm_eps), xn, D);
-    if (L.dense) mlp(L.mlp, xn, T, out);
-    else moe(l, xn, T, out);
-    backend_.add(h, out, T * D);
-  }
-  const int64_t first = all_logits ? 0 : T - 1, n_out = T - first;
-  backend_.rms_norm(h + first * D, D, n_out, D, weights_.final_norm.data(), float(c.rms_norm_eps), xn, D);
-  float* lg = scratch(3, size_t(n_out * c.vocab_size));
-  backend_.matmul(xn, n_out, weights_.lm_head, lg);
-  backend_.copy_to_host(logits, lg, size_t(n_out * c.vocab_size));
+  BatchItem item;
+  item.row = row;
+  item.tokens = tokens;
+  item.T = T;
+  item.logits = logits;
+  item.all_logits = all_logits;
+  forward_batch({item}, cache, path);
 }
 
-void GlmDsaModel::attention(int layer, float* xn, int64_t T, MlaCache& cache, int row, int64_t pos0,
-                            AttentionPath path, float* out) {
+void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& cache, AttentionPath path) {
+  const GlmDsaConfig& c = config_;
+  const int64_t D = c.hidden_size, V = c.vocab_size, half = c.qk_rope_dim / 2;
+  if (items.empty()) fail("forward: empty batch");
+  // Validate everything before touching the cache, so a bad request leaves no trace.
+  std::vector<Segment> segs;
+  int64_t N = 0, n_out = 0;
+  for (const BatchItem& it : items) {
+    if (it.row < 0 || it.row >= cache.rows()) fail("forward: cache row ", it.row, " out of range");
+    for (const Segment& s : segs)
+      if (s.row == it.row) fail("forward: cache row ", it.row, " appears twice in one batch");
+    if (it.T <= 0) fail("forward: no tokens");
+    const int64_t pos0 = cache.length(it.row);
+    if (pos0 + it.T > cache.capacity())
+      fail("context full: ", pos0 + it.T, " tokens exceed the context capacity of ", cache.capacity());
+    for (int64_t t = 0; t < it.T; ++t)
+      if (it.tokens[t] < 0 || it.tokens[t] >= V)
+        fail("token id ", it.tokens[t], " is out of range (vocab size ", V, ")");
+    AttentionPath p = path;
+    if (p == AttentionPath::Auto) p = it.T == 1 ? AttentionPath::Absorbed : AttentionPath::Reconstructed;
+    segs.push_back({it.row, N, it.T, pos0, p});
+    N += it.T;
+    n_out += it.all_logits ? it.T : 1;
+  }
+
+  std::vector<int32_t> ids_host(static_cast<size_t>(N));
+  std::vector<float> cs_host(static_cast<size_t>(N * half * 2));
+  for (size_t i = 0; i < items.size(); ++i) {
+    std::copy(items[i].tokens, items[i].tokens + items[i].T, ids_host.begin() + segs[i].offset);
+    rope_table(segs[i].pos0, segs[i].T, &cs_host[size_t(segs[i].offset * half * 2)]);
+  }
+  cos_sin_ = scratch(4, size_t(N * half * 2));
+  backend_.copy_from_host(cos_sin_, cs_host.data(), cs_host.size());
+
+  float* h = scratch(0, size_t(N * D));    // residual stream [N, D]
+  float* xn = scratch(1, size_t(N * D));   // normed input    [N, D]
+  float* out = scratch(2, size_t(N * D));  // sublayer output [N, D]
+  backend_.embed(weights_.embed, ids_host.data(), N, h);
+  for (const Segment& s : segs) cache.set_length(s.row, s.pos0 + s.T);  // entries written layer by layer
+  const float eps = float(c.rms_norm_eps);
+  for (int l = 0; l < c.num_layers; ++l) {
+    const LayerWeights& L = weights_.layers[size_t(l)];
+    backend_.rms_norm(h, D, N, D, vec(L.attn_norm), eps, xn, D);
+    attention(l, xn, N, segs, cache, out);
+    backend_.add(h, out, N * D);
+    if (experts_->wants_prefetch()) prefetch_next(l, h, N);
+    backend_.rms_norm(h, D, N, D, vec(L.ffn_norm), eps, xn, D);
+    if (L.dense) mlp(L.mlp, xn, N, out);
+    else moe(l, xn, N, out);
+    backend_.add(h, out, N * D);
+  }
+
+  // Final norm and lm_head only for the rows whose logits were asked for.
+  int64_t r = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const int64_t first = items[i].all_logits ? 0 : items[i].T - 1, n = items[i].T - first;
+    backend_.rms_norm(h + (segs[i].offset + first) * D, D, n, D, vec(weights_.final_norm), eps, xn + r * D, D);
+    r += n;
+  }
+  float* lg = scratch(3, size_t(n_out * V));
+  backend_.matmul(xn, n_out, weights_.lm_head, lg);
+  r = 0;
+  for (const BatchItem& it : items) {
+    const int64_t n = it.all_logits ? it.T : 1;
+    backend_.copy_to_host(it.logits, lg + r * V, size_t(n * V));
+    r += n;
+  }
+}
+
+void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::vector<Segment>& segs,
+                            MlaCache& cache, float* out) {
   const GlmDsaConfig& c = config_;
   const AttentionWeights& a = weights_.layers[size_t(layer)].attn;
   const int64_t H = c.n_heads, nope = c.qk_nope_dim, rope = c.qk_rope_dim, qw = c.qk_head_dim();
-  const int64_t L = c.kv_lora_rank, kvw = c.kv_cache_dim(), half = rope / 2;
+  const int64_t L = c.kv_lora_rank, kvw = c.kv_cache_dim();
   const float eps_lora = 1e-6f;  // the oracle's q_a_layernorm / kv_a_layernorm ignore rms_norm_eps
+  const float* cs = cos_sin_;
+  const int64_t cs_stride = rope;  // floats of rope table per token
 
-  float* cs = scratch(10, size_t(T * half * 2));
-  rope_table(pos0, T, cs);
-
-  // Queries: [T, H, nope + rope].
-  float* q = scratch(11, size_t(T * H * qw));
+  // Queries: [N, H, nope + rope].
+  float* q = scratch(11, size_t(N * H * qw));
   float* q_resid = nullptr;
   if (c.q_lora_rank > 0) {
-    float* qa = scratch(12, size_t(T * c.q_lora_rank));
-    q_resid = scratch(13, size_t(T * c.q_lora_rank));
-    backend_.matmul(xn, T, a.q_a_proj, qa);
-    backend_.rms_norm(qa, c.q_lora_rank, T, c.q_lora_rank, a.q_a_norm.data(), eps_lora, q_resid, c.q_lora_rank);
-    backend_.matmul(q_resid, T, a.q_b_proj, q);
+    float* qa = scratch(12, size_t(N * c.q_lora_rank));
+    q_resid = scratch(13, size_t(N * c.q_lora_rank));
+    backend_.matmul(xn, N, a.q_a_proj, qa);
+    backend_.rms_norm(qa, c.q_lora_rank, N, c.q_lora_rank, vec(a.q_a_norm), eps_lora, q_resid, c.q_lora_rank);
+    backend_.matmul(q_resid, N, a.q_b_proj, q);
   } else {
-    backend_.matmul(xn, T, a.q_proj, q);
+    backend_.matmul(xn, N, a.q_proj, q);
   }
-  backend_.rope(q, T, H, H * qw, qw, nope, rope, cs, rope_kind(c.mla_rope_style));
+  backend_.rope(q, N, H, H * qw, qw, nope, rope, cs, rope_kind(c.mla_rope_style));
 
-  // This step's cache entries [latent | k_rope], written straight into the cache row.
-  float* kv_row = cache.kv(layer, row);
-  float* kva = scratch(14, size_t(T * kvw));
-  backend_.matmul(xn, T, a.kv_a_proj, kva);
-  float* entry = kv_row + pos0 * kvw;
-  backend_.rms_norm(kva, kvw, T, L, a.kv_a_norm.data(), eps_lora, entry, kvw);
-  for (int64_t t = 0; t < T; ++t)
-    std::memcpy(entry + t * kvw + L, kva + t * kvw + L, size_t(rope) * sizeof(float));
-  backend_.rope(entry, T, 1, kvw, kvw, L, rope, cs, rope_kind(c.mla_rope_style));
+  // This step's cache entries [latent | k_rope], written straight into each sequence's row.
+  float* kva = scratch(14, size_t(N * kvw));
+  backend_.matmul(xn, N, a.kv_a_proj, kva);
+  for (const Segment& s : segs) {
+    float* entry = cache.kv(layer, s.row) + s.pos0 * kvw;
+    const float* src = kva + s.offset * kvw;
+    backend_.rms_norm(src, kvw, s.T, L, vec(a.kv_a_norm), eps_lora, entry, kvw);
+    backend_.copy_rows(entry + L, kvw, src + L, kvw, s.T, rope);
+    backend_.rope(entry, s.T, 1, kvw, kvw, L, rope, cs + s.offset * cs_stride, rope_kind(c.mla_rope_style));
+  }
 
-  // DSA: this layer's own top-k selection, or the previous full layer's.
-  KeySelection sel;
+  // DSA: this layer's own top-k selection, or the previous full layer's (kept in scratch slot 0
+  // of the i32 pool, [N, topk], until the next full layer overwrites it).
+  const int64_t topk = c.index_topk;
+  int32_t* selected = nullptr;
+  int32_t* counts = nullptr;
   if (c.has_indexer) {
-    const int64_t topk = c.index_topk;
+    selected = scratch_i32(0, size_t(N * topk));
+    counts = scratch_i32(1, size_t(N));
     if (a.has_indexer) {
       const int64_t nI = c.index_n_heads, d = c.index_head_dim;
-      float* qi = scratch(15, size_t(T * nI * d));
-      backend_.matmul(q_resid, T, a.idx_wq_b, qi);
-      backend_.rope(qi, T, nI, nI * d, d, 0, rope, cs, rope_kind(c.indexer_rope_style));
-      float* kraw = scratch(16, size_t(T * d));
-      backend_.matmul(xn, T, a.idx_wk, kraw);
-      float* keys = cache.index_keys(layer, row);
-      backend_.layer_norm(kraw, T, d, a.idx_k_norm_w.data(), a.idx_k_norm_b.data(), 1e-6f, keys + pos0 * d);
-      backend_.rope(keys + pos0 * d, T, 1, d, d, 0, rope, cs, rope_kind(c.indexer_rope_style));
-      float* wts = scratch(17, size_t(T * nI));
-      backend_.matmul(xn, T, a.idx_weights_proj, wts);
-      backend_.scale(wts, float(1.0 / std::sqrt(double(nI))), T * nI);
-      selected_.resize(static_cast<size_t>(T * topk));
-      selected_count_.resize(static_cast<size_t>(T));
-      IndexerArgs ia;
-      ia.q = qi;
-      ia.weights = wts;
-      ia.keys = keys;
-      ia.T = T;
-      ia.n_heads = nI;
-      ia.head_dim = d;
-      ia.n_keys = pos0 + T;
-      ia.pos0 = pos0;
-      ia.topk = topk;
-      ia.scale = float(1.0 / std::sqrt(double(d)));
-      ia.selected = selected_.data();
-      ia.counts = selected_count_.data();
-      backend_.indexer_select(ia);
+      float* qi = scratch(15, size_t(N * nI * d));
+      backend_.matmul(q_resid, N, a.idx_wq_b, qi);
+      backend_.rope(qi, N, nI, nI * d, d, 0, rope, cs, rope_kind(c.indexer_rope_style));
+      float* kraw = scratch(16, size_t(N * d));
+      backend_.matmul(xn, N, a.idx_wk, kraw);
+      float* wts = scratch(17, size_t(N * nI));
+      backend_.matmul(xn, N, a.idx_weights_proj, wts);
+      backend_.scale(wts, float(1.0 / std::sqrt(double(nI))), N * nI);
+      for (const Segment& s : segs) {
+        float* keys = cache.index_keys(layer, s.row);
+        backend_.layer_norm(kraw + s.offset * d, s.T, d, vec(a.idx_k_norm_w), vec(a.idx_k_norm_b), 1e-6f,
+                            keys + s.pos0 * d);
+        backend_.rope(keys + s.pos0 * d, s.T, 1, d, d, 0, rope, cs + s.offset * cs_stride,
+                      rope_kind(c.indexer_rope_style));
+        IndexerArgs ia;
+        ia.q = qi + s.offset * nI * d;
+        ia.weights = wts + s.offset * nI;
+        ia.keys = keys;
+        ia.T = s.T;
+        ia.n_heads = nI;
+        ia.head_dim = d;
+        ia.n_keys = s.pos0 + s.T;
+        ia.pos0 = s.pos0;
+        ia.topk = topk;
+        ia.scale = float(1.0 / std::sqrt(double(d)));
+        ia.selected = selected + s.offset * topk;
+        ia.counts = counts + s.offset;
+        backend_.indexer_select(ia);
+      }
     }
-    sel.keys = selected_.data();
-    sel.counts = selected_count_.data();
-    sel.stride = topk;
   }
 
-  float* o = scratch(18, size_t(T * H * c.v_head_dim));
-  MlaAttentionArgs ma;
-  ma.q = q;
-  ma.T = T;
-  ma.n_heads = H;
-  ma.qk_nope = nope;
-  ma.qk_rope = rope;
-  ma.v_dim = c.v_head_dim;
-  ma.kv_lora = L;
-  ma.kv = kv_row;
-  ma.n_keys = pos0 + T;
-  ma.pos0 = pos0;
-  ma.kv_b = &a.kv_b_proj;
-  ma.scale = float(c.attention_scale());
-  ma.selection = sel;
-  ma.absorbed = path == AttentionPath::Absorbed;
-  ma.out = o;
-  backend_.mla_attention(ma);
-  backend_.matmul(o, T, a.o_proj, out);
+  float* o = scratch(18, size_t(N * H * c.v_head_dim));
+  for (const Segment& s : segs) {
+    MlaAttentionArgs ma;
+    ma.q = q + s.offset * H * qw;
+    ma.T = s.T;
+    ma.n_heads = H;
+    ma.qk_nope = nope;
+    ma.qk_rope = rope;
+    ma.v_dim = c.v_head_dim;
+    ma.kv_lora = L;
+    ma.kv = cache.kv(layer, s.row);
+    ma.n_keys = s.pos0 + s.T;
+    ma.pos0 = s.pos0;
+    ma.kv_b = &a.kv_b_proj;
+    ma.scale = float(c.attention_scale());
+    if (selected) ma.selection = KeySelection{selected + s.offset * topk, counts + s.offset, topk};
+    ma.absorbed = s.path == AttentionPath::Absorbed;
+    ma.out = o + s.offset * H * c.v_head_dim;
+    backend_.mla_attention(ma);
+  }
+  backend_.matmul(o, N, a.o_proj, out);
 }
 
 void GlmDsaModel::mlp(const MlpWeights& w, const float* x, int64_t T, float* out) {
@@ -258,28 +356,32 @@ void GlmDsaModel::mlp(const MlpWeights& w, const float* x, int64_t T, float* out
   backend_.matmul(g, T, w.down, out);
 }
 
-void GlmDsaModel::moe(int layer, const float* xn, int64_t T, float* out) {
+void GlmDsaModel::moe(int layer, const float* xn, int64_t N, float* out) {
   const GlmDsaConfig& c = config_;
   const LayerWeights& L = weights_.layers[size_t(layer)];
   const int64_t D = c.hidden_size, K = c.experts_per_token, I = c.moe_intermediate_size;
-  std::vector<int32_t> ids(static_cast<size_t>(T * K));
-  std::vector<float> wts(static_cast<size_t>(T * K));
+  int32_t* ids_dev = scratch_i32(2, size_t(N * K));
+  float* wts_dev = scratch(27, size_t(N * K));
   RouterArgs ra;
   ra.gate = &L.router;
-  ra.bias = L.router_bias.data();
+  ra.bias = vec(L.router_bias);
   ra.n_experts = c.n_routed_experts;
   ra.n_group = c.n_group;
   ra.topk_group = c.topk_group;
   ra.top_k = int(K);
   ra.norm_topk_prob = c.norm_topk_prob;
   ra.routed_scaling_factor = float(c.routed_scaling_factor);
-  backend_.moe_route(xn, T, ra, ids.data(), wts.data());
+  backend_.moe_route(xn, N, ra, ids_dev, wts_dev);
+  std::vector<int32_t> ids(static_cast<size_t>(N * K));
+  std::vector<float> wts(static_cast<size_t>(N * K));
+  backend_.copy_to_host_i32(ids.data(), ids_dev, ids.size());
+  backend_.copy_to_host(wts.data(), wts_dev, wts.size());
 
-  // One pass per distinct expert over the tokens routed to it (the expert union), in ascending
-  // expert order as the oracle accumulates.
+  // One pass per distinct expert over the tokens routed to it (the expert union of the whole
+  // step), in ascending expert order as the oracle accumulates.
   std::vector<std::vector<int32_t>> tokens_of(static_cast<size_t>(c.n_routed_experts));
   std::vector<std::vector<float>> weight_of(static_cast<size_t>(c.n_routed_experts));
-  for (int64_t t = 0; t < T; ++t)
+  for (int64_t t = 0; t < N; ++t)
     for (int64_t k = 0; k < K; ++k) {
       tokens_of[size_t(ids[size_t(t * K + k)])].push_back(int32_t(t));
       weight_of[size_t(ids[size_t(t * K + k)])].push_back(wts[size_t(t * K + k)]);
@@ -287,28 +389,69 @@ void GlmDsaModel::moe(int layer, const float* xn, int64_t T, float* out) {
   std::vector<int> used;
   for (int e = 0; e < c.n_routed_experts; ++e)
     if (!tokens_of[size_t(e)].empty()) used.push_back(e);
-  std::vector<const ExpertWeights*> ew = experts_->prepare(layer, used);
-
-  std::fill(out, out + T * D, 0.0f);
-  float* xs = scratch(22, size_t(T * D));
-  float* g = scratch(23, size_t(T * I));
-  float* u = scratch(24, size_t(T * I));
-  float* y = scratch(25, size_t(T * D));
+  backend_.fill(out, 0.0f, N * D);
+  float* xs = scratch(22, size_t(N * D));
+  float* g = scratch(23, size_t(N * I));
+  float* u = scratch(24, size_t(N * I));
+  float* y = scratch(25, size_t(N * D));
+  int32_t* tok_dev = scratch_i32(3, size_t(N));
+  float* w_dev = scratch(28, size_t(N));
+  // A streaming store may hold fewer experts than the union: ask for it in chunks, in expert
+  // order (so sums are identical), and start on each expert as soon as its bytes are in.
+  const size_t chunk = std::max<size_t>(1, experts_->max_experts_per_prepare());
+  std::vector<const ExpertWeights*> ew;
   for (size_t i = 0; i < used.size(); ++i) {
+    if (i % chunk == 0)
+      ew = experts_->prepare_async(layer, std::vector<int>(used.begin() + long(i),
+                                                           used.begin() + long(std::min(used.size(), i + chunk))));
+    experts_->await(i % chunk);
+    const ExpertWeights* e = ew[i % chunk];
     const auto& toks = tokens_of[size_t(used[i])];
     const int64_t m = int64_t(toks.size());
-    backend_.gather_rows(xn, toks.data(), m, D, xs);
-    backend_.matmul(xs, m, ew[i]->gate, g);
-    backend_.matmul(xs, m, ew[i]->up, u);
+    backend_.copy_from_host_i32(tok_dev, toks.data(), toks.size());
+    backend_.copy_from_host(w_dev, weight_of[size_t(used[i])].data(), toks.size());
+    backend_.gather_rows(xn, tok_dev, m, D, xs);
+    backend_.matmul(xs, m, e->gate, g);
+    backend_.matmul(xs, m, e->up, u);
     backend_.swiglu(g, u, g, m * I);
-    backend_.matmul(g, m, ew[i]->down, y);
-    backend_.scatter_add_rows(out, toks.data(), weight_of[size_t(used[i])].data(), y, m, D);
+    backend_.matmul(g, m, e->down, y);
+    backend_.scatter_add_rows(out, tok_dev, w_dev, y, m, D);
   }
   if (L.has_shared) {
-    float* s = scratch(26, size_t(T * D));
-    mlp(L.shared, xn, T, s);
-    backend_.add(out, s, T * D);
+    float* s = scratch(26, size_t(N * D));
+    mlp(L.shared, xn, N, s);
+    backend_.add(out, s, N * D);
   }
+}
+
+// Guesses layer+1's experts from this layer's post-attention residual (layer+1's FFN norm and
+// router on it) and hands the guess to the store, so their reads overlap this layer's MoE.
+void GlmDsaModel::prefetch_next(int layer, const float* h, int64_t N) {
+  const GlmDsaConfig& c = config_;
+  const int next = layer + 1;
+  if (next >= c.num_layers || c.layer_dense[size_t(next)]) return;
+  const LayerWeights& L = weights_.layers[size_t(next)];
+  const int64_t D = c.hidden_size, K = c.experts_per_token;
+  float* xn = scratch(29, size_t(N * D));
+  backend_.rms_norm(h, D, N, D, vec(L.ffn_norm), float(c.rms_norm_eps), xn, D);
+  int32_t* ids_dev = scratch_i32(4, size_t(N * K));
+  float* wts_dev = scratch(30, size_t(N * K));
+  RouterArgs ra;
+  ra.gate = &L.router;
+  ra.bias = vec(L.router_bias);
+  ra.n_experts = c.n_routed_experts;
+  ra.n_group = c.n_group;
+  ra.topk_group = c.topk_group;
+  ra.top_k = int(K);
+  ra.norm_topk_prob = c.norm_topk_prob;
+  ra.routed_scaling_factor = float(c.routed_scaling_factor);
+  backend_.moe_route(xn, N, ra, ids_dev, wts_dev);
+  std::vector<int32_t> ids(static_cast<size_t>(N * K));
+  backend_.copy_to_host_i32(ids.data(), ids_dev, ids.size());
+  std::vector<int> guess(ids.begin(), ids.end());
+  std::sort(guess.begin(), guess.end());
+  guess.erase(std::unique(guess.begin(), guess.end()), guess.end());
+  experts_->prefetch(next, guess);
 }
 
 }  // namespace vireo

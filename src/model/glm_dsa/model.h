@@ -1,5 +1,6 @@
 #pragma once
 // GlmDsaModel: the forward pass of the GLM-DSA family (spec §3), written once against Backend.
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -17,6 +18,15 @@ enum class AttentionPath : uint8_t {
   Auto,           // reconstructed for T > 1, absorbed for T == 1
   Reconstructed,  // expand latents through kv_b (prefill)
   Absorbed,       // attend over latents directly (decode)
+};
+
+// One sequence's share of a batched forward step.
+struct BatchItem {
+  int row = 0;                      // cache row (the sequence)
+  const int32_t* tokens = nullptr;  // [T] new tokens, at positions cache.length(row) ..
+  int64_t T = 0;
+  float* logits = nullptr;          // host: [T, vocab] if all_logits, else [1, vocab] (last token)
+  bool all_logits = false;
 };
 
 class GlmDsaModel {
@@ -42,6 +52,11 @@ class GlmDsaModel {
   // for the last token only ([1, vocab]); `logits` is host memory.
   void forward(const int32_t* tokens, int64_t T, MlaCache& cache, int row, float* logits,
                bool all_logits = false, AttentionPath path = AttentionPath::Auto);
+  // One step over several sequences (distinct cache rows) at once: every matrix product runs
+  // over all items' tokens together and each MoE layer runs the union of their experts once;
+  // attention and DSA selection run per item over its own row. Auto picks the absorbed path for
+  // items with T == 1 and the reconstructed path otherwise.
+  void forward_batch(const std::vector<BatchItem>& items, MlaCache& cache, AttentionPath path = AttentionPath::Auto);
 
   // Bytes the forward pass reads per decoded token: the dense spine's matrices that every token
   // uses plus experts_per_token routed experts per MoE layer (embedding: one row).
@@ -49,12 +64,22 @@ class GlmDsaModel {
 
  private:
   GlmDsaModel(GlmDsaConfig config, std::unique_ptr<Checkpoint> ck, Backend& backend);
-  void rope_table(int64_t pos0, int64_t T, float* cos_sin) const;  // [T, rope/2, 2]
-  void attention(int layer, float* xn, int64_t T, MlaCache& cache, int row, int64_t pos0, AttentionPath path,
+  // Per-item bookkeeping of a batched step.
+  struct Segment {
+    int row;
+    int64_t offset, T, pos0;  // rows [offset, offset + T) of the step's token matrix
+    AttentionPath path;
+  };
+  void rope_table(int64_t pos0, int64_t T, float* cos_sin) const;  // host [T, rope/2, 2]
+  void attention(int layer, const float* xn, int64_t N, const std::vector<Segment>& segs, MlaCache& cache,
                  float* out);
-  void moe(int layer, const float* xn, int64_t T, float* out);
+  void moe(int layer, const float* xn, int64_t N, float* out);
+  void prefetch_next(int layer, const float* h, int64_t N);  // next layer's router -> experts_->prefetch
   void mlp(const MlpWeights& w, const float* x, int64_t T, float* out);
   float* scratch(int slot, size_t n);
+  int32_t* scratch_i32(int slot, size_t n);
+  void upload_weights();
+  const float* vec(const std::vector<float>& host) const;  // backend copy of a norm vector
 
   GlmDsaConfig config_;
   std::unique_ptr<Checkpoint> checkpoint_;
@@ -62,10 +87,12 @@ class GlmDsaModel {
   GlmDsaWeights weights_;
   std::unique_ptr<ExpertStore> experts_;
   std::vector<float> inv_freq_;  // [rope/2]
-  // DSA selection of the most recent full-indexer layer, reused by shared layers.
-  std::vector<int32_t> selected_, selected_count_;
+  float* cos_sin_ = nullptr;     // backend copy of this step's rope table [N, rope/2, 2]
   std::vector<std::shared_ptr<float>> scratch_;
   std::vector<size_t> scratch_size_;
+  std::vector<std::shared_ptr<int32_t>> scratch_i32_;
+  std::vector<size_t> scratch_i32_size_;
+  std::map<const void*, std::shared_ptr<float>> vectors_;  // host norm vector -> backend copy
 };
 
 }  // namespace vireo
