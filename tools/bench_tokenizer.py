@@ -5,7 +5,8 @@ the same run on the same documents, for the real tokenizers in ../shared/data/to
 The corpus is a few MB of English and code found on any Debian machine: license texts from
 /usr/share/common-licenses and /usr/share/doc/*/copyright (English), Python standard-library
 modules and C headers (code). Both sides encode each document without special tokens, after one
-warm-up pass (both keep a word cache). Documents are ~4 KB pieces cut at line ends; the best of --runs timed passes counts. The id streams are
+warm-up pass (both keep a word cache). Documents are ~4 KB pieces cut at line ends; the best of --runs timed passes counts. Time is process CPU time on both sides (one thread
+each), so other load on a shared machine inflates neither number. The id streams are
 compared by count and checksum.
 
 Usage: /work/pyenv/bin/python tools/bench_tokenizer.py --bench build-tok/vireo_tokenizer_bench
@@ -102,9 +103,9 @@ def main():
             out = [tok.encode(d, add_special_tokens=False).ids for d in docs]  # warm-up
             best = float("inf")
             for _ in range(args.runs):
-                t0 = time.perf_counter()
+                t0 = time.process_time()
                 out = [tok.encode(d, add_special_tokens=False).ids for d in docs]
-                best = min(best, time.perf_counter() - t0)
+                best = min(best, time.process_time() - t0)
             py_sum, py_n = fnv(out)
             res = json.loads(subprocess.check_output([args.bench, path, corpus, str(args.runs)]))
             same = res["checksum"] == py_sum and res["ids"] == py_n
