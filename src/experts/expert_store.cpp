@@ -1,6 +1,26 @@
 #include "experts/expert_store.h"
 
+#include "experts/streaming_store.h"
+
 namespace vireo {
+
+ExpertStoreStats ExpertStoreStats::operator-(const ExpertStoreStats& o) const {
+  ExpertStoreStats d;
+  d.requests = requests - o.requests;
+  d.hits = hits - o.hits;
+  d.misses = misses - o.misses;
+  d.bytes_read = bytes_read - o.bytes_read;
+  d.bytes_transferred = bytes_transferred - o.bytes_transferred;
+  d.evictions = evictions - o.evictions;
+  d.prefetch_reads = prefetch_reads - o.prefetch_reads;
+  d.prefetch_used = prefetch_used - o.prefetch_used;
+  d.predicted = predicted - o.predicted;
+  d.predicted_correct = predicted_correct - o.predicted_correct;
+  d.predicted_actual = predicted_actual - o.predicted_actual;
+  d.stall_seconds = stall_seconds - o.stall_seconds;
+  d.read_seconds = read_seconds - o.read_seconds;
+  return d;
+}
 
 Weight bind_weight(const Checkpoint& ck, const std::string& prefix, int64_t out, int64_t in) {
   const std::string name = prefix + ".weight";
@@ -25,28 +45,51 @@ Weight bind_weight(const Checkpoint& ck, const std::string& prefix, int64_t out,
   return w;
 }
 
-ResidentExpertStore::ResidentExpertStore(const Checkpoint& ck, const std::vector<bool>& moe_layers, int n_experts,
-                                         int64_t hidden, int64_t inter, const std::string& layer_prefix) {
-  experts_.resize(moe_layers.size());
-  for (size_t l = 0; l < moe_layers.size(); ++l) {
-    if (!moe_layers[l]) continue;
-    for (int e = 0; e < n_experts; ++e) {
-      const std::string p = layer_prefix + std::to_string(l) + ".mlp.experts." + std::to_string(e) + ".";
-      ExpertWeights x;
-      x.gate = bind_weight(ck, p + "gate_proj", inter, hidden);
-      x.up = bind_weight(ck, p + "up_proj", inter, hidden);
-      x.down = bind_weight(ck, p + "down_proj", hidden, inter);
-      bytes_ += x.nbytes();
-      experts_[l].push_back(x);
+ResidentExpertStore::ResidentExpertStore(const Checkpoint& ck, const ExpertStoreParams& p) {
+  experts_.resize(size_t(p.n_layers));
+  for (int l : p.moe_layers) {
+    for (int e = 0; e < p.n_experts; ++e) {
+      const std::string x = p.layer_prefix + std::to_string(l) + ".mlp.experts." + std::to_string(e) + ".";
+      ExpertWeights w;
+      w.gate = bind_weight(ck, x + "gate_proj", p.moe_intermediate, p.hidden);
+      w.up = bind_weight(ck, x + "up_proj", p.moe_intermediate, p.hidden);
+      w.down = bind_weight(ck, x + "down_proj", p.hidden, p.moe_intermediate);
+      bytes_ += w.nbytes();
+      experts_[size_t(l)].push_back(w);
     }
   }
 }
+
+namespace {
+ExpertStoreParams params_of(const std::vector<bool>& moe_layers, int n_experts, int64_t hidden, int64_t inter,
+                            const std::string& prefix) {
+  ExpertStoreParams p;
+  p.n_layers = int(moe_layers.size());
+  for (size_t l = 0; l < moe_layers.size(); ++l)
+    if (moe_layers[l]) p.moe_layers.push_back(int(l));
+  p.n_experts = n_experts;
+  p.hidden = hidden;
+  p.moe_intermediate = inter;
+  p.layer_prefix = prefix;
+  return p;
+}
+}  // namespace
+
+ResidentExpertStore::ResidentExpertStore(const Checkpoint& ck, const std::vector<bool>& moe_layers, int n_experts,
+                                         int64_t hidden, int64_t inter, const std::string& layer_prefix)
+    : ResidentExpertStore(ck, params_of(moe_layers, n_experts, hidden, inter, layer_prefix)) {}
 
 std::vector<const ExpertWeights*> ResidentExpertStore::prepare(int layer, const std::vector<int>& experts) {
   std::vector<const ExpertWeights*> out;
   out.reserve(experts.size());
   for (int e : experts) out.push_back(&experts_[size_t(layer)][size_t(e)]);
   return out;
+}
+
+std::unique_ptr<ExpertStore> make_expert_store(const Checkpoint& ck, const ExpertStoreParams& p,
+                                               const ExpertStoreOptions& o) {
+  if (o.slots <= 0) return std::make_unique<ResidentExpertStore>(ck, p);
+  return std::make_unique<StreamingExpertStore>(ck, p, o);
 }
 
 }  // namespace vireo

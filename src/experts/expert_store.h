@@ -1,9 +1,14 @@
 #pragma once
 // The expert store: the seam between the forward pass and where routed experts' weights live.
 // The forward pass asks for (layer, expert) and gets a Weight triple; whether the bytes are
-// resident, mapped, or streamed into a slot is the store's business. `ResidentExpertStore` binds
-// every expert straight from the mapped checkpoint.
+// resident, mapped, or streamed into a slot is the store's business.
+//
+// Two stores: `ResidentExpertStore` binds every expert straight from the mapped checkpoint;
+// `StreamingExpertStore` (streaming_store.h) keeps a fixed pool of slots sized from a memory
+// budget and reads misses from the checkpoint files. `make_expert_store` picks one from options.
 #include <cstdint>
+#include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -19,28 +24,85 @@ struct ExpertWeights {
   size_t nbytes() const { return gate.nbytes() + up.nbytes() + down.nbytes(); }
 };
 
+// Exact counters since construction or the last reset_stats(). A request is one (layer, expert)
+// of a prepare(); it is a hit when no read had to be issued for it (resident, or already on its
+// way from a prefetch), else a miss.
 struct ExpertStoreStats {
-  uint64_t requests = 0, hits = 0, misses = 0, bytes_read = 0;
-  double stall_seconds = 0;
+  uint64_t requests = 0, hits = 0, misses = 0;
+  uint64_t bytes_read = 0;         // payload bytes of experts read (misses and prefetches)
+  uint64_t bytes_transferred = 0;  // bytes the reads really moved (block-aligned extents)
+  uint64_t evictions = 0;
+  uint64_t prefetch_reads = 0;     // experts read ahead of need
+  uint64_t prefetch_used = 0;      // ... and later requested before being evicted
+  // Next-layer predictor: experts predicted, predicted and then requested, requested where a
+  // prediction existed. precision = correct / predicted, recall = correct / actual.
+  uint64_t predicted = 0, predicted_correct = 0, predicted_actual = 0;
+  double stall_seconds = 0;        // time prepare()/await() spent waiting for reads or slots
+  double read_seconds = 0;         // summed wall time of the read calls (over all I/O threads)
+
+  double hit_rate() const { return requests ? double(hits) / double(requests) : 0.0; }
+  ExpertStoreStats operator-(const ExpertStoreStats& o) const;
 };
 
 class ExpertStore {
  public:
   virtual ~ExpertStore() = default;
   // The experts `experts` of MoE layer `layer` are about to run: make them available. Returns
-  // them in the same order; valid until the next prepare() call.
+  // them in the same order, ready; valid until the next prepare/prepare_async call.
   virtual std::vector<const ExpertWeights*> prepare(int layer, const std::vector<int>& experts) = 0;
+  // As prepare(), but may return before the bytes have arrived: call await(i) before touching
+  // the i-th returned expert. Lets the caller compute on expert i while later ones still load.
+  virtual std::vector<const ExpertWeights*> prepare_async(int layer, const std::vector<int>& experts) {
+    return prepare(layer, experts);
+  }
+  virtual void await(size_t i) {}
+  // The most experts one prepare() can hold at once; a larger union must be asked for in chunks.
+  virtual size_t max_experts_per_prepare() const { return std::numeric_limits<size_t>::max(); }
+  // A hint: layer `layer` will probably ask for `experts` soon. Stores that stream start reads.
+  virtual void prefetch(int layer, const std::vector<int>& experts) {}
+  // True when prefetch() does something: the forward pass skips computing predictions otherwise.
+  virtual bool wants_prefetch() const { return false; }
+  // Bytes of expert weights this store holds in memory (resident: all; streaming: the pool).
   virtual size_t resident_bytes() const = 0;
   virtual ExpertStoreStats stats() const { return {}; }
+  virtual void reset_stats() {}
 };
 
 // Binds a linear layer's weight `prefix + ".weight"` (and, for F8_E4M3, its weight_scale_inv
 // [ceil(out/128), ceil(in/128)]) from the checkpoint, checking shape and dtype.
 Weight bind_weight(const Checkpoint& ck, const std::string& prefix, int64_t out, int64_t in);
 
+// Where a model's routed experts are, in plain terms (src/experts does not know model configs):
+// tensors `{layer_prefix}{L}.mlp.experts.{E}.{gate,up,down}_proj.weight` for L in moe_layers.
+struct ExpertStoreParams {
+  int n_layers = 0;             // model layers (indices run 0 .. n_layers-1)
+  std::vector<int> moe_layers;  // layers with routed experts
+  int n_experts = 0;            // routed experts per MoE layer
+  int top_k = 0;                // experts per token
+  int64_t hidden = 0, moe_intermediate = 0;
+  std::string layer_prefix = "model.layers.";
+};
+
+enum class DirectIo { Auto, On, Off };
+
+struct ExpertStoreOptions {
+  // Routed-expert slots in the pool; 0 keeps every expert resident (no streaming).
+  int64_t slots = 0;
+  // Slots each MoE layer keeps against eviction by other layers; -1 picks
+  // min(top_k, (slots - top_k) / n_moe_layers).
+  int layer_floor = -1;
+  // O_DIRECT reads (Auto: where the file system allows it, else buffered reads followed by
+  // posix_fadvise(DONTNEED) so the page cache does not hold the model either way).
+  DirectIo direct = DirectIo::Auto;
+  int io_threads = 4;                  // reads in flight at once
+  size_t read_chunk = size_t(8) << 20; // bytes per read call (a multiple of 4096)
+  bool prefetch = false;               // act on prefetch() hints
+};
+
 class ResidentExpertStore final : public ExpertStore {
  public:
-  // layers: for each model layer, true if it is an MoE layer (its experts are bound).
+  ResidentExpertStore(const Checkpoint& ck, const ExpertStoreParams& p);
+  // moe_layers: for each model layer, true if it is an MoE layer (its experts are bound).
   ResidentExpertStore(const Checkpoint& ck, const std::vector<bool>& moe_layers, int n_experts, int64_t hidden,
                       int64_t moe_intermediate, const std::string& layer_prefix = "model.layers.");
   std::vector<const ExpertWeights*> prepare(int layer, const std::vector<int>& experts) override;
@@ -50,5 +112,9 @@ class ResidentExpertStore final : public ExpertStore {
   std::vector<std::vector<ExpertWeights>> experts_;  // [layer][expert]
   size_t bytes_ = 0;
 };
+
+// Resident when options.slots == 0, else streaming with options.slots slots.
+std::unique_ptr<ExpertStore> make_expert_store(const Checkpoint& ck, const ExpertStoreParams& p,
+                                               const ExpertStoreOptions& o);
 
 }  // namespace vireo

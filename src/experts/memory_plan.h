@@ -1,0 +1,44 @@
+#pragma once
+// The memory plan: arithmetic over what a run will hold in RAM (dense spine resident, a pool of
+// expert slots, the MLA cache, activation scratch and a reserve), from which the expert pool is
+// sized to fit a budget. Tests check it against the bytes really allocated.
+#include <cstdint>
+#include <string>
+
+namespace vireo {
+
+struct MemoryPlanInputs {
+  uint64_t budget = 0;         // bytes; 0: no budget (every expert resident)
+  uint64_t dense_bytes = 0;    // resident weights: everything but routed experts
+  uint64_t expert_bytes = 0;   // one routed expert's weights
+  uint64_t slot_bytes = 0;     // one pool slot (expert_bytes plus block alignment)
+  int n_moe_layers = 0, n_experts = 0, top_k = 0;
+  uint64_t cache_bytes = 0;    // MLA cache for context x batch
+  uint64_t scratch_bytes = 0;  // activations of one step
+  int64_t context = 0, batch = 1;
+  uint64_t gpu_budget = 0;     // accepted and shown; the CPU backend does not use it
+};
+
+struct MemoryPlan {
+  MemoryPlanInputs in;
+  bool streaming = false;    // a budget is set: experts stream through the pool
+  int64_t slots = 0;         // pool slots (streaming), else every expert
+  uint64_t pool_bytes = 0;
+  uint64_t reserve = 0;      // code, thread stacks, allocator slack
+  uint64_t total = 0;        // sum of the rows
+  uint64_t minimum = 0;      // smallest budget that runs: a pool of top_k slots
+  bool fits = true;          // budget >= minimum
+  int64_t total_experts() const { return int64_t(in.n_moe_layers) * in.n_experts; }
+  // The table, one row per line.
+  std::string table() const;
+};
+
+MemoryPlan make_memory_plan(const MemoryPlanInputs& in);
+
+// "8G", "512M", "1.5GiB", "64k", "123" (binary units: K = 1024) -> bytes; `flag` names the
+// option in errors.
+uint64_t parse_byte_size(const std::string& s, const std::string& flag);
+// 1536 -> "1.50 KiB".
+std::string format_bytes(uint64_t bytes);
+
+}  // namespace vireo
