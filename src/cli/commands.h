@@ -7,6 +7,10 @@
 
 #include <CLI/CLI.hpp>
 
+#include "experts/memory_plan.h"
+#include "experts/streaming_store.h"
+#include "model/glm_dsa/model.h"
+
 namespace vireo::cli {
 
 using Action = std::function<int()>;
@@ -15,6 +19,33 @@ Action add_run(CLI::App& app);
 Action add_logits(CLI::App& app);
 Action add_info(CLI::App& app);
 Action add_bench(CLI::App& app);
+Action add_plan(CLI::App& app);
+Action add_synth(CLI::App& app);
+
+// Expert streaming (cmd_plan.cpp): --memory-budget and friends, shared by run, logits and bench.
+struct StreamingFlags {
+  std::string budget;            // empty: every expert resident
+  std::string direct = "auto";   // O_DIRECT reads: auto, on, off
+  std::string prefetch = "auto"; // next-layer prediction: auto, on, off
+  int io_threads = 4;
+  int floor = -1;
+  bool stats = false;
+};
+void add_streaming_flags(CLI::App& app, StreamingFlags& f);
+struct LoadedModel {
+  std::unique_ptr<GlmDsaModel> model;
+  MemoryPlan plan;                              // set when streaming
+  StreamingExpertStore* streaming = nullptr;  // null: all experts resident
+};
+// Loads `dir`; under --memory-budget plans first (refusing a budget below the minimum with the
+// table on stderr) and streams routed experts through a pool sized by the plan.
+LoadedModel load_model(const std::string& dir, Backend& backend, const StreamingFlags& f, int64_t context,
+                       int64_t batch = 1);
+MemoryPlan plan_for(const Checkpoint& ck, const GlmDsaConfig& c, uint64_t budget, int64_t context, int64_t batch,
+                    uint64_t gpu_budget = 0);
+ExpertStoreParams expert_params(const GlmDsaConfig& c);
+std::string stats_line(const ExpertStoreStats& s);
+uint64_t peak_rss_bytes();  // VmHWM of this process
 
 // "1,2,3" -> ids; `flag` names the option in errors.
 std::vector<int32_t> parse_id_list(const std::string& s, const std::string& flag);

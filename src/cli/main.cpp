@@ -20,6 +20,8 @@ int main(int argc, char** argv) {
   add("logits", "Write teacher-forced logits [T, vocab] as a float32 .npy", vireo::cli::add_logits);
   add("info", "Describe a checkpoint: architecture, parameters, bytes, layer schedule", vireo::cli::add_info);
   add("bench", "Measure prefill and decode speed (checkpoint or synthetic GLM-5 shapes)", vireo::cli::add_bench);
+  add("plan", "Print the memory plan for a model under a budget", vireo::cli::add_plan);
+  add("synth", "Write a random checkpoint with real GLM-5 layer shapes", vireo::cli::add_synth);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

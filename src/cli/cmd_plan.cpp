@@ -1,0 +1,186 @@
+// `vireo plan`, and the model loading shared by run/logits/bench under --memory-budget: the
+// memory plan is computed before anything is allocated; a budget below the minimum is refused
+// with the table on stderr and a one-line error.
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <string>
+
+#include "cache/mla_cache.h"
+#include "cli/commands.h"
+#include "experts/expert_layout.h"
+#include "experts/streaming_store.h"
+#include "model/glm_dsa/weights.h"
+
+namespace vireo::cli {
+
+namespace {
+
+// Activations of one step of T tokens (the model's scratch buffers), f32.
+uint64_t estimate_scratch_bytes(const GlmDsaConfig& c, int64_t T, int64_t out_rows) {
+  const int64_t qw = c.qk_head_dim(), inter = std::max(c.intermediate_size, c.moe_intermediate_size * c.n_shared_experts);
+  const int64_t per_token = 7 * c.hidden_size + c.n_heads * qw + 2 * c.q_lora_rank + c.kv_cache_dim() +
+                            int64_t(c.index_n_heads) * c.index_head_dim + c.index_head_dim + c.index_n_heads +
+                            c.n_heads * c.v_head_dim + 2 * inter + 2 * c.moe_intermediate_size + c.qk_rope_dim +
+                            int64_t(c.index_topk) + 4 * c.experts_per_token;
+  return uint64_t(T * per_token + out_rows * c.vocab_size) * 4;
+}
+
+ExpertStoreOptions store_options(const StreamingFlags& f) {
+  ExpertStoreOptions o;
+  o.layer_floor = f.floor;
+  o.direct = f.direct == "on" ? DirectIo::On : f.direct == "off" ? DirectIo::Off : DirectIo::Auto;
+  o.io_threads = f.io_threads;
+  o.prefetch = f.prefetch != "off";
+  return o;
+}
+
+// The dense spine stays mapped and is counted as resident: ask the kernel to bring it in now.
+void advise_dense_resident(const Checkpoint& ck, const ExpertStoreParams& p) {
+  const uintptr_t page = uintptr_t(::sysconf(_SC_PAGESIZE));
+  for (const auto& [name, t] : ck.tensors()) {
+    if (name.find(".mlp.experts.") != std::string::npos || !t->data || t->nbytes == 0) continue;
+    const uintptr_t b = uintptr_t(t->data) / page * page, e = uintptr_t(t->data) + t->nbytes;
+    ::madvise(reinterpret_cast<void*>(b), e - b, MADV_WILLNEED);
+  }
+}
+
+}  // namespace
+
+ExpertStoreParams expert_params(const GlmDsaConfig& c) {
+  ExpertStoreParams p;
+  p.n_layers = c.num_layers;
+  for (int l = 0; l < c.num_layers; ++l)
+    if (!c.layer_dense[size_t(l)]) p.moe_layers.push_back(l);
+  p.n_experts = c.n_routed_experts;
+  p.top_k = c.experts_per_token;
+  p.hidden = c.hidden_size;
+  p.moe_intermediate = c.moe_intermediate_size;
+  return p;
+}
+
+void add_streaming_flags(CLI::App& app, StreamingFlags& f) {
+  app.add_option("--memory-budget", f.budget, "Bytes of RAM for weights, cache and scratch (e.g. 8G); routed experts "
+                                              "stream from disk through a pool sized to fit");
+  app.add_option("--direct-io", f.direct, "Expert reads with O_DIRECT: auto, on, off (off: buffered + DONTNEED)")
+      ->check(CLI::IsMember({"auto", "on", "off"}));
+  app.add_option("--prefetch", f.prefetch, "Next-layer expert prediction and read-ahead: auto, on, off")
+      ->check(CLI::IsMember({"auto", "on", "off"}));
+  app.add_option("--io-threads", f.io_threads, "Expert reads in flight")->check(CLI::Range(1, 256));
+  app.add_option("--layer-floor", f.floor, "Expert slots each layer keeps (default: automatic)")->check(CLI::Range(0, 256));
+  app.add_flag("--stats", f.stats, "Print expert store counters per token and in total (stderr)");
+}
+
+MemoryPlan plan_for(const Checkpoint& ck, const GlmDsaConfig& c, uint64_t budget, int64_t context, int64_t batch,
+                    uint64_t gpu_budget) {
+  MemoryPlanInputs in;
+  in.budget = budget;
+  in.gpu_budget = gpu_budget;
+  in.dense_bytes = bind_glm_dsa_weights(ck, c).dense_bytes;
+  const ExpertStoreParams p = expert_params(c);
+  in.n_moe_layers = int(p.moe_layers.size());
+  in.n_experts = p.n_experts;
+  in.top_k = p.top_k;
+  if (!p.moe_layers.empty()) {
+    if (!ck.files().empty()) {
+      ExpertLayout layout(ck, p);
+      in.expert_bytes = layout.expert_bytes();
+      in.slot_bytes = layout.slot_bytes();
+    } else {  // in memory: no file layout
+      ExpertWeights w = ResidentExpertStore(ck, p).prepare(p.moe_layers[0], {0})[0][0];
+      in.expert_bytes = w.nbytes();
+      in.slot_bytes = estimate_slot_bytes(in.expert_bytes);
+    }
+  }
+  MlaCacheShape cs;
+  cs.n_layers = c.num_layers;
+  cs.kv_dim = c.kv_cache_dim();
+  cs.index_dim = c.has_indexer ? c.index_head_dim : 0;
+  for (int l = 0; l < c.num_layers; ++l) cs.has_index.push_back(c.has_indexer && c.indexer_full[size_t(l)]);
+  in.context = context;
+  in.batch = batch;
+  in.cache_bytes = uint64_t(MlaCache::bytes_per_token(cs)) * uint64_t(context) * uint64_t(batch);
+  in.scratch_bytes = estimate_scratch_bytes(c, std::max<int64_t>(batch, std::min<int64_t>(context, 128)), batch);
+  return make_memory_plan(in);
+}
+
+LoadedModel load_model(const std::string& dir, Backend& backend, const StreamingFlags& f, int64_t context,
+                       int64_t batch) {
+  LoadedModel m;
+  GlmDsaConfig c = load_glm_dsa_config(dir);
+  auto ck = Checkpoint::open(dir);
+  std::unique_ptr<ExpertStore> store;
+  if (!f.budget.empty()) {
+    const uint64_t budget = parse_byte_size(f.budget, "--memory-budget");
+    m.plan = plan_for(*ck, c, budget, context, batch);
+    if (!m.plan.fits) {
+      std::fputs(m.plan.table().c_str(), stderr);
+      fail("--memory-budget ", format_bytes(budget), " is below the minimum of ", format_bytes(m.plan.minimum),
+           " for ", dir, " at context ", context, " x batch ", batch);
+    }
+    ExpertStoreOptions o = store_options(f);
+    o.slots = m.plan.slots;
+    auto s = std::make_unique<StreamingExpertStore>(*ck, expert_params(c), o);
+    m.streaming = s.get();
+    store = std::move(s);
+    advise_dense_resident(*ck, expert_params(c));
+  }
+  m.model = GlmDsaModel::create(std::move(c), std::move(ck), backend, std::move(store));
+  return m;
+}
+
+std::string stats_line(const ExpertStoreStats& s) {
+  char buf[512];
+  std::snprintf(buf, sizeof buf,
+                "requests %llu, hits %llu (%.1f%%), misses %llu, read %.3f GB (%.3f GB moved), stalled %.3f s, "
+                "prefetched %llu (%llu used)",
+                (unsigned long long)s.requests, (unsigned long long)s.hits, 100.0 * s.hit_rate(),
+                (unsigned long long)s.misses, double(s.bytes_read) / 1e9, double(s.bytes_transferred) / 1e9,
+                s.stall_seconds, (unsigned long long)s.prefetch_reads, (unsigned long long)s.prefetch_used);
+  std::string out = buf;
+  if (s.predicted) {
+    std::snprintf(buf, sizeof buf, ", predictor precision %.1f%% recall %.1f%%",
+                  100.0 * double(s.predicted_correct) / double(s.predicted),
+                  s.predicted_actual ? 100.0 * double(s.predicted_correct) / double(s.predicted_actual) : 0.0);
+    out += buf;
+  }
+  return out;
+}
+
+uint64_t peak_rss_bytes() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("VmHWM:", 0) == 0) return uint64_t(std::stoull(line.substr(6))) * 1024;
+  return 0;
+}
+
+Action add_plan(CLI::App& app) {
+  struct Opts {
+    std::string model, budget, gpu_budget;
+    int64_t context = 4096, batch = 1;
+  };
+  auto o = std::make_shared<Opts>();
+  app.add_option("--model,-m", o->model, "Model directory")->required();
+  app.add_option("--memory-budget", o->budget, "RAM budget (e.g. 8G); without it every expert is resident");
+  app.add_option("--gpu-budget", o->gpu_budget, "GPU memory budget (shown; not planned by the CPU backend yet)");
+  app.add_option("--context", o->context, "Context length per sequence")->check(CLI::Range(int64_t(1), int64_t(1) << 24));
+  app.add_option("--batch", o->batch, "Sequences decoded together")->check(CLI::Range(int64_t(1), int64_t(1) << 16));
+  return [o]() {
+    GlmDsaConfig c = load_glm_dsa_config(o->model);
+    auto ck = Checkpoint::open(o->model);
+    const uint64_t budget = o->budget.empty() ? 0 : parse_byte_size(o->budget, "--memory-budget");
+    const uint64_t gpu = o->gpu_budget.empty() ? 0 : parse_byte_size(o->gpu_budget, "--gpu-budget");
+    MemoryPlan p = plan_for(*ck, c, budget, o->context, o->batch, gpu);
+    std::fputs(p.table().c_str(), stdout);
+    if (!p.fits)
+      fail("--memory-budget ", format_bytes(budget), " is below the minimum of ", format_bytes(p.minimum), " for ",
+           o->model, " at context ", o->context, " x batch ", o->batch);
+    return 0;
+  };
+}
+
+}  // namespace vireo::cli
