@@ -40,6 +40,7 @@ Action add_run(CLI::App& app) {
     int64_t n = 64;
     SamplingParams s;
     bool ignore_eos = false;
+    StreamingFlags sf;
   };
   auto o = std::make_shared<Opts>();
   app.add_option("--model,-m", o->model, "Model directory (config.json + safetensors)")->required();
@@ -51,11 +52,14 @@ Action add_run(CLI::App& app) {
   app.add_option("--min-p", o->s.min_p, "Drop tokens below min_p x the top probability (0: off)");
   app.add_option("--seed", o->s.seed, "Sampling seed");
   app.add_flag("--ignore-eos", o->ignore_eos, "Do not stop at end-of-sequence tokens");
+  add_streaming_flags(app, o->sf);
   return [o]() {
     validate_sampling(o->s);
     std::vector<int32_t> prompt = parse_id_list(o->prompt_ids, "--prompt-ids");
     auto backend = make_cpu_backend();
-    auto model = GlmDsaModel::load(o->model, *backend);
+    LoadedModel lm = load_model(o->model, *backend, o->sf, int64_t(prompt.size()) + o->n);
+    auto& model = lm.model;
+    ExpertStoreStats last = model->experts().stats();
     for (int32_t id : prompt)
       if (id >= model->config().vocab_size)
         fail("--prompt-ids: token id ", id, " is out of range (vocab size ", model->config().vocab_size, ")");
@@ -69,6 +73,11 @@ Action add_run(CLI::App& app) {
       std::printf(first ? "%d" : ",%d", id);
       std::fflush(stdout);
       first = false;
+      if (o->sf.stats) {  // counters of the forward step that produced this token
+        const ExpertStoreStats now = model->experts().stats();
+        std::fprintf(stderr, "token %d: %s\n", id, stats_line(now - last).c_str());
+        last = now;
+      }
       return true;
     });
     std::printf("\n");
@@ -77,6 +86,9 @@ Action add_run(CLI::App& app) {
                  (long long)r.prompt_tokens, r.prefill_seconds, double(r.prompt_tokens) / r.prefill_seconds,
                  r.tokens.size(), decoded > 0 ? double(decoded) / r.decode_seconds : 0.0,
                  r.stopped_at_eos ? " (stopped at EOS)" : "");
+    if (o->sf.stats)
+      std::fprintf(stderr, "experts total: %s\npeak RSS: %llu bytes\n", stats_line(model->experts().stats()).c_str(),
+                   (unsigned long long)peak_rss_bytes());
     return 0;
   };
 }
@@ -84,6 +96,7 @@ Action add_run(CLI::App& app) {
 Action add_logits(CLI::App& app) {
   struct Opts {
     std::string model, tokens, out, mode = "prefill";
+    StreamingFlags sf;
   };
   auto o = std::make_shared<Opts>();
   app.add_option("--model,-m", o->model, "Model directory")->required();
@@ -92,10 +105,12 @@ Action add_logits(CLI::App& app) {
                                     "decode: one token at a time through the cache (absorbed attention)")
       ->check(CLI::IsMember({"prefill", "decode"}));
   app.add_option("--out,-o", o->out, "Output .npy file (float32 [T, vocab])")->required();
+  add_streaming_flags(app, o->sf);
   return [o]() {
     std::vector<int32_t> ids = parse_id_list(o->tokens, "--tokens");
     auto backend = make_cpu_backend();
-    auto model = GlmDsaModel::load(o->model, *backend);
+    LoadedModel lm = load_model(o->model, *backend, o->sf, int64_t(ids.size()));
+    auto& model = lm.model;
     const int64_t V = model->config().vocab_size, T = int64_t(ids.size());
     for (int32_t id : ids)
       if (id >= V) fail("--tokens: token id ", id, " is out of range (vocab size ", V, ")");
@@ -109,6 +124,7 @@ Action add_logits(CLI::App& app) {
     }
     write_npy_f32(o->out, logits.data(), {T, V});
     std::fprintf(stderr, "wrote %s [%lld, %lld]\n", o->out.c_str(), (long long)T, (long long)V);
+    if (o->sf.stats) std::fprintf(stderr, "experts total: %s\n", stats_line(model->experts().stats()).c_str());
     return 0;
   };
 }
