@@ -222,3 +222,44 @@ TEST(ModelFixtures, CacheTrimRollsBack) {
   EXPECT_LE(max_row_rel_l2(a.data(), b.data(), 1, V), 1e-5);
   EXPECT_LE(max_row_rel_l2(b.data(), f.logits.data.data() + (ids.size() - 1) * size_t(V), 1, V), 1e-4);
 }
+
+TEST(ModelFixtures, BatchedStepsEqualSingleSequenceRuns) {
+  // Three sequences of different lengths join at different steps, mixing prefill chunks and
+  // single-token decodes in one batch; every logit row equals running that sequence alone.
+  Fixture f = load_fixture("glm_dsa_shared_f32");
+  auto ids = ids_of(f.expected["tokens"]);
+  auto be = make_cpu_backend();
+  auto m = GlmDsaModel::load(f.dir, *be);
+  const int64_t V = m->config().vocab_size;
+  // steps[s] = list of (row, begin, end) chunks of `ids` (each row reads its own slice of ids).
+  struct Chunk { int row; int64_t b, e; };
+  const std::vector<std::vector<Chunk>> steps = {
+      {{0, 0, 20}, {1, 5, 15}},
+      {{0, 20, 21}, {1, 15, 40}, {2, 10, 13}},
+      {{0, 21, 22}, {1, 40, 41}, {2, 13, 30}},
+      {{0, 22, 23}, {2, 30, 31}},
+  };
+  MlaCache batched(*be, m->cache_shape(), 3, 64);
+  MlaCache alone(*be, m->cache_shape(), 3, 64);
+  for (const auto& step : steps) {
+    std::vector<std::vector<float>> out(step.size(), std::vector<float>(static_cast<size_t>(64 * V)));
+    std::vector<BatchItem> items;
+    for (size_t i = 0; i < step.size(); ++i) {
+      BatchItem it;
+      it.row = step[i].row;
+      it.tokens = &ids[size_t(step[i].b)];
+      it.T = step[i].e - step[i].b;
+      it.logits = out[i].data();
+      it.all_logits = true;
+      items.push_back(it);
+    }
+    m->forward_batch(items, batched);
+    for (size_t i = 0; i < step.size(); ++i) {
+      std::vector<float> ref(static_cast<size_t>(items[i].T * V));
+      m->forward(items[i].tokens, items[i].T, alone, items[i].row, ref.data(), true);
+      EXPECT_LE(max_row_rel_l2(out[i].data(), ref.data(), items[i].T, V), 1e-5) << "row " << items[i].row;
+    }
+  }
+  EXPECT_EQ(batched.length(1), 41 - 5);
+  EXPECT_EQ(batched.length(2), 31 - 10);
+}
