@@ -28,6 +28,49 @@ import tokenizers
 from tokenizers import Tokenizer
 
 NAMES = ["deepseek_v3", "qwen3", "gemma3"]
+
+# Variants of the real tokenizers with other components swapped in, so that components the three
+# do not use (Metaspace, Digits, Prepend, Strip, NFKC, ByteLevel with its regex, ignore_merges,
+# Roberta post-processing) are also checked against `tokenizers`. Written to variants.json; the
+# C++ test applies the same patches. Keys are top-level fields, or "model.<field>".
+VARIANTS = {
+    "gemma3_llama": {"base": "gemma3", "set": {
+        "normalizer": {"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": "\u2581"},
+            {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]},
+        "pre_tokenizer": None,
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+            {"type": "ByteFallback"}, {"type": "Fuse"},
+            {"type": "Strip", "content": " ", "start": 1, "stop": 0}]}}},
+    "gemma3_metaspace": {"base": "gemma3", "set": {
+        "normalizer": {"type": "NFKC"},
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Digits", "individual_digits": False},
+            {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": True}]},
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": True},
+            {"type": "ByteFallback"}, {"type": "Fuse"}]}}},
+    "qwen3_bytelevel_regex": {"base": "qwen3", "set": {
+        "normalizer": {"type": "Sequence", "normalizers": [{"type": "NFKC"}]},
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Digits", "individual_digits": True},
+            {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}]},
+        "post_processor": {"type": "RobertaProcessing", "sep": ["<|im_end|>", 151645],
+                           "cls": ["<|im_start|>", 151644], "trim_offsets": True, "add_prefix_space": True},
+        "model.ignore_merges": True}},
+}
+
+
+def variant_json(name):
+    v = VARIANTS[name]
+    d = load_json(v["base"])
+    for key, value in v["set"].items():
+        if key.startswith("model."):
+            d["model"][key[len("model."):]] = value
+        else:
+            d[key] = value
+    return d
 SEED = 20240611
 
 WORDS = """the of and to in is was for that with on as by at from his her it an were are which this
@@ -324,8 +367,11 @@ def main():
     texts = [t for _, t in cases] + [b.decode("utf-8", "replace") for b in INVALID]
     print(f"corpus: {len(texts)} strings", file=sys.stderr)
 
-    for name in NAMES:
-        raw = json.dumps(load_json(name))
+    with open(os.path.join(ARGS.out, "variants.json"), "w", encoding="utf-8", newline="\n") as f:
+        json.dump(VARIANTS, f, ensure_ascii=False, indent=1)
+        f.write("\n")
+    for name in NAMES + list(VARIANTS):
+        raw = json.dumps(load_json(name) if name in NAMES else variant_json(name))
         tok = Tokenizer.from_str(raw)
         out_cases = []
         for t in texts:
@@ -334,7 +380,7 @@ def main():
             out_cases.append({"e": e, "s": s, "d": tok.decode(s, skip_special_tokens=False),
                               "ds": tok.decode(s, skip_special_tokens=True)})
         # Random id sequences exercise decoding of partial characters and invalid byte runs.
-        r = random.Random(SEED + NAMES.index(name))
+        r = random.Random(SEED + (NAMES + list(VARIANTS)).index(name))
         vocab = tok.get_vocab_size(with_added_tokens=True)
         # Sorted: get_vocab() order varies from run to run.
         byte_ids = sorted(i for tkn, i in tok.get_vocab(with_added_tokens=True).items()

@@ -135,7 +135,10 @@ struct DecoderStage {
 
 struct Piece {
   std::string_view s;
-  bool at_origin;  // starts at byte 0 of the whole input (Metaspace's prepend_scheme "first")
+  // How many leading bytes of s are aligned to offset 0 of the whole input (0: none). Metaspace's
+  // prepend_scheme "first" prepends to every piece that starts there; a first character that the
+  // normalizer expands (NFKC "½" -> "1⁄2") can start several pieces.
+  std::size_t origin_span;
 };
 
 std::string type_of(const json& j, const std::string& where) {
@@ -236,7 +239,7 @@ struct TokenizerImpl {
   template <typename F>
   void split_added(const TokenTrie& trie, std::string_view s, F&& f) const;
   void encode_chunk(std::string_view s, bool at_origin, std::vector<uint32_t>& out) const;
-  void pretokenize_and_model(std::string_view s, bool at_origin, std::vector<uint32_t>& out) const;
+  void pretokenize_and_model(std::string_view s, std::size_t origin_span, std::vector<uint32_t>& out) const;
   std::string decode_tokens(std::vector<std::string> tokens, bool at_start, bool* clean) const;
   bool token_of(uint32_t id, bool skip_special, std::string& tok) const;
 };
@@ -584,13 +587,16 @@ void TokenizerImpl::split_added(const TokenTrie& trie, std::string_view s, F&& f
 void TokenizerImpl::encode_chunk(std::string_view s, bool at_origin, std::vector<uint32_t>& out) const {
   std::string normalized;
   std::string_view n = s;
+  std::size_t origin_span = 0;
+  if (at_origin && !s.empty()) origin_span = unicode::utf8_len(static_cast<unsigned char>(s[0]));
   if (!normalizers.empty()) {
     normalized = normalize(s);
     n = normalized;
+    if (origin_span) origin_span = std::max<std::size_t>(1, normalize(s.substr(0, origin_span)).size());
   }
   split_added(norm_trie, n, [&](std::size_t a, std::size_t b, const AddedToken* t) {
     if (t) out.push_back(t->id);
-    else pretokenize_and_model(n.substr(a, b - a), at_origin && a == 0, out);
+    else pretokenize_and_model(n.substr(a, b - a), a < origin_span ? origin_span - a : 0, out);
   });
 }
 
@@ -641,7 +647,7 @@ void emit_split(const Piece& p, std::vector<std::pair<std::pair<std::size_t, std
     }
   }
   for (auto [a, b] : ranges)
-    if (b > a) out.push_back({p.s.substr(a, b - a), p.at_origin && a == 0});
+    if (b > a) out.push_back({p.s.substr(a, b - a), a < p.origin_span ? p.origin_span - a : 0});
 }
 
 using Events = std::vector<std::pair<std::pair<std::size_t, std::size_t>, bool>>;
@@ -683,13 +689,14 @@ void char_events(std::string_view s, Pred pred, Events& ev) {
 }
 }  // namespace
 
-void TokenizerImpl::pretokenize_and_model(std::string_view s, bool at_origin, std::vector<uint32_t>& out) const {
+void TokenizerImpl::pretokenize_and_model(std::string_view s, std::size_t origin_span,
+                                          std::vector<uint32_t>& out) const {
   if (s.empty()) return;
   thread_local std::vector<Piece> cur, next;
   thread_local Events ev;
   std::deque<std::string> arena;  // storage for pieces whose text a pre-tokenizer rewrote
   cur.clear();
-  cur.push_back({s, at_origin});
+  cur.push_back({s, origin_span});
   for (const PreTokenizer& pt : pretokenizers) {
     next.clear();
     for (const Piece& p0 : cur) {
@@ -706,6 +713,7 @@ void TokenizerImpl::pretokenize_and_model(std::string_view s, bool at_origin, st
           if (pt.add_prefix_space && p.s[0] != ' ') {
             arena.push_back(" " + std::string(p.s));
             p.s = arena.back();
+            if (p.origin_span) ++p.origin_span;
           }
           if (pt.regex) {
             regex_events(p.s, *pt.regex, ev);
@@ -717,8 +725,12 @@ void TokenizerImpl::pretokenize_and_model(std::string_view s, bool at_origin, st
         case PreKind::Metaspace: {
           std::string t(p.s);
           replace_all(t, " ", pt.literal);
+          if (p.origin_span) p.origin_span += t.size() - p.s.size();  // spaces grew into "▁"
           bool starts = t.compare(0, pt.literal.size(), pt.literal) == 0;
-          if (!starts && (pt.prepend_scheme == 0 || (pt.prepend_scheme == 1 && p.at_origin))) t = pt.literal + t;
+          if (!starts && (pt.prepend_scheme == 0 || (pt.prepend_scheme == 1 && p.origin_span > 0))) {
+            t = pt.literal + t;
+            if (p.origin_span) p.origin_span += pt.literal.size();
+          }
           arena.push_back(std::move(t));
           p.s = arena.back();
           if (pt.split) {

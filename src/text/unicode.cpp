@@ -1,6 +1,7 @@
 #include "text/unicode.h"
 
 #include <cstdlib>
+#include <utility>
 #include <utf8proc.h>
 
 #include "core/error.h"
@@ -163,6 +164,13 @@ bool is_word_char(char32_t c) {
 
 bool is_numeric(char32_t c) {
   if (c < 0x80) return c >= '0' && c <= '9';
+  // Decimal digits new in Unicode 16: Rust's std (which `tokenizers` uses) knows them, while
+  // libutf8proc 2.8 stops at Unicode 15.
+  static constexpr std::pair<char32_t, char32_t> kUnicode16Digits[] = {
+      {0x10D40, 0x10D49}, {0x116D0, 0x116E3}, {0x11BF0, 0x11BF9}, {0x16130, 0x16139},
+      {0x16D70, 0x16D79}, {0x1CCF0, 0x1CCF9}, {0x1E5F1, 0x1E5FA}};
+  for (auto [lo, hi] : kUnicode16Digits)
+    if (c >= lo && c <= hi) return true;
   auto cat = utf8proc_category(static_cast<utf8proc_int32_t>(c));
   return cat == UTF8PROC_CATEGORY_ND || cat == UTF8PROC_CATEGORY_NL || cat == UTF8PROC_CATEGORY_NO;
 }
