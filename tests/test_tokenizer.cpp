@@ -3,7 +3,9 @@
 // invalid UTF-8, and errors for unsupported components.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <filesystem>
+#include <thread>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -135,7 +137,8 @@ TEST_P(TokenizerGolden, EncodeDecodeMatchPythonTokenizers) {
     auto s = cases[i]["s"].get<std::vector<uint32_t>>();
     auto got_e = tok.encode(text, false);
     auto got_s = tok.encode(text, true);
-    bool ok_e = got_e == e, ok_s = got_s == s;
+    bool ok_e = got_e == e && tok.encode(text, false, false) == cases[i]["t"].get<std::vector<uint32_t>>();
+    bool ok_s = got_s == s;
     bad_plain += !ok_e;
     bad_special += !ok_s;
     std::string d = tok.decode(s, false), ds = tok.decode(s, true);
@@ -152,7 +155,7 @@ TEST_P(TokenizerGolden, EncodeDecodeMatchPythonTokenizers) {
                     << (ok_stream ? "" : "\n  stream decode differs");
     }
   }
-  std::printf("[tokenizer %s] %zu strings: encode mismatches %zu, encode+special mismatches %zu, "
+  std::printf("[tokenizer %s] %zu strings: encode (plain, specials as text) mismatches %zu, encode+special mismatches %zu, "
               "decode mismatches %zu, stream mismatches %zu\n",
               GetParam().c_str(), cases.size(), bad_plain, bad_special, bad_decode, bad_stream);
   EXPECT_EQ(bad_plain + bad_special + bad_decode + bad_stream, 0u);
@@ -186,6 +189,21 @@ TEST_P(TokenizerGolden, InvalidUtf8IsReplacedLikePython) {
   EXPECT_EQ(tok.encode("\xe2\x82 x", false), tok.encode("\xEF\xBF\xBD x", false));
   EXPECT_EQ(tok.encode("\xf0\x9f\x98", false), tok.encode("\xEF\xBF\xBD", false));
   EXPECT_EQ(tok.encode("\xc0\xaf", false), tok.encode("\xEF\xBF\xBD\xEF\xBF\xBD", false));
+}
+
+TEST_P(TokenizerGolden, ConcurrentEncodesAgree) {
+  const Tokenizer& tok = load(GetParam());
+  const Corpus& c = corpus();
+  std::vector<std::vector<uint32_t>> want;
+  for (size_t i = 0; i < 300; ++i) want.push_back(tok.encode(c.texts[i]));
+  std::atomic<size_t> bad{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t)
+    threads.emplace_back([&] {
+      for (size_t i = 0; i < want.size(); ++i) bad += tok.encode(c.texts[i]) != want[i];
+    });
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(bad.load(), 0u);
 }
 
 INSTANTIATE_TEST_SUITE_P(Real, TokenizerGolden, ::testing::Values("deepseek_v3", "qwen3", "gemma3"));

@@ -9,7 +9,8 @@ Writes (under tests/data/tokenizer/):
                                not valid UTF-8, {"kind": "invalid_utf8", "hex": ...}
   <name>.golden.json.gz        {"tokenizers_version", "cases": [{"e": ids without special
                                tokens, "s": ids with, "d": decode(s), "ds": decode(s, skip
-                               special)}], "random_decode": [{"ids", "d", "ds"}]}
+                               special), "t": ids with special tokens in the text read as
+                               plain text}], "random_decode": [{"ids", "d", "ds"}]}
 
 Invalid UTF-8 cases are encoded by `tokenizers` as bytes.decode("utf-8", "replace"): vireo's
 defined behaviour for such input.
@@ -379,6 +380,11 @@ def main():
             s = tok.encode(t, add_special_tokens=True).ids
             out_cases.append({"e": e, "s": s, "d": tok.decode(s, skip_special_tokens=False),
                               "ds": tok.decode(s, skip_special_tokens=True)})
+        # Special tokens spelled in the text encoded as plain text (encode_special_tokens).
+        tok.encode_special_tokens = True
+        for c, t in zip(out_cases, texts):
+            c["t"] = tok.encode(t, add_special_tokens=False).ids
+        tok.encode_special_tokens = False
         # Random id sequences exercise decoding of partial characters and invalid byte runs.
         r = random.Random(SEED + (NAMES + list(VARIANTS)).index(name))
         vocab = tok.get_vocab_size(with_added_tokens=True)

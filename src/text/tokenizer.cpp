@@ -237,8 +237,8 @@ struct TokenizerImpl {
 
   std::string normalize(std::string_view s) const;
   template <typename F>
-  void split_added(const TokenTrie& trie, std::string_view s, F&& f) const;
-  void encode_chunk(std::string_view s, bool at_origin, std::vector<uint32_t>& out) const;
+  void split_added(const TokenTrie& trie, std::string_view s, bool parse_special, F&& f) const;
+  void encode_chunk(std::string_view s, bool at_origin, bool parse_special, std::vector<uint32_t>& out) const;
   void pretokenize_and_model(std::string_view s, std::size_t origin_span, std::vector<uint32_t>& out) const;
   std::string decode_tokens(std::vector<std::string> tokens, bool at_start, bool* clean) const;
   bool token_of(uint32_t id, bool skip_special, std::string& tok) const;
@@ -545,7 +545,7 @@ bool starts_with_word(std::string_view s) {
 // Splits s around added tokens, calling f(begin, end, token or nullptr) in order; mirrors
 // AddedVocabulary::find_matches (single_word, lstrip, rstrip included).
 template <typename F>
-void TokenizerImpl::split_added(const TokenTrie& trie, std::string_view s, F&& f) const {
+void TokenizerImpl::split_added(const TokenTrie& trie, std::string_view s, bool parse_special, F&& f) const {
   if (trie.empty()) {
     f(std::size_t(0), s.size(), nullptr);
     return;
@@ -555,6 +555,8 @@ void TokenizerImpl::split_added(const TokenTrie& trie, std::string_view s, F&& f
   while (trie.find(s, from, start, stop, value)) {
     from = stop;
     const AddedToken& t = added[static_cast<std::size_t>(value)];
+    // Like tokenizers, a skipped special token's bytes are not rescanned for other tokens.
+    if (!parse_special && t.special) continue;
     if (t.single_word) {
       bool start_space = start == 0 || !ends_with_word(s.substr(0, start));
       bool stop_space = stop == s.size() || !starts_with_word(s.substr(stop));
@@ -584,7 +586,8 @@ void TokenizerImpl::split_added(const TokenTrie& trie, std::string_view s, F&& f
   if (done < s.size()) f(done, s.size(), nullptr);
 }
 
-void TokenizerImpl::encode_chunk(std::string_view s, bool at_origin, std::vector<uint32_t>& out) const {
+void TokenizerImpl::encode_chunk(std::string_view s, bool at_origin, bool parse_special,
+                                 std::vector<uint32_t>& out) const {
   std::string normalized;
   std::string_view n = s;
   std::size_t origin_span = 0;
@@ -594,7 +597,7 @@ void TokenizerImpl::encode_chunk(std::string_view s, bool at_origin, std::vector
     n = normalized;
     if (origin_span) origin_span = std::max<std::size_t>(1, normalize(s.substr(0, origin_span)).size());
   }
-  split_added(norm_trie, n, [&](std::size_t a, std::size_t b, const AddedToken* t) {
+  split_added(norm_trie, n, parse_special, [&](std::size_t a, std::size_t b, const AddedToken* t) {
     if (t) out.push_back(t->id);
     else pretokenize_and_model(n.substr(a, b - a), a < origin_span ? origin_span - a : 0, out);
   });
@@ -694,7 +697,8 @@ void TokenizerImpl::pretokenize_and_model(std::string_view s, std::size_t origin
   if (s.empty()) return;
   thread_local std::vector<Piece> cur, next;
   thread_local Events ev;
-  std::deque<std::string> arena;  // storage for pieces whose text a pre-tokenizer rewrote
+  thread_local std::deque<std::string> arena;  // storage for pieces a pre-tokenizer rewrote
+  arena.clear();
   cur.clear();
   cur.push_back({s, origin_span});
   for (const PreTokenizer& pt : pretokenizers) {
@@ -753,7 +757,8 @@ void TokenizerImpl::pretokenize_and_model(std::string_view s, std::size_t origin
   for (const Piece& p : cur) model->tokenize(p.s, out);
 }
 
-std::vector<uint32_t> Tokenizer::encode(std::string_view text, bool add_special_tokens) const {
+std::vector<uint32_t> Tokenizer::encode(std::string_view text, bool add_special_tokens,
+                                        bool parse_special_tokens) const {
   const TokenizerImpl& t = *impl_;
   std::string repaired;
   if (!unicode::is_valid_utf8(text)) {
@@ -762,9 +767,9 @@ std::vector<uint32_t> Tokenizer::encode(std::string_view text, bool add_special_
   }
   std::vector<uint32_t> ids;
   ids.reserve(text.size() / 3 + 4);
-  t.split_added(t.raw_trie, text, [&](std::size_t a, std::size_t b, const AddedToken* tok) {
+  t.split_added(t.raw_trie, text, parse_special_tokens, [&](std::size_t a, std::size_t b, const AddedToken* tok) {
     if (tok) ids.push_back(tok->id);
-    else t.encode_chunk(text.substr(a, b - a), a == 0, ids);
+    else t.encode_chunk(text.substr(a, b - a), a == 0, parse_special_tokens, ids);
   });
   if (add_special_tokens)
     for (const PostTemplate& pt : t.post) {

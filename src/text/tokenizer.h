@@ -30,7 +30,12 @@ class Tokenizer {
 
   // Input that is not valid UTF-8 is first repaired: each maximal ill-formed subsequence becomes
   // U+FFFD (what Python's bytes.decode("utf-8", "replace") does), then encoded as usual.
-  std::vector<uint32_t> encode(std::string_view text, bool add_special_tokens = true) const;
+  // add_special_tokens: run the post-processor (e.g. prepend BOS).
+  // parse_special_tokens=false reads special tokens spelled in the text as plain text (tokenizers'
+  // encode_special_tokens=True), so that user content cannot inject control tokens; non-special
+  // added tokens are still matched.
+  std::vector<uint32_t> encode(std::string_view text, bool add_special_tokens = true,
+                               bool parse_special_tokens = true) const;
 
   // Ids with no token (out of range) are skipped, as `tokenizers` does. The result is valid UTF-8:
   // byte tokens that do not form characters decode to U+FFFD as in `tokenizers`.
