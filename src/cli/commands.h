@@ -21,6 +21,7 @@ Action add_info(CLI::App& app);
 Action add_bench(CLI::App& app);
 Action add_plan(CLI::App& app);
 Action add_synth(CLI::App& app);
+Action add_serve(CLI::App& app);  // cmd_serve.cpp
 
 // Expert streaming (cmd_plan.cpp): --memory-budget and friends, shared by run, logits and bench.
 struct StreamingFlags {

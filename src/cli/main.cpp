@@ -21,6 +21,8 @@ int main(int argc, char** argv) {
   add("info", "Describe a checkpoint: architecture, parameters, bytes, layer schedule", vireo::cli::add_info);
   add("bench", "Measure prefill and decode speed (checkpoint or synthetic GLM-5 shapes)", vireo::cli::add_bench);
   add("plan", "Print the memory plan for a model under a budget", vireo::cli::add_plan);
+  add("serve", "Serve the OpenAI API (chat and completions, streaming) with continuous batching",
+      vireo::cli::add_serve);
   add("synth", "Write a random checkpoint with real GLM-5 layer shapes", vireo::cli::add_synth);
   try {
     app.parse(argc, argv);

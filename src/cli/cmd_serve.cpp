@@ -1,0 +1,113 @@
+// `vireo serve`: the OpenAI-compatible server. The port is bound first and /health answers 503
+// while the model loads; SIGINT/SIGTERM stop it cleanly.
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+
+#include <pthread.h>
+
+#include "cli/commands.h"
+#include "runtime/scheduler.h"
+#include "server/server.h"
+
+namespace vireo::cli {
+
+namespace {
+
+// The served model's text side: tokenizer.json and the chat template of tokenizer_config.json,
+// each optional (a fixture without them serves token-id prompts on /v1/completions only).
+void load_text(const std::string& dir, server::ServedModel& m) {
+  namespace fs = std::filesystem;
+  const fs::path tok = fs::path(dir) / "tokenizer.json";
+  if (fs::exists(tok)) m.tokenizer = std::make_shared<Tokenizer>(Tokenizer::from_file(tok.string()));
+  const fs::path cfg = fs::path(dir) / "tokenizer_config.json";
+  if (!m.tokenizer) {
+    m.template_error = "no tokenizer.json";
+  } else if (!fs::exists(cfg)) {
+    m.template_error = "no tokenizer_config.json";
+  } else {
+    try {
+      m.chat_template = std::make_shared<ChatTemplate>(ChatTemplate::from_tokenizer_config(cfg.string()));
+    } catch (const Error& e) {
+      m.template_error = e.what();
+    }
+  }
+}
+
+}  // namespace
+
+Action add_serve(CLI::App& app) {
+  struct Opts {
+    std::string model, name, cache_budget;
+    server::ServerOptions srv;
+    int max_batch = 8;
+    int64_t context = 0, prefill_chunk = 256;
+    StreamingFlags sf;
+  };
+  auto o = std::make_shared<Opts>();
+  app.add_option("--model,-m", o->model, "Model directory (config.json + safetensors [+ tokenizer.json])")->required();
+  app.add_option("--served-model-name", o->name, "The model id clients send (default: the directory's name)");
+  app.add_option("--host", o->srv.host, "Address to listen on")->capture_default_str();
+  app.add_option("--port", o->srv.port, "Port (0: any free port; the chosen one is printed)")
+      ->check(CLI::Range(0, 65535))->capture_default_str();
+  app.add_option("--api-key", o->srv.api_key, "Require 'Authorization: Bearer KEY' on /v1/ endpoints");
+  app.add_option("--max-batch", o->max_batch, "Sequences decoded together (cache rows)")
+      ->check(CLI::Range(1, 4096))->capture_default_str();
+  app.add_option("--context", o->context,
+                 "Cache positions per sequence: prompt + max_tokens must fit (default: the model's "
+                 "max_position_embeddings, at most 4096)")->check(CLI::Range(int64_t(2), int64_t(1) << 24));
+  app.add_option("--prefill-chunk", o->prefill_chunk, "Prompt tokens run per step, interleaved with decodes")
+      ->check(CLI::Range(int64_t(1), int64_t(1) << 20))->capture_default_str();
+  app.add_option("--cache-budget", o->cache_budget,
+                 "Admission budget in cache bytes (e.g. 2G) for prompt + max_tokens of running requests "
+                 "(default: the whole cache, max-batch x context)");
+  app.add_option("--max-body", o->srv.max_body_bytes, "Largest request body in bytes (413 above)")->capture_default_str();
+  app.add_option("--http-threads", o->srv.http_threads, "HTTP handler threads (each open request holds one; "
+                                                        "default: 4 x max-batch + 16)");
+  add_streaming_flags(app, o->sf);
+  return [o]() {
+    // Signals go to a sigwait below, never to a handler racing the server's threads.
+    sigset_t sigs;
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGINT);
+    sigaddset(&sigs, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+    std::signal(SIGPIPE, SIG_IGN);  // a vanished client is a failed write, not a dead server
+
+    if (o->srv.http_threads <= 0) o->srv.http_threads = 4 * o->max_batch + 16;
+    server::HttpServer http(o->srv);
+    const int port = http.bind();
+    http.start();
+    std::fprintf(stderr, "vireo: listening on http://%s:%d (loading %s)\n", o->srv.host.c_str(), port, o->model.c_str());
+
+    auto backend = make_cpu_backend();
+    int64_t context = o->context;
+    if (context == 0) context = std::min<int64_t>(load_glm_dsa_config(o->model).max_position_embeddings, 4096);
+    LoadedModel lm = load_model(o->model, *backend, o->sf, context, o->max_batch);
+    server::ServedModel sm;
+    sm.name = o->name.empty() ? std::filesystem::path(o->model).lexically_normal().filename().string() : o->name;
+    if (sm.name.empty()) sm.name = std::filesystem::path(o->model).lexically_normal().parent_path().filename().string();
+    sm.context = context;
+    sm.vocab = lm.model->config().vocab_size;
+    load_text(o->model, sm);
+    SchedulerOptions so;
+    so.max_batch = o->max_batch;
+    so.context = context;
+    so.prefill_chunk = o->prefill_chunk;
+    if (!o->cache_budget.empty()) so.cache_budget_bytes = parse_byte_size(o->cache_budget, "--cache-budget");
+    Scheduler scheduler(*lm.model, *backend, so);
+    http.ready(sm, scheduler);
+    std::fprintf(stderr, "vireo: serving '%s' (context %lld, max batch %d, cache %.1f MiB%s%s)\n", sm.name.c_str(),
+                 (long long)context, o->max_batch, double(scheduler.stats().cache_bytes_allocated) / (1 << 20),
+                 sm.tokenizer ? "" : ", no tokenizer: token-id prompts only",
+                 sm.chat_template ? "" : ", no chat template");
+    int sig = 0;
+    sigwait(&sigs, &sig);
+    std::fprintf(stderr, "vireo: signal %d, shutting down\n", sig);
+    http.stop();
+    return 0;
+  };
+}
+
+}  // namespace vireo::cli

@@ -1,0 +1,279 @@
+#include "runtime/scheduler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "core/error.h"
+
+namespace vireo {
+
+const char* finish_reason_name(FinishReason r) {
+  switch (r) {
+    case FinishReason::Stop: return "stop";
+    case FinishReason::Length: return "length";
+    case FinishReason::Cancelled: return "cancelled";
+  }
+  return "?";
+}
+
+bool RequestHandle::next(SchedEvent& ev, std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!cv_.wait_for(lock, timeout, [&] { return !events_.empty(); })) return false;
+  ev = std::move(events_.front());
+  events_.pop_front();
+  return true;
+}
+
+void RequestHandle::push(SchedEvent ev) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    events_.push_back(std::move(ev));
+  }
+  cv_.notify_one();
+}
+
+Scheduler::Scheduler(GlmDsaModel& model, Backend& backend, const SchedulerOptions& opt)
+    : model_(model),
+      opt_(opt),
+      vocab_(model.config().vocab_size),
+      bytes_per_token_(MlaCache::bytes_per_token(model.cache_shape())),
+      cache_(backend, model.cache_shape(), opt.max_batch, opt.context) {
+  if (opt_.prefill_chunk <= 0) fail("prefill chunk must be positive, got ", opt_.prefill_chunk);
+  if (opt_.cache_budget_bytes == 0) opt_.cache_budget_bytes = cache_.bytes_allocated();
+  logits_.assign(size_t(opt_.max_batch), std::vector<float>(size_t(vocab_)));
+  lp_scratch_.resize(size_t(vocab_));
+  idx_scratch_.resize(size_t(vocab_));
+  row_free_.assign(size_t(opt_.max_batch), true);
+  stats_.cache_bytes_allocated = cache_.bytes_allocated();
+  if (opt_.start_thread) thread_ = std::thread([this] { engine_loop(); });
+}
+
+Scheduler::~Scheduler() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  SchedEvent ev;
+  ev.kind = SchedEvent::Kind::Error;
+  ev.message = "the server is shutting down";
+  ev.time = std::chrono::steady_clock::now();
+  for (Running& r : running_) r.handle->push(ev);
+  for (Waiting& w : waiting_) w.handle->push(ev);
+}
+
+std::shared_ptr<RequestHandle> Scheduler::submit(SchedRequest r) {
+  if (r.prompt.empty()) fail("prompt: the prompt is empty");
+  for (int32_t id : r.prompt)
+    if (id < 0 || id >= vocab_) fail("prompt: token id ", id, " is out of range (vocabulary of ", vocab_, ")");
+  if (r.max_tokens < 1) fail("max_tokens: must be at least 1, got ", r.max_tokens);
+  const int64_t P = int64_t(r.prompt.size());
+  if (P >= opt_.context) fail("prompt: ", P, " tokens do not fit the context of ", opt_.context, " tokens");
+  if (P + r.max_tokens > opt_.context)
+    fail("max_tokens: prompt (", P, " tokens) + max_tokens (", r.max_tokens, ") exceed the context of ",
+         opt_.context, " tokens");
+  const size_t need = size_t(P + r.max_tokens) * bytes_per_token_;
+  if (need > opt_.cache_budget_bytes)
+    fail("max_tokens: prompt + max_tokens need ", need, " cache bytes, over the admission budget of ",
+         opt_.cache_budget_bytes);
+  if (r.top_logprobs < 0 || r.top_logprobs > 20) fail("top_logprobs: must be in [0, 20], got ", r.top_logprobs);
+  validate_sampling(r.sampling);
+  auto h = std::make_shared<RequestHandle>();
+  h->submitted_ = std::chrono::steady_clock::now();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_) fail("the server is shutting down");
+    h->id_ = next_id_++;
+    waiting_.push_back({h, std::move(r)});
+    stats_.waiting = waiting_.size();
+  }
+  cv_.notify_all();
+  return h;
+}
+
+SchedulerStats Scheduler::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+void Scheduler::engine_loop() {
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (stop_) return;
+    }
+    if (step()) continue;
+    std::unique_lock<std::mutex> lock(mu_);
+    // Idle: nothing running. Wake for a new request (a cancelled waiting one is dropped by step()).
+    cv_.wait(lock, [&] { return stop_ || !waiting_.empty(); });
+  }
+}
+
+void Scheduler::finish(Running& r, SchedEvent ev) {
+  ev.time = std::chrono::steady_clock::now();
+  r.handle->push(std::move(ev));
+  cache_.reset(r.row);
+  row_free_[size_t(r.row)] = true;
+  reserved_ -= r.reserved;
+  r.handle = nullptr;  // marks the slot for removal
+}
+
+// Samples the next id from `logits` (the row's last position) and emits it; finishes the request
+// at EOS or max_tokens.
+void Scheduler::emit_token(Running& r, const float* logits) {
+  SchedEvent ev;
+  ev.kind = SchedEvent::Kind::Token;
+  ev.token = r.sampler->sample(logits, vocab_);
+  if (r.req.logprobs || r.req.top_logprobs > 0) {
+    // log-softmax of the raw logits: what the model assigns, independent of the sampling warpers.
+    float mx = logits[0];
+    for (int64_t i = 1; i < vocab_; ++i) mx = std::max(mx, logits[i]);
+    double sum = 0;
+    for (int64_t i = 0; i < vocab_; ++i) sum += std::exp(double(logits[i]) - mx);
+    const float lse = mx + float(std::log(sum));
+    ev.logprob = logits[ev.token] - lse;
+    const int k = int(std::min<int64_t>(r.req.top_logprobs, vocab_));
+    if (k > 0) {
+      std::iota(idx_scratch_.begin(), idx_scratch_.end(), 0);
+      std::partial_sort(idx_scratch_.begin(), idx_scratch_.begin() + k, idx_scratch_.end(), [&](int32_t a, int32_t b) {
+        return logits[a] != logits[b] ? logits[a] > logits[b] : a < b;
+      });
+      for (int i = 0; i < k; ++i) ev.top.push_back({idx_scratch_[size_t(i)], logits[idx_scratch_[size_t(i)]] - lse});
+    }
+  }
+  const int32_t id = ev.token;
+  ev.time = std::chrono::steady_clock::now();
+  r.handle->push(std::move(ev));
+  r.last = id;
+  ++r.generated;
+  const auto& eos = model_.config().eos_ids;
+  if (r.req.stop_at_eos && eos.count(id)) {
+    SchedEvent f;
+    f.kind = SchedEvent::Kind::Finish;
+    f.reason = FinishReason::Stop;
+    finish(r, std::move(f));
+  } else if (r.generated >= r.req.max_tokens) {
+    SchedEvent f;
+    f.kind = SchedEvent::Kind::Finish;
+    f.reason = FinishReason::Length;
+    finish(r, std::move(f));
+  }
+}
+
+bool Scheduler::step() {
+  // Cancelled running requests leave first, freeing their rows for admission.
+  for (Running& r : running_)
+    if (r.handle && r.handle->cancelled()) {
+      SchedEvent f;
+      f.kind = SchedEvent::Kind::Finish;
+      f.reason = FinishReason::Cancelled;
+      finish(r, std::move(f));
+    }
+  std::erase_if(running_, [](const Running& r) { return r.handle == nullptr; });
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = waiting_.begin(); it != waiting_.end();) {
+      if (it->handle->cancelled()) {
+        SchedEvent f;
+        f.kind = SchedEvent::Kind::Finish;
+        f.reason = FinishReason::Cancelled;
+        f.time = std::chrono::steady_clock::now();
+        it->handle->push(std::move(f));
+        it = waiting_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    // Admission in arrival order (no overtaking, so a long request cannot starve).
+    while (!waiting_.empty()) {
+      const Waiting& w = waiting_.front();
+      const size_t need = (w.req.prompt.size() + size_t(w.req.max_tokens)) * bytes_per_token_;
+      auto free_row = std::find(row_free_.begin(), row_free_.end(), true);
+      if (free_row == row_free_.end() || reserved_ + need > opt_.cache_budget_bytes) break;
+      Running r;
+      r.handle = w.handle;
+      r.req = std::move(waiting_.front().req);
+      r.sampler = std::make_unique<Sampler>(r.req.sampling);
+      r.row = int(free_row - row_free_.begin());
+      r.reserved = need;
+      *free_row = false;
+      reserved_ += need;
+      cache_.reset(r.row);
+      running_.push_back(std::move(r));
+      waiting_.pop_front();
+    }
+    stats_.waiting = waiting_.size();
+    stats_.running = running_.size();
+    stats_.cache_bytes_reserved = reserved_;
+    stats_.cache_bytes_in_use = cache_.bytes_in_use();
+  }
+  if (running_.empty()) return false;
+
+  // The step: every decoding row's last token, then prompt chunks in admission order within the
+  // prefill budget (at least one token always fits, so every prompt advances eventually).
+  std::vector<BatchItem> items;
+  std::vector<size_t> owner;  // items[i] belongs to running_[owner[i]]
+  for (size_t i = 0; i < running_.size(); ++i) {
+    Running& r = running_[i];
+    if (r.prefilled < int64_t(r.req.prompt.size())) continue;
+    BatchItem it;
+    it.row = r.row;
+    it.tokens = &r.last;
+    it.T = 1;
+    it.logits = logits_[size_t(r.row)].data();
+    items.push_back(it);
+    owner.push_back(i);
+  }
+  int64_t budget = opt_.prefill_chunk;
+  std::vector<int64_t> chunk(running_.size(), 0);
+  for (size_t i = 0; i < running_.size() && budget > 0; ++i) {
+    Running& r = running_[i];
+    const int64_t left = int64_t(r.req.prompt.size()) - r.prefilled;
+    if (left <= 0) continue;
+    const int64_t T = std::min(left, budget);
+    budget -= T;
+    chunk[i] = T;
+    BatchItem it;
+    it.row = r.row;
+    it.tokens = r.req.prompt.data() + r.prefilled;
+    it.T = T;
+    it.logits = logits_[size_t(r.row)].data();
+    items.push_back(it);
+    owner.push_back(i);
+  }
+  try {
+    model_.forward_batch(items, cache_);
+  } catch (const std::exception& e) {
+    // A failed step poisons every row in it: end those requests, keep serving the rest.
+    for (size_t i : owner) {
+      Running& r = running_[i];
+      if (!r.handle) continue;
+      SchedEvent ev;
+      ev.kind = SchedEvent::Kind::Error;
+      ev.message = e.what();
+      finish(r, std::move(ev));
+    }
+  }
+  for (size_t k = 0; k < items.size(); ++k) {
+    Running& r = running_[owner[k]];
+    if (!r.handle) continue;
+    if (chunk[owner[k]] > 0 && r.prefilled < int64_t(r.req.prompt.size())) {
+      r.prefilled += chunk[owner[k]];
+      if (r.prefilled < int64_t(r.req.prompt.size())) continue;  // more prompt to read
+    }
+    emit_token(r, items[k].logits);
+  }
+  std::erase_if(running_, [](const Running& r) { return r.handle == nullptr; });
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++stats_.steps;
+    stats_.running = running_.size();
+    stats_.cache_bytes_reserved = reserved_;
+    stats_.cache_bytes_in_use = cache_.bytes_in_use();
+  }
+  return true;
+}
+
+}  // namespace vireo

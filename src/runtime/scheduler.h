@@ -1,0 +1,164 @@
+#pragma once
+// Continuous batching over one model and one MLA cache (one cache row per running sequence).
+//
+// One engine thread owns the model and the cache. Callers submit() requests from any thread and
+// read a per-request queue of events (token, finish, error). Between steps the engine drops
+// cancelled requests (their rows are reset) and admits waiting ones in arrival order while a row is
+// free and the admission budget (cache positions reserved as prompt + max_tokens, i.e. cache bytes)
+// has room. One step runs every running row's next token (decode) plus prefill chunks of prompts
+// still being read, capped at prefill_chunk prompt tokens per step so long prompts are interleaved
+// with decodes instead of stalling them, through GlmDsaModel::forward_batch (one expert union per
+// MoE layer). Results equal single-sequence runs (forward_batch is row-exact), so greedy outputs do
+// not depend on what else is in the batch.
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cache/mla_cache.h"
+#include "model/glm_dsa/model.h"
+#include "runtime/sampler.h"
+
+namespace vireo {
+
+enum class FinishReason : uint8_t {
+  Stop,       // an EOS id was generated
+  Length,     // max_tokens reached
+  Cancelled,  // cancel() (client gone, stop string found by the caller)
+};
+const char* finish_reason_name(FinishReason r);  // "stop", "length", "cancelled"
+
+struct TokenLogprob {
+  int32_t id = 0;
+  float logprob = 0;
+};
+
+struct SchedEvent {
+  enum class Kind : uint8_t { Token, Finish, Error };
+  Kind kind = Kind::Token;
+  int32_t token = -1;                // Token
+  float logprob = 0;                 // Token, when logprobs were asked for
+  std::vector<TokenLogprob> top;     // Token: the top_logprobs most likely ids, best first
+  FinishReason reason = FinishReason::Stop;  // Finish
+  std::string message;               // Error
+  std::chrono::steady_clock::time_point time;  // when the engine produced it
+};
+
+struct SchedRequest {
+  std::vector<int32_t> prompt;
+  int64_t max_tokens = 16;
+  SamplingParams sampling;
+  bool stop_at_eos = true;
+  bool logprobs = false;  // log-softmax of the raw logits (before temperature) of each chosen id
+  int top_logprobs = 0;   // 0..20
+};
+
+// A submitted request as its caller sees it: a queue of events, and cancel().
+class RequestHandle {
+ public:
+  // Waits up to `timeout` for the next event; false if none came.
+  bool next(SchedEvent& ev, std::chrono::milliseconds timeout);
+  // Idempotent; the engine frees the request's row before its next step.
+  void cancel() { cancelled_.store(true); }
+  bool cancelled() const { return cancelled_.load(); }
+  uint64_t id() const { return id_; }
+  std::chrono::steady_clock::time_point submitted() const { return submitted_; }
+
+ private:
+  friend class Scheduler;
+  void push(SchedEvent ev);
+  uint64_t id_ = 0;
+  std::chrono::steady_clock::time_point submitted_;
+  std::atomic<bool> cancelled_{false};
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<SchedEvent> events_;
+};
+
+struct SchedulerOptions {
+  int max_batch = 8;            // cache rows: sequences running at once
+  int64_t context = 2048;       // cache positions per row: prompt + max_tokens must fit
+  int64_t prefill_chunk = 256;  // prompt tokens run per step, over all prefilling rows
+  // Admission budget in cache bytes for the reservations (prompt + max_tokens) * bytes_per_token
+  // of running requests; 0: the whole cache (max_batch * context positions).
+  size_t cache_budget_bytes = 0;
+  bool start_thread = true;     // false: the caller drives step() (tests)
+};
+
+struct SchedulerStats {
+  size_t waiting = 0, running = 0;
+  size_t cache_bytes_in_use = 0;    // live cache entries (MlaCache::bytes_in_use)
+  size_t cache_bytes_reserved = 0;  // admission reservations of running requests
+  size_t cache_bytes_allocated = 0;
+  uint64_t steps = 0;
+};
+
+class Scheduler {
+ public:
+  Scheduler(GlmDsaModel& model, Backend& backend, const SchedulerOptions& opt);
+  ~Scheduler();  // stops the engine; requests still open get an Error event
+  Scheduler(const Scheduler&) = delete;
+  Scheduler& operator=(const Scheduler&) = delete;
+
+  // Validates (non-empty prompt, ids inside the vocabulary, prompt + max_tokens within the
+  // context and the admission budget, sampling ranges) and queues; throws vireo::Error naming the
+  // field otherwise.
+  std::shared_ptr<RequestHandle> submit(SchedRequest r);
+
+  // One engine iteration: drop cancelled requests, admit, run one batched forward step and emit
+  // its events. Returns false when there was nothing to run. Only for start_thread = false.
+  bool step();
+
+  SchedulerStats stats() const;
+  const SchedulerOptions& options() const { return opt_; }
+  size_t bytes_per_token() const { return bytes_per_token_; }
+
+ private:
+  struct Waiting {
+    std::shared_ptr<RequestHandle> handle;
+    SchedRequest req;
+  };
+  struct Running {
+    std::shared_ptr<RequestHandle> handle;
+    SchedRequest req;
+    std::unique_ptr<Sampler> sampler;
+    int row = 0;
+    int64_t prefilled = 0;   // prompt tokens already in the cache
+    int64_t generated = 0;   // tokens emitted
+    int32_t last = -1;       // the last emitted token: the next decode input
+    size_t reserved = 0;     // admission bytes
+  };
+  void engine_loop();
+  void finish(Running& r, SchedEvent ev);  // pushes ev, frees the row
+  void emit_token(Running& r, const float* logits);
+
+  GlmDsaModel& model_;
+  SchedulerOptions opt_;
+  int64_t vocab_ = 0;
+  size_t bytes_per_token_ = 0;
+  MlaCache cache_;
+  std::vector<std::vector<float>> logits_;  // [row][vocab]
+  std::vector<float> lp_scratch_;           // [vocab]
+  std::vector<int32_t> idx_scratch_;        // [vocab]
+
+  mutable std::mutex mu_;  // guards waiting_, stop_, and the stats below
+  std::condition_variable cv_;
+  std::deque<Waiting> waiting_;
+  bool stop_ = false;
+  uint64_t next_id_ = 1;
+  SchedulerStats stats_;
+
+  // Engine-thread state.
+  std::vector<Running> running_;
+  std::vector<bool> row_free_;
+  size_t reserved_ = 0;
+  std::thread thread_;
+};
+
+}  // namespace vireo

@@ -1,0 +1,257 @@
+#include "server/openai_api.h"
+
+#include <cmath>
+#include <limits>
+#include <random>
+
+namespace vireo::server {
+
+namespace {
+
+const char* status_type(int status) {
+  switch (status) {
+    case 401: return "authentication_error";
+    case 404: return "not_found_error";
+    case 413: return "invalid_request_error";
+    case 503: return "service_unavailable";
+    default: return status >= 500 ? "server_error" : "invalid_request_error";
+  }
+}
+
+[[noreturn]] void bad(const std::string& param, const std::string& message) {
+  throw ApiError(400, param + ": " + message, param);
+}
+
+std::string type_of(const ojson& v) {
+  if (v.is_number_integer()) return "an integer";
+  if (v.is_number()) return "a number";
+  return std::string("a ") + v.type_name();
+}
+
+// The field if present and not null.
+const ojson* field(const ojson& body, const char* key) {
+  auto it = body.find(key);
+  if (it == body.end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+bool get_bool(const ojson& body, const char* key, bool def) {
+  const ojson* v = field(body, key);
+  if (!v) return def;
+  if (!v->is_boolean()) bad(key, "must be a boolean, got " + type_of(*v));
+  return v->get<bool>();
+}
+
+double get_number(const ojson& body, const char* key, double def, double lo, double hi) {
+  const ojson* v = field(body, key);
+  if (!v) return def;
+  if (!v->is_number()) bad(key, "must be a number, got " + type_of(*v));
+  const double x = v->get<double>();
+  if (!(x >= lo && x <= hi)) bad(key, str("must be in [", lo, ", ", hi, "], got ", x));
+  return x;
+}
+
+int64_t get_int(const ojson& body, const char* key, int64_t def, int64_t lo, int64_t hi) {
+  const ojson* v = field(body, key);
+  if (!v) return def;
+  // 5.0 is accepted as 5 (some clients serialize every number as a float).
+  if (v->is_number_float() && std::floor(v->get<double>()) == v->get<double>() && std::abs(v->get<double>()) < 9e15)
+    return get_int(ojson{{key, int64_t(v->get<double>())}}, key, def, lo, hi);
+  if (!v->is_number_integer()) bad(key, "must be an integer, got " + type_of(*v));
+  const int64_t x = v->is_number_unsigned() && v->get<uint64_t>() > uint64_t(INT64_MAX) ? INT64_MAX : v->get<int64_t>();
+  if (x < lo || x > hi) bad(key, str("must be in [", lo, ", ", hi, "], got ", x));
+  return x;
+}
+
+std::vector<int32_t> token_ids(const ojson& arr, const std::string& param, const ServedModel& m) {
+  std::vector<int32_t> ids;
+  for (size_t i = 0; i < arr.size(); ++i) {
+    const ojson& t = arr[i];
+    if (!t.is_number_integer()) bad(param, str("element ", i, " must be a token id (integer), got ", type_of(t)));
+    const int64_t id = t.get<int64_t>();
+    if (id < 0 || id >= m.vocab) bad(param, str("token id ", id, " is out of range (vocabulary of ", m.vocab, ")"));
+    ids.push_back(int32_t(id));
+  }
+  return ids;
+}
+
+std::vector<int32_t> encode(const ServedModel& m, const std::string& text, bool add_special, const std::string& param) {
+  if (!m.tokenizer)
+    bad(param, "model '" + m.name + "' has no tokenizer (tokenizer.json); send the prompt as a list of token ids");
+  std::vector<uint32_t> u = m.tokenizer->encode(text, add_special);
+  return std::vector<int32_t>(u.begin(), u.end());
+}
+
+std::vector<int32_t> completion_prompt(const ojson& body, const ServedModel& m) {
+  const ojson* p = field(body, "prompt");
+  if (!p) bad("prompt", "is required");
+  if (p->is_string()) return encode(m, p->get<std::string>(), true, "prompt");
+  if (!p->is_array()) bad("prompt", "must be a string or a list of token ids, got " + type_of(*p));
+  if (p->empty()) bad("prompt", "is empty");
+  if ((*p)[0].is_number()) return token_ids(*p, "prompt", m);
+  if (p->size() != 1) bad("prompt", "only one prompt per request is supported");
+  const ojson& one = (*p)[0];
+  if (one.is_string()) return encode(m, one.get<std::string>(), true, "prompt");
+  if (one.is_array()) return token_ids(one, "prompt", m);
+  bad("prompt", "must be a string or a list of token ids, got a list of " + std::string(one.type_name()));
+}
+
+std::vector<int32_t> chat_prompt(const ojson& body, const ServedModel& m) {
+  const ojson* msgs = field(body, "messages");
+  if (!msgs) bad("messages", "is required");
+  if (!msgs->is_array()) bad("messages", "must be a list of messages, got " + type_of(*msgs));
+  if (msgs->empty()) bad("messages", "must hold at least one message");
+  static const char* const roles[] = {"system", "developer", "user", "assistant", "tool"};
+  for (size_t i = 0; i < msgs->size(); ++i) {
+    const ojson& msg = (*msgs)[i];
+    const std::string at = str("messages[", i, "]");
+    if (!msg.is_object()) bad(at, "must be an object, got " + type_of(msg));
+    const ojson* role = field(msg, "role");
+    if (!role) bad(at + ".role", "is required");
+    if (!role->is_string()) bad(at + ".role", "must be a string, got " + type_of(*role));
+    const std::string r = role->get<std::string>();
+    if (std::find_if(std::begin(roles), std::end(roles), [&](const char* x) { return r == x; }) == std::end(roles))
+      bad(at + ".role", "unknown role '" + r + "' (expected system, developer, user, assistant or tool)");
+    const ojson* content = field(msg, "content");
+    if (!content) {
+      if (r != "assistant") bad(at + ".content", "is required");
+      continue;
+    }
+    if (content->is_string()) continue;
+    if (!content->is_array()) bad(at + ".content", "must be a string or a list of content parts, got " + type_of(*content));
+    for (size_t j = 0; j < content->size(); ++j) {
+      const ojson& part = (*content)[j];
+      const std::string pat = str(at, ".content[", j, "]");
+      if (!part.is_object()) bad(pat, "must be an object, got " + type_of(part));
+      const ojson* type = field(part, "type");
+      if (!type || !type->is_string() || type->get<std::string>() != "text")
+        bad(pat + ".type", "only text content parts are supported");
+      const ojson* text = field(part, "text");
+      if (!text || !text->is_string()) bad(pat + ".text", "must be a string");
+    }
+  }
+  if (field(body, "tools")) bad("tools", "tool calling is not supported by this server");
+  if (!m.chat_template)
+    throw ApiError(400, "messages: model '" + m.name + "' has no usable chat template (" + m.template_error +
+                            "); use /v1/completions", "messages");
+  ojson extra = ojson::object();
+  if (const ojson* kw = field(body, "chat_template_kwargs")) {
+    if (!kw->is_object()) bad("chat_template_kwargs", "must be an object, got " + type_of(*kw));
+    extra = *kw;
+  }
+  std::string text;
+  try {
+    text = m.chat_template->render(*msgs, true, extra);
+  } catch (const Error& e) {
+    bad("messages", std::string("the chat template rejected them: ") + e.what());
+  }
+  // The template writes the special tokens itself (transformers tokenizes it without adding any).
+  return encode(m, text, false, "messages");
+}
+
+}  // namespace
+
+std::string error_body(int status, const std::string& message, const std::string& param, const std::string& type,
+                       const std::string& code) {
+  ojson e = {{"message", message},
+             {"type", type.empty() ? status_type(status) : type},
+             {"param", param.empty() ? ojson(nullptr) : ojson(param)},
+             {"code", code.empty() ? ojson(nullptr) : ojson(code)}};
+  return ojson{{"error", e}}.dump();
+}
+
+ApiRequest parse_request(const std::string& body_text, bool chat, const ServedModel& m) {
+  ojson body = ojson::parse(body_text, nullptr, /*allow_exceptions=*/false);
+  if (body.is_discarded()) throw ApiError(400, "the request body is not valid JSON");
+  if (!body.is_object()) throw ApiError(400, "the request body must be a JSON object, got " + type_of(body));
+  ApiRequest r;
+  r.chat = chat;
+  if (const ojson* model = field(body, "model")) {
+    if (!model->is_string()) bad("model", "must be a string, got " + type_of(*model));
+    if (model->get<std::string>() != m.name)
+      throw ApiError(404, "The model '" + model->get<std::string>() + "' does not exist (this server serves '" +
+                              m.name + "')", "model", "invalid_request_error", "model_not_found");
+  }
+  // Unsupported knobs fail loudly rather than being silently ignored.
+  if (get_int(body, "n", 1, 1, 128) != 1) bad("n", "only n = 1 is supported");
+  if (get_number(body, "presence_penalty", 0, -2, 2) != 0) bad("presence_penalty", "is not supported (must be 0)");
+  if (get_number(body, "frequency_penalty", 0, -2, 2) != 0) bad("frequency_penalty", "is not supported (must be 0)");
+  if (const ojson* lb = field(body, "logit_bias"); lb && !(lb->is_object() && lb->empty()))
+    bad("logit_bias", "is not supported");
+  if (!chat) {
+    if (get_bool(body, "echo", false)) bad("echo", "is not supported");
+    if (get_int(body, "best_of", 1, 1, 128) != 1) bad("best_of", "only best_of = 1 is supported");
+    if (field(body, "suffix")) bad("suffix", "is not supported");
+  }
+
+  r.stream = get_bool(body, "stream", false);
+  if (const ojson* so = field(body, "stream_options")) {
+    if (!so->is_object()) bad("stream_options", "must be an object, got " + type_of(*so));
+    if (!r.stream) bad("stream_options", "is only allowed when stream is true");
+    r.include_usage = get_bool(*so, "include_usage", false);
+  }
+  r.return_token_ids = get_bool(body, "return_token_ids", false);
+
+  SamplingParams& s = r.sched.sampling;
+  s.temperature = float(get_number(body, "temperature", 1.0, 0, 2));
+  s.top_p = float(get_number(body, "top_p", 1.0, 0, 1));
+  if (s.top_p <= 0) bad("top_p", "must be in (0, 1], got 0");
+  const int64_t top_k = get_int(body, "top_k", 0, -1, INT32_MAX);
+  s.top_k = top_k < 0 ? 0 : int(top_k);  // -1 means off, as in vLLM
+  s.min_p = float(get_number(body, "min_p", 0, 0, 1));
+  if (const ojson* seed = field(body, "seed")) {
+    if (!seed->is_number_integer()) bad("seed", "must be an integer, got " + type_of(*seed));
+    s.seed = seed->is_number_unsigned() ? seed->get<uint64_t>() : uint64_t(seed->get<int64_t>());
+  } else {
+    static thread_local std::mt19937_64 gen{std::random_device{}()};
+    s.seed = gen();
+  }
+  r.sched.stop_at_eos = !get_bool(body, "ignore_eos", false);
+
+  if (chat) {
+    r.sched.logprobs = get_bool(body, "logprobs", false);
+    r.sched.top_logprobs = int(get_int(body, "top_logprobs", 0, 0, 20));
+    if (r.sched.top_logprobs > 0 && !r.sched.logprobs) bad("top_logprobs", "requires logprobs to be true");
+  } else if (const ojson* lp = field(body, "logprobs")) {
+    if (lp->is_boolean()) bad("logprobs", "must be an integer in [0, 20] for /v1/completions, got a boolean");
+    r.sched.logprobs = true;
+    r.sched.top_logprobs = int(get_int(body, "logprobs", 0, 0, 20));
+  }
+
+  if (const ojson* stop = field(body, "stop")) {
+    if (stop->is_string()) {
+      r.stop.push_back(stop->get<std::string>());
+    } else if (stop->is_array()) {
+      if (stop->size() > 16) bad("stop", str("at most 16 stop strings, got ", stop->size()));
+      for (const ojson& x : *stop) {
+        if (!x.is_string()) bad("stop", "must be a string or a list of strings, got a list holding " + type_of(x));
+        r.stop.push_back(x.get<std::string>());
+      }
+    } else {
+      bad("stop", "must be a string or a list of strings, got " + type_of(*stop));
+    }
+    std::erase_if(r.stop, [](const std::string& x) { return x.empty(); });
+    if (!r.stop.empty() && !m.tokenizer) bad("stop", "stop strings need a tokenizer, and this model has none");
+  }
+
+  r.sched.prompt = chat ? chat_prompt(body, m) : completion_prompt(body, m);
+  const char* prompt_field = chat ? "messages" : "prompt";
+  const int64_t P = int64_t(r.sched.prompt.size());
+  if (P == 0) bad(prompt_field, "encodes to no tokens");
+  if (P >= m.context)
+    bad(prompt_field, str("the prompt has ", P, " tokens, but this server's context is ", m.context,
+                          " tokens (prompt + max_tokens must fit)"));
+  const char* max_field = chat && field(body, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
+  const int64_t max_tokens = get_int(body, max_field, -1, 1, INT64_MAX);
+  if (max_tokens < 0) {
+    r.sched.max_tokens = m.context - P;  // as much as the context allows
+  } else if (P + max_tokens > m.context) {
+    bad(max_field, str("prompt (", P, " tokens) + ", max_field, " (", max_tokens, ") exceed this server's context of ",
+                       m.context, " tokens"));
+  } else {
+    r.sched.max_tokens = max_tokens;
+  }
+  return r;
+}
+
+}  // namespace vireo::server

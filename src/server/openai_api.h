@@ -1,0 +1,55 @@
+#pragma once
+// The OpenAI request surface: parsing and validating /v1/completions and /v1/chat/completions
+// bodies into scheduler requests, and the error shape on the wire. No HTTP here, so every rule is
+// testable on its own.
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "runtime/scheduler.h"
+#include "text/chat_template.h"
+#include "text/tokenizer.h"
+
+namespace vireo::server {
+
+using ojson = nlohmann::ordered_json;
+
+// A rejected request: HTTP status, and OpenAI's {"error": {message, type, param, code}}.
+struct ApiError : Error {
+  ApiError(int status, const std::string& message, std::string param = "",
+           std::string type = "invalid_request_error", std::string code = "")
+      : Error(message), status(status), param(std::move(param)), type(std::move(type)), code(std::move(code)) {}
+  int status;
+  std::string param, type, code;
+};
+std::string error_body(int status, const std::string& message, const std::string& param = "",
+                       const std::string& type = "", const std::string& code = "");
+
+// What the server knows about the model it serves.
+struct ServedModel {
+  std::string name;                           // the `model` field clients must send
+  int64_t context = 0;                        // cache positions per sequence
+  int64_t vocab = 0;
+  std::shared_ptr<const Tokenizer> tokenizer;       // null: token-id prompts only, no text out
+  std::shared_ptr<const ChatTemplate> chat_template;  // null: chat answers 400 with template_error
+  std::string template_error;                 // why there is no chat template
+};
+
+struct ApiRequest {
+  bool chat = false;
+  SchedRequest sched;                // prompt ids, max_tokens, sampling, logprobs
+  std::vector<std::string> stop;     // stop strings (non-empty)
+  bool stream = false;
+  bool include_usage = false;        // stream_options.include_usage
+  bool return_token_ids = false;     // extension: choices[].token_ids (and in stream chunks)
+};
+
+// Throws ApiError (status 400 naming the field, 404 for an unknown model).
+ApiRequest parse_request(const std::string& body, bool chat, const ServedModel& m);
+
+}  // namespace vireo::server

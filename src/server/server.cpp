@@ -1,0 +1,411 @@
+#include "server/server.h"
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <random>
+#include <thread>
+
+#include <httplib.h>
+
+#include "server/metrics.h"
+#include "server/text_output.h"
+
+namespace vireo::server {
+
+namespace {
+
+using clock = std::chrono::steady_clock;
+constexpr auto kPoll = std::chrono::milliseconds(50);  // how often a waiting handler looks at its socket
+
+std::string random_id(const char* prefix) {
+  static thread_local std::mt19937_64 gen{std::random_device{}()};
+  char buf[40];
+  std::snprintf(buf, sizeof buf, "%s%016llx%08llx", prefix, (unsigned long long)gen(),
+                (unsigned long long)(gen() & 0xffffffffu));
+  return buf;
+}
+
+int64_t unix_time() {
+  return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+void send_error(httplib::Response& res, int status, const std::string& message, const std::string& param = "",
+                const std::string& type = "", const std::string& code = "") {
+  res.status = status;
+  res.set_content(error_body(status, message, param, type, code), "application/json");
+}
+
+// "max_tokens: ..." -> "max_tokens": the field a scheduler error names.
+std::string param_of(const std::string& message) {
+  const size_t colon = message.find(':');
+  if (colon == std::string::npos || colon == 0) return "";
+  for (size_t i = 0; i < colon; ++i) {
+    const char c = message[i];
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.' || c == '[' || c == ']')) return "";
+  }
+  return message.substr(0, colon);
+}
+
+}  // namespace
+
+// One generation request from submit to the end of its response.
+struct Session {
+  ApiRequest req;
+  std::shared_ptr<RequestHandle> handle;
+  std::string id, model;
+  int64_t created = 0;
+  const Tokenizer* tokenizer = nullptr;
+  TextOutput text;
+  std::vector<int32_t> ids;
+  std::string content;        // non-streaming: the whole text
+  ojson lp_content = ojson::array();  // chat logprobs entries (non-streaming: all; streaming: pending)
+  ojson lp_tokens = ojson::array(), lp_values = ojson::array(), lp_top = ojson::array(), lp_offsets = ojson::array();
+  size_t text_offset = 0;
+  std::vector<int32_t> pending_ids;  // streaming: ids not yet sent (return_token_ids)
+  std::string finish_reason;  // set when done
+  bool done = false;
+  bool sent_role = false;
+  clock::time_point last_token;
+
+  Session(ApiRequest r, const Tokenizer* tok)
+      : req(std::move(r)), tokenizer(tok), text(tok, req.stop) {}
+
+  std::string token_string(int32_t id) const {
+    if (!tokenizer) return "token_id:" + std::to_string(id);
+    const uint32_t u = uint32_t(id);
+    return tokenizer->decode(std::span<const uint32_t>(&u, 1), false);
+  }
+  static ojson bytes_of(const std::string& s) {
+    ojson b = ojson::array();
+    for (unsigned char c : s) b.push_back(int(c));
+    return b;
+  }
+  void add_logprobs(const SchedEvent& ev, const std::string& piece) {
+    if (!req.sched.logprobs) return;
+    const std::string tok = token_string(ev.token);
+    if (req.chat) {
+      ojson top = ojson::array();
+      for (const TokenLogprob& t : ev.top) {
+        const std::string s = token_string(t.id);
+        top.push_back({{"token", s}, {"logprob", t.logprob}, {"bytes", bytes_of(s)}});
+      }
+      lp_content.push_back({{"token", tok}, {"logprob", ev.logprob}, {"bytes", bytes_of(tok)}, {"top_logprobs", top}});
+    } else {
+      lp_tokens.push_back(tok);
+      lp_values.push_back(ev.logprob);
+      ojson top = ojson::object();
+      for (const TokenLogprob& t : ev.top) top[token_string(t.id)] = t.logprob;
+      lp_top.push_back(top);
+      lp_offsets.push_back(text_offset);
+    }
+    text_offset += piece.size();
+  }
+  // The pending logprobs as the response's logprobs object (and clears them).
+  ojson take_logprobs() {
+    if (!req.sched.logprobs) return nullptr;
+    ojson out;
+    if (req.chat) {
+      out = {{"content", std::exchange(lp_content, ojson::array())}};
+    } else {
+      out = {{"tokens", std::exchange(lp_tokens, ojson::array())},
+             {"token_logprobs", std::exchange(lp_values, ojson::array())},
+             {"top_logprobs", std::exchange(lp_top, ojson::array())},
+             {"text_offset", std::exchange(lp_offsets, ojson::array())}};
+    }
+    return out;
+  }
+  bool has_pending_logprobs() const {
+    return req.sched.logprobs && (req.chat ? !lp_content.empty() : !lp_tokens.empty());
+  }
+  ojson usage() const {
+    const int64_t p = int64_t(req.sched.prompt.size()), c = int64_t(ids.size());
+    return {{"prompt_tokens", p}, {"completion_tokens", c}, {"total_tokens", p + c}};
+  }
+};
+
+struct HttpServer::Impl {
+  ServerOptions opt;
+  httplib::Server svr;
+  std::thread listener;
+  std::atomic<bool> is_ready{false}, stopping{false};
+  ServedModel model;
+  Scheduler* scheduler = nullptr;
+  Metrics metrics;
+  int64_t created = unix_time();
+
+  explicit Impl(const ServerOptions& o) : opt(o) { routes(); }
+
+  bool authorized(const httplib::Request& req, httplib::Response& res) {
+    if (opt.api_key.empty()) return true;
+    if (req.get_header_value("Authorization") == "Bearer " + opt.api_key) return true;
+    send_error(res, 401, "Incorrect or missing API key (send 'Authorization: Bearer <key>')", "",
+               "invalid_request_error", "invalid_api_key");
+    return false;
+  }
+
+  void routes() {
+    const int threads = std::max(4, opt.http_threads);
+    svr.new_task_queue = [threads] { return new httplib::ThreadPool(size_t(threads)); };
+    svr.set_payload_max_length(opt.max_body_bytes);
+    svr.set_keep_alive_timeout(30);
+    svr.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+      if (req.path.rfind("/v1/", 0) == 0 && !authorized(req, res)) {
+        metrics.request(res.status);
+        return httplib::Server::HandlerResponse::Handled;
+      }
+      return httplib::Server::HandlerResponse::Unhandled;
+    });
+    // Every error leaves in OpenAI's shape, including those httplib produces itself (404, 413, 400).
+    svr.set_error_handler([this](const httplib::Request& req, httplib::Response& res) {
+      if (!res.body.empty()) return;
+      std::string msg;
+      if (res.status == 404) msg = "no route for " + req.method + " " + req.path;
+      else if (res.status == 413) msg = str("the request body exceeds the limit of ", opt.max_body_bytes, " bytes");
+      else msg = str("HTTP error ", res.status);
+      res.set_content(error_body(res.status, msg), "application/json");
+      metrics.request(res.status);
+    });
+    svr.set_exception_handler([this](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
+      std::string msg = "internal error";
+      try {
+        if (ep) std::rethrow_exception(ep);
+      } catch (const std::exception& e) {
+        msg = std::string("internal error: ") + e.what();
+      } catch (...) {
+      }
+      send_error(res, 500, msg);
+      metrics.request(500);
+    });
+    svr.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+      if (!is_ready.load()) return send_error(res, 503, "the model is loading", "", "service_unavailable");
+      res.set_content(R"({"status":"ok"})", "application/json");
+    });
+    svr.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+      std::string body;
+      if (is_ready.load()) {
+        const SchedulerStats s = scheduler->stats();
+        body = metrics.render(&s);
+      } else {
+        body = metrics.render(nullptr);
+      }
+      res.set_content(body, "text/plain; version=0.0.4");
+    });
+    svr.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
+      if (!is_ready.load()) return send_error(res, 503, "the model is loading", "", "service_unavailable");
+      ojson m = {{"id", model.name}, {"object", "model"}, {"created", created}, {"owned_by", "vireo"},
+                 {"max_model_len", model.context}};
+      res.set_content(ojson{{"object", "list"}, {"data", ojson::array({m})}}.dump(), "application/json");
+      metrics.request(200);
+    });
+    svr.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) { generate(req, res, false); });
+    svr.Post("/v1/chat/completions",
+             [this](const httplib::Request& req, httplib::Response& res) { generate(req, res, true); });
+  }
+
+  void generate(const httplib::Request& http, httplib::Response& res, bool chat) {
+    if (!is_ready.load() || stopping.load()) {
+      send_error(res, 503, stopping ? "the server is shutting down" : "the model is loading", "", "service_unavailable");
+      metrics.request(503);
+      return;
+    }
+    std::shared_ptr<Session> s;
+    try {
+      ApiRequest r = parse_request(http.body, chat, model);
+      s = std::make_shared<Session>(std::move(r), model.tokenizer.get());
+      s->handle = scheduler->submit(s->req.sched);
+    } catch (const ApiError& e) {
+      send_error(res, e.status, e.what(), e.param, e.type, e.code);
+      metrics.request(e.status);
+      return;
+    } catch (const Error& e) {
+      send_error(res, 400, e.what(), param_of(e.what()));
+      metrics.request(400);
+      return;
+    }
+    s->id = random_id(chat ? "chatcmpl-" : "cmpl-");
+    s->model = model.name;
+    s->created = unix_time();
+    metrics.request(200);
+    metrics.prompt_tokens(int64_t(s->req.sched.prompt.size()));
+    if (s->req.stream) {
+      res.set_header("Cache-Control", "no-cache");
+      res.set_header("X-Accel-Buffering", "no");
+    }
+    res.set_chunked_content_provider(
+        s->req.stream ? "text/event-stream" : "application/json",
+        [this, s](size_t, httplib::DataSink& sink) { return run(*s, sink); },
+        [this, s](bool) {
+          // Always: a stop string, a vanished client or shutdown all end the scheduler's work here.
+          s->handle->cancel();
+          if (!s->done) {
+            s->done = true;
+            metrics.finished("cancelled");
+            metrics.generated_tokens(int64_t(s->ids.size()));
+          }
+        });
+  }
+
+  static bool write(httplib::DataSink& sink, const std::string& data) { return sink.write(data.data(), data.size()); }
+  static bool sse(httplib::DataSink& sink, const ojson& chunk) { return write(sink, "data: " + chunk.dump() + "\n\n"); }
+
+  ojson chunk_base(const Session& s) const {
+    return {{"id", s.id}, {"object", s.req.chat ? "chat.completion.chunk" : "text_completion"}, {"created", s.created},
+            {"model", s.model}};
+  }
+
+  // A streaming chunk carrying `piece` (and pending logprobs / ids); finish_reason when final.
+  bool send_chunk(Session& s, httplib::DataSink& sink, const std::string& piece, const char* finish) {
+    ojson c = chunk_base(s);
+    ojson choice = {{"index", 0}};
+    if (s.req.chat) {
+      ojson delta = ojson::object();
+      if (!s.sent_role) {
+        delta["role"] = "assistant";
+        s.sent_role = true;
+      }
+      if (!piece.empty() || !finish) delta["content"] = piece;
+      choice["delta"] = delta;
+    } else {
+      choice["text"] = piece;
+    }
+    choice["logprobs"] = s.take_logprobs();
+    choice["finish_reason"] = finish ? ojson(finish) : ojson(nullptr);
+    if (s.req.return_token_ids) choice["token_ids"] = std::exchange(s.pending_ids, {});
+    c["choices"] = ojson::array({choice});
+    if (s.req.include_usage) c["usage"] = nullptr;
+    return sse(sink, c);
+  }
+
+  ojson whole_response(Session& s) {
+    ojson choice = {{"index", 0}};
+    if (s.req.chat) choice["message"] = {{"role", "assistant"}, {"content", s.content}};
+    else choice["text"] = s.content;
+    choice["logprobs"] = s.take_logprobs();
+    choice["finish_reason"] = s.finish_reason;
+    if (s.req.return_token_ids) {
+      choice["token_ids"] = s.ids;
+    }
+    ojson r = {{"id", s.id}, {"object", s.req.chat ? "chat.completion" : "text_completion"}, {"created", s.created},
+               {"model", s.model}, {"choices", ojson::array({choice})}, {"usage", s.usage()}};
+    if (s.req.return_token_ids) r["prompt_token_ids"] = s.req.sched.prompt;
+    return r;
+  }
+
+  void end(Session& s, const std::string& reason) {
+    s.done = true;
+    s.finish_reason = reason;
+    metrics.finished(reason);
+    metrics.generated_tokens(int64_t(s.ids.size()));
+  }
+
+  // Drives one request to its end, writing as it goes (streaming) or at the end. Returns false to
+  // abort the connection (the client is gone, or the server stops): the releaser cancels.
+  bool run(Session& s, httplib::DataSink& sink) {
+    const bool stream = s.req.stream;
+    if (stream && s.req.chat && !send_chunk(s, sink, "", nullptr)) return false;  // the role first
+    auto last_check = clock::now();
+    while (!s.done) {
+      SchedEvent ev;
+      const bool got = s.handle->next(ev, kPoll);
+      if (stopping.load()) return false;
+      if (!got || clock::now() - last_check > kPoll) {
+        if (!sink.is_writable()) return false;
+        last_check = clock::now();
+        if (!got) continue;
+      }
+      std::string piece;
+      const char* finish = nullptr;
+      if (ev.kind == SchedEvent::Kind::Token) {
+        const double since = std::chrono::duration<double>(ev.time - (s.ids.empty() ? s.handle->submitted() : s.last_token)).count();
+        if (s.ids.empty()) metrics.ttft(since);
+        else metrics.itl(since);
+        s.last_token = ev.time;
+        s.ids.push_back(ev.token);
+        s.pending_ids.push_back(ev.token);
+        piece = s.text.token(ev.token);
+        s.add_logprobs(ev, piece);
+        if (s.text.stopped()) {
+          s.handle->cancel();  // a stop string: the engine frees the row at its next step
+          end(s, "stop");
+          finish = "stop";
+        }
+      } else if (ev.kind == SchedEvent::Kind::Finish) {
+        if (ev.reason == FinishReason::Cancelled) return false;
+        piece = s.text.finish();
+        const char* reason = ev.reason == FinishReason::Length && !s.text.stopped() ? "length" : "stop";
+        end(s, reason);
+        finish = reason;
+      } else {
+        end(s, "error");
+        const std::string err = error_body(500, "generation failed: " + ev.message, "", "server_error");
+        if (stream) {
+          write(sink, "data: " + err + "\n\n");
+        } else {
+          write(sink, err);
+        }
+        sink.done();
+        return true;
+      }
+      if (stream) {
+        if (finish) {
+          if (!piece.empty() || s.has_pending_logprobs() || (s.req.return_token_ids && !s.pending_ids.empty()))
+            if (!send_chunk(s, sink, piece, nullptr)) return false;
+          if (!send_chunk(s, sink, "", finish)) return false;
+        } else if (!piece.empty() || s.has_pending_logprobs()) {
+          if (!send_chunk(s, sink, piece, nullptr)) return false;
+        }
+      } else {
+        s.content += piece;
+      }
+    }
+    if (stream) {
+      if (s.req.include_usage) {
+        ojson c = chunk_base(s);
+        c["choices"] = ojson::array();
+        c["usage"] = s.usage();
+        if (!sse(sink, c)) return false;
+      }
+      if (!write(sink, "data: [DONE]\n\n")) return false;
+    } else {
+      if (!write(sink, whole_response(s).dump())) return false;
+    }
+    sink.done();
+    return true;
+  }
+};
+
+HttpServer::HttpServer(const ServerOptions& opt) : impl_(std::make_unique<Impl>(opt)) {}
+
+HttpServer::~HttpServer() { stop(); }
+
+int HttpServer::bind() {
+  Impl& m = *impl_;
+  if (m.opt.port == 0) {
+    const int port = m.svr.bind_to_any_port(m.opt.host);
+    if (port <= 0) fail("--host ", m.opt.host, ": cannot bind a port");
+    m.opt.port = port;
+  } else if (!m.svr.bind_to_port(m.opt.host, m.opt.port)) {
+    fail("--host ", m.opt.host, " --port ", m.opt.port, ": cannot bind (in use, or not a local address)");
+  }
+  return m.opt.port;
+}
+
+void HttpServer::start() {
+  impl_->listener = std::thread([this] { impl_->svr.listen_after_bind(); });
+}
+
+void HttpServer::ready(ServedModel model, Scheduler& scheduler) {
+  impl_->model = std::move(model);
+  impl_->scheduler = &scheduler;
+  impl_->is_ready.store(true);
+}
+
+void HttpServer::stop() {
+  if (!impl_) return;
+  impl_->stopping.store(true);
+  impl_->svr.stop();
+  if (impl_->listener.joinable()) impl_->listener.join();
+}
+
+}  // namespace vireo::server

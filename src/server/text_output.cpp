@@ -1,0 +1,54 @@
+#include "server/text_output.h"
+
+#include <algorithm>
+#include <utility>
+
+namespace vireo::server {
+
+std::string StopMatcher::feed(std::string_view text) {
+  if (stopped_) return {};
+  held_.append(text);
+  if (stops_.empty()) return std::exchange(held_, {});
+  size_t first = std::string::npos;
+  for (const std::string& s : stops_) first = std::min(first, held_.find(s));
+  if (first != std::string::npos) {
+    stopped_ = true;
+    std::string out = held_.substr(0, first);
+    held_.clear();
+    return out;
+  }
+  // Withhold the longest suffix that is a proper prefix of some stop string.
+  size_t keep = 0;
+  for (const std::string& s : stops_)
+    for (size_t k = std::min(s.size() - 1, held_.size()); k > keep; --k)
+      if (std::string_view(held_).substr(held_.size() - k) == std::string_view(s).substr(0, k)) {
+        keep = k;
+        break;
+      }
+  std::string out = held_.substr(0, held_.size() - keep);
+  held_.erase(0, held_.size() - keep);
+  return out;
+}
+
+std::string StopMatcher::flush() {
+  if (stopped_) return {};
+  return std::exchange(held_, {});
+}
+
+TextOutput::TextOutput(const Tokenizer* tokenizer, std::vector<std::string> stops) : matcher_(std::move(stops)) {
+  if (tokenizer) decoder_.emplace(*tokenizer, /*skip_special_tokens=*/true);
+}
+
+std::string TextOutput::token(int32_t id) {
+  if (!decoder_) return {};
+  return matcher_.feed(decoder_->step(uint32_t(id)));
+}
+
+std::string TextOutput::finish() {
+  if (!decoder_) return {};
+  std::string out = matcher_.feed(decoder_->finish());
+  if (matcher_.stopped()) return out;
+  return out + matcher_.flush();
+}
+
+}  // namespace vireo::server
