@@ -141,28 +141,32 @@ std::vector<const ExpertWeights*> StreamingExpertStore::prepare_async(int layer,
          " one prepare can hold");
   pool_.unpin_all();
   account_prediction(layer, experts);
-  current_.clear();
-  std::vector<const ExpertWeights*> out;
-  for (int e : experts) {
+  current_.assign(experts.size(), -1);
+  // Hits first: pin them all before any miss picks a victim, so a miss never evicts an expert
+  // this same prepare is about to use.
+  for (size_t i = 0; i < experts.size(); ++i) {
     ++stats_.requests;
-    int64_t slot = pool_.find(layer, e);
-    if (slot >= 0) {
-      ++stats_.hits;
-      if (pool_.tag(slot) == kPrefetched) {
-        ++stats_.prefetch_used;
-        pool_.tag(slot) = 0;
-      }
-      pool_.touch(slot);
-      pool_.pin(slot);
-    } else {
-      ++stats_.misses;
-      slot = claim(layer, e, lock);
-      pool_.pin(slot);
-      start_read(slot, layer, e, true);
+    const int64_t slot = pool_.find(layer, experts[i]);
+    if (slot < 0) continue;
+    ++stats_.hits;
+    if (pool_.tag(slot) == kPrefetched) {
+      ++stats_.prefetch_used;
+      pool_.tag(slot) = 0;
     }
-    current_.push_back(slot);
-    out.push_back(&weights_[size_t(slot)]);
+    pool_.touch(slot);
+    pool_.pin(slot);
+    current_[i] = slot;
   }
+  for (size_t i = 0; i < experts.size(); ++i) {
+    if (current_[i] >= 0) continue;
+    ++stats_.misses;
+    const int64_t slot = claim(layer, experts[i], lock);
+    pool_.pin(slot);
+    start_read(slot, layer, experts[i], true);
+    current_[i] = slot;
+  }
+  std::vector<const ExpertWeights*> out;
+  for (int64_t slot : current_) out.push_back(&weights_[size_t(slot)]);
   return out;
 }
 
