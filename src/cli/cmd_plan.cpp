@@ -46,6 +46,13 @@ void advise_dense_resident(const Checkpoint& ck, const ExpertStoreParams& p) {
     const uintptr_t b = uintptr_t(t->data) / page * page, e = uintptr_t(t->data) + t->nbytes;
     ::madvise(reinterpret_cast<void*>(b), e - b, MADV_WILLNEED);
   }
+  // ... and wait for it: touch every page now, so loading (not the first tokens) pays for it.
+  volatile uint8_t sink = 0;
+  for (const auto& [name, t] : ck.tensors()) {
+    if (name.find(".mlp.experts.") != std::string::npos || !t->data) continue;
+    const uint8_t* d = static_cast<const uint8_t*>(t->data);
+    for (size_t i = 0; i < t->nbytes; i += page) sink = sink + d[i];
+  }
 }
 
 }  // namespace
