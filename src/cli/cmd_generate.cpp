@@ -2,12 +2,27 @@
 #include <cstdio>
 #include <memory>
 
+#include <fstream>
+#include <optional>
+#include <sstream>
+
+#include "backend/cuda/cuda_backend.h"
 #include "cli/commands.h"
+#include "cli/text_model.h"
+#include "io/json_file.h"
 #include "io/npy.h"
 #include "model/glm_dsa/model.h"
 #include "runtime/generate.h"
 
 namespace vireo::cli {
+
+std::string read_text_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail("cannot open ", path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
 
 std::vector<int32_t> parse_id_list(const std::string& s, const std::string& flag) {
   std::vector<int32_t> ids;
@@ -36,15 +51,21 @@ std::vector<int32_t> parse_id_list(const std::string& s, const std::string& flag
 
 Action add_run(CLI::App& app) {
   struct Opts {
-    std::string model, prompt_ids;
+    std::string model, prompt_ids, prompt, prompt_file;
     int64_t n = 64;
     SamplingParams s;
-    bool ignore_eos = false;
+    bool ignore_eos = false, chat = false;
     StreamingFlags sf;
+    std::string device = "cpu";
   };
   auto o = std::make_shared<Opts>();
   app.add_option("--model,-m", o->model, "Model directory (config.json + safetensors)")->required();
-  app.add_option("--prompt-ids", o->prompt_ids, "Prompt as comma-separated token ids")->required();
+  auto* ids_opt = app.add_option("--prompt-ids", o->prompt_ids, "Prompt as comma-separated token ids (prints ids)");
+  auto* text_opt = app.add_option("-p,--prompt", o->prompt, "Prompt text (streams text)");
+  auto* file_opt = app.add_option("--prompt-file", o->prompt_file, "Read the prompt text from a file");
+  ids_opt->excludes(text_opt)->excludes(file_opt);
+  text_opt->excludes(file_opt);
+  app.add_flag("--chat", o->chat, "Apply the model's chat template to the prompt as one user message");
   app.add_option("-n,--max-tokens", o->n, "Tokens to generate at most")->check(CLI::Range(int64_t(1), int64_t(1) << 30));
   app.add_option("--temp", o->s.temperature, "Sampling temperature (0: greedy)");
   app.add_option("--top-k", o->s.top_k, "Keep the k most likely tokens (0: off)");
@@ -53,10 +74,30 @@ Action add_run(CLI::App& app) {
   app.add_option("--seed", o->s.seed, "Sampling seed");
   app.add_flag("--ignore-eos", o->ignore_eos, "Do not stop at end-of-sequence tokens");
   add_streaming_flags(app, o->sf);
+  add_device_flag(app, o->device);
   return [o]() {
     validate_sampling(o->s);
-    std::vector<int32_t> prompt = parse_id_list(o->prompt_ids, "--prompt-ids");
-    auto backend = make_cpu_backend();
+    const bool text_mode = o->prompt_ids.empty();
+    if (text_mode && o->prompt.empty() && o->prompt_file.empty())
+      fail("run needs a prompt: --prompt TEXT, --prompt-file FILE or --prompt-ids 1,2,3");
+    if (!text_mode && o->chat) fail("--chat needs a text prompt (--prompt or --prompt-file)");
+    std::optional<TextModel> text;
+    std::vector<int32_t> prompt;
+    if (text_mode) {
+      std::string body = o->prompt;
+      if (!o->prompt_file.empty()) {
+        if (!file_exists(o->prompt_file)) fail("--prompt-file: cannot open ", o->prompt_file);
+        body = read_text_file(o->prompt_file);
+      }
+      text = TextModel::load(o->model, o->chat);
+      if (o->chat) prompt = text->chat_prompt(nlohmann::ordered_json::array({{{"role", "user"}, {"content", body}}}));
+      else prompt = to_i32(text->tokenizer.encode(body, true));
+      if (prompt.empty()) fail("the prompt encodes to no tokens");
+    } else {
+      prompt = parse_id_list(o->prompt_ids, "--prompt-ids");
+    }
+    check_device_flags(o->device, o->sf);
+    auto backend = make_backend(o->device);
     LoadedModel lm = load_model(o->model, *backend, o->sf, int64_t(prompt.size()) + o->n);
     auto& model = lm.model;
     ExpertStoreStats last = model->experts().stats();
@@ -69,8 +110,11 @@ Action add_run(CLI::App& app) {
     opt.sampling = o->s;
     opt.stop_at_eos = !o->ignore_eos;
     bool first = true;
+    std::optional<DecodeStream> stream;
+    if (text) stream.emplace(text->tokenizer, true);
     GenerateResult r = generate(*model, cache, 0, prompt, opt, [&](int32_t id) {
-      std::printf(first ? "%d" : ",%d", id);
+      if (stream) std::fputs(stream->step(uint32_t(id)).c_str(), stdout);
+      else std::printf(first ? "%d" : ",%d", id);
       std::fflush(stdout);
       first = false;
       if (o->sf.stats) {  // counters of the forward step that produced this token
@@ -80,6 +124,7 @@ Action add_run(CLI::App& app) {
       }
       return true;
     });
+    if (stream) std::fputs(stream->finish().c_str(), stdout);
     std::printf("\n");
     const int64_t decoded = int64_t(r.tokens.size()) - 1;
     std::fprintf(stderr, "prompt: %lld tokens in %.3f s (%.1f tok/s); generated: %zu tokens, %.1f tok/s%s\n",
@@ -97,6 +142,7 @@ Action add_logits(CLI::App& app) {
   struct Opts {
     std::string model, tokens, out, mode = "prefill";
     StreamingFlags sf;
+    std::string device = "cpu";
   };
   auto o = std::make_shared<Opts>();
   app.add_option("--model,-m", o->model, "Model directory")->required();
@@ -106,9 +152,11 @@ Action add_logits(CLI::App& app) {
       ->check(CLI::IsMember({"prefill", "decode"}));
   app.add_option("--out,-o", o->out, "Output .npy file (float32 [T, vocab])")->required();
   add_streaming_flags(app, o->sf);
+  add_device_flag(app, o->device);
   return [o]() {
     std::vector<int32_t> ids = parse_id_list(o->tokens, "--tokens");
-    auto backend = make_cpu_backend();
+    check_device_flags(o->device, o->sf);
+    auto backend = make_backend(o->device);
     LoadedModel lm = load_model(o->model, *backend, o->sf, int64_t(ids.size()));
     auto& model = lm.model;
     const int64_t V = model->config().vocab_size, T = int64_t(ids.size());

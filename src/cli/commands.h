@@ -19,6 +19,12 @@ Action add_run(CLI::App& app);
 Action add_logits(CLI::App& app);
 Action add_info(CLI::App& app);
 Action add_bench(CLI::App& app);
+Action add_tokenize(CLI::App& app);
+Action add_detokenize(CLI::App& app);
+Action add_chat(CLI::App& app);
+Action add_perplexity(CLI::App& app);
+
+std::string read_text_file(const std::string& path);
 Action add_plan(CLI::App& app);
 Action add_synth(CLI::App& app);
 Action add_serve(CLI::App& app);  // cmd_serve.cpp
@@ -47,6 +53,10 @@ MemoryPlan plan_for(const Checkpoint& ck, const GlmDsaConfig& c, uint64_t budget
 ExpertStoreParams expert_params(const GlmDsaConfig& c);
 std::string stats_line(const ExpertStoreStats& s);
 uint64_t peak_rss_bytes();  // VmHWM of this process
+
+// --device cpu|cuda (cmd_bench.cpp), and the combinations a device does not support yet.
+void add_device_flag(CLI::App& app, std::string& device);
+void check_device_flags(const std::string& device, const StreamingFlags& f);
 
 // "1,2,3" -> ids; `flag` names the option in errors.
 std::vector<int32_t> parse_id_list(const std::string& s, const std::string& flag);

@@ -20,6 +20,10 @@ int main(int argc, char** argv) {
   add("logits", "Write teacher-forced logits [T, vocab] as a float32 .npy", vireo::cli::add_logits);
   add("info", "Describe a checkpoint: architecture, parameters, bytes, layer schedule", vireo::cli::add_info);
   add("bench", "Measure prefill and decode speed (checkpoint or synthetic GLM-5 shapes)", vireo::cli::add_bench);
+  add("tokenize", "Encode text with the model's tokenizer", vireo::cli::add_tokenize);
+  add("detokenize", "Decode token ids to text", vireo::cli::add_detokenize);
+  add("chat", "Interactive multi-turn chat with the model's chat template", vireo::cli::add_chat);
+  add("perplexity", "Perplexity of a text file", vireo::cli::add_perplexity);
   add("plan", "Print the memory plan for a model under a budget", vireo::cli::add_plan);
   add("serve", "Serve the OpenAI API (chat and completions, streaming) with continuous batching",
       vireo::cli::add_serve);

@@ -1,0 +1,222 @@
+// Text commands: `vireo tokenize`, `vireo detokenize`, `vireo chat`, `vireo perplexity`.
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+#include <memory>
+
+#include "cli/commands.h"
+#include "cli/text_model.h"
+#include "io/json_file.h"
+#include "model/glm_dsa/model.h"
+#include "runtime/generate.h"
+
+namespace vireo::cli {
+
+namespace {
+
+std::string json_string(const std::string& s) { return Json(s).dump(-1, ' ', false, Json::error_handler_t::replace); }
+
+}  // namespace
+
+Action add_tokenize(CLI::App& app) {
+  struct Opts {
+    std::string model, text;
+    bool add_special = false, jsonl = false;
+  };
+  auto o = std::make_shared<Opts>();
+  app.add_option("--model,-m", o->model, "Model directory (reads tokenizer.json)")->required();
+  app.add_option("text", o->text, "Text to encode (prints ids and pieces)");
+  app.add_flag("--add-special", o->add_special, "Add the post-processor's special tokens (BOS/EOS)");
+  app.add_flag("--jsonl", o->jsonl, "Read one JSON string per stdin line; print one JSON array of ids per line");
+  return [o]() {
+    TextModel tm = TextModel::load(o->model);
+    if (o->jsonl) {
+      std::string line;
+      int64_t n = 0;
+      while (std::getline(std::cin, line)) {
+        ++n;
+        Json j;
+        try {
+          j = Json::parse(line);
+        } catch (const Json::parse_error&) {
+          fail("stdin line ", n, ": not valid JSON (expected one JSON string per line)");
+        }
+        if (!j.is_string()) fail("stdin line ", n, ": expected a JSON string, found ", j.type_name());
+        Json ids = tm.tokenizer.encode(j.get<std::string>(), o->add_special);
+        std::cout << ids.dump() << '\n';
+      }
+      return 0;
+    }
+    auto ids = tm.tokenizer.encode(o->text, o->add_special);
+    for (uint32_t id : ids)
+      std::cout << id << '\t' << json_string(tm.tokenizer.id_to_token(id).value_or("")) << '\n';
+    return 0;
+  };
+}
+
+Action add_detokenize(CLI::App& app) {
+  struct Opts {
+    std::string model, ids;
+    bool skip_special = false;
+  };
+  auto o = std::make_shared<Opts>();
+  app.add_option("--model,-m", o->model, "Model directory (reads tokenizer.json)")->required();
+  app.add_option("ids", o->ids, "Comma-separated token ids")->required();
+  app.add_flag("--skip-special", o->skip_special, "Leave out special tokens");
+  return [o]() {
+    TextModel tm = TextModel::load(o->model);
+    std::vector<uint32_t> ids;
+    for (int32_t id : parse_id_list(o->ids, "ids")) {
+      if (size_t(id) >= tm.tokenizer.vocab_size())
+        fail("ids: token id ", id, " is out of range (vocabulary size ", tm.tokenizer.vocab_size(), ")");
+      ids.push_back(uint32_t(id));
+    }
+    std::cout << tm.tokenizer.decode(ids, o->skip_special) << '\n';
+    return 0;
+  };
+}
+
+Action add_chat(CLI::App& app) {
+  struct Opts {
+    std::string model, system;
+    int64_t n = 512, context = 4096;
+    SamplingParams s;
+  };
+  auto o = std::make_shared<Opts>();
+  app.add_option("--model,-m", o->model, "Model directory")->required();
+  app.add_option("--system", o->system, "System message");
+  app.add_option("-n,--max-tokens", o->n, "Tokens per reply at most")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
+  app.add_option("--context", o->context, "Context length in tokens")->check(CLI::Range(int64_t(16), int64_t(1) << 22));
+  app.add_option("--temp", o->s.temperature, "Sampling temperature (0: greedy)");
+  app.add_option("--top-k", o->s.top_k, "Keep the k most likely tokens (0: off)");
+  app.add_option("--top-p", o->s.top_p, "Nucleus sampling mass (1: off)");
+  app.add_option("--min-p", o->s.min_p, "Drop tokens below min_p x the top probability (0: off)");
+  app.add_option("--seed", o->s.seed, "Sampling seed");
+  return [o]() {
+    validate_sampling(o->s);
+    TextModel tm = TextModel::load(o->model, true);
+    auto backend = make_cpu_backend();
+    auto model = GlmDsaModel::load(o->model, *backend);
+    MlaCache cache(*backend, model->cache_shape(), 1, o->context);
+    const bool tty = ::isatty(0);
+    nlohmann::ordered_json messages = nlohmann::ordered_json::array();
+    auto reset = [&]() {
+      messages = nlohmann::ordered_json::array();
+      if (!o->system.empty()) messages.push_back({{"role", "system"}, {"content", o->system}});
+      cache.reset(0);
+    };
+    reset();
+    std::vector<int32_t> cached;  // the tokens whose entries are in the cache, in order
+    if (tty) std::fprintf(stderr, "vireo chat: /reset starts over, /exit or Ctrl-D quits\n");
+    std::string line;
+    for (;;) {
+      if (tty) std::fputs("> ", stdout), std::fflush(stdout);
+      if (!std::getline(std::cin, line)) break;
+      if (line == "/exit") break;
+      if (line == "/reset") {
+        reset();
+        cached.clear();
+        std::puts("(conversation reset)");
+        continue;
+      }
+      if (line.empty()) continue;
+      messages.push_back({{"role", "user"}, {"content", line}});
+      std::vector<int32_t> prompt = tm.chat_prompt(messages);
+      // Reuse the cache for the longest common prefix with what it already holds.
+      size_t common = 0;
+      while (common < cached.size() && common < prompt.size() && cached[common] == prompt[common]) ++common;
+      if (common == prompt.size()) --common;  // at least one token must be fed to get logits
+      cache.trim(0, int64_t(common));
+      cached.resize(common);
+      std::vector<int32_t> fresh(prompt.begin() + long(common), prompt.end());
+      const int64_t room = o->context - int64_t(prompt.size());
+      if (room < 1) {
+        std::puts("(context full: /reset to start over)");
+        messages.erase(messages.size() - 1);
+        continue;
+      }
+      GenerateOptions opt;
+      opt.max_new_tokens = std::min(o->n, room);
+      opt.sampling = o->s;
+      DecodeStream stream(tm.tokenizer, true);
+      std::string reply;
+      GenerateResult r = generate(*model, cache, 0, fresh, opt, [&](int32_t id) {
+        std::string piece = stream.step(uint32_t(id));
+        reply += piece;
+        std::fputs(piece.c_str(), stdout);
+        std::fflush(stdout);
+        return true;
+      });
+      std::string rest = stream.finish();
+      reply += rest;
+      std::printf("%s\n", rest.c_str());
+      cached.insert(cached.end(), fresh.begin(), fresh.end());
+      cached.insert(cached.end(), r.tokens.begin(), r.tokens.end() - (r.tokens.empty() ? 0 : 1));
+      messages.push_back({{"role", "assistant"}, {"content", reply}});
+      if (tty)
+        std::fprintf(stderr, "[%zu tokens, %.1f tok/s]\n", r.tokens.size(),
+                     r.tokens.size() > 1 ? double(r.tokens.size() - 1) / r.decode_seconds : 0.0);
+    }
+    return 0;
+  };
+}
+
+Action add_perplexity(CLI::App& app) {
+  struct Opts {
+    std::string model, file;
+    int64_t context = 0, chunk = 256;
+  };
+  auto o = std::make_shared<Opts>();
+  app.add_option("--model,-m", o->model, "Model directory")->required();
+  app.add_option("--file,-f", o->file, "Text file to score")->required();
+  app.add_option("--context", o->context, "Window length in tokens (default: max_position_embeddings, at most 4096)")
+      ->check(CLI::Range(int64_t(2), int64_t(1) << 22));
+  return [o]() {
+    if (!file_exists(o->file)) fail("--file: cannot open ", o->file);
+    TextModel tm = TextModel::load(o->model);
+    const std::vector<int32_t> ids = to_i32(tm.tokenizer.encode(read_text_file(o->file), false));
+    if (ids.size() < 2) fail(o->file, ": fewer than 2 tokens, nothing to score");
+    auto backend = make_cpu_backend();
+    auto model = GlmDsaModel::load(o->model, *backend);
+    const int64_t V = model->config().vocab_size;
+    const int64_t window = o->context ? o->context : std::min<int64_t>(model->config().max_position_embeddings, 4096);
+    // Non-overlapping windows, each scored from its own start: token t of a window is predicted
+    // from tokens before it in that window.
+    const int64_t n = int64_t(ids.size()), n_windows = (n + window - 1) / window;
+    MlaCache cache(*backend, model->cache_shape(), 1, window);
+    std::vector<float> logits(static_cast<size_t>(o->chunk * V));
+    double nll = 0;
+    int64_t scored = 0;
+    for (int64_t w = 0; w < n_windows; ++w) {
+      const int64_t begin = w * window, end = std::min(n, begin + window);
+      cache.reset(0);
+      for (int64_t c = begin; c < end; c += o->chunk) {
+        const int64_t T = std::min(o->chunk, end - c);
+        model->forward(&ids[size_t(c)], T, cache, 0, logits.data(), true);
+        for (int64_t t = 0; t < T; ++t) {
+          const int64_t target = c + t + 1;
+          if (target >= end) break;
+          const float* l = &logits[size_t(t * V)];
+          float mx = l[0];
+          for (int64_t v = 1; v < V; ++v) mx = std::max(mx, l[v]);
+          double sum = 0;
+          for (int64_t v = 0; v < V; ++v) sum += std::exp(double(l[v]) - mx);
+          nll += std::log(sum) + mx - l[ids[size_t(target)]];
+          ++scored;
+        }
+        std::fprintf(stderr, "\r[%lld/%lld tokens] perplexity so far %.4f", (long long)std::min(c + T, n), (long long)n,
+                     std::exp(nll / double(std::max<int64_t>(scored, 1))));
+        std::fflush(stderr);
+      }
+    }
+    std::fprintf(stderr, "\n");
+    std::printf("tokens %lld, scored %lld, windows %lld of %lld tokens\nmean NLL %.6f\nperplexity %.6f\n",
+                (long long)n, (long long)scored, (long long)n_windows, (long long)window, nll / double(scored),
+                std::exp(nll / double(scored)));
+    return 0;
+  };
+}
+
+}  // namespace vireo::cli
