@@ -352,7 +352,7 @@ struct HttpServer::Impl {
           if (!piece.empty() || s.has_pending_logprobs() || (s.req.return_token_ids && !s.pending_ids.empty()))
             if (!send_chunk(s, sink, piece, nullptr)) return false;
           if (!send_chunk(s, sink, "", finish)) return false;
-        } else if (!piece.empty() || s.has_pending_logprobs()) {
+        } else if (!piece.empty() || s.has_pending_logprobs() || s.req.return_token_ids) {
           if (!send_chunk(s, sink, piece, nullptr)) return false;
         }
       } else {

@@ -1,0 +1,306 @@
+// The continuous-batching scheduler without HTTP: greedy outputs under batching equal the same
+// requests run alone and transformers' greedy continuations, for prompts of different lengths
+// arriving at different steps; cancellation frees rows; admission waits for a row and for budget.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <thread>
+
+#include "backend/backend.h"
+#include "io/json_file.h"
+#include "model/glm_dsa/model.h"
+#include "runtime/scheduler.h"
+
+using namespace vireo;
+
+namespace {
+
+const std::string kFixtures = VIREO_FIXTURES_DIR;
+const std::string kDemo = std::string(VIREO_SOURCE_DIR) + "/models/vireo-demo";
+
+struct Loaded {
+  std::unique_ptr<Backend> backend = make_cpu_backend();
+  std::unique_ptr<GlmDsaModel> model;
+  explicit Loaded(const std::string& dir) { model = GlmDsaModel::load(dir, *backend); }
+};
+
+SchedRequest greedy(std::vector<int32_t> prompt, int64_t n) {
+  SchedRequest r;
+  r.prompt = std::move(prompt);
+  r.max_tokens = n;
+  r.stop_at_eos = false;
+  return r;
+}
+
+// Every event of a finished request: the ids, and how it ended.
+struct Outcome {
+  std::vector<int32_t> ids;
+  std::vector<float> logprobs;
+  FinishReason reason = FinishReason::Stop;
+  bool finished = false, error = false;
+};
+
+Outcome drain(RequestHandle& h) {
+  Outcome o;
+  SchedEvent ev;
+  while (h.next(ev, std::chrono::milliseconds(0))) {
+    if (ev.kind == SchedEvent::Kind::Token) {
+      o.ids.push_back(ev.token);
+      o.logprobs.push_back(ev.logprob);
+    } else if (ev.kind == SchedEvent::Kind::Finish) {
+      o.finished = true;
+      o.reason = ev.reason;
+    } else {
+      o.error = true;
+    }
+  }
+  return o;
+}
+
+SchedulerOptions manual(int rows, int64_t context, int64_t chunk) {
+  SchedulerOptions o;
+  o.max_batch = rows;
+  o.context = context;
+  o.prefill_chunk = chunk;
+  o.start_thread = false;
+  return o;
+}
+
+// One request alone through its own scheduler: the reference a batch must reproduce.
+std::vector<int32_t> alone(Loaded& m, const SchedRequest& r, int64_t chunk) {
+  Scheduler s(*m.model, *m.backend, manual(1, 256, chunk));
+  auto h = s.submit(r);
+  while (s.step()) {}
+  Outcome o = drain(*h);
+  EXPECT_TRUE(o.finished);
+  return o.ids;
+}
+
+// Requests submitted at given steps into one scheduler; returns each one's ids.
+std::vector<std::vector<int32_t>> staggered(Loaded& m, const std::vector<std::pair<int, SchedRequest>>& arrivals,
+                                            int rows, int64_t chunk, size_t* max_running = nullptr) {
+  Scheduler s(*m.model, *m.backend, manual(rows, 256, chunk));
+  std::vector<std::shared_ptr<RequestHandle>> hs(arrivals.size());
+  size_t submitted = 0;
+  for (int step = 0; step < 10000; ++step) {
+    for (size_t i = 0; i < arrivals.size(); ++i)
+      if (arrivals[i].first == step) {
+        hs[i] = s.submit(arrivals[i].second);
+        ++submitted;
+      }
+    const bool ran = s.step();
+    if (max_running) *max_running = std::max(*max_running, s.stats().running);
+    if (!ran && submitted == arrivals.size()) break;
+  }
+  std::vector<std::vector<int32_t>> out;
+  for (auto& h : hs) {
+    Outcome o = drain(*h);
+    EXPECT_TRUE(o.finished);
+    out.push_back(o.ids);
+  }
+  EXPECT_EQ(s.stats().cache_bytes_in_use, 0u);
+  EXPECT_EQ(s.stats().cache_bytes_reserved, 0u);
+  return out;
+}
+
+}  // namespace
+
+TEST(Scheduler, StaggeredBatchEqualsSingleRequestsOnF32Fixture) {
+  Loaded m(kFixtures + "/glm_dsa_shared_f32");
+  const Json e = read_json_file(kFixtures + "/glm_dsa_shared_f32/expected.json");
+  const auto toks = e["tokens"].get<std::vector<int32_t>>();
+  const auto gp = e["greedy_prompt"].get<std::vector<int32_t>>();
+  const auto gn = e["greedy_new"].get<std::vector<int32_t>>();
+  // Prompt lengths 1..40 arriving at steps 0..9; chunk 8 splits the long ones across steps.
+  std::vector<std::pair<int, SchedRequest>> arrivals = {
+      {0, greedy(gp, int64_t(gn.size()))},
+      {0, greedy({toks.begin(), toks.begin() + 40}, 12)},
+      {2, greedy({toks.begin() + 3, toks.begin() + 4}, 20)},
+      {3, greedy({toks.begin() + 5, toks.begin() + 22}, 9)},
+      {9, greedy({toks.begin() + 10, toks.begin() + 37}, 15)},
+  };
+  size_t max_running = 0;
+  auto got = staggered(m, arrivals, 4, 8, &max_running);
+  EXPECT_GE(max_running, 3u);
+  // The oracle: transformers' greedy continuation.
+  EXPECT_EQ(got[0], gn);
+  for (size_t i = 0; i < arrivals.size(); ++i)
+    EXPECT_EQ(got[i], alone(m, arrivals[i].second, 8)) << "request " << i;
+}
+
+TEST(Scheduler, StaggeredBatchEqualsTransformersGreedyOnDemoModel) {
+  Loaded m(kDemo);
+  const Json e = read_json_file(kFixtures + "/demo/expected.json");
+  std::vector<std::pair<int, SchedRequest>> arrivals;
+  std::vector<std::vector<int32_t>> want;
+  int step = 0;
+  for (const Json& c : e["greedy"]["cases"]) {
+    auto cont = c["continuation_ids"].get<std::vector<int32_t>>();
+    arrivals.push_back({step, greedy(c["prompt_ids"].get<std::vector<int32_t>>(), int64_t(cont.size()))});
+    want.push_back(cont);
+    step += 3;  // each arrives while the earlier ones decode
+  }
+  auto got = staggered(m, arrivals, 4, 32);  // 7 requests, 4 rows: some wait for admission
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_EQ(got[i], want[i]) << "case " << i;
+}
+
+TEST(Scheduler, CancellationFreesTheRowForTheNextRequest) {
+  Loaded m(kFixtures + "/glm_dsa_shared_f32");
+  Scheduler s(*m.model, *m.backend, manual(2, 64, 16));
+  auto a = s.submit(greedy({5, 6, 7, 8}, 40));
+  auto b = s.submit(greedy({9, 10, 11}, 40));
+  auto c = s.submit(greedy({12, 13}, 5));
+  for (int i = 0; i < 5; ++i) ASSERT_TRUE(s.step());
+  EXPECT_EQ(s.stats().running, 2u);
+  EXPECT_EQ(s.stats().waiting, 1u);
+  const size_t bpt = s.bytes_per_token();
+  EXPECT_EQ(s.stats().cache_bytes_in_use, (4 + 4 + 3 + 4) * bpt);  // prompt + 4 decoded inputs each
+  a->cancel();
+  ASSERT_TRUE(s.step());  // a leaves, c takes its row and prefills
+  EXPECT_EQ(s.stats().running, 2u);
+  EXPECT_EQ(s.stats().waiting, 0u);
+  EXPECT_EQ(s.stats().cache_bytes_in_use, (3 + 5) * bpt + 2 * bpt);
+  Outcome oa = drain(*a);
+  EXPECT_TRUE(oa.finished);
+  EXPECT_EQ(oa.reason, FinishReason::Cancelled);
+  EXPECT_EQ(oa.ids.size(), 5u);
+  b->cancel();
+  while (s.step()) {}
+  EXPECT_EQ(drain(*b).reason, FinishReason::Cancelled);
+  Outcome oc = drain(*c);
+  EXPECT_EQ(oc.reason, FinishReason::Length);
+  EXPECT_EQ(oc.ids, alone(m, greedy({12, 13}, 5), 16));
+  EXPECT_EQ(s.stats().cache_bytes_in_use, 0u);
+  EXPECT_EQ(s.stats().running, 0u);
+}
+
+TEST(Scheduler, CancelledWhileWaitingNeverRuns) {
+  Loaded m(kFixtures + "/glm_dsa_shared_f32");
+  Scheduler s(*m.model, *m.backend, manual(1, 64, 16));
+  auto a = s.submit(greedy({5, 6}, 3));
+  auto b = s.submit(greedy({7, 8}, 3));
+  b->cancel();
+  while (s.step()) {}
+  EXPECT_EQ(drain(*a).ids.size(), 3u);
+  Outcome ob = drain(*b);
+  EXPECT_TRUE(ob.ids.empty());
+  EXPECT_EQ(ob.reason, FinishReason::Cancelled);
+}
+
+TEST(Scheduler, AdmissionWaitsForCacheBudget) {
+  Loaded m(kFixtures + "/glm_dsa_shared_f32");
+  SchedulerOptions o = manual(4, 64, 16);
+  const size_t bpt = MlaCache::bytes_per_token(m.model->cache_shape());
+  o.cache_budget_bytes = 30 * bpt;  // room for one 4 + 20 request at a time, though 4 rows are free
+  Scheduler s(*m.model, *m.backend, o);
+  auto a = s.submit(greedy({1, 2, 3, 4}, 20));
+  auto b = s.submit(greedy({4, 3, 2, 1}, 20));
+  ASSERT_TRUE(s.step());
+  EXPECT_EQ(s.stats().running, 1u);
+  EXPECT_EQ(s.stats().waiting, 1u);
+  EXPECT_EQ(s.stats().cache_bytes_reserved, 24 * bpt);
+  while (s.step()) {}
+  EXPECT_EQ(drain(*a).ids.size(), 20u);
+  EXPECT_EQ(drain(*b).ids.size(), 20u);
+  // A request that could never fit is refused up front, naming the field.
+  try {
+    s.submit(greedy({1, 2, 3, 4}, 40));
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("max_tokens"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Scheduler, SubmitValidatesNamingTheField) {
+  Loaded m(kFixtures + "/glm_dsa_shared_f32");
+  Scheduler s(*m.model, *m.backend, manual(1, 16, 16));
+  auto msg = [&](SchedRequest r) {
+    try {
+      s.submit(std::move(r));
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(msg(greedy({}, 1)).rfind("prompt:", 0), 0u);
+  EXPECT_EQ(msg(greedy({1, 99999}, 1)).rfind("prompt:", 0), 0u);
+  EXPECT_EQ(msg(greedy(std::vector<int32_t>(16, 1), 1)).rfind("prompt:", 0), 0u);
+  EXPECT_EQ(msg(greedy({1, 2}, 15)).rfind("max_tokens:", 0), 0u);
+  EXPECT_EQ(msg(greedy({1, 2}, 0)).rfind("max_tokens:", 0), 0u);
+  SchedRequest r = greedy({1}, 1);
+  r.top_logprobs = 21;
+  EXPECT_EQ(msg(r).rfind("top_logprobs:", 0), 0u);
+  EXPECT_EQ(msg(greedy({1, 2}, 14)), "no error");
+}
+
+TEST(Scheduler, EosStopsAndLogprobsAreLogSoftmax) {
+  Loaded m(kFixtures + "/glm_dsa_shared_f32");
+  const Json e = read_json_file(kFixtures + "/glm_dsa_shared_f32/expected.json");
+  const auto gp = e["greedy_prompt"].get<std::vector<int32_t>>();
+  const auto gn = e["greedy_new"].get<std::vector<int32_t>>();
+  Scheduler s(*m.model, *m.backend, manual(1, 128, 64));
+  SchedRequest r = greedy(gp, 8);
+  r.logprobs = true;
+  r.top_logprobs = 3;
+  auto h = s.submit(r);
+  std::vector<SchedEvent> evs;
+  while (s.step()) {}
+  SchedEvent ev;
+  while (h->next(ev, std::chrono::milliseconds(0))) evs.push_back(ev);
+  ASSERT_EQ(evs.size(), 9u);
+  for (size_t i = 0; i < 8; ++i) {
+    EXPECT_EQ(evs[i].token, gn[i]);
+    ASSERT_EQ(evs[i].top.size(), 3u);
+    EXPECT_EQ(evs[i].top[0].id, gn[i]);  // greedy: the chosen id is the most likely
+    EXPECT_FLOAT_EQ(evs[i].top[0].logprob, evs[i].logprob);
+    EXPECT_LE(evs[i].logprob, 0.0f);
+    EXPECT_GE(evs[i].top[0].logprob, evs[i].top[1].logprob);
+  }
+  // stop_at_eos: generation ends at the first EOS id of the config.
+  const int32_t eos = int32_t(*m.model->config().eos_ids.begin());
+  Scheduler s2(*m.model, *m.backend, manual(1, 128, 64));
+  // With stop_at_eos the greedy run ends just after the first EOS id, or runs to max_tokens.
+  SchedRequest r2 = greedy(gp, 40);
+  r2.stop_at_eos = true;
+  auto h2 = s2.submit(r2);
+  while (s2.step()) {}
+  Outcome o = drain(*h2);
+  const auto it = std::find(gn.begin(), gn.end(), eos);
+  if (it == gn.end()) {
+    EXPECT_EQ(o.reason, FinishReason::Length);
+    EXPECT_EQ(o.ids, std::vector<int32_t>(gn.begin(), gn.begin() + 40));
+  } else {
+    EXPECT_EQ(o.reason, FinishReason::Stop);
+    EXPECT_EQ(o.ids, std::vector<int32_t>(gn.begin(), it + 1));
+  }
+}
+
+TEST(Scheduler, EngineThreadServesConcurrentSubmitters) {
+  Loaded m(kFixtures + "/glm_dsa_shared_f32");
+  const Json e = read_json_file(kFixtures + "/glm_dsa_shared_f32/expected.json");
+  const auto toks = e["tokens"].get<std::vector<int32_t>>();
+  SchedulerOptions o;
+  o.max_batch = 3;
+  o.context = 128;
+  o.prefill_chunk = 8;
+  Scheduler s(*m.model, *m.backend, o);
+  constexpr int kClients = 8;
+  std::vector<SchedRequest> reqs;
+  for (int i = 0; i < kClients; ++i)
+    reqs.push_back(greedy({toks.begin() + i, toks.begin() + i + 1 + 4 * i}, 6 + i));
+  std::vector<std::vector<int32_t>> got(kClients);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kClients; ++i)
+    threads.emplace_back([&, i] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(3 * i));
+      auto h = s.submit(reqs[size_t(i)]);
+      SchedEvent ev;
+      while (h->next(ev, std::chrono::seconds(60))) {
+        if (ev.kind == SchedEvent::Kind::Token) got[size_t(i)].push_back(ev.token);
+        else break;
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < kClients; ++i) EXPECT_EQ(got[size_t(i)], alone(m, reqs[size_t(i)], 8)) << "client " << i;
+  EXPECT_EQ(s.stats().cache_bytes_in_use, 0u);
+}
