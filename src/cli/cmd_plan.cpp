@@ -34,7 +34,9 @@ ExpertStoreOptions store_options(const StreamingFlags& f) {
   o.layer_floor = f.floor;
   o.direct = f.direct == "on" ? DirectIo::On : f.direct == "off" ? DirectIo::Off : DirectIo::Auto;
   o.io_threads = f.io_threads;
-  o.prefetch = f.prefetch != "off";
+  // auto = off: on this CPU the predictor (48% precision) cost tokens/s at 10% and 25% budgets
+  // and only broke even at 50% (BENCHMARKS.md, Expert streaming).
+  o.prefetch = f.prefetch == "on";
   return o;
 }
 
