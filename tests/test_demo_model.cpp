@@ -124,3 +124,26 @@ TEST(DemoModel, TokenizeAndDetokenizeCommands) {
   EXPECT_EQ(bad.exit_code, 1);
   EXPECT_NE(bad.err.find("stdin line 1"), std::string::npos) << bad.err;
 }
+
+TEST(DemoModel, RunFromPromptFileAndWithChatTemplate) {
+  Json e = read_json_file(kExpected + "/expected.json");
+  const Json& c = e["greedy"]["cases"][0];
+  TempDir d("prompt");
+  write_file(d / "p.txt", c["prompt"].get<std::string>());
+  RunResult f = run_vireo("run --model " + kModel + " --ignore-eos -n 48 --prompt-file " + (d / "p.txt"));
+  ASSERT_EQ(f.exit_code, 0) << f.err;
+  EXPECT_EQ(f.out, c["continuation"].get<std::string>() + "\n");
+  // --chat wraps the prompt in the template: a different context, so a different continuation,
+  // and the prompt token count reported on stderr grows by the template's tokens.
+  RunResult chat = run_vireo("run --model " + kModel + " --ignore-eos -n 48 --chat --prompt-file " + (d / "p.txt"));
+  ASSERT_EQ(chat.exit_code, 0) << chat.err;
+  EXPECT_NE(chat.out, f.out);
+  EXPECT_EQ(f.err.find("prompt: 3 tokens"), 0u) << f.err;
+  EXPECT_EQ(chat.err.find("prompt: 3 tokens"), std::string::npos) << chat.err;
+  RunResult missing = run_vireo("run --model " + kModel + " --prompt-file /nonexistent.txt");
+  EXPECT_EQ(missing.exit_code, 1);
+  EXPECT_NE(missing.err.find("--prompt-file"), std::string::npos) << missing.err;
+  RunResult none = run_vireo("run --model " + kModel);
+  EXPECT_EQ(none.exit_code, 1);
+  EXPECT_NE(none.err.find("run needs a prompt"), std::string::npos) << none.err;
+}

@@ -81,15 +81,21 @@ MlaCacheShape GlmDsaModel::cache_shape() const {
   return s;
 }
 
-size_t GlmDsaModel::active_weight_bytes_per_token() {
+size_t GlmDsaModel::active_weight_bytes_per_token() const {
   const GlmDsaConfig& c = config_;
   // Every dense matrix is read once per token, except the embedding table (one row).
   size_t n = weights_.dense_bytes - weights_.embed.nbytes() + weights_.embed.nbytes() / size_t(c.vocab_size);
   if (weights_.lm_head.w.data == weights_.embed.w.data) n += weights_.lm_head.nbytes();  // tied
   for (int l = 0; l < c.num_layers; ++l) {
     if (c.layer_dense[size_t(l)]) continue;
-    const ExpertWeights* e = experts_->prepare(l, {0})[0];  // all experts of a layer have one size
-    n += size_t(c.experts_per_token) * e->nbytes();
+    // All experts of a layer have one size: count expert 0's stored bytes (block scales included)
+    // from the checkpoint index, without asking the store (which may have to read it).
+    const std::string p = "model.layers." + std::to_string(l) + ".mlp.experts.0.";
+    size_t one = 0;
+    for (const char* m : {"gate_proj", "up_proj", "down_proj"})
+      for (const char* t : {".weight", ".weight_scale_inv"})
+        if (const TensorInfo* info = checkpoint_->find(p + m + t)) one += info->nbytes;
+    n += size_t(c.experts_per_token) * one;
   }
   return n;
 }

@@ -60,7 +60,7 @@ class GlmDsaModel {
 
   // Bytes the forward pass reads per decoded token: the dense spine's matrices that every token
   // uses plus experts_per_token routed experts per MoE layer (embedding: one row).
-  size_t active_weight_bytes_per_token();
+  size_t active_weight_bytes_per_token() const;
 
  private:
   GlmDsaModel(GlmDsaConfig config, std::unique_ptr<Checkpoint> ck, Backend& backend);
