@@ -2,6 +2,7 @@
 // while the model loads; SIGINT/SIGTERM stop it cleanly.
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <memory>
 
@@ -105,7 +106,12 @@ Action add_serve(CLI::App& app) {
     int sig = 0;
     sigwait(&sigs, &sig);
     std::fprintf(stderr, "vireo: signal %d, shutting down\n", sig);
-    http.stop();
+    if (!http.stop(std::chrono::seconds(2))) {
+      // Idle keep-alive connections hold httplib's threads; every request is already cancelled.
+      std::fprintf(stderr, "vireo: closing idle connections\n");
+      std::fflush(stderr);
+      std::_Exit(0);
+    }
     return 0;
   };
 }

@@ -128,7 +128,7 @@ struct HttpServer::Impl {
   ServerOptions opt;
   httplib::Server svr;
   std::thread listener;
-  std::atomic<bool> is_ready{false}, stopping{false};
+  std::atomic<bool> is_ready{false}, stopping{false}, listener_done{false};
   ServedModel model;
   Scheduler* scheduler = nullptr;
   Metrics metrics;
@@ -148,7 +148,7 @@ struct HttpServer::Impl {
     const int threads = std::max(4, opt.http_threads);
     svr.new_task_queue = [threads] { return new httplib::ThreadPool(size_t(threads)); };
     svr.set_payload_max_length(opt.max_body_bytes);
-    svr.set_keep_alive_timeout(30);
+    svr.set_keep_alive_timeout(5);
     svr.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
       if (req.path.rfind("/v1/", 0) == 0 && !authorized(req, res)) {
         metrics.request(res.status);
@@ -377,7 +377,9 @@ struct HttpServer::Impl {
 
 HttpServer::HttpServer(const ServerOptions& opt) : impl_(std::make_unique<Impl>(opt)) {}
 
-HttpServer::~HttpServer() { stop(); }
+HttpServer::~HttpServer() {
+  if (!stop(std::chrono::hours(1))) std::abort();  // unreachable: the wait is unbounded in practice
+}
 
 int HttpServer::bind() {
   Impl& m = *impl_;
@@ -392,7 +394,10 @@ int HttpServer::bind() {
 }
 
 void HttpServer::start() {
-  impl_->listener = std::thread([this] { impl_->svr.listen_after_bind(); });
+  impl_->listener = std::thread([this] {
+    impl_->svr.listen_after_bind();
+    impl_->listener_done.store(true);
+  });
 }
 
 void HttpServer::ready(ServedModel model, Scheduler& scheduler) {
@@ -401,11 +406,18 @@ void HttpServer::ready(ServedModel model, Scheduler& scheduler) {
   impl_->is_ready.store(true);
 }
 
-void HttpServer::stop() {
-  if (!impl_) return;
+bool HttpServer::stop(std::chrono::milliseconds grace) {
+  if (!impl_ || !impl_->listener.joinable()) return true;
   impl_->stopping.store(true);
   impl_->svr.stop();
-  if (impl_->listener.joinable()) impl_->listener.join();
+  // httplib joins its handler threads only once every idle keep-alive connection has timed out
+  // or been closed by its client, which can take long; past the grace period report failure and
+  // let the caller exit without waiting (every request has been cancelled by then).
+  const auto deadline = clock::now() + grace;
+  while (!impl_->listener_done.load() && clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  if (!impl_->listener_done.load()) return false;
+  impl_->listener.join();
+  return true;
 }
 
 }  // namespace vireo::server

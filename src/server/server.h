@@ -6,6 +6,7 @@
 //
 // Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (503
 // while loading), GET /metrics (Prometheus text).
+#include <chrono>
 #include <cstddef>
 #include <memory>
 #include <string>
@@ -33,8 +34,10 @@ class HttpServer {
   void start();
   // The model is loaded: serve it through `scheduler` (which must outlive stop()).
   void ready(ServedModel model, Scheduler& scheduler);
-  // Stops accepting, ends open streams (their requests are cancelled) and joins the threads.
-  void stop();
+  // Stops accepting and ends open streams (their requests are cancelled), then waits up to
+  // `grace` for httplib's threads; false if some are still parked on idle keep-alive connections
+  // (then the server must not be destroyed: the caller exits the process instead).
+  bool stop(std::chrono::milliseconds grace);
 
  private:
   struct Impl;

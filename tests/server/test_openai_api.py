@@ -1,0 +1,244 @@
+"""`vireo serve` through the official openai client: completions and chat, streaming and not, usage,
+stop sequences, logprobs, and every kind of rejected request (after each of which the server keeps
+serving). Greedy outputs are checked against transformers' continuations (tests/fixtures)."""
+import json
+
+import openai
+import pytest
+
+from conftest import API_KEY, demo_cases
+
+MODEL = "vireo-demo"
+GREEDY = dict(temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+
+
+def still_serving(s):
+    assert s.http("GET", "/health")[0] == 200
+    r = s.client().completions.create(model=MODEL, prompt=[440, 435, 1131], max_tokens=2, temperature=0)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 2
+
+
+def test_health_models_and_auth(demo):
+    assert demo.http("GET", "/health") == (200, b'{"status":"ok"}')
+    models = demo.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    # /v1 needs the key; health and metrics do not.
+    status, body = demo.http("GET", "/v1/models", auth=False)
+    assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=demo.base + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert demo.http("GET", "/metrics", auth=False)[0] == 200
+    still_serving(demo)
+
+
+@pytest.mark.parametrize("case", range(len(demo_cases())))
+def test_completions_greedy_equals_transformers(demo, case):
+    c = demo_cases()[case]
+    r = demo.client().completions.create(model=MODEL, prompt=c["prompt_ids"], max_tokens=48, **GREEDY)
+    ch = r.choices[0]
+    assert ch.model_extra["token_ids"] == c["continuation_ids"]
+    assert ch.text == c["continuation"]
+    assert ch.finish_reason == "length"
+    assert r.usage.prompt_tokens == len(c["prompt_ids"]) and r.usage.completion_tokens == 48
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 48
+    assert r.id.startswith("cmpl-") and r.object == "text_completion" and r.created > 0 and r.model == MODEL
+
+
+def test_completions_text_prompt_and_streaming(demo):
+    c = demo_cases()[2]
+    client = demo.client()
+    whole = client.completions.create(model=MODEL, prompt=c["prompt"], max_tokens=20, temperature=0)
+    assert whole.usage.prompt_tokens == len(c["prompt_ids"])
+    assert whole.choices[0].text == client.completions.create(
+        model=MODEL, prompt=c["prompt_ids"], max_tokens=20, temperature=0).choices[0].text
+    chunks = list(client.completions.create(model=MODEL, prompt=c["prompt"], max_tokens=20, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == whole.choices[0].text
+    finals = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    assert chunks[-1].usage.prompt_tokens == len(c["prompt_ids"])
+    assert all(ch.usage is None for ch in chunks[:-1])
+    # Without include_usage there is no usage chunk.
+    plain = list(client.completions.create(model=MODEL, prompt=c["prompt"], max_tokens=5, temperature=0, stream=True))
+    assert all(ch.usage is None and ch.choices for ch in plain)
+
+
+def test_chat_streaming_equals_non_streaming_and_completions(demo):
+    client = demo.client()
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is Unicode?"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=24, temperature=0,
+                                       extra_body={"return_token_ids": True})
+    ch = r.choices[0]
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert ch.message.role == "assistant" and ch.finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens == len(ch.model_extra["token_ids"]) <= 24
+    assert r.usage.prompt_tokens == len(r.model_extra["prompt_token_ids"])
+    # The rendered chat prompt through /v1/completions gives the same tokens.
+    same = client.completions.create(model=MODEL, prompt=r.model_extra["prompt_token_ids"], max_tokens=24,
+                                     temperature=0, extra_body={"return_token_ids": True})
+    assert same.choices[0].model_extra["token_ids"] == ch.model_extra["token_ids"]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ch.message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [ch.finish_reason]
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+    # Content parts and multi-turn history are accepted.
+    multi = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+             {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "And?"}]
+    assert client.chat.completions.create(model=MODEL, messages=multi, max_tokens=3).usage.completion_tokens <= 3
+
+
+def test_stop_sequences(demo):
+    c = demo_cases()[0]
+    cont, client = c["continuation"], demo.client()
+    for stop in ["also", "to build.", ["zzz-never", "Python interpreter and"]]:
+        first = min(cont.find(s) for s in ([stop] if isinstance(stop, str) else stop) if s in cont)
+        r = client.completions.create(model=MODEL, prompt=c["prompt_ids"], max_tokens=48, stop=stop, **GREEDY)
+        ch = r.choices[0]
+        assert ch.text == cont[:first], stop
+        assert ch.finish_reason == "stop"
+        # Tokens are counted up to the one that completed the stop string, and no further.
+        n = r.usage.completion_tokens
+        assert ch.model_extra["token_ids"] == c["continuation_ids"][:n]
+        assert n < 48
+        chunks = list(client.completions.create(model=MODEL, prompt=c["prompt_ids"], max_tokens=48, stop=stop,
+                                                stream=True, temperature=0, stream_options={"include_usage": True}))
+        assert "".join(x.choices[0].text for x in chunks if x.choices) == cont[:first]
+        assert chunks[-1].usage.completion_tokens == n
+    # A stop string that never occurs: the whole continuation, finish_reason length.
+    r = client.completions.create(model=MODEL, prompt=c["prompt_ids"], max_tokens=48, stop=["@@@"], **GREEDY)
+    assert r.choices[0].text == cont and r.choices[0].finish_reason == "length"
+
+
+def test_eos_finishes_with_stop(demo):
+    # Sampling until the model emits <|endoftext|> (id 8172): finish_reason stop, the EOS not in the text.
+    client = demo.client()
+    for seed in range(40):
+        r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=64, temperature=1.0, seed=seed,
+                                      extra_body={"return_token_ids": True})
+        ch = r.choices[0]
+        if ch.finish_reason == "stop":
+            assert ch.model_extra["token_ids"][-1] == 8172 and "<|endoftext|>" not in ch.text
+            return
+        assert ch.finish_reason == "length" and len(ch.model_extra["token_ids"]) == 64
+    pytest.skip("no EOS sampled in 40 seeds")
+
+
+def test_seeded_sampling_is_reproducible(demo):
+    client = demo.client()
+    kw = dict(model=MODEL, prompt="The Unicode standard", max_tokens=16, temperature=0.9, top_p=0.9, seed=7,
+              extra_body={"top_k": 50, "min_p": 0.01, "ignore_eos": True})
+    assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+
+
+def test_logprobs(demo):
+    c = demo_cases()[1]
+    client = demo.client()
+    r = client.completions.create(model=MODEL, prompt=c["prompt_ids"], max_tokens=6, logprobs=3, **GREEDY)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert val <= 0 and len(top) == 3
+        assert max(top.values()) == pytest.approx(val)  # greedy picks the most likely token
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for e in content:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob == pytest.approx(e.logprob)
+        assert e.bytes == list(e.token.encode())
+    stream = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=5, temperature=0, logprobs=True, top_logprobs=2,
+                                                 stream=True))
+    streamed = [e.token for ch in stream if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert streamed == [e.token for e in content]
+
+
+def error_of(status_body):
+    status, body = status_body
+    return status, json.loads(body)["error"]
+
+
+@pytest.mark.parametrize("body,param,needle", [
+    ({"prompt": "x", "max_tokens": "ten"}, "max_tokens", "must be an integer"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature", "must be a number"),
+    ({"prompt": "x", "temperature": 3}, "temperature", "[0, 2]"),
+    ({"prompt": "x", "stream": "yes"}, "stream", "boolean"),
+    ({"prompt": "x", "stop": 5}, "stop", "string or a list"),
+    ({"prompt": {"a": 1}}, "prompt", "string or a list"),
+    ({"prompt": [1, "a"]}, "prompt", "token id"),
+    ({"prompt": [999999]}, "prompt", "out of range"),
+    ({}, "prompt", "required"),
+    ({"prompt": "x", "n": 2}, "n", "n = 1"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs", "[0, 20]"),
+    ({"prompt": "x", "max_tokens": 5000}, "max_tokens", "context"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens", "[1,"),
+    ({"prompt": list(range(2048))}, "prompt", "context"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream is true"),
+])
+def test_completions_rejects_bad_fields(demo, body, param, needle):
+    status, err = error_of(demo.http("POST", "/v1/completions", {"model": MODEL, **body}))
+    assert status == 400, err
+    assert err["param"] == param and needle in err["message"] and err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("messages,param,needle", [
+    ([{"role": "wizard", "content": "x"}], "messages[0].role", "unknown role"),
+    ([{"role": "user", "content": 5}], "messages[0].content", "string or a list"),
+    ([{"content": "x"}], "messages[0].role", "required"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages[0].content[0].type",
+     "only text"),
+    ("hello", "messages", "list of messages"),
+    ([], "messages", "at least one"),
+    ([{"role": "user", "content": "word " * 3000}], "messages", "context"),
+])
+def test_chat_rejects_bad_messages(demo, messages, param, needle):
+    status, err = error_of(demo.http("POST", "/v1/chat/completions", {"model": MODEL, "messages": messages}))
+    assert status == 400, err
+    assert err["param"] == param and needle in err["message"]
+
+
+def test_malformed_requests_and_limits(demo):
+    status, err = error_of(demo.http("POST", "/v1/completions", raw=b'{"prompt": "x", '))
+    assert status == 400 and "not valid JSON" in err["message"]
+    status, err = error_of(demo.http("POST", "/v1/completions", raw=b'[1, 2]'))
+    assert status == 400 and "JSON object" in err["message"]
+    status, err = error_of(demo.http("POST", "/v1/completions", raw=json.dumps({"prompt": "x" * 70000}).encode()))
+    assert status == 413 and "65536" in err["message"]
+    status, err = error_of(demo.http("POST", "/v1/completions", {"model": "gpt-4", "prompt": "x"}))
+    assert status == 404 and err["code"] == "model_not_found"
+    status, err = error_of(demo.http("GET", "/v1/nothing"))
+    assert status == 404
+    with pytest.raises(openai.BadRequestError) as e:
+        demo.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=-1)
+    assert e.value.body["param"] == "max_tokens"
+    still_serving(demo)
+    m = demo.metrics()
+    assert m['vireo_requests_total{status="400"}'] >= 3 and m['vireo_requests_total{status="413"}'] >= 1
+
+
+def test_token_id_model_without_tokenizer(fixture_server):
+    s = fixture_server
+    import json as _j
+    from conftest import FIXTURES
+    e = _j.loads((FIXTURES / "glm_dsa_shared_f32" / "expected.json").read_text())
+    client = s.client()
+    model = client.models.list().data[0].id
+    assert model == "glm_dsa_shared_f32"
+    r = client.completions.create(model=model, prompt=e["greedy_prompt"], max_tokens=len(e["greedy_new"]), **GREEDY)
+    assert r.choices[0].model_extra["token_ids"] == e["greedy_new"]
+    assert r.usage.completion_tokens == len(e["greedy_new"])
+    chunks = list(client.completions.create(model=model, prompt=e["greedy_prompt"], max_tokens=len(e["greedy_new"]),
+                                            stream=True, **GREEDY))
+    assert [t for ch in chunks for t in ch.choices[0].model_extra.get("token_ids", [])] == e["greedy_new"]
+    status, err = error_of(s.http("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}))
+    assert status == 400 and "no usable chat template" in err["message"] and "/v1/completions" in err["message"]
+    status, err = error_of(s.http("POST", "/v1/completions", {"prompt": "text"}))
+    assert status == 400 and "no tokenizer" in err["message"]
+    status, err = error_of(s.http("POST", "/v1/completions", {"prompt": [1, 2], "max_tokens": 127}))
+    assert status == 400 and err["param"] == "max_tokens"
