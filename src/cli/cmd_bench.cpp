@@ -1,10 +1,13 @@
 // `vireo bench`: prefill and decode speed, with achieved weight bandwidth beside the machine's
 // measured memory bandwidth (the decode bound).
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <memory>
+#include <vector>
 
 #include "backend/cpu/membw.h"
+#include "backend/cuda/cuda_backend.h"
 #include "cli/commands.h"
 #include "core/thread_pool.h"
 #include "model/glm_dsa/model.h"
@@ -12,12 +15,166 @@
 
 namespace vireo::cli {
 
+void add_device_flag(CLI::App& app, std::string& device) {
+  app.add_option("--device", device, "Where to run: cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+}
+
+void check_device_flags(const std::string& device, const StreamingFlags& f) {
+  if (device == "cuda" && !f.budget.empty())
+    fail("--memory-budget streams experts through host memory slots and is CPU-only for now; drop it with --device cuda");
+  if (device == "cuda" && !cuda_compiled_in())
+    fail("--device cuda: this vireo was built without CUDA (no nvcc at build time)");
+}
+
+namespace {
+
+// Matrix-product FLOPs of one token through one layer (2 per weight), excluding kv_b, which the
+// prefill path applies per key (counted with attention).
+double layer_matmul_flops(const GlmDsaConfig& c, int l) {
+  const double D = double(c.hidden_size), H = c.n_heads, qw = double(c.qk_head_dim()), L = double(c.kv_lora_rank);
+  double p = 0;
+  p += c.q_lora_rank > 0 ? D * double(c.q_lora_rank) + double(c.q_lora_rank) * H * qw : D * H * qw;
+  p += D * (L + double(c.qk_rope_dim)) + H * double(c.v_head_dim) * D;
+  if (c.has_indexer && c.indexer_full[size_t(l)])
+    p += double(c.q_lora_rank) * c.index_n_heads * double(c.index_head_dim) + D * double(c.index_head_dim) +
+         D * c.index_n_heads;
+  if (c.layer_dense[size_t(l)]) p += 3 * D * double(c.intermediate_size);
+  else
+    p += D * c.n_routed_experts + 3 * D * double(c.moe_intermediate_size) * (c.experts_per_token + c.n_shared_experts);
+  return 2 * p;
+}
+
+// Attention FLOPs of a T-token prefill from an empty cache: kv_b expansion of every key, scores
+// and weighted values over each query's keys (DSA: at most index_topk), and the indexer scores.
+double prefill_attention_flops(const GlmDsaConfig& c, int64_t T) {
+  const double H = c.n_heads, hw = double(c.qk_nope_dim + c.v_head_dim), qw = double(c.qk_head_dim());
+  double f = 0;
+  for (int l = 0; l < c.num_layers; ++l) {
+    f += 2.0 * double(T) * double(c.kv_lora_rank) * H * hw;
+    for (int64_t t = 0; t < T; ++t) {
+      const double keys = c.has_indexer ? double(std::min<int64_t>(t + 1, c.index_topk)) : double(t + 1);
+      f += 2.0 * H * keys * (qw + double(c.v_head_dim));
+      if (c.has_indexer && c.indexer_full[size_t(l)] && t + 1 > c.index_topk)
+        f += 2.0 * double(t + 1) * c.index_n_heads * double(c.index_head_dim);
+    }
+  }
+  return f;
+}
+
+// Bytes of MLA cache (and indexer keys) one decode step at context `ctx` reads.
+double decode_cache_bytes(const GlmDsaConfig& c, int64_t ctx) {
+  double b = 0;
+  for (int l = 0; l < c.num_layers; ++l) {
+    const int64_t n = ctx + 1;
+    const int64_t attended = c.has_indexer ? std::min<int64_t>(n, c.index_topk) : n;
+    b += double(attended) * double(c.kv_cache_dim()) * 4;
+    if (c.has_indexer && c.indexer_full[size_t(l)] && n > c.index_topk) b += double(n) * double(c.index_head_dim) * 4;
+  }
+  return b;
+}
+
+// `vireo bench --device cuda`: B=1 decode at context 0 and 4096, prefill of 512 and 4096 tokens,
+// against a device-to-device copy and a cuBLASLt bf16 GEMM measured in the same run.
+int bench_cuda(const std::string& dir, const std::string& synthetic, const std::string& dtype, int layers,
+               int experts, int64_t n_decode) {
+#ifndef VIREO_HAVE_CUDA
+  fail("--device cuda: this vireo was built without CUDA (no nvcc at build time)");
+#else
+  using clock = std::chrono::steady_clock;
+  auto backend = make_cuda_backend();
+  std::unique_ptr<GlmDsaModel> model;
+  auto t0 = clock::now();
+  if (!synthetic.empty()) {
+    GlmDsaConfig c = glm5_synthetic_config(layers, experts);
+    std::fprintf(stderr, "building synthetic glm5: %d layers x %d experts, %s weights...\n", layers, experts,
+                 dtype.c_str());
+    auto ck = make_synthetic_checkpoint(c, parse_weight_dtype_flag(dtype));
+    model = GlmDsaModel::create(std::move(c), std::move(ck), *backend);
+  } else {
+    model = GlmDsaModel::load(dir, *backend);
+  }
+  const GlmDsaConfig& c = model->config();
+  // Routed experts: upload every one now, so no timed step pays for a first use.
+  std::vector<int> all(size_t(c.n_routed_experts));
+  for (int e = 0; e < c.n_routed_experts; ++e) all[size_t(e)] = e;
+  for (int l = 0; l < c.num_layers; ++l) {
+    if (c.layer_dense[size_t(l)]) continue;
+    for (const ExpertWeights* e : model->experts().prepare(l, all)) {
+      backend->upload_weight(e->gate);
+      backend->upload_weight(e->up);
+      backend->upload_weight(e->down);
+    }
+  }
+  cuda_synchronize(*backend);
+  std::fprintf(stderr, "loaded and uploaded in %.1f s; measuring copy bandwidth and GEMM peak...\n",
+               std::chrono::duration<double>(clock::now() - t0).count());
+  const double copy_gbs = cuda_measure_copy_gbs(*backend);
+  const double gemm_tflops = cuda_measure_bf16_gemm_tflops(*backend);
+  const double weights = double(model->active_weight_bytes_per_token());
+  const int64_t V = c.vocab_size;
+  std::vector<float> logits(static_cast<size_t>(V));
+  const int64_t max_ctx = 4096 + n_decode + 8;
+  std::vector<int32_t> ids(static_cast<size_t>(max_ctx));
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t((i * 7919 + 13) % size_t(V));
+  double mm_flops_per_token = 0;
+  for (int l = 0; l < c.num_layers; ++l) mm_flops_per_token += layer_matmul_flops(c, l);
+  const double lm_head_flops = 2.0 * double(V) * double(c.hidden_size);
+  {  // warm-up: kernels loaded, cuBLASLt heuristics cached
+    MlaCache warm(*backend, model->cache_shape(), 1, 80);
+    model->forward(ids.data(), 64, warm, 0, logits.data(), false, AttentionPath::Reconstructed);
+    model->forward(&ids[64], 1, warm, 0, logits.data(), false, AttentionPath::Absorbed);
+  }
+  auto secs = [](clock::time_point a, clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
+  struct Decode { int64_t ctx; double tps, bytes; };
+  struct Prefill { int64_t T; double s, flops; };
+  std::vector<Decode> dec;
+  std::vector<Prefill> pre;
+  auto decode_from = [&](MlaCache& cache, int64_t ctx) {
+    auto a = clock::now();
+    for (int64_t i = 0; i < n_decode; ++i)
+      model->forward(&ids[size_t(ctx + i)], 1, cache, 0, logits.data(), false, AttentionPath::Absorbed);
+    const double s = secs(a, clock::now());
+    const double bytes = weights + decode_cache_bytes(c, ctx + n_decode / 2);
+    dec.push_back({ctx, double(n_decode) / s, bytes});
+  };
+  {
+    MlaCache cache(*backend, model->cache_shape(), 1, n_decode + 8);
+    decode_from(cache, 0);
+  }
+  for (int64_t T : {int64_t(512), int64_t(4096)}) {
+    MlaCache cache(*backend, model->cache_shape(), 1, T + n_decode + 8);
+    auto a = clock::now();
+    model->forward(ids.data(), T, cache, 0, logits.data(), false, AttentionPath::Reconstructed);
+    const double s = secs(a, clock::now());
+    pre.push_back({T, s, mm_flops_per_token * double(T) + lm_head_flops + prefill_attention_flops(c, T)});
+    if (T == 4096) decode_from(cache, T);
+  }
+  std::printf("model              %s\n", synthetic.empty() ? dir.c_str()
+              : ("synthetic glm5, " + std::to_string(layers) + " layers x " + std::to_string(experts) +
+                 " experts, " + dtype).c_str());
+  std::printf("device             cuda (prefill GEMMs: bf16 weights on cuBLASLt, x split hi+lo; others f32 tiles)\n");
+  std::printf("copy bandwidth     %.0f GB/s (device-to-device, read + write, measured now)\n", copy_gbs);
+  std::printf("bf16 GEMM peak     %.0f TFLOP/s (cuBLASLt 8192^3, measured now)\n", gemm_tflops);
+  std::printf("active weights     %.3f GB per decoded token\n", weights / 1e9);
+  for (const Decode& d : dec)
+    std::printf("decode ctx %-6lld  %8.2f tok/s  %.3f GB/token (weights + cache)  %7.0f GB/s  = %5.1f%% of copy bandwidth\n",
+                (long long)d.ctx, d.tps, d.bytes / 1e9, d.bytes * d.tps / 1e9, 100.0 * d.bytes * d.tps / 1e9 / copy_gbs);
+  for (const Prefill& p : pre)
+    std::printf("prefill %-6lld     %8.1f tok/s  %.3f s  %7.1f TFLOP/s  = %5.1f%% of bf16 GEMM peak\n", (long long)p.T,
+                double(p.T) / p.s, p.s, p.flops / p.s / 1e12, 100.0 * p.flops / p.s / 1e12 / gemm_tflops);
+  return 0;
+#endif
+}
+
+}  // namespace
+
 Action add_bench(CLI::App& app) {
   struct Opts {
     std::string model, synthetic, dtype = "bf16";
     int layers = 2, experts = 16;
     int64_t prompt = 64, decode = 16;
     StreamingFlags sf;
+    std::string device = "cpu";
   };
   auto o = std::make_shared<Opts>();
   auto* m = app.add_option("--model,-m", o->model, "Model directory");
@@ -30,9 +187,12 @@ Action add_bench(CLI::App& app) {
   app.add_option("--prompt", o->prompt, "Prefill length in tokens")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
   app.add_option("--decode", o->decode, "Decode steps to time")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
   add_streaming_flags(app, o->sf);
+  add_device_flag(app, o->device);
   return [o]() {
     using clock = std::chrono::steady_clock;
     if (o->model.empty() && o->synthetic.empty()) fail("bench needs --model DIR or --synthetic glm5");
+    check_device_flags(o->device, o->sf);
+    if (o->device == "cuda") return bench_cuda(o->model, o->synthetic, o->dtype, o->layers, o->experts, o->decode);
     ThreadPool& pool = ThreadPool::global();
     auto backend = make_cpu_backend();
     std::unique_ptr<GlmDsaModel> model;

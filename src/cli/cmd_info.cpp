@@ -3,6 +3,7 @@
 #include <map>
 #include <memory>
 
+#include "backend/cuda/cuda_backend.h"
 #include "cli/commands.h"
 #include "model/glm_dsa/model.h"
 
@@ -35,9 +36,11 @@ int layer_of(const std::string& name) {
 
 Action add_info(CLI::App& app) {
   auto dir = std::make_shared<std::string>();
+  auto device = std::make_shared<std::string>("cpu");
   app.add_option("--model,-m", *dir, "Model directory")->required();
-  return [dir]() {
-    auto backend = make_cpu_backend();
+  add_device_flag(app, *device);
+  return [dir, device]() {
+    auto backend = make_backend(*device);
     auto model = GlmDsaModel::load(*dir, *backend);
     const GlmDsaConfig& c = model->config();
     std::printf("model            %s\n", dir->c_str());

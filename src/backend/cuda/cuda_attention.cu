@@ -1,0 +1,491 @@
+// MLA attention, the DSA indexer and MoE routing on the GPU.
+//
+// Absorbed (decode) path: W_UK is folded into the query (q_lat = W_UK^T q_nope), attention runs
+// over the cached [latent | k_rope] rows as MQA, split over the key list (flash-decoding: each
+// block does 8 heads x 128 keys and keeps (max, sum, o_lat) partials, so one cache row is read
+// once per 8 heads and long contexts still fill the chip), then a combine kernel merges the splits
+// and applies W_UV.
+// Reconstructed (prefill) path: kv_b expands the latents into per-head k_nope | v once (a GEMM),
+// then a tiled kernel (32 queries x 32 keys, online softmax) computes attention under the causal
+// mask and the DSA selection (a bitmask [T, ceil(N/32)]); no T x T matrix is ever stored.
+// Indexer: scores [T, N] (bit-for-bit the CPU reference's sums, given equal inputs: explicit
+// round-to-nearest multiply and add in its order), then an exact top-k per row by radix select
+// on (score, -position) keys, so ties go to the lower position, written in ascending order.
+#include "backend/cuda/cuda_attention.h"
+#include "backend/cuda/cuda_internal.h"
+
+namespace vireo::cuda {
+
+namespace {
+
+__device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+__device__ __forceinline__ int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
+
+constexpr int kHG = 8;       // heads per block in the decode partial kernel (= warps)
+constexpr int kSplit = 128;  // keys per split in the decode partial kernel
+constexpr int kQT = 32, kKT = 32;  // prefill attention tile: queries x keys
+
+__global__ void absorb_q_kernel(const float* __restrict__ q, int64_t H, int64_t qw, int64_t nope, DevW kvb,
+                                int64_t hw, int64_t L, float* __restrict__ qlat) {
+  extern __shared__ float qs[];  // [nope]
+  const int64_t h = blockIdx.x, t = blockIdx.y;
+  const float* qp = q + (t * H + h) * qw;
+  for (int64_t i = threadIdx.x; i < nope; i += blockDim.x) qs[i] = qp[i];
+  __syncthreads();
+  for (int64_t c = threadIdx.x; c < L; c += blockDim.x) {
+    float acc = 0.0f;
+    for (int64_t i = 0; i < nope; ++i) acc += qs[i] * wget_rt(kvb, h * hw + i, c);
+    qlat[(t * H + h) * L + c] = acc;
+  }
+}
+
+__global__ void __launch_bounds__(256) mla_decode_partial_kernel(
+    const float* __restrict__ qlat, const float* __restrict__ q, int64_t H, int64_t qw, int64_t nope, int64_t L,
+    const float* __restrict__ kv, int64_t kvw, int64_t pos0, const int32_t* __restrict__ sel,
+    const int32_t* __restrict__ counts, int64_t sel_stride, float scale, int nsplit, float* __restrict__ opart,
+    float* __restrict__ mpart, float* __restrict__ lpart) {
+  extern __shared__ float sm[];
+  float* qs = sm;                                   // [kHG][kvw]: q_lat | q_rope
+  float* ps = qs + kHG * kvw;                       // [kHG][kSplit]
+  int* us = reinterpret_cast<int*>(ps + kHG * kSplit);  // [kSplit] key positions
+  const int s = blockIdx.x, t = blockIdx.z;
+  const int64_t hg0 = int64_t(blockIdx.y) * kHG;
+  const int nh = int(imin(kHG, H - hg0));
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t n = sel ? int64_t(counts[t]) : pos0 + t + 1;
+  const int64_t i0 = int64_t(s) * kSplit;
+  const int cnt = int(imax(0, imin(kSplit, n - i0)));
+  for (int64_t idx = threadIdx.x; idx < kHG * kvw; idx += blockDim.x) {
+    const int64_t g = idx / kvw, c = idx % kvw;
+    float v = 0.0f;
+    if (g < nh) {
+      const int64_t h = hg0 + g;
+      v = c < L ? qlat[(t * H + h) * L + c] : q[(t * H + h) * qw + nope + (c - L)];
+    }
+    qs[idx] = v;
+  }
+  for (int j = threadIdx.x; j < cnt; j += blockDim.x) us[j] = sel ? sel[t * sel_stride + i0 + j] : int(i0 + j);
+  __syncthreads();
+  for (int j = warp; j < cnt; j += 8) {  // scores: a warp per key, all heads at once
+    const float* kr = kv + int64_t(us[j]) * kvw;
+    float acc[kHG];
+#pragma unroll
+    for (int g = 0; g < kHG; ++g) acc[g] = 0.0f;
+    for (int64_t c = lane; c < kvw; c += 32) {
+      const float kvv = kr[c];
+#pragma unroll
+      for (int g = 0; g < kHG; ++g) acc[g] += qs[g * kvw + c] * kvv;
+    }
+#pragma unroll
+    for (int g = 0; g < kHG; ++g) {
+      const float v = warp_sum(acc[g]);
+      if (lane == 0) ps[g * kSplit + j] = v * scale;
+    }
+  }
+  __syncthreads();
+  {  // softmax pieces: warp g owns head g
+    const int g = warp;
+    float m = -INFINITY;
+    for (int j = lane; j < cnt; j += 32) m = fmaxf(m, ps[g * kSplit + j]);
+    m = warp_max(m);
+    float l = 0.0f;
+    for (int j = lane; j < cnt; j += 32) {
+      const float p = expf(ps[g * kSplit + j] - m);
+      ps[g * kSplit + j] = p;
+      l += p;
+    }
+    l = warp_sum(l);
+    if (lane == 0 && g < nh) {
+      const int64_t idx = (t * H + hg0 + g) * nsplit + s;
+      mpart[idx] = cnt ? m : -INFINITY;
+      lpart[idx] = l;
+    }
+  }
+  __syncthreads();
+  for (int64_t c = threadIdx.x; c < L; c += blockDim.x) {
+    float o[kHG];
+#pragma unroll
+    for (int g = 0; g < kHG; ++g) o[g] = 0.0f;
+    for (int j = 0; j < cnt; ++j) {
+      const float v = kv[int64_t(us[j]) * kvw + c];
+#pragma unroll
+      for (int g = 0; g < kHG; ++g) o[g] += ps[g * kSplit + j] * v;
+    }
+    for (int g = 0; g < nh; ++g) opart[((t * H + hg0 + g) * nsplit + s) * L + c] = o[g];
+  }
+}
+
+__global__ void __launch_bounds__(256) mla_decode_combine_kernel(
+    const float* __restrict__ opart, const float* __restrict__ mpart, const float* __restrict__ lpart, int nsplit,
+    int64_t H, int64_t L, DevW kvb, int64_t hw, int64_t nope, int64_t vd, float* __restrict__ out) {
+  extern __shared__ float ol[];  // [L]
+  const int64_t h = blockIdx.x, t = blockIdx.y;
+  const int64_t base = (t * H + h) * nsplit;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  float M = -INFINITY;
+  for (int s = 0; s < nsplit; ++s) M = fmaxf(M, mpart[base + s]);
+  float denom = 0.0f;
+  for (int s = 0; s < nsplit; ++s)
+    if (mpart[base + s] > -INFINITY) denom += expf(mpart[base + s] - M) * lpart[base + s];
+  for (int64_t c = threadIdx.x; c < L; c += blockDim.x) {
+    float acc = 0.0f;
+    for (int s = 0; s < nsplit; ++s)
+      if (mpart[base + s] > -INFINITY) acc += expf(mpart[base + s] - M) * opart[(base + s) * L + c];
+    ol[c] = acc / denom;
+  }
+  __syncthreads();
+  for (int64_t j = warp; j < vd; j += 8) {  // o = W_UV o_lat: a warp per output, reading a weight row
+    const int64_t row = h * hw + nope + j;
+    float acc = 0.0f;
+    for (int64_t c = lane; c < L; c += 32) acc += wget_rt(kvb, row, c) * ol[c];
+    acc = warp_sum(acc);
+    if (lane == 0) out[(t * H + h) * vd + j] = acc;
+  }
+}
+
+__global__ void build_mask_kernel(const int32_t* __restrict__ sel, const int32_t* __restrict__ counts,
+                                  int64_t stride, int64_t mwords, uint32_t* __restrict__ mask) {
+  const int64_t t = blockIdx.x;
+  const int n = counts[t];
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const int u = sel[t * stride + i];
+    atomicOr(&mask[t * mwords + (u >> 5)], 1u << (u & 31));
+  }
+}
+
+__global__ void __launch_bounds__(256) mla_prefill_kernel(
+    const float* __restrict__ q, int64_t T, int64_t H, int64_t qw, int64_t nope, int64_t vd, int64_t L,
+    const float* __restrict__ kv, int64_t kvw, const float* __restrict__ kvx, int64_t hw, int64_t n_keys,
+    int64_t pos0, const uint32_t* __restrict__ mask, int64_t mwords, float scale, float* __restrict__ out) {
+  extern __shared__ float sm[];
+  const int64_t qp = qw + 1;  // padded rows: lane j reading row j hits bank (j + d) % 32
+  float* Qs = sm;              // [kQT][qp]
+  float* Ks = Qs + kQT * qp;   // [kKT][qp]
+  float* Vs = Ks + kKT * qp;   // [kKT][vd]
+  float* Os = Vs + kKT * vd;   // [kQT][vd]
+  __shared__ float Ps[8][32];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t h = blockIdx.y, q0 = int64_t(blockIdx.x) * kQT;
+  for (int64_t idx = threadIdx.x; idx < kQT * qw; idx += blockDim.x) {
+    const int64_t r = idx / qw, d = idx % qw, t = q0 + r;
+    Qs[r * qp + d] = t < T ? q[(t * H + h) * qw + d] : 0.0f;
+  }
+  for (int64_t idx = threadIdx.x; idx < kQT * vd; idx += blockDim.x) Os[idx] = 0.0f;
+  float m[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY}, l[4] = {0, 0, 0, 0};
+  const int64_t kmax = imin(n_keys, pos0 + imin(T, q0 + kQT));
+  for (int64_t k0 = 0; k0 < kmax; k0 += kKT) {
+    if (mask) {  // skip key tiles no query of this block selected
+      int any = 0;
+      if (threadIdx.x < kQT && q0 + threadIdx.x < T) any = mask[(q0 + threadIdx.x) * mwords + (k0 >> 5)] != 0;
+      if (!__syncthreads_or(any)) continue;
+    }
+    __syncthreads();
+    for (int64_t idx = threadIdx.x; idx < kKT * qw; idx += blockDim.x) {
+      const int64_t j = idx / qw, d = idx % qw, u = k0 + j;
+      float v = 0.0f;
+      if (u < n_keys) v = d < nope ? kvx[(u * H + h) * hw + d] : kv[u * kvw + L + (d - nope)];
+      Ks[j * qp + d] = v;
+    }
+    for (int64_t idx = threadIdx.x; idx < kKT * vd; idx += blockDim.x) {
+      const int64_t j = idx / vd, c = idx % vd, u = k0 + j;
+      Vs[idx] = u < n_keys ? kvx[(u * H + h) * hw + nope + c] : 0.0f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int rr = 0; rr < 4; ++rr) {
+      const int r = warp * 4 + rr;
+      const int64_t t = q0 + r, u = k0 + lane;
+      bool valid = t < T && u < n_keys && u <= pos0 + t;
+      if (valid && mask) valid = (mask[t * mwords + (k0 >> 5)] >> lane) & 1u;
+      float s = -INFINITY;
+      if (valid) {
+        float acc = 0.0f;
+        for (int64_t d = 0; d < qw; ++d) acc += Qs[r * qp + d] * Ks[lane * qp + d];
+        s = acc * scale;
+      }
+      const float mn = fmaxf(m[rr], warp_max(s));
+      if (mn == -INFINITY) continue;  // nothing valid yet for this row (uniform over the warp)
+      const float alpha = expf(m[rr] - mn);
+      const float p = valid ? expf(s - mn) : 0.0f;
+      l[rr] = l[rr] * alpha + warp_sum(p);
+      m[rr] = mn;
+      Ps[warp][lane] = p;
+      __syncwarp();
+      for (int64_t c = lane; c < vd; c += 32) {
+        float o = Os[r * vd + c] * alpha;
+#pragma unroll 8
+        for (int j = 0; j < kKT; ++j) o += Ps[warp][j] * Vs[j * vd + c];
+        Os[r * vd + c] = o;
+      }
+      __syncwarp();
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int rr = 0; rr < 4; ++rr) {
+    const int r = warp * 4 + rr;
+    const int64_t t = q0 + r;
+    if (t >= T) continue;
+    const float inv = 1.0f / l[rr];
+    for (int64_t c = lane; c < vd; c += 32) out[(t * H + h) * vd + c] = Os[r * vd + c] * inv;
+  }
+}
+
+__global__ void indexer_score_kernel(const float* __restrict__ q, const float* __restrict__ wts,
+                                     const float* __restrict__ keys, int64_t nI, int64_t d, int64_t n_keys,
+                                     int64_t pos0, int64_t topk, float scale, float* __restrict__ scores) {
+  extern __shared__ float sm[];
+  const int64_t t = blockIdx.y, n_causal = pos0 + t + 1, u0 = int64_t(blockIdx.x) * 32;
+  if (n_causal <= topk || u0 >= n_causal) return;  // whole block: uniform
+  const int64_t dp = d + 1;
+  float* qs = sm;                // [nI][d]
+  float* ks = qs + nI * d;       // [32][dp]
+  float* part = ks + 32 * dp;    // [32][nI + 1]
+  for (int64_t i = threadIdx.x; i < nI * d; i += blockDim.x) qs[i] = q[t * nI * d + i];
+  for (int64_t i = threadIdx.x; i < 32 * d; i += blockDim.x) {
+    const int64_t j = i / d, x = i % d, u = u0 + j;
+    ks[j * dp + x] = u < n_causal ? keys[u * d + x] : 0.0f;
+  }
+  __syncthreads();
+  for (int64_t p = threadIdx.x; p < 32 * nI; p += blockDim.x) {
+    const int64_t j = p & 31, jh = p >> 5;
+    float acc = 0.0f;  // as the CPU reference: sequential, unfused multiply then add
+    for (int64_t x = 0; x < d; ++x) acc = __fadd_rn(acc, __fmul_rn(qs[jh * d + x], ks[j * dp + x]));
+    const float dd = __fmul_rn(acc, scale);
+    part[j * (nI + 1) + jh] = __fmul_rn(wts[t * nI + jh], fmaxf(dd, 0.0f));
+  }
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    const int64_t u = u0 + threadIdx.x;
+    if (u < n_causal) {
+      float s = 0.0f;
+      for (int64_t jh = 0; jh < nI; ++jh) s = __fadd_rn(s, part[threadIdx.x * (nI + 1) + jh]);
+      scores[t * n_keys + u] = s;
+    }
+  }
+}
+
+// Total order: higher score first, then lower position. -0 and +0 compare equal (as floats do).
+__device__ __forceinline__ uint64_t select_key(float s, int64_t u) {
+  uint32_t b = __float_as_uint(s + 0.0f);
+  b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+  return (uint64_t(b) << 32) | uint64_t(0xFFFFFFFFu - uint32_t(u));
+}
+
+__global__ void __launch_bounds__(512) indexer_topk_kernel(const float* __restrict__ scores, int64_t n_keys,
+                                                           int64_t pos0, int64_t topk, int32_t* __restrict__ selected,
+                                                           int32_t* __restrict__ counts) {
+  const int64_t t = blockIdx.x, n = pos0 + t + 1;
+  int32_t* sel = selected + t * topk;
+  if (n <= topk) {  // every causal key: sparse equals dense
+    for (int64_t u = threadIdx.x; u < n; u += blockDim.x) sel[u] = int32_t(u);
+    if (threadIdx.x == 0) counts[t] = int32_t(n);
+    return;
+  }
+  const float* sr = scores + t * n_keys;
+  __shared__ unsigned hist[256];
+  __shared__ int s_bin;
+  __shared__ long long s_rem;
+  uint64_t prefix = 0, pmask = 0;
+  long long rem = topk;
+  // Radix select of the topk-th largest key, 8 bits at a time from the top.
+  for (int shift = 56; shift >= 0; shift -= 8) {
+    for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
+    __syncthreads();
+    for (int64_t u = threadIdx.x; u < n; u += blockDim.x) {
+      const uint64_t key = select_key(sr[u], u);
+      if ((key & pmask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      long long cum = 0;
+      int b = 255;
+      for (; b > 0; --b) {
+        if (cum + (long long)hist[b] >= rem) break;
+        cum += hist[b];
+      }
+      s_bin = b;
+      s_rem = rem - cum;
+    }
+    __syncthreads();
+    prefix |= uint64_t(s_bin) << shift;
+    pmask |= uint64_t(255) << shift;
+    rem = s_rem;
+    __syncthreads();
+  }
+  // Keys >= the threshold are exactly the top k (keys are distinct); write them in position order.
+  __shared__ int warp_counts[32];
+  __shared__ int base;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+  if (threadIdx.x == 0) base = 0;
+  __syncthreads();
+  for (int64_t c0 = 0; c0 < n; c0 += blockDim.x) {
+    const int64_t u = c0 + threadIdx.x;
+    const bool f = u < n && select_key(sr[u], u) >= prefix;
+    const unsigned ballot = __ballot_sync(0xffffffffu, f);
+    if (lane == 0) warp_counts[warp] = __popc(ballot);
+    __syncthreads();
+    int off = base;
+    for (int w = 0; w < warp; ++w) off += warp_counts[w];
+    if (f) sel[off + __popc(ballot & ((1u << lane) - 1u))] = int32_t(u);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int tot = 0;
+      for (int w = 0; w < nw; ++w) tot += warp_counts[w];
+      base += tot;
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) counts[t] = int32_t(topk);
+}
+
+constexpr int kMaxGroups = 64, kMaxTopK = 64;
+
+// One block per token: sigmoid in parallel, then one thread makes the (sequential, tiny) choice
+// exactly as the CPU reference: group scores, topk_group groups, top_k experts, ties to the lower
+// index, ids ascending, weights normalized in that order.
+__global__ void moe_route_kernel(const float* __restrict__ logits, int E, int G, int topk_group, int K,
+                                 const float* __restrict__ bias, bool norm, float rsf, int32_t* __restrict__ ids,
+                                 float* __restrict__ weights) {
+  extern __shared__ float sm[];
+  float* p = sm;
+  float* ch = sm + E;
+  unsigned char* taken = reinterpret_cast<unsigned char*>(sm + 2 * E);
+  const int64_t t = blockIdx.x;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    const float pv = 1.0f / (1.0f + expf(-logits[t * E + e]));
+    p[e] = pv;
+    ch[e] = pv + (bias ? bias[e] : 0.0f);
+    taken[e] = 0;
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  const int per_group = E / G;
+  if (G > 1) {
+    float gs[kMaxGroups];
+    bool keep[kMaxGroups];
+    for (int g = 0; g < G; ++g) {
+      float m1 = -INFINITY, m2 = -INFINITY;
+      for (int e = g * per_group; e < (g + 1) * per_group; ++e) {
+        const float v = ch[e];
+        if (v > m1) { m2 = m1; m1 = v; } else if (v > m2) { m2 = v; }
+      }
+      gs[g] = per_group >= 2 ? m1 + m2 : m1;
+      keep[g] = false;
+    }
+    for (int i = 0; i < topk_group; ++i) {
+      int bi = -1;
+      for (int g = 0; g < G; ++g)
+        if (!keep[g] && (bi < 0 || gs[g] > gs[bi])) bi = g;
+      keep[bi] = true;
+    }
+    for (int e = 0; e < E; ++e)
+      if (!keep[e / per_group]) ch[e] = -INFINITY;
+  }
+  int id[kMaxTopK];
+  for (int k = 0; k < K; ++k) {
+    int bi = -1;
+    for (int e = 0; e < E; ++e)
+      if (!taken[e] && (bi < 0 || ch[e] > ch[bi])) bi = e;
+    taken[bi] = 1;
+    id[k] = bi;
+  }
+  for (int i = 1; i < K; ++i)  // ascending ids
+    for (int j = i; j > 0 && id[j - 1] > id[j]; --j) {
+      const int x = id[j];
+      id[j] = id[j - 1];
+      id[j - 1] = x;
+    }
+  float sum = 0.0f;
+  for (int k = 0; k < K; ++k) sum += p[id[k]];
+  for (int k = 0; k < K; ++k) {
+    float v = p[id[k]];
+    if (norm) v /= (sum + 1e-20f);
+    ids[t * K + k] = id[k];
+    weights[t * K + k] = v * rsf;
+  }
+}
+
+}  // namespace
+
+void absorb_q(const float* q, int64_t T, int64_t H, int64_t qw, int64_t nope, const DevW& kvb, int64_t hw, int64_t L,
+              float* qlat, cudaStream_t st) {
+  absorb_q_kernel<<<dim3(unsigned(H), unsigned(T)), 256, size_t(nope) * 4, st>>>(q, H, qw, nope, kvb, hw, L, qlat);
+  VIREO_CUDA_LAUNCHED();
+}
+
+int decode_splits(int64_t max_keys) { return int(std::max<int64_t>(1, (max_keys + kSplit - 1) / kSplit)); }
+
+void mla_decode(const DecodeAttnArgs& a, cudaStream_t st) {
+  const size_t smem = size_t(kHG * a.kvw + kHG * kSplit) * 4 + size_t(kSplit) * 4;
+  static bool configured = false;
+  if (!configured) {
+    VIREO_CUDA_CHECK(cudaFuncSetAttribute(mla_decode_partial_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          200 * 1024));
+    configured = true;
+  }
+  if (smem > 200 * 1024) fail("mla_attention: latent width ", a.kvw, " is too wide for the decode kernel");
+  dim3 grid(unsigned(a.nsplit), unsigned((a.H + kHG - 1) / kHG), unsigned(a.T));
+  mla_decode_partial_kernel<<<grid, 256, smem, st>>>(a.qlat, a.q, a.H, a.qw, a.nope, a.L, a.kv, a.kvw, a.pos0, a.sel,
+                                                    a.counts, a.sel_stride, a.scale, a.nsplit, a.opart, a.mpart,
+                                                    a.lpart);
+  VIREO_CUDA_LAUNCHED();
+  mla_decode_combine_kernel<<<dim3(unsigned(a.H), unsigned(a.T)), 256, size_t(a.L) * 4, st>>>(
+      a.opart, a.mpart, a.lpart, a.nsplit, a.H, a.L, a.kvb, a.hw, a.nope, a.vd, a.out);
+  VIREO_CUDA_LAUNCHED();
+}
+
+void build_mask(const int32_t* sel, const int32_t* counts, int64_t T, int64_t stride, int64_t mwords, uint32_t* mask,
+                cudaStream_t st) {
+  VIREO_CUDA_CHECK(cudaMemsetAsync(mask, 0, size_t(T * mwords) * 4, st));
+  build_mask_kernel<<<unsigned(T), 256, 0, st>>>(sel, counts, stride, mwords, mask);
+  VIREO_CUDA_LAUNCHED();
+}
+
+void mla_prefill(const PrefillAttnArgs& a, cudaStream_t st) {
+  const size_t smem = size_t((kQT + kKT) * (a.qw + 1) + (kKT + kQT) * a.vd) * 4;
+  static bool configured = false;
+  if (!configured) {
+    VIREO_CUDA_CHECK(
+        cudaFuncSetAttribute(mla_prefill_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 220 * 1024));
+    configured = true;
+  }
+  if (smem > 220 * 1024) fail("mla_attention: head dims ", a.qw, "/", a.vd, " are too wide for the prefill kernel");
+  dim3 grid(unsigned((a.T + kQT - 1) / kQT), unsigned(a.H));
+  mla_prefill_kernel<<<grid, 256, smem, st>>>(a.q, a.T, a.H, a.qw, a.nope, a.vd, a.L, a.kv, a.kvw, a.kvx, a.hw,
+                                              a.n_keys, a.pos0, a.mask, a.mwords, a.scale, a.out);
+  VIREO_CUDA_LAUNCHED();
+}
+
+void indexer_scores(const float* q, const float* wts, const float* keys, int64_t T, int64_t nI, int64_t d,
+                    int64_t n_keys, int64_t pos0, int64_t topk, float scale, float* scores, cudaStream_t st) {
+  const size_t smem = size_t(nI * d + 32 * (d + 1) + 32 * (nI + 1)) * 4;
+  static bool configured = false;
+  if (!configured) {
+    VIREO_CUDA_CHECK(
+        cudaFuncSetAttribute(indexer_score_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+    configured = true;
+  }
+  if (smem > 200 * 1024) fail("indexer: ", nI, " heads x ", d, " are too wide for the score kernel");
+  dim3 grid(unsigned((n_keys + 31) / 32), unsigned(T));
+  indexer_score_kernel<<<grid, 256, smem, st>>>(q, wts, keys, nI, d, n_keys, pos0, topk, scale, scores);
+  VIREO_CUDA_LAUNCHED();
+}
+
+void indexer_topk(const float* scores, int64_t T, int64_t n_keys, int64_t pos0, int64_t topk, int32_t* selected,
+                  int32_t* counts, cudaStream_t st) {
+  indexer_topk_kernel<<<unsigned(T), 512, 0, st>>>(scores, n_keys, pos0, topk, selected, counts);
+  VIREO_CUDA_LAUNCHED();
+}
+
+void moe_route(const float* logits, int64_t T, int E, int G, int topk_group, int K, const float* bias, bool norm,
+               float rsf, int32_t* ids, float* weights, cudaStream_t st) {
+  if (G > kMaxGroups || K > kMaxTopK || G < 1 || E % G != 0 || topk_group > G || K > E)
+    fail("moe_route: unsupported routing shape (", E, " experts, ", G, " groups, top ", topk_group, " groups, top_k ",
+         K, ")");
+  const size_t smem = size_t(E) * 8 + size_t(E);
+  moe_route_kernel<<<unsigned(T), 128, smem, st>>>(logits, E, G, topk_group, K, bias, norm, rsf, ids, weights);
+  VIREO_CUDA_LAUNCHED();
+}
+
+}  // namespace vireo::cuda

@@ -1,0 +1,63 @@
+#pragma once
+// Attention, indexer and routing launchers (cuda_attention.cu).
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backend/cuda/cuda_kernels.cuh"
+
+namespace vireo::cuda {
+
+// q_lat[t, h, :] = W_UK(h)^T q[t, h, :nope]                         q_lat [T, H, L]
+void absorb_q(const float* q, int64_t T, int64_t H, int64_t qw, int64_t nope, const DevW& kvb, int64_t hw, int64_t L,
+              float* qlat, cudaStream_t st);
+
+struct DecodeAttnArgs {
+  const float* qlat = nullptr;  // [T, H, L]
+  const float* q = nullptr;     // [T, H, qw] (rope part read)
+  int64_t T = 0, H = 0, qw = 0, nope = 0, L = 0, vd = 0, hw = 0;
+  const float* kv = nullptr;    // [N, kvw]
+  int64_t kvw = 0, pos0 = 0;
+  const int32_t* sel = nullptr;     // [T, sel_stride] or null (causal)
+  const int32_t* counts = nullptr;  // [T]
+  int64_t sel_stride = 0;
+  float scale = 1.0f;
+  int nsplit = 1;
+  float* opart = nullptr;  // [T, H, nsplit, L]
+  float* mpart = nullptr;  // [T, H, nsplit]
+  float* lpart = nullptr;  // [T, H, nsplit]
+  DevW kvb;
+  float* out = nullptr;    // [T, H, vd]
+};
+// Splits of the decode kernel for a key list of at most `max_keys`.
+int decode_splits(int64_t max_keys);
+void mla_decode(const DecodeAttnArgs& a, cudaStream_t st);
+
+// mask[t, u / 32] bit u % 32 set for every selected key u of query t.
+void build_mask(const int32_t* sel, const int32_t* counts, int64_t T, int64_t stride, int64_t mwords, uint32_t* mask,
+                cudaStream_t st);
+
+struct PrefillAttnArgs {
+  const float* q = nullptr;    // [T, H, qw]
+  int64_t T = 0, H = 0, qw = 0, nope = 0, vd = 0, L = 0;
+  const float* kv = nullptr;   // [N, kvw] (k_rope read at L)
+  int64_t kvw = 0;
+  const float* kvx = nullptr;  // [N, H, hw]: k_nope | v
+  int64_t hw = 0, n_keys = 0, pos0 = 0;
+  const uint32_t* mask = nullptr;  // [T, mwords] or null (causal)
+  int64_t mwords = 0;
+  float scale = 1.0f;
+  float* out = nullptr;        // [T, H, vd]
+};
+void mla_prefill(const PrefillAttnArgs& a, cudaStream_t st);
+
+// scores[t, u] for u < pos0 + t + 1, rows with more causal keys than topk only.
+void indexer_scores(const float* q, const float* wts, const float* keys, int64_t T, int64_t nI, int64_t d,
+                    int64_t n_keys, int64_t pos0, int64_t topk, float scale, float* scores, cudaStream_t st);
+void indexer_topk(const float* scores, int64_t T, int64_t n_keys, int64_t pos0, int64_t topk, int32_t* selected,
+                  int32_t* counts, cudaStream_t st);
+
+void moe_route(const float* logits, int64_t T, int E, int G, int topk_group, int K, const float* bias, bool norm,
+               float rsf, int32_t* ids, float* weights, cudaStream_t st);
+
+}  // namespace vireo::cuda

@@ -1,0 +1,56 @@
+#pragma once
+// The CUDA backend: every Backend op on one NVIDIA GPU. Activations are f32 device buffers;
+// weights are uploaded once in their stored dtype (BF16, F16, F32, or F8_E4M3 with its 128x128
+// block scales) and converted in registers as they stream through. Built when nvcc is found
+// (VIREO_HAVE_CUDA); this header is usable either way, so callers need no #ifdefs.
+#include <memory>
+#include <string>
+
+#include "backend/backend.h"
+#include "core/error.h"
+
+namespace vireo {
+
+#ifdef VIREO_HAVE_CUDA
+// True when a CUDA device can be used; otherwise `why` (if given) says why not.
+bool cuda_device_present(std::string* why = nullptr);
+// The CUDA backend on device 0. Throws vireo::Error (one line) when no device is usable.
+std::unique_ptr<Backend> make_cuda_backend();
+
+// Measurements for `vireo bench`, taken on the backend's device in the same run.
+// Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written.
+double cuda_measure_copy_gbs(Backend& cuda);
+// cuBLASLt bf16 GEMM (n x n x n, random data, f32 accumulation) in TFLOP/s.
+double cuda_measure_bf16_gemm_tflops(Backend& cuda, int n = 8192);
+// Waits for all queued device work (for host-side timing).
+void cuda_synchronize(Backend& cuda);
+// Prefill GEMMs (T > 8 rows) on BF16 weights: Split (default) runs two bf16 tensor-core products
+// on x = hi + lo (both bf16), f32 accumulation: ~2^-16 relative error, fixture-exact. Bf16 rounds
+// x to bf16 once (one product, ~2^-9 relative error, as most engines). Simt: f32 CUDA-core
+// tiles (exact f32 math, slow).
+enum class CudaGemmMode { Split, Bf16, Simt };
+void cuda_set_gemm_mode(Backend& cuda, CudaGemmMode mode);
+#endif
+
+inline bool cuda_compiled_in() {
+#ifdef VIREO_HAVE_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+// The backend a `--device` flag names ("cpu" or "cuda"); a one-line error when unavailable.
+inline std::unique_ptr<Backend> make_backend(const std::string& device) {
+  if (device == "cpu") return make_cpu_backend();
+  if (device == "cuda") {
+#ifdef VIREO_HAVE_CUDA
+    return make_cuda_backend();
+#else
+    fail("--device cuda: this vireo was built without CUDA (no nvcc at build time)");
+#endif
+  }
+  fail("--device must be cpu or cuda, got '", device, "'");
+}
+
+}  // namespace vireo

@@ -1,0 +1,28 @@
+#pragma once
+// Host-side declarations shared by the CUDA backend's translation units.
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backend/cuda/cuda_kernels.cuh"
+#include "core/error.h"
+
+namespace vireo::cuda {
+
+#define VIREO_CUDA_CHECK(call)                                                                   \
+  do {                                                                                           \
+    cudaError_t e_ = (call);                                                                     \
+    if (e_ != cudaSuccess) ::vireo::fail("CUDA error: ", cudaGetErrorString(e_), " (", #call, ")"); \
+  } while (0)
+#define VIREO_CUDA_LAUNCHED() VIREO_CUDA_CHECK(cudaGetLastError())
+
+// Matrix products (cuda_matmul.cu).
+void matmul_small(const float* x, int64_t T, const DevW& w, float* y, cudaStream_t st, int sms);  // T <= 8
+void matmul_simt(const float* x, int64_t T, const DevW& w, float* y, cudaStream_t st);
+void split_bf16(const float* x, int64_t n, void* hi, void* lo, cudaStream_t st);  // lo may be null
+bool lt_matmul(cublasLtHandle_t lt, void* workspace, size_t ws_bytes, cudaStream_t st, int64_t m, int64_t n,
+               int64_t k, const void* A, cudaDataType_t at, const void* B, cudaDataType_t bt, void* D,
+               cudaDataType_t dt, float alpha, float beta);
+
+}  // namespace vireo::cuda

@@ -1,0 +1,94 @@
+#pragma once
+// Device-side helpers shared by the CUDA backend's kernels: stored-dtype weight access, reductions.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace vireo::cuda {
+
+enum : int { W_F32 = 0, W_BF16 = 1, W_F16 = 2, W_FP8 = 3 };
+
+// A stored-dtype weight [out, in] on the device; FP8: s = scale_inv [ceil(out/128), s_cols].
+struct DevW {
+  const void* w = nullptr;
+  const float* s = nullptr;
+  int64_t out = 0, in = 0, s_cols = 0;
+  int dt = W_F32;
+};
+
+template <int DT> __host__ __device__ constexpr int elem_bytes() { return DT == W_F32 ? 4 : DT == W_FP8 ? 1 : 2; }
+
+// e4m3 -> f16 by moving sign, exponent and mantissa into place: the f16 holds the e4m3 value
+// times 2^-8 (exponent bias 15 vs 7), exactly, subnormals included; the 256 goes back on after.
+__device__ __forceinline__ float fp8_to_f32(uint32_t b) {
+  const unsigned short h = (unsigned short)(((b & 0x7Fu) << 7) | ((b & 0x80u) << 8));
+  return __half2float(__ushort_as_half(h)) * 256.0f;
+}
+// Two e4m3 bytes sitting in bits 0-7 and 16-23 -> the two values times 2^-8 (see fp8_to_f32).
+__device__ __forceinline__ float2 fp8x2_scaled_down(uint32_t x) {
+  const uint32_t h2 = ((x & 0x007F007Fu) << 7) | ((x & 0x00800080u) << 8);
+  __half2 hv;
+  static_assert(sizeof(hv) == 4);
+  memcpy(&hv, &h2, 4);
+  return __half22float2(hv);
+}
+
+template <int DT>
+__device__ __forceinline__ float wget(const DevW& w, int64_t r, int64_t c) {
+  const int64_t i = r * w.in + c;
+  if constexpr (DT == W_F32) return static_cast<const float*>(w.w)[i];
+  else if constexpr (DT == W_BF16) return __uint_as_float(uint32_t(static_cast<const uint16_t*>(w.w)[i]) << 16);
+  else if constexpr (DT == W_F16) return __half2float(static_cast<const __half*>(w.w)[i]);
+  else return fp8_to_f32(static_cast<const uint8_t*>(w.w)[i]) * w.s[(r >> 7) * w.s_cols + (c >> 7)];
+}
+
+__device__ __forceinline__ float wget_rt(const DevW& w, int64_t r, int64_t c) {
+  switch (w.dt) {
+    case W_F32: return wget<W_F32>(w, r, c);
+    case W_BF16: return wget<W_BF16>(w, r, c);
+    case W_F16: return wget<W_F16>(w, r, c);
+    default: return wget<W_FP8>(w, r, c);
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, <= 1024); every thread gets the result.
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float part[32];
+  __shared__ float total;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();  // `part` may still be read by a previous call
+  if (lane == 0) part[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    float s = lane < nw ? part[lane] : 0.0f;
+    s = warp_sum(s);
+    if (lane == 0) total = s;
+  }
+  __syncthreads();
+  return total;
+}
+
+// A 16-byte weight load that does not displace activations in L1 (each weight byte is read once).
+__device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
+  uint4 r;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(p));
+  return r;
+}
+
+}  // namespace vireo::cuda

@@ -1,0 +1,298 @@
+// Matrix products against stored-dtype weights on the GPU.
+//  - Decode (T <= 8 rows): our own GEMV. Each weight byte is read once with 16-byte loads and
+//    converted in registers; all T rows are accumulated against it (f32). The warps per output
+//    row are chosen so the grid covers the chip even for narrow matrices; the partial sums are
+//    combined in a fixed order, so results never depend on timing.
+//  - Prefill (T > 8): BF16 weights go to cuBLASLt tensor cores (x split into bf16 hi + lo so the
+//    product stays within ~2^-16 of f32 math); F32/F16/FP8 weights (and shapes cuBLASLt refuses)
+//    run a tiled f32 CUDA-core kernel. cuBLASLt's FP8 path needs FP8 activations (measured in
+//    shared/notes), which is a different, lossier function: not used for the exact forward.
+#include <cublasLt.h>
+
+#include "backend/cuda/cuda_internal.h"
+#include "backend/cuda/cuda_kernels.cuh"
+
+namespace vireo::cuda {
+
+namespace {
+
+template <int DT> struct GemvVec { static constexpr int n = 16 / elem_bytes<DT>(); };
+
+// The N weights of one 16-byte load, as f32 (FP8: times 2^-8, the block scale restores it).
+template <int DT>
+__device__ __forceinline__ void unpack16(const uint4& v, float* wf) {
+  const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+  if constexpr (DT == W_F32) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) wf[i] = __uint_as_float(u[i]);
+  } else if constexpr (DT == W_BF16) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      wf[2 * i] = __uint_as_float(u[i] << 16);
+      wf[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+    }
+  } else if constexpr (DT == W_F16) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      __half2 h;
+      memcpy(&h, &u[i], 4);
+      const float2 f = __half22float2(h);
+      wf[2 * i] = f.x;
+      wf[2 * i + 1] = f.y;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 a = fp8x2_scaled_down(__byte_perm(u[i], 0, 0x4140));  // bytes 0, 1
+      const float2 b = fp8x2_scaled_down(__byte_perm(u[i], 0, 0x4342));  // bytes 2, 3
+      wf[4 * i] = a.x;
+      wf[4 * i + 1] = a.y;
+      wf[4 * i + 2] = b.x;
+      wf[4 * i + 3] = b.y;
+    }
+  }
+}
+
+template <int DT, int TT>
+__device__ __forceinline__ void gemv_consume(const uint4& v, const float* __restrict__ x, int64_t in, int64_t k,
+                                             const float* srow, float (&acc)[TT]) {
+  constexpr int N = GemvVec<DT>::n;
+  float wf[N];
+  unpack16<DT>(v, wf);
+  float scale = 1.0f;
+  if constexpr (DT == W_FP8) scale = srow[k >> 7] * 256.0f;
+#pragma unroll
+  for (int t = 0; t < TT; ++t) {
+    const float4* xp = reinterpret_cast<const float4*>(x + t * in + k);
+    float p = 0.0f;
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+      const float4 xv = __ldg(xp + i);
+      p += wf[4 * i] * xv.x + wf[4 * i + 1] * xv.y + wf[4 * i + 2] * xv.z + wf[4 * i + 3] * xv.w;
+    }
+    if constexpr (DT == W_FP8) acc[t] += scale * p;
+    else acc[t] += p;
+  }
+}
+
+// y[t, row] for t < TT; 8 warps per block, `wpr` warps per row.
+template <int DT, int TT>
+__global__ void __launch_bounds__(256) gemv_kernel(const float* __restrict__ x, DevW w, float* __restrict__ y,
+                                                   int wpr) {
+  constexpr int N = GemvVec<DT>::n;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int rpb = 8 / wpr;
+  const int64_t row = int64_t(blockIdx.x) * rpb + warp / wpr;
+  const int sub = warp % wpr;
+  float acc[TT];
+#pragma unroll
+  for (int t = 0; t < TT; ++t) acc[t] = 0.0f;
+  if (row < w.out) {
+    const uint4* wr = reinterpret_cast<const uint4*>(static_cast<const char*>(w.w) + row * w.in * elem_bytes<DT>());
+    const float* srow = DT == W_FP8 ? w.s + (row >> 7) * w.s_cols : nullptr;
+    const int64_t nv = w.in / N, step = int64_t(wpr) * 32;
+    int64_t v = int64_t(sub) * 32 + lane;
+    // Four loads in flight before the first use.
+    for (; v + 3 * step < nv; v += 4 * step) {
+      const uint4 a0 = ldg_stream(wr + v), a1 = ldg_stream(wr + v + step), a2 = ldg_stream(wr + v + 2 * step),
+                  a3 = ldg_stream(wr + v + 3 * step);
+      gemv_consume<DT, TT>(a0, x, w.in, v * N, srow, acc);
+      gemv_consume<DT, TT>(a1, x, w.in, (v + step) * N, srow, acc);
+      gemv_consume<DT, TT>(a2, x, w.in, (v + 2 * step) * N, srow, acc);
+      gemv_consume<DT, TT>(a3, x, w.in, (v + 3 * step) * N, srow, acc);
+    }
+    for (; v < nv; v += step) gemv_consume<DT, TT>(ldg_stream(wr + v), x, w.in, v * N, srow, acc);
+  }
+  __shared__ float red[8][TT];
+#pragma unroll
+  for (int t = 0; t < TT; ++t) {
+    const float s = warp_sum(acc[t]);
+    if (lane == 0) red[warp][t] = s;
+  }
+  __syncthreads();
+  if (sub == 0 && lane < TT && row < w.out) {
+    float s = 0.0f;
+    for (int j = 0; j < wpr; ++j) s += red[warp + j][lane];
+    y[int64_t(lane) * w.out + row] = s;
+  }
+}
+
+// Any shape, any alignment: one warp per output row, scalar loads.
+template <int DT>
+__global__ void gemv_scalar_kernel(const float* __restrict__ x, int T, DevW w, float* __restrict__ y) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t row = int64_t(blockIdx.x) * 8 + warp;
+  if (row >= w.out) return;
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t k = lane; k < w.in; k += 32) {
+    const float wv = wget<DT>(w, row, k);
+#pragma unroll
+    for (int t = 0; t < 8; ++t)
+      if (t < T) acc[t] += wv * x[t * w.in + k];
+  }
+#pragma unroll
+  for (int t = 0; t < 8; ++t) {
+    const float s = warp_sum(acc[t]);
+    if (t < T && lane == 0) y[t * w.out + row] = s;
+  }
+}
+
+// y[T, out] = x[T, in] W^T in f32: 64 x 64 tiles, 16-deep k steps, 4 x 4 outputs per thread.
+template <int DT>
+__global__ void __launch_bounds__(256) gemm_simt_kernel(const float* __restrict__ x, int64_t T, DevW w,
+                                                        float* __restrict__ y) {
+  __shared__ float As[16][64 + 4];  // [k][t]
+  __shared__ float Bs[16][64 + 4];  // [k][o]
+  const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
+  const int64_t t0 = int64_t(blockIdx.y) * 64, o0 = int64_t(blockIdx.x) * 64;
+  const int64_t in = w.in, out = w.out;
+  float acc[4][4] = {};
+  for (int64_t k0 = 0; k0 < in; k0 += 16) {
+    for (int i = threadIdx.x; i < 1024; i += 256) {
+      const int r = i >> 4, c = i & 15;
+      const int64_t k = k0 + c;
+      As[c][r] = (t0 + r < T && k < in) ? x[(t0 + r) * in + k] : 0.0f;
+      Bs[c][r] = (o0 + r < out && k < in) ? wget<DT>(w, o0 + r, k) : 0.0f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < 16; ++kk) {
+      float a[4], b[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a[i] = As[kk][ty + 16 * i];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) b[j] = Bs[kk][tx + 16 * j];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] += a[i] * b[j];
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int64_t t = t0 + ty + 16 * i;
+    if (t >= T) continue;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int64_t o = o0 + tx + 16 * j;
+      if (o < out) y[t * out + o] = acc[i][j];
+    }
+  }
+}
+
+// x f32 -> hi = bf16(x), lo = bf16(x - hi): x = hi + lo within 2^-16 relative.
+__global__ void split_bf16_kernel(const float* __restrict__ x, int64_t n, __nv_bfloat16* __restrict__ hi,
+                                  __nv_bfloat16* __restrict__ lo) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float v = x[i];
+    const __nv_bfloat16 h = __float2bfloat16_rn(v);
+    hi[i] = h;
+    if (lo) lo[i] = __float2bfloat16_rn(v - __bfloat162float(h));
+  }
+}
+
+template <int DT, int TT>
+void launch_gemv_t(const float* x, const DevW& w, float* y, cudaStream_t st, int sms) {
+  // Enough warps per row that the grid has ~2 blocks per multiprocessor.
+  int wpr = 1;
+  while (wpr < 8 && (w.out + (8 / wpr) - 1) / (8 / wpr) < 2 * sms) wpr *= 2;
+  const int rpb = 8 / wpr;
+  const unsigned blocks = unsigned((w.out + rpb - 1) / rpb);
+  gemv_kernel<DT, TT><<<blocks, 256, 0, st>>>(x, w, y, wpr);
+}
+
+template <int DT>
+void launch_gemv(const float* x, int T, const DevW& w, float* y, cudaStream_t st, int sms) {
+  switch (T) {
+    case 1: launch_gemv_t<DT, 1>(x, w, y, st, sms); break;
+    case 2: launch_gemv_t<DT, 2>(x, w, y, st, sms); break;
+    case 3: launch_gemv_t<DT, 3>(x, w, y, st, sms); break;
+    case 4: launch_gemv_t<DT, 4>(x, w, y, st, sms); break;
+    case 5: launch_gemv_t<DT, 5>(x, w, y, st, sms); break;
+    case 6: launch_gemv_t<DT, 6>(x, w, y, st, sms); break;
+    case 7: launch_gemv_t<DT, 7>(x, w, y, st, sms); break;
+    default: launch_gemv_t<DT, 8>(x, w, y, st, sms); break;
+  }
+}
+
+template <int DT>
+void launch_small(const float* x, int64_t T, const DevW& w, float* y, cudaStream_t st, int sms) {
+  constexpr int N = GemvVec<DT>::n;
+  const bool vec = w.in % N == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(w.w) % 16 == 0;
+  if (vec) launch_gemv<DT>(x, int(T), w, y, st, sms);
+  else gemv_scalar_kernel<DT><<<unsigned((w.out + 7) / 8), 256, 0, st>>>(x, int(T), w, y);
+}
+
+template <int DT>
+void launch_simt(const float* x, int64_t T, const DevW& w, float* y, cudaStream_t st) {
+  dim3 grid(unsigned((w.out + 63) / 64), unsigned((T + 63) / 64));
+  gemm_simt_kernel<DT><<<grid, 256, 0, st>>>(x, T, w, y);
+}
+
+}  // namespace
+
+void matmul_small(const float* x, int64_t T, const DevW& w, float* y, cudaStream_t st, int sms) {
+  switch (w.dt) {
+    case W_F32: launch_small<W_F32>(x, T, w, y, st, sms); break;
+    case W_BF16: launch_small<W_BF16>(x, T, w, y, st, sms); break;
+    case W_F16: launch_small<W_F16>(x, T, w, y, st, sms); break;
+    default: launch_small<W_FP8>(x, T, w, y, st, sms); break;
+  }
+}
+
+void matmul_simt(const float* x, int64_t T, const DevW& w, float* y, cudaStream_t st) {
+  switch (w.dt) {
+    case W_F32: launch_simt<W_F32>(x, T, w, y, st); break;
+    case W_BF16: launch_simt<W_BF16>(x, T, w, y, st); break;
+    case W_F16: launch_simt<W_F16>(x, T, w, y, st); break;
+    default: launch_simt<W_FP8>(x, T, w, y, st); break;
+  }
+}
+
+void split_bf16(const float* x, int64_t n, void* hi, void* lo, cudaStream_t st) {
+  const unsigned blocks = unsigned(std::min<int64_t>((n + 255) / 256, 65536));
+  split_bf16_kernel<<<blocks, 256, 0, st>>>(x, n, static_cast<__nv_bfloat16*>(hi), static_cast<__nv_bfloat16*>(lo));
+}
+
+// D[m = rows of A^T op, n] (column-major, ldd = m) = alpha * op(A) op(B) + beta * D via cuBLASLt.
+// A is [k, m] column-major read transposed (a row-major [m, k] matrix), B is [k, n] column-major
+// (a row-major [n, k] matrix). Returns false when cuBLASLt has no algorithm for it.
+bool lt_matmul(cublasLtHandle_t lt, void* workspace, size_t ws_bytes, cudaStream_t st, int64_t m, int64_t n,
+               int64_t k, const void* A, cudaDataType_t at, const void* B, cudaDataType_t bt, void* D,
+               cudaDataType_t dt, float alpha, float beta) {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, ld = nullptr;
+  cublasLtMatmulPreference_t pref = nullptr;
+  bool ok = false;
+  auto cleanup = [&]() {
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (la) cublasLtMatrixLayoutDestroy(la);
+    if (lb) cublasLtMatrixLayoutDestroy(lb);
+    if (ld) cublasLtMatrixLayoutDestroy(ld);
+    if (op) cublasLtMatmulDescDestroy(op);
+  };
+  do {
+    if (cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS) break;
+    const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta);
+    cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb);
+    if (cublasLtMatrixLayoutCreate(&la, at, uint64_t(k), uint64_t(m), k) != CUBLAS_STATUS_SUCCESS) break;
+    if (cublasLtMatrixLayoutCreate(&lb, bt, uint64_t(k), uint64_t(n), k) != CUBLAS_STATUS_SUCCESS) break;
+    if (cublasLtMatrixLayoutCreate(&ld, dt, uint64_t(m), uint64_t(n), m) != CUBLAS_STATUS_SUCCESS) break;
+    if (cublasLtMatmulPreferenceCreate(&pref) != CUBLAS_STATUS_SUCCESS) break;
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof ws_bytes);
+    cublasLtMatmulHeuristicResult_t res{};
+    int found = 0;
+    if (cublasLtMatmulAlgoGetHeuristic(lt, op, la, lb, ld, ld, pref, 1, &res, &found) != CUBLAS_STATUS_SUCCESS ||
+        found == 0)
+      break;
+    ok = cublasLtMatmul(lt, op, &alpha, A, la, B, lb, &beta, D, ld, D, ld, &res.algo, workspace, ws_bytes, st) ==
+         CUBLAS_STATUS_SUCCESS;
+  } while (false);
+  cleanup();
+  return ok;
+}
+
+}  // namespace vireo::cuda

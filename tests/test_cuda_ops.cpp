@@ -1,0 +1,403 @@
+// Op parity: every Backend op on the CUDA backend against the CPU reference, on random inputs,
+// by normalized mean squared error (NMSE = sum (got - want)^2 / sum want^2), in the spirit of
+// llama.cpp's test-backend-ops. Both sides do f32 math on the same stored weights, so the only
+// differences are summation order (and, for the bf16 tensor-core prefill GEMM, the 2^-16 of the
+// hi + lo split): thresholds are 1e-9 / 1e-8, far below any format's own rounding. Selections
+// (indexer top-k, MoE expert ids) must be identical.
+// Without a GPU (or without CUDA in the build) every test skips, saying so.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/cuda/cuda_backend.h"
+#include "core/dtype.h"
+#include "core/thread_pool.h"
+
+using namespace vireo;
+
+#ifdef VIREO_HAVE_CUDA
+#define REQUIRE_CUDA()                                                     \
+  do {                                                                     \
+    std::string why_;                                                      \
+    if (!cuda_device_present(&why_)) GTEST_SKIP() << "no CUDA device: " << why_; \
+  } while (0)
+#else
+#define REQUIRE_CUDA() GTEST_SKIP() << "no CUDA device: vireo was built without CUDA"
+#endif
+
+namespace {
+
+std::vector<float> randv(size_t n, uint32_t seed, float scale = 1.0f) {
+  std::mt19937 g(seed);
+  std::uniform_real_distribution<float> d(-1.0f, 1.0f);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(g) * scale;
+  return v;
+}
+
+double nmse(const std::vector<float>& got, const std::vector<float>& want) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (!std::isfinite(got[i])) return INFINITY;
+    const double d = double(got[i]) - want[i];
+    num += d * d;
+    den += double(want[i]) * want[i];
+  }
+  return num / std::max(den, 1e-30);
+}
+
+// A weight in a stored dtype, built from f32 values, owning its bytes.
+struct HostWeight {
+  std::vector<uint8_t> bytes;
+  std::vector<float> scales;
+  Weight w;
+};
+HostWeight make_weight(DType dt, int64_t out, int64_t in, uint32_t seed) {
+  HostWeight h;
+  std::vector<float> v = randv(size_t(out * in), seed, 0.1f);
+  h.bytes.resize(size_t(out * in) * dtype_size(dt));
+  if (dt == DType::F32) {
+    std::memcpy(h.bytes.data(), v.data(), h.bytes.size());
+  } else if (dt == DType::BF16 || dt == DType::F16) {
+    auto* p = reinterpret_cast<uint16_t*>(h.bytes.data());
+    for (size_t i = 0; i < v.size(); ++i) p[i] = dt == DType::BF16 ? f32_to_bf16(v[i]) : f32_to_f16(v[i]);
+  } else {
+    const int64_t so = (out + 127) / 128, si = (in + 127) / 128;
+    h.scales.assign(size_t(so * si), 0.0f);
+    for (int64_t i = 0; i < out; ++i)
+      for (int64_t j = 0; j < in; ++j) {
+        float& m = h.scales[size_t((i / 128) * si + j / 128)];
+        m = std::max(m, std::fabs(v[size_t(i * in + j)]) / 448.0f);
+      }
+    for (int64_t i = 0; i < out; ++i)
+      for (int64_t j = 0; j < in; ++j)
+        h.bytes[size_t(i * in + j)] =
+            f32_to_fp8_e4m3(v[size_t(i * in + j)] / h.scales[size_t((i / 128) * si + j / 128)]);
+    h.w.scale_inv = Tensor(h.scales.data(), DType::F32, {so, si});
+  }
+  h.w.w = Tensor(h.bytes.data(), dt, {out, in});
+  return h;
+}
+
+// Host vectors <-> a backend's buffers.
+struct Dev {
+  Backend& be;
+  std::vector<std::shared_ptr<float>> keep;
+  std::vector<std::shared_ptr<int32_t>> keep_i;
+  float* up(const std::vector<float>& h) {
+    auto b = be.alloc_f32(h.size());
+    be.copy_from_host(b.get(), h.data(), h.size());
+    keep.push_back(b);
+    return b.get();
+  }
+  int32_t* up_i(const std::vector<int32_t>& h) {
+    auto b = be.alloc_i32(h.size());
+    be.copy_from_host_i32(b.get(), h.data(), h.size());
+    keep_i.push_back(b);
+    return b.get();
+  }
+  float* zeros(size_t n) { return up(std::vector<float>(n, 0.0f)); }
+  int32_t* zeros_i(size_t n) { return up_i(std::vector<int32_t>(n, 0)); }
+  std::vector<float> down(const float* d, size_t n) {
+    std::vector<float> h(n);
+    be.copy_to_host(h.data(), d, n);
+    return h;
+  }
+  std::vector<int32_t> down_i(const int32_t* d, size_t n) {
+    std::vector<int32_t> h(n);
+    be.copy_to_host_i32(h.data(), d, n);
+    return h;
+  }
+};
+
+struct Pair {
+  std::unique_ptr<Backend> cpu = make_cpu_backend();
+#ifdef VIREO_HAVE_CUDA
+  std::unique_ptr<Backend> gpu = make_cuda_backend();
+#else
+  std::unique_ptr<Backend> gpu;
+#endif
+  Dev c{*cpu}, g{*gpu};
+};
+
+const char* dt_name(DType d) { return dtype_name(d); }
+
+}  // namespace
+
+TEST(CudaOps, MatmulAllDtypesAndShapes) {
+  REQUIRE_CUDA();
+  Pair p;
+  struct Shape { int64_t out, in; };
+  for (DType dt : {DType::F32, DType::BF16, DType::F16, DType::F8_E4M3})
+    for (Shape s : {Shape{300, 520}, Shape{256, 1024}, Shape{1000, 384}})
+      for (int64_t T : {1, 3, 8, 9, 70}) {
+        HostWeight hw = make_weight(dt, s.out, s.in, uint32_t(s.out * 7 + T));
+        auto x = randv(size_t(T * s.in), uint32_t(T * 13 + s.in));
+        std::vector<float> want(size_t(T * s.out));
+        cpu_matmul(x.data(), T, hw.w, want.data(), ThreadPool::global());
+        Weight gw = p.gpu->upload_weight(hw.w);
+        float* gx = p.g.up(x);
+        float* gy = p.g.zeros(want.size());
+        p.gpu->matmul(gx, T, gw, gy);
+        const double e = nmse(p.g.down(gy, want.size()), want);
+        EXPECT_LT(e, 1e-9) << dt_name(dt) << " out " << s.out << " in " << s.in << " T " << T;
+        // Host-resident weights (routed experts) are uploaded on first use.
+        float* gy2 = p.g.zeros(want.size());
+        p.gpu->matmul(gx, T, hw.w, gy2);
+        EXPECT_LT(nmse(p.g.down(gy2, want.size()), want), 1e-9) << dt_name(dt) << " host weight";
+      }
+}
+
+#ifdef VIREO_HAVE_CUDA
+TEST(CudaOps, MatmulGemmModes) {
+  REQUIRE_CUDA();
+  Pair p;
+  const int64_t out = 512, in = 768, T = 200;
+  HostWeight hw = make_weight(DType::BF16, out, in, 3);
+  auto x = randv(size_t(T * in), 4);
+  std::vector<float> want(size_t(T * out));
+  cpu_matmul(x.data(), T, hw.w, want.data(), ThreadPool::global());
+  float* gx = p.g.up(x);
+  float* gy = p.g.zeros(want.size());
+  struct M { CudaGemmMode m; double tol; const char* name; };
+  for (M m : {M{CudaGemmMode::Split, 1e-9, "split"}, M{CudaGemmMode::Simt, 1e-10, "simt"},
+              M{CudaGemmMode::Bf16, 1e-4, "bf16"}}) {
+    cuda_set_gemm_mode(*p.gpu, m.m);
+    p.gpu->matmul(gx, T, hw.w, gy);
+    const double e = nmse(p.g.down(gy, want.size()), want);
+    EXPECT_LT(e, m.tol) << m.name;
+    std::printf("  gemm mode %-5s NMSE %.3g\n", m.name, e);
+  }
+  cuda_set_gemm_mode(*p.gpu, CudaGemmMode::Split);
+}
+#endif
+
+TEST(CudaOps, NormsRopeElementwise) {
+  REQUIRE_CUDA();
+  Pair p;
+  const int64_t T = 5, n = 700, stride = 777;
+  auto x = randv(size_t(T * stride), 1), w = randv(size_t(n), 2), b = randv(size_t(n), 3);
+  {  // rms_norm with row strides
+    std::vector<float> want(size_t(T * stride), 0.0f);
+    p.cpu->rms_norm(x.data(), stride, T, n, w.data(), 1e-6f, want.data(), stride);
+    float* gy = p.g.zeros(want.size());
+    p.gpu->rms_norm(p.g.up(x), stride, T, n, p.g.up(w), 1e-6f, gy, stride);
+    EXPECT_LT(nmse(p.g.down(gy, want.size()), want), 1e-12);
+  }
+  {  // layer_norm
+    std::vector<float> want(size_t(T * n));
+    p.cpu->layer_norm(x.data(), T, n, w.data(), b.data(), 1e-6f, want.data());
+    float* gy = p.g.zeros(want.size());
+    p.gpu->layer_norm(p.g.up(x), T, n, p.g.up(w), p.g.up(b), 1e-6f, gy);
+    EXPECT_LT(nmse(p.g.down(gy, want.size()), want), 1e-12);
+  }
+  for (RopeKind kind : {RopeKind::Interleaved, RopeKind::HalfSplit}) {  // rope in place
+    const int64_t H = 3, hs = 40, ts = H * hs, off = 8, width = 32;
+    auto v = randv(size_t(T * ts), 5), cs = randv(size_t(T * width), 6);
+    std::vector<float> want = v;
+    p.cpu->rope(want.data(), T, H, ts, hs, off, width, cs.data(), kind);
+    float* gv = p.g.up(v);
+    p.gpu->rope(gv, T, H, ts, hs, off, width, p.g.up(cs), kind);
+    EXPECT_LT(nmse(p.g.down(gv, want.size()), want), 1e-12);
+  }
+  {  // add, scale, swiglu, fill, copy_rows
+    auto a = randv(1000, 7), c = randv(1000, 8);
+    std::vector<float> want = a;
+    p.cpu->add(want.data(), c.data(), 1000);
+    p.cpu->scale(want.data(), 0.37f, 1000);
+    p.cpu->swiglu(want.data(), c.data(), want.data(), 1000);
+    float* ga = p.g.up(a);
+    float* gc = p.g.up(c);
+    p.gpu->add(ga, gc, 1000);
+    p.gpu->scale(ga, 0.37f, 1000);
+    p.gpu->swiglu(ga, gc, ga, 1000);
+    EXPECT_LT(nmse(p.g.down(ga, 1000), want), 1e-12);
+    p.gpu->fill(ga, 2.5f, 1000);
+    for (float f : p.g.down(ga, 1000)) ASSERT_EQ(f, 2.5f);
+    std::vector<float> rows(size_t(4 * 50), 0.0f);
+    p.cpu->copy_rows(rows.data(), 50, c.data() + 3, 100, 4, 30);
+    float* gr = p.g.zeros(rows.size());
+    p.gpu->copy_rows(gr, 50, gc + 3, 100, 4, 30);
+    EXPECT_EQ(p.g.down(gr, rows.size()), rows);
+  }
+}
+
+TEST(CudaOps, EmbedGatherScatter) {
+  REQUIRE_CUDA();
+  Pair p;
+  for (DType dt : {DType::BF16, DType::F8_E4M3, DType::F32}) {
+    HostWeight table = make_weight(dt, 300, 256, 9);
+    std::vector<int32_t> ids = {5, 0, 299, 17, 5};
+    std::vector<float> want(ids.size() * 256);
+    p.cpu->embed(table.w, ids.data(), int64_t(ids.size()), want.data());
+    float* gy = p.g.zeros(want.size());
+    p.gpu->embed(p.gpu->upload_weight(table.w), ids.data(), int64_t(ids.size()), gy);
+    EXPECT_EQ(p.g.down(gy, want.size()), want) << dt_name(dt);
+  }
+  const int64_t n = 300, rows = 10, m = 6;
+  auto x = randv(size_t(rows * n), 10), r = randv(size_t(m * n), 11), y = randv(size_t(rows * n), 12);
+  std::vector<int32_t> index = {3, 9, 0, 3, 4, 7};  // a repeat: order of accumulation matters
+  std::vector<float> s = {0.5f, -1.0f, 2.0f, 0.25f, 1.0f, 3.0f};
+  std::vector<float> want_rows(size_t(m * n));
+  p.cpu->gather_rows(x.data(), index.data(), m, n, want_rows.data());
+  float* grows = p.g.zeros(want_rows.size());
+  int32_t* gidx = p.g.up_i(index);
+  p.gpu->gather_rows(p.g.up(x), gidx, m, n, grows);
+  EXPECT_EQ(p.g.down(grows, want_rows.size()), want_rows);
+  std::vector<float> want_y = y;
+  p.cpu->scatter_add_rows(want_y.data(), index.data(), s.data(), r.data(), m, n);
+  float* gy = p.g.up(y);
+  p.gpu->scatter_add_rows(gy, gidx, p.g.up(s), p.g.up(r), m, n);
+  EXPECT_EQ(p.g.down(gy, want_y.size()), want_y);
+}
+
+namespace {
+// Random sorted selections [T, stride] of causal keys, some rows with fewer than stride keys.
+void random_selection(int64_t T, int64_t stride, int64_t pos0, uint32_t seed, std::vector<int32_t>& keys,
+                      std::vector<int32_t>& counts) {
+  std::mt19937 g(seed);
+  keys.assign(size_t(T * stride), 0);
+  counts.assign(size_t(T), 0);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t n_causal = pos0 + t + 1;
+    std::vector<int32_t> all(static_cast<size_t>(n_causal));
+    for (int64_t u = 0; u < n_causal; ++u) all[size_t(u)] = int32_t(u);
+    std::shuffle(all.begin(), all.end(), g);
+    const int64_t k = std::min<int64_t>(stride, t % 3 == 2 ? n_causal / 3 + 1 : n_causal);
+    std::sort(all.begin(), all.begin() + k);
+    std::copy(all.begin(), all.begin() + k, keys.begin() + t * stride);
+    counts[size_t(t)] = int32_t(k);
+  }
+}
+}  // namespace
+
+TEST(CudaOps, MlaAttentionBothPathsWithAndWithoutSelection) {
+  REQUIRE_CUDA();
+  Pair p;
+  const int64_t H = 12, nope = 24, rope = 8, vd = 20, L = 64, N = 300;
+  const int64_t qw = nope + rope, kvw = L + rope, hw = nope + vd;
+  for (DType dt : {DType::BF16, DType::F8_E4M3, DType::F32}) {
+    HostWeight kvb = make_weight(dt, H * hw, L, 21);
+    Weight gkvb = p.gpu->upload_weight(kvb.w);
+    auto kv = randv(size_t(N * kvw), 22);
+    float* gkv = p.g.up(kv);
+    for (bool absorbed : {true, false})
+      for (bool selected : {false, true})
+        for (int64_t T : {int64_t(1), int64_t(37)}) {
+          const int64_t pos0 = N - T, stride = 100;
+          auto q = randv(size_t(T * H * qw), uint32_t(23 + T));
+          std::vector<int32_t> keys, counts;
+          random_selection(T, stride, pos0, uint32_t(24 + T), keys, counts);
+          MlaAttentionArgs a;
+          a.T = T;
+          a.n_heads = H;
+          a.qk_nope = nope;
+          a.qk_rope = rope;
+          a.v_dim = vd;
+          a.kv_lora = L;
+          a.n_keys = N;
+          a.pos0 = pos0;
+          a.scale = 0.17f;
+          a.absorbed = absorbed;
+          std::vector<float> want(size_t(T * H * vd));
+          MlaAttentionArgs c = a;
+          c.q = q.data();
+          c.kv = kv.data();
+          c.kv_b = &kvb.w;
+          c.out = want.data();
+          if (selected) c.selection = KeySelection{keys.data(), counts.data(), stride};
+          p.cpu->mla_attention(c);
+          MlaAttentionArgs g = a;
+          g.q = p.g.up(q);
+          g.kv = gkv;
+          g.kv_b = &gkvb;
+          g.out = p.g.zeros(want.size());
+          if (selected) g.selection = KeySelection{p.g.up_i(keys), p.g.up_i(counts), stride};
+          p.gpu->mla_attention(g);
+          const double e = nmse(p.g.down(g.out, want.size()), want);
+          EXPECT_LT(e, 1e-10) << dt_name(dt) << (absorbed ? " absorbed" : " reconstructed")
+                              << (selected ? " selected" : " causal") << " T " << T;
+        }
+  }
+}
+
+TEST(CudaOps, IndexerSelectIsIdentical) {
+  REQUIRE_CUDA();
+  Pair p;
+  const int64_t nI = 4, d = 32, N = 600, topk = 64;
+  for (int64_t T : {int64_t(1), int64_t(9), int64_t(600)}) {
+    const int64_t pos0 = N - T;
+    auto q = randv(size_t(T * nI * d), uint32_t(31 + T)), w = randv(size_t(T * nI), uint32_t(32 + T), 0.5f);
+    auto keys = randv(size_t(N * d), 33);
+    // Ties: repeated keys give equal scores; the lower position must win.
+    for (int64_t u = 0; u + 1 < N; u += 7)
+      std::copy(keys.begin() + u * d, keys.begin() + (u + 1) * d, keys.begin() + (u + 1) * d);
+    IndexerArgs a;
+    a.T = T;
+    a.n_heads = nI;
+    a.head_dim = d;
+    a.n_keys = N;
+    a.pos0 = pos0;
+    a.topk = topk;
+    a.scale = 1.0f / std::sqrt(float(d));
+    std::vector<int32_t> sel(size_t(T * topk), -1), cnt(size_t(T), -1);
+    IndexerArgs c = a;
+    c.q = q.data();
+    c.weights = w.data();
+    c.keys = keys.data();
+    c.selected = sel.data();
+    c.counts = cnt.data();
+    p.cpu->indexer_select(c);
+    IndexerArgs g = a;
+    g.q = p.g.up(q);
+    g.weights = p.g.up(w);
+    g.keys = p.g.up(keys);
+    g.selected = p.g.up_i(std::vector<int32_t>(sel.size(), -1));
+    g.counts = p.g.zeros_i(cnt.size());
+    p.gpu->indexer_select(g);
+    auto gcnt = p.g.down_i(g.counts, cnt.size());
+    auto gsel = p.g.down_i(g.selected, sel.size());
+    ASSERT_EQ(gcnt, cnt) << "T " << T;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t i = 0; i < cnt[size_t(t)]; ++i)
+        ASSERT_EQ(gsel[size_t(t * topk + i)], sel[size_t(t * topk + i)]) << "T " << T << " t " << t << " i " << i;
+  }
+}
+
+TEST(CudaOps, MoeRouteIsIdentical) {
+  REQUIRE_CUDA();
+  Pair p;
+  const int64_t T = 33, D = 256;
+  struct Cfg { int E, G, topk_group, K; bool norm; };
+  for (Cfg cfg : {Cfg{64, 8, 4, 6, true}, Cfg{16, 1, 1, 4, false}, Cfg{256, 1, 1, 8, true}}) {
+    HostWeight gate = make_weight(DType::BF16, cfg.E, D, 41);
+    auto x = randv(size_t(T * D), 42, 3.0f), bias = randv(size_t(cfg.E), 43, 0.05f);
+    RouterArgs a;
+    a.n_experts = cfg.E;
+    a.n_group = cfg.G;
+    a.topk_group = cfg.topk_group;
+    a.top_k = cfg.K;
+    a.norm_topk_prob = cfg.norm;
+    a.routed_scaling_factor = 2.5f;
+    std::vector<int32_t> ids(size_t(T * cfg.K));
+    std::vector<float> wts(ids.size());
+    RouterArgs c = a;
+    c.gate = &gate.w;
+    c.bias = bias.data();
+    p.cpu->moe_route(x.data(), T, c, ids.data(), wts.data());
+    Weight ggate = p.gpu->upload_weight(gate.w);
+    RouterArgs g = a;
+    g.gate = &ggate;
+    g.bias = p.g.up(bias);
+    int32_t* gids = p.g.zeros_i(ids.size());
+    float* gw = p.g.zeros(wts.size());
+    p.gpu->moe_route(p.g.up(x), T, g, gids, gw);
+    EXPECT_EQ(p.g.down_i(gids, ids.size()), ids) << "E " << cfg.E;
+    EXPECT_LT(nmse(p.g.down(gw, wts.size()), wts), 1e-12) << "E " << cfg.E;
+  }
+}

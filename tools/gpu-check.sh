@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# One device call: get CUDA binaries (carried prebuilt ones if they run here, else build), run the
+# CUDA tests (op parity + fixtures) and `vireo bench --device cuda`, write logs under $OUT and
+# print a summary table last.
+#
+#   OUT=/tmp/out tools/gpu-check.sh [bench args...]     (default: --layers 2 --experts 16)
+#
+# Carried files (.devcarry, git-ignored): bin/{vireo,vireo_tests} built elsewhere with the same
+# nvcc, lib/ their shared libraries, prefix/ the Debian -dev packages (headers, cmake configs,
+# pkg-config) for building here when the carried binaries do not run.
+set -u
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${OUT:-$ROOT/gpu-check-out}
+mkdir -p "$OUT"
+CARRY=$ROOT/.devcarry
+BENCH_ARGS=("$@")
+[ ${#BENCH_ARGS[@]} -eq 0 ] && BENCH_ARGS=(--layers 2 --experts 16)
+export LD_LIBRARY_PATH=$CARRY/lib:$CARRY/prefix/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+log() { echo "[gpu-check] $*" | tee -a "$OUT/summary.txt"; }
+: >"$OUT/summary.txt"
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
+log "gpu: $(tail -n +2 "$OUT/gpu.txt" | head -1)"
+
+# Binaries compiled elsewhere look for fixtures under the path they were built in.
+if [ ! -e /work/main ] && [ "$ROOT" != /work/main ]; then mkdir -p /work && ln -s "$ROOT" /work/main; fi
+
+BIN=""
+if [ -x "$CARRY/bin/vireo_tests" ] && "$CARRY/bin/vireo_tests" --gtest_filter='CudaOps.NormsRopeElementwise' \
+     >"$OUT/probe.log" 2>&1 && grep -q "PASSED" "$OUT/probe.log"; then
+  BIN=$CARRY/bin
+  log "binaries: carried prebuilt ($BIN)"
+else
+  log "binaries: carried ones do not run here ($(tail -2 "$OUT/probe.log" | tr '\n' ' ')); building"
+  P=$CARRY/prefix/usr
+  for pc in "$P"/lib/x86_64-linux-gnu/pkgconfig/*.pc "$P"/share/pkgconfig/*.pc; do
+    [ -f "$pc" ] && sed -i "s|^prefix=.*|prefix=$P|" "$pc"
+  done
+  PKGCONF=$(command -v pkg-config || echo "$P/bin/pkgconf")
+  export PKG_CONFIG_PATH=$P/lib/x86_64-linux-gnu/pkgconfig:$P/share/pkgconfig
+  B=$ROOT/build-dev
+  if cmake -S "$ROOT" -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DVIREO_CUDA=ON \
+       -DCMAKE_PREFIX_PATH="$P" -DPKG_CONFIG_EXECUTABLE="$PKGCONF" -DCMAKE_INCLUDE_PATH="$P/include" \
+       >"$OUT/build.log" 2>&1 && cmake --build "$B" -j "$(nproc)" >>"$OUT/build.log" 2>&1; then
+    BIN=$B
+    log "binaries: built here ($B)"
+  else
+    log "BUILD FAILED: see build.log"; tail -30 "$OUT/build.log"; exit 1
+  fi
+fi
+
+set -o pipefail
+timeout 180 "$BIN/vireo_tests" --gtest_filter='*Cuda*' >"$OUT/tests.log" 2>&1
+log "tests: exit $?"
+grep -E "^\[  FAILED|Failure|Expected|actual|^(F32|BF16|F16|F8_E4M3) " "$OUT/tests.log" | cut -c1-200 | head -60
+log "tests: $(grep -c '^\[       OK' "$OUT/tests.log") passed, $(grep -c '^\[  FAILED  \] .*Cuda.* ([0-9]* ms)' "$OUT/tests.log") failed, $(grep -c '^\[  SKIPPED' "$OUT/tests.log") skipped"
+
+for dt in bf16 fp8; do
+  timeout 110 "$BIN/vireo" bench --device cuda --synthetic glm5 --dtype $dt --decode 32 "${BENCH_ARGS[@]}" \
+    >"$OUT/bench_$dt.log" 2>&1
+  log "bench $dt: rc $?"
+done
+
+echo
+echo "================ summary ================"
+cat "$OUT/summary.txt"
+grep -h "^  " "$OUT/tests.log" | head -20
+for dt in bf16 fp8; do echo "--- bench $dt"; grep -vE "^(building|loaded)" "$OUT/bench_$dt.log" | tail -12; done
