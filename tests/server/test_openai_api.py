@@ -242,3 +242,27 @@ def test_token_id_model_without_tokenizer(fixture_server):
     assert status == 400 and "no tokenizer" in err["message"]
     status, err = error_of(s.http("POST", "/v1/completions", {"prompt": [1, 2], "max_tokens": 127}))
     assert status == 400 and err["param"] == "max_tokens"
+
+
+def test_client_disconnect_cancels_non_streaming_request(demo):
+    import socket
+    import time
+    before = demo.metrics().get('vireo_requests_finished_total{reason="cancelled"}', 0)
+    body = json.dumps({"model": MODEL, "prompt": [440, 435, 1131], "max_tokens": 2000, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", demo.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode() +
+                 b"\r\n\r\n" + body)
+    deadline = time.time() + 30
+    while demo.metrics()["vireo_running_batch_size"] == 0:  # admitted and decoding
+        assert time.time() < deadline
+        time.sleep(0.01)
+    sock.close()  # gone long before 2000 tokens
+    while True:
+        m = demo.metrics()
+        if m.get('vireo_requests_finished_total{reason="cancelled"}', 0) > before and m["vireo_cache_bytes_in_use"] == 0:
+            break
+        assert time.time() < deadline, m
+        time.sleep(0.02)
+    still_serving(demo)
