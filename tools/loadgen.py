@@ -108,7 +108,8 @@ def run_level(base, model, concurrency, n_requests, prompts, max_tokens, api_key
 
 
 def spawn(vireo, model_dir, max_batch, context, extra):
-    cmd = [vireo, "serve", "-m", model_dir, "--host", "127.0.0.1", "--port", "0", "--max-batch", str(max_batch),
+    model_args = ["-m", model_dir] if model_dir else []  # none: the model comes from --serve-arg (--synthetic)
+    cmd = [vireo, "serve", *model_args, "--host", "127.0.0.1", "--port", "0", "--max-batch", str(max_batch),
            "--context", str(context), *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     port = None

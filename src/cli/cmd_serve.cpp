@@ -8,7 +8,9 @@
 
 #include <pthread.h>
 
+#include "backend/cuda/cuda_backend.h"
 #include "cli/commands.h"
+#include "model/glm_dsa/synthetic.h"
 #include "runtime/scheduler.h"
 #include "server/server.h"
 
@@ -40,14 +42,23 @@ void load_text(const std::string& dir, server::ServedModel& m) {
 
 Action add_serve(CLI::App& app) {
   struct Opts {
-    std::string model, name, cache_budget;
+    std::string model, name, cache_budget, device = "cpu", synthetic, dtype = "bf16";
+    int layers = 2, experts = 16;
     server::ServerOptions srv;
     int max_batch = 8;
     int64_t context = 0, prefill_chunk = 256;
     StreamingFlags sf;
   };
   auto o = std::make_shared<Opts>();
-  app.add_option("--model,-m", o->model, "Model directory (config.json + safetensors [+ tokenizer.json])")->required();
+  auto* model_opt =
+      app.add_option("--model,-m", o->model, "Model directory (config.json + safetensors [+ tokenizer.json])");
+  app.add_option("--synthetic", o->synthetic, "Serve random weights with real GLM-5 shapes (token-id prompts only)")
+      ->check(CLI::IsMember({"glm5"}))
+      ->excludes(model_opt);
+  app.add_option("--layers", o->layers, "Synthetic: MoE layers")->check(CLI::Range(1, 200));
+  app.add_option("--experts", o->experts, "Synthetic: routed experts per layer")->check(CLI::Range(1, 256));
+  app.add_option("--dtype", o->dtype, "Synthetic: weight dtype")->check(CLI::IsMember({"bf16", "fp8"}));
+  add_device_flag(app, o->device);
   app.add_option("--served-model-name", o->name, "The model id clients send (default: the directory's name)");
   app.add_option("--host", o->srv.host, "Address to listen on")->capture_default_str();
   app.add_option("--port", o->srv.port, "Port (0: any free port; the chosen one is printed)")
@@ -68,6 +79,9 @@ Action add_serve(CLI::App& app) {
                                                         "default: 4 x max-batch + 16)");
   add_streaming_flags(app, o->sf);
   return [o]() {
+    if (o->model.empty() && o->synthetic.empty()) fail("serve needs --model DIR or --synthetic glm5");
+    check_device_flags(o->device, o->sf);
+    if (!o->synthetic.empty() && !o->sf.budget.empty()) fail("--memory-budget needs a checkpoint on disk (--model)");
     // Signals go to a sigwait below, never to a handler racing the server's threads.
     sigset_t sigs;
     sigemptyset(&sigs);
@@ -80,18 +94,29 @@ Action add_serve(CLI::App& app) {
     server::HttpServer http(o->srv);
     const int port = http.bind();
     http.start();
-    std::fprintf(stderr, "vireo: listening on http://%s:%d (loading %s)\n", o->srv.host.c_str(), port, o->model.c_str());
+    const std::string what = o->synthetic.empty() ? o->model : "synthetic " + o->synthetic;
+    std::fprintf(stderr, "vireo: listening on http://%s:%d (loading %s)\n", o->srv.host.c_str(), port, what.c_str());
 
-    auto backend = make_cpu_backend();
+    auto backend = make_backend(o->device);
+    LoadedModel lm;
     int64_t context = o->context;
-    if (context == 0) context = std::min<int64_t>(load_glm_dsa_config(o->model).max_position_embeddings, 4096);
-    LoadedModel lm = load_model(o->model, *backend, o->sf, context, o->max_batch);
     server::ServedModel sm;
-    sm.name = o->name.empty() ? std::filesystem::path(o->model).lexically_normal().filename().string() : o->name;
-    if (sm.name.empty()) sm.name = std::filesystem::path(o->model).lexically_normal().parent_path().filename().string();
+    if (!o->synthetic.empty()) {
+      GlmDsaConfig c = glm5_synthetic_config(o->layers, o->experts);
+      if (context == 0) context = 4096;
+      auto ck = make_synthetic_checkpoint(c, parse_weight_dtype_flag(o->dtype));
+      lm.model = GlmDsaModel::create(std::move(c), std::move(ck), *backend);
+      sm.name = o->name.empty() ? "synthetic-" + o->synthetic : o->name;
+    } else {
+      if (context == 0) context = std::min<int64_t>(load_glm_dsa_config(o->model).max_position_embeddings, 4096);
+      lm = load_model(o->model, *backend, o->sf, context, o->max_batch);
+      sm.name = o->name.empty() ? std::filesystem::path(o->model).lexically_normal().filename().string() : o->name;
+      if (sm.name.empty())
+        sm.name = std::filesystem::path(o->model).lexically_normal().parent_path().filename().string();
+      load_text(o->model, sm);
+    }
     sm.context = context;
     sm.vocab = lm.model->config().vocab_size;
-    load_text(o->model, sm);
     SchedulerOptions so;
     so.max_batch = o->max_batch;
     so.context = context;

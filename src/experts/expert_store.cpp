@@ -92,4 +92,13 @@ std::unique_ptr<ExpertStore> make_expert_store(const Checkpoint& ck, const Exper
   return std::make_unique<StreamingExpertStore>(ck, p, o);
 }
 
+void ResidentExpertStore::upload(Backend& backend) {
+  for (auto& layer : experts_)
+    for (ExpertWeights& e : layer) {
+      e.gate = backend.upload_weight(e.gate);
+      e.up = backend.upload_weight(e.up);
+      e.down = backend.upload_weight(e.down);
+    }
+}
+
 }  // namespace vireo

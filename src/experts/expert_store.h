@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/backend.h"
 #include "backend/cpu/matmul.h"
 #include "io/safetensors.h"
 
@@ -65,6 +66,10 @@ class ExpertStore {
   // Bytes of expert weights this store holds in memory (resident: all; streaming: the pool).
   virtual size_t resident_bytes() const = 0;
   virtual ExpertStoreStats stats() const { return {}; }
+  // Called once at load: a store whose experts stay put hands them to the backend now (a GPU
+  // backend uploads them), so no decode step pays for a first use. Streaming stores keep their
+  // slots in host memory and do nothing here.
+  virtual void upload(Backend& backend) {}
   virtual void reset_stats() {}
 };
 
@@ -107,6 +112,7 @@ class ResidentExpertStore final : public ExpertStore {
                       int64_t moe_intermediate, const std::string& layer_prefix = "model.layers.");
   std::vector<const ExpertWeights*> prepare(int layer, const std::vector<int>& experts) override;
   size_t resident_bytes() const override { return bytes_; }
+  void upload(Backend& backend) override;
 
  private:
   std::vector<std::vector<ExpertWeights>> experts_;  // [layer][expert]

@@ -68,6 +68,7 @@ std::unique_ptr<GlmDsaModel> GlmDsaModel::create(GlmDsaConfig config, std::uniqu
   }
   m->inv_freq_ = compute_inv_freq(c);
   m->upload_weights();
+  m->experts_->upload(backend);
   return m;
 }
 
