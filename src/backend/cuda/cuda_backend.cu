@@ -149,7 +149,11 @@ std::shared_ptr<T> device_alloc(size_t n) {
   const size_t bytes = std::max<size_t>(n, 1) * sizeof(T);
   cudaError_t e = cudaMalloc(&p, bytes);
   if (e != cudaSuccess) fail("cuda: out of device memory allocating ", bytes, " bytes (", cudaGetErrorString(e), ")");
+  // cudaMemset runs on the legacy default stream, which does not order against the backend's
+  // non-blocking stream: without the wait, a copy or kernel queued on that stream right after
+  // allocation could run first and then be zeroed (seen as a flaky all-zero matmul input).
   VIREO_CUDA_CHECK(cudaMemset(p, 0, bytes));
+  VIREO_CUDA_CHECK(cudaDeviceSynchronize());
   return std::shared_ptr<T>(static_cast<T*>(p), [](T* q) { cudaFree(q); });
 }
 
