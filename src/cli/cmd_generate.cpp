@@ -97,6 +97,9 @@ Action add_run(CLI::App& app) {
       prompt = parse_id_list(o->prompt_ids, "--prompt-ids");
     }
     check_device_flags(o->device, o->sf);
+    // The program and its shared libraries (CUDA's are large) are resident before any weight is:
+    // --stats reports the peak against this baseline.
+    const uint64_t rss_before_load = current_rss_bytes();
     auto backend = make_backend(o->device);
     LoadedModel lm = load_model(o->model, *backend, o->sf, int64_t(prompt.size()) + o->n);
     auto& model = lm.model;
@@ -132,8 +135,9 @@ Action add_run(CLI::App& app) {
                  r.tokens.size(), decoded > 0 ? double(decoded) / r.decode_seconds : 0.0,
                  r.stopped_at_eos ? " (stopped at EOS)" : "");
     if (o->sf.stats)
-      std::fprintf(stderr, "experts total: %s\npeak RSS: %llu bytes\n", stats_line(model->experts().stats()).c_str(),
-                   (unsigned long long)peak_rss_bytes());
+      std::fprintf(stderr, "experts total: %s\npeak RSS: %llu bytes (%llu before loading the model)\n",
+                   stats_line(model->experts().stats()).c_str(), (unsigned long long)peak_rss_bytes(),
+                   (unsigned long long)rss_before_load);
     return 0;
   };
 }

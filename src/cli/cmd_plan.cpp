@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -159,13 +160,19 @@ std::string stats_line(const ExpertStoreStats& s) {
   return out;
 }
 
-uint64_t peak_rss_bytes() {
+namespace {
+uint64_t status_bytes(const char* field) {
   std::ifstream in("/proc/self/status");
   std::string line;
+  const size_t n = std::strlen(field);
   while (std::getline(in, line))
-    if (line.rfind("VmHWM:", 0) == 0) return uint64_t(std::stoull(line.substr(6))) * 1024;
+    if (line.compare(0, n, field) == 0) return uint64_t(std::stoull(line.substr(n))) * 1024;
   return 0;
 }
+}  // namespace
+
+uint64_t peak_rss_bytes() { return status_bytes("VmHWM:"); }
+uint64_t current_rss_bytes() { return status_bytes("VmRSS:"); }
 
 Action add_plan(CLI::App& app) {
   struct Opts {

@@ -52,7 +52,8 @@ MemoryPlan plan_for(const Checkpoint& ck, const GlmDsaConfig& c, uint64_t budget
                     uint64_t gpu_budget = 0);
 ExpertStoreParams expert_params(const GlmDsaConfig& c);
 std::string stats_line(const ExpertStoreStats& s);
-uint64_t peak_rss_bytes();  // VmHWM of this process
+uint64_t peak_rss_bytes();     // VmHWM of this process
+uint64_t current_rss_bytes();  // VmRSS of this process
 
 // --device cpu|cuda (cmd_bench.cpp), and the combinations a device does not support yet.
 void add_device_flag(CLI::App& app, std::string& device);
