@@ -14,8 +14,11 @@
 #include "io/npy.h"
 #include "model/glm_dsa/model.h"
 #include "runtime/generate.h"
+#include "fixture_util.h"
 
 using namespace vireo;
+using vireo::test::max_row_rel_l2;
+using vireo::test::run_logits;
 
 #ifdef VIREO_HAVE_CUDA
 #define REQUIRE_CUDA()                                                     \
@@ -31,33 +34,6 @@ namespace {
 
 const std::string kFixtures = VIREO_FIXTURES_DIR;
 
-double max_row_rel_l2(const float* got, const float* want, int64_t T, int64_t V) {
-  double worst = 0;
-  for (int64_t t = 0; t < T; ++t) {
-    double num = 0, den = 0;
-    for (int64_t v = 0; v < V; ++v) {
-      const double d = double(got[t * V + v]) - want[t * V + v];
-      num += d * d;
-      den += double(want[t * V + v]) * want[t * V + v];
-    }
-    if (!std::isfinite(num)) return INFINITY;
-    worst = std::max(worst, std::sqrt(num / std::max(den, 1e-30)));
-  }
-  return worst;
-}
-
-std::vector<float> run_logits(GlmDsaModel& m, Backend& be, const std::vector<int32_t>& ids, bool decode) {
-  const int64_t T = int64_t(ids.size()), V = m.config().vocab_size;
-  MlaCache cache(be, m.cache_shape(), 1, T);
-  std::vector<float> out(static_cast<size_t>(T * V));
-  if (!decode) {
-    m.forward(ids.data(), T, cache, 0, out.data(), true, AttentionPath::Reconstructed);
-  } else {
-    for (int64_t t = 0; t < T; ++t)
-      m.forward(&ids[size_t(t)], 1, cache, 0, out.data() + t * V, false, AttentionPath::Absorbed);
-  }
-  return out;
-}
 
 class CudaFixture : public ::testing::TestWithParam<std::string> {};
 

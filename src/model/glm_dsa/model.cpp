@@ -363,22 +363,27 @@ void GlmDsaModel::mlp(const MlpWeights& w, const float* x, int64_t T, float* out
   backend_.matmul(g, T, w.down, out);
 }
 
-void GlmDsaModel::moe(int layer, const float* xn, int64_t N, float* out) {
+RouterArgs GlmDsaModel::router_args(const LayerWeights& L) const {
   const GlmDsaConfig& c = config_;
-  const LayerWeights& L = weights_.layers[size_t(layer)];
-  const int64_t D = c.hidden_size, K = c.experts_per_token, I = c.moe_intermediate_size;
-  int32_t* ids_dev = scratch_i32(2, size_t(N * K));
-  float* wts_dev = scratch(27, size_t(N * K));
   RouterArgs ra;
   ra.gate = &L.router;
   ra.bias = vec(L.router_bias);
   ra.n_experts = c.n_routed_experts;
   ra.n_group = c.n_group;
   ra.topk_group = c.topk_group;
-  ra.top_k = int(K);
+  ra.top_k = c.experts_per_token;
   ra.norm_topk_prob = c.norm_topk_prob;
   ra.routed_scaling_factor = float(c.routed_scaling_factor);
-  backend_.moe_route(xn, N, ra, ids_dev, wts_dev);
+  return ra;
+}
+
+void GlmDsaModel::moe(int layer, const float* xn, int64_t N, float* out) {
+  const GlmDsaConfig& c = config_;
+  const LayerWeights& L = weights_.layers[size_t(layer)];
+  const int64_t D = c.hidden_size, K = c.experts_per_token, I = c.moe_intermediate_size;
+  int32_t* ids_dev = scratch_i32(2, size_t(N * K));
+  float* wts_dev = scratch(27, size_t(N * K));
+  backend_.moe_route(xn, N, router_args(L), ids_dev, wts_dev);
   std::vector<int32_t> ids(static_cast<size_t>(N * K));
   std::vector<float> wts(static_cast<size_t>(N * K));
   backend_.copy_to_host_i32(ids.data(), ids_dev, ids.size());
@@ -443,16 +448,7 @@ void GlmDsaModel::prefetch_next(int layer, const float* h, int64_t N) {
   backend_.rms_norm(h, D, N, D, vec(L.ffn_norm), float(c.rms_norm_eps), xn, D);
   int32_t* ids_dev = scratch_i32(4, size_t(N * K));
   float* wts_dev = scratch(30, size_t(N * K));
-  RouterArgs ra;
-  ra.gate = &L.router;
-  ra.bias = vec(L.router_bias);
-  ra.n_experts = c.n_routed_experts;
-  ra.n_group = c.n_group;
-  ra.topk_group = c.topk_group;
-  ra.top_k = int(K);
-  ra.norm_topk_prob = c.norm_topk_prob;
-  ra.routed_scaling_factor = float(c.routed_scaling_factor);
-  backend_.moe_route(xn, N, ra, ids_dev, wts_dev);
+  backend_.moe_route(xn, N, router_args(L), ids_dev, wts_dev);
   std::vector<int32_t> ids(static_cast<size_t>(N * K));
   backend_.copy_to_host_i32(ids.data(), ids_dev, ids.size());
   std::vector<int> guess(ids.begin(), ids.end());

@@ -74,6 +74,7 @@ class GlmDsaModel {
   void attention(int layer, const float* xn, int64_t N, const std::vector<Segment>& segs, MlaCache& cache,
                  float* out);
   void moe(int layer, const float* xn, int64_t N, float* out);
+  RouterArgs router_args(const LayerWeights& L) const;
   void prefetch_next(int layer, const float* h, int64_t N);  // next layer's router -> experts_->prefetch
   void mlp(const MlpWeights& w, const float* x, int64_t T, float* out);
   float* scratch(int slot, size_t n);

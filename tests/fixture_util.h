@@ -1,0 +1,43 @@
+#pragma once
+// Helpers shared by the fixture suites (CPU and CUDA): comparing logits and running a model over
+// a token sequence in either attention path.
+#include <cmath>
+#include <vector>
+
+#include "backend/backend.h"
+#include "model/glm_dsa/model.h"
+
+namespace vireo::test {
+
+// Worst relative L2 error over rows (positions); infinite if anything is not finite.
+inline double max_row_rel_l2(const float* got, const float* want, int64_t T, int64_t V) {
+  double worst = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    double num = 0, den = 0;
+    for (int64_t v = 0; v < V; ++v) {
+      const double d = double(got[t * V + v]) - want[t * V + v];
+      num += d * d;
+      den += double(want[t * V + v]) * want[t * V + v];
+    }
+    if (!std::isfinite(num)) return INFINITY;
+    worst = std::max(worst, std::sqrt(num / std::max(den, 1e-30)));
+  }
+  return worst;
+}
+
+// Teacher-forced logits [T, vocab]: the whole sequence at once (reconstructed attention) or one
+// token at a time through the cache (absorbed attention).
+inline std::vector<float> run_logits(GlmDsaModel& m, Backend& be, const std::vector<int32_t>& ids, bool decode) {
+  const int64_t T = int64_t(ids.size()), V = m.config().vocab_size;
+  MlaCache cache(be, m.cache_shape(), 1, T);
+  std::vector<float> out(static_cast<size_t>(T * V));
+  if (!decode) {
+    m.forward(ids.data(), T, cache, 0, out.data(), true, AttentionPath::Reconstructed);
+  } else {
+    for (int64_t t = 0; t < T; ++t)
+      m.forward(&ids[size_t(t)], 1, cache, 0, out.data() + t * V, false, AttentionPath::Absorbed);
+  }
+  return out;
+}
+
+}  // namespace vireo::test
