@@ -6,4 +6,5 @@ cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
 bash scripts/build.sh
 prompt="${1:-The Python interpreter}"
+printf '\n%s' "$prompt"
 ./build/vireo run --model models/vireo-demo --prompt "$prompt" -n 64

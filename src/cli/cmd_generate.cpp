@@ -129,6 +129,7 @@ Action add_run(CLI::App& app) {
     });
     if (stream) std::fputs(stream->finish().c_str(), stdout);
     std::printf("\n");
+    std::fflush(stdout);  // the text ends before the timing line on stderr
     const int64_t decoded = int64_t(r.tokens.size()) - 1;
     std::fprintf(stderr, "prompt: %lld tokens in %.3f s (%.1f tok/s); generated: %zu tokens, %.1f tok/s%s\n",
                  (long long)r.prompt_tokens, r.prefill_seconds, double(r.prompt_tokens) / r.prefill_seconds,
