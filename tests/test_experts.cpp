@@ -22,17 +22,6 @@ namespace {
 
 const std::string kFixtures = VIREO_FIXTURES_DIR;
 
-ExpertStoreParams params_of(const GlmDsaConfig& c) {
-  ExpertStoreParams p;
-  p.n_layers = c.num_layers;
-  for (int l = 0; l < c.num_layers; ++l)
-    if (!c.layer_dense[size_t(l)]) p.moe_layers.push_back(l);
-  p.n_experts = c.n_routed_experts;
-  p.top_k = c.experts_per_token;
-  p.hidden = c.hidden_size;
-  p.moe_intermediate = c.moe_intermediate_size;
-  return p;
-}
 
 std::unique_ptr<GlmDsaModel> load(const std::string& dir, Backend& be, int64_t slots, bool prefetch = false,
                                   DirectIo direct = DirectIo::Auto) {
@@ -42,7 +31,7 @@ std::unique_ptr<GlmDsaModel> load(const std::string& dir, Backend& be, int64_t s
   o.slots = slots;
   o.prefetch = prefetch;
   o.direct = direct;
-  auto store = make_expert_store(*ck, params_of(c), o);
+  auto store = make_expert_store(*ck, expert_store_params(c), o);
   return GlmDsaModel::create(std::move(c), std::move(ck), be, std::move(store));
 }
 
@@ -116,7 +105,7 @@ TEST(StreamingStore, CountersAreExact) {
   const std::string dir = kFixtures + "/glm_dsa_full_f32";
   GlmDsaConfig c = load_glm_dsa_config(dir);
   auto ck = Checkpoint::open(dir);
-  ExpertStoreParams p = params_of(c);  // MoE layers 1, 2, 3; 8 experts, top 2
+  ExpertStoreParams p = expert_store_params(c);  // MoE layers 1, 2, 3; 8 experts, top 2
   ExpertStoreOptions o;
   o.slots = 4;
   o.layer_floor = 1;
@@ -164,8 +153,8 @@ TEST(StreamingStore, WeightsEqualTheCheckpoint) {
   ExpertStoreOptions o;
   o.slots = 2;
   o.read_chunk = 4096;  // many chunks per expert, on several threads
-  StreamingExpertStore s(*ck, params_of(c), o);
-  ResidentExpertStore r(*ck, params_of(c));
+  StreamingExpertStore s(*ck, expert_store_params(c), o);
+  ResidentExpertStore r(*ck, expert_store_params(c));
   for (int l : {1, 2, 3})
     for (int e = 0; e < c.n_routed_experts; ++e) {
       const ExpertWeights* a = s.prepare(l, {e})[0];
@@ -189,7 +178,7 @@ TEST_P(StreamingFixture, EqualsResidentTokenForToken) {
   auto resident = load(dir, *be, 0);
   const auto want_logits = prefill_logits(*resident, *be, ids);
   const auto want_tokens = greedy(*resident, *be, prompt, 24);
-  const int n_moe = int(params_of(resident->config()).moe_layers.size());
+  const int n_moe = int(expert_store_params(resident->config()).moe_layers.size());
   for (int per_layer : {1, 2})
     for (bool prefetch : {false, true}) {
       SCOPED_TRACE("slots per layer " + std::to_string(per_layer) + (prefetch ? ", prefetch" : ""));

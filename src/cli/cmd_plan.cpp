@@ -60,17 +60,6 @@ void advise_dense_resident(const Checkpoint& ck, const ExpertStoreParams& p) {
 
 }  // namespace
 
-ExpertStoreParams expert_params(const GlmDsaConfig& c) {
-  ExpertStoreParams p;
-  p.n_layers = c.num_layers;
-  for (int l = 0; l < c.num_layers; ++l)
-    if (!c.layer_dense[size_t(l)]) p.moe_layers.push_back(l);
-  p.n_experts = c.n_routed_experts;
-  p.top_k = c.experts_per_token;
-  p.hidden = c.hidden_size;
-  p.moe_intermediate = c.moe_intermediate_size;
-  return p;
-}
 
 void add_streaming_flags(CLI::App& app, StreamingFlags& f) {
   app.add_option("--memory-budget", f.budget, "Bytes of RAM for weights, cache and scratch (e.g. 8G); routed experts "
@@ -90,7 +79,7 @@ MemoryPlan plan_for(const Checkpoint& ck, const GlmDsaConfig& c, uint64_t budget
   in.budget = budget;
   in.gpu_budget = gpu_budget;
   in.dense_bytes = bind_glm_dsa_weights(ck, c).dense_bytes;
-  const ExpertStoreParams p = expert_params(c);
+  const ExpertStoreParams p = expert_store_params(c);
   in.n_moe_layers = int(p.moe_layers.size());
   in.n_experts = p.n_experts;
   in.top_k = p.top_k;
@@ -133,10 +122,10 @@ LoadedModel load_model(const std::string& dir, Backend& backend, const Streaming
     }
     ExpertStoreOptions o = store_options(f);
     o.slots = m.plan.slots;
-    auto s = std::make_unique<StreamingExpertStore>(*ck, expert_params(c), o);
+    auto s = std::make_unique<StreamingExpertStore>(*ck, expert_store_params(c), o);
     m.streaming = s.get();
     store = std::move(s);
-    advise_dense_resident(*ck, expert_params(c));
+    advise_dense_resident(*ck, expert_store_params(c));
   }
   m.model = GlmDsaModel::create(std::move(c), std::move(ck), backend, std::move(store));
   return m;

@@ -50,7 +50,6 @@ LoadedModel load_model(const std::string& dir, Backend& backend, const Streaming
                        int64_t batch = 1);
 MemoryPlan plan_for(const Checkpoint& ck, const GlmDsaConfig& c, uint64_t budget, int64_t context, int64_t batch,
                     uint64_t gpu_budget = 0);
-ExpertStoreParams expert_params(const GlmDsaConfig& c);
 std::string stats_line(const ExpertStoreStats& s);
 uint64_t peak_rss_bytes();     // VmHWM of this process
 uint64_t current_rss_bytes();  // VmRSS of this process

@@ -60,25 +60,6 @@ ResidentExpertStore::ResidentExpertStore(const Checkpoint& ck, const ExpertStore
   }
 }
 
-namespace {
-ExpertStoreParams params_of(const std::vector<bool>& moe_layers, int n_experts, int64_t hidden, int64_t inter,
-                            const std::string& prefix) {
-  ExpertStoreParams p;
-  p.n_layers = int(moe_layers.size());
-  for (size_t l = 0; l < moe_layers.size(); ++l)
-    if (moe_layers[l]) p.moe_layers.push_back(int(l));
-  p.n_experts = n_experts;
-  p.hidden = hidden;
-  p.moe_intermediate = inter;
-  p.layer_prefix = prefix;
-  return p;
-}
-}  // namespace
-
-ResidentExpertStore::ResidentExpertStore(const Checkpoint& ck, const std::vector<bool>& moe_layers, int n_experts,
-                                         int64_t hidden, int64_t inter, const std::string& layer_prefix)
-    : ResidentExpertStore(ck, params_of(moe_layers, n_experts, hidden, inter, layer_prefix)) {}
-
 std::vector<const ExpertWeights*> ResidentExpertStore::prepare(int layer, const std::vector<int>& experts) {
   std::vector<const ExpertWeights*> out;
   out.reserve(experts.size());

@@ -107,9 +107,6 @@ struct ExpertStoreOptions {
 class ResidentExpertStore final : public ExpertStore {
  public:
   ResidentExpertStore(const Checkpoint& ck, const ExpertStoreParams& p);
-  // moe_layers: for each model layer, true if it is an MoE layer (its experts are bound).
-  ResidentExpertStore(const Checkpoint& ck, const std::vector<bool>& moe_layers, int n_experts, int64_t hidden,
-                      int64_t moe_intermediate, const std::string& layer_prefix = "model.layers.");
   std::vector<const ExpertWeights*> prepare(int layer, const std::vector<int>& experts) override;
   size_t resident_bytes() const override { return bytes_; }
   void upload(Backend& backend) override;

@@ -44,6 +44,18 @@ std::vector<float> compute_inv_freq(const GlmDsaConfig& c) {
 
 }  // namespace
 
+ExpertStoreParams expert_store_params(const GlmDsaConfig& c) {
+  ExpertStoreParams p;
+  p.n_layers = c.num_layers;
+  for (int l = 0; l < c.num_layers; ++l)
+    if (!c.layer_dense[size_t(l)]) p.moe_layers.push_back(l);
+  p.n_experts = c.n_routed_experts;
+  p.top_k = c.experts_per_token;
+  p.hidden = c.hidden_size;
+  p.moe_intermediate = c.moe_intermediate_size;
+  return p;
+}
+
 GlmDsaModel::GlmDsaModel(GlmDsaConfig config, std::unique_ptr<Checkpoint> ck, Backend& backend)
     : config_(std::move(config)), checkpoint_(std::move(ck)), backend_(backend) {}
 
@@ -61,10 +73,7 @@ std::unique_ptr<GlmDsaModel> GlmDsaModel::create(GlmDsaConfig config, std::uniqu
   if (experts) {
     m->experts_ = std::move(experts);
   } else {
-    std::vector<bool> moe_layers;
-    for (bool d : c.layer_dense) moe_layers.push_back(!d);
-    m->experts_ = std::make_unique<ResidentExpertStore>(*m->checkpoint_, moe_layers, c.n_routed_experts,
-                                                        c.hidden_size, c.moe_intermediate_size);
+    m->experts_ = std::make_unique<ResidentExpertStore>(*m->checkpoint_, expert_store_params(c));
   }
   m->inv_freq_ = compute_inv_freq(c);
   m->upload_weights();

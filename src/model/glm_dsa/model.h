@@ -20,6 +20,9 @@ enum class AttentionPath : uint8_t {
   Absorbed,       // attend over latents directly (decode)
 };
 
+// The expert store's view of a model: which layers are MoE and the experts' shapes.
+ExpertStoreParams expert_store_params(const GlmDsaConfig& c);
+
 // One sequence's share of a batched forward step.
 struct BatchItem {
   int row = 0;                      // cache row (the sequence)
