@@ -401,3 +401,30 @@ TEST(CudaOps, MoeRouteIsIdentical) {
     EXPECT_LT(nmse(p.g.down(gw, wts.size()), wts), 1e-12) << "E " << cfg.E;
   }
 }
+
+TEST(CudaOps, MoeGroupIsIdentical) {
+  REQUIRE_CUDA();
+  Pair p;
+  struct Cfg { int64_t N; int K, E; bool skewed; };
+  // Decode and prefill shapes, heavy duplication (few experts, or most slots on a handful), and
+  // expert counts large enough that the kernel runs with fewer warps (shared-memory bound).
+  for (Cfg cfg : {Cfg{1, 8, 256, false}, Cfg{33, 6, 64, false}, Cfg{100, 4, 3, false}, Cfg{4096, 8, 256, true},
+                  Cfg{4096, 8, 256, false}, Cfg{1000, 8, 2048, true}, Cfg{777, 3, 4000, false}, Cfg{64, 1, 1, false},
+                  Cfg{31, 2, 5, true}}) {
+    std::mt19937 rng(uint32_t(cfg.N * 131 + cfg.E));
+    std::uniform_int_distribution<int> pick(0, cfg.E - 1), few(0, std::min(cfg.E, 4) - 1), coin(0, 3);
+    std::vector<int32_t> ids(size_t(cfg.N * cfg.K));
+    for (int32_t& v : ids) v = cfg.skewed && coin(rng) != 0 ? few(rng) : pick(rng);
+    std::vector<float> w = randv(ids.size(), 77);
+    std::vector<int32_t> off(size_t(cfg.E + 1)), tok(ids.size());
+    std::vector<float> wt(ids.size());
+    p.cpu->moe_group(ids.data(), w.data(), cfg.N, cfg.K, cfg.E, off.data(), tok.data(), wt.data());
+    int32_t* goff = p.g.up_i(std::vector<int32_t>(off.size(), -1));
+    int32_t* gtok = p.g.up_i(std::vector<int32_t>(tok.size(), -1));
+    float* gwt = p.g.up(std::vector<float>(wt.size(), -1.0f));
+    p.gpu->moe_group(p.g.up_i(ids), p.g.up(w), cfg.N, cfg.K, cfg.E, goff, gtok, gwt);
+    EXPECT_EQ(p.g.down_i(goff, off.size()), off) << "N " << cfg.N << " K " << cfg.K << " E " << cfg.E;
+    EXPECT_EQ(p.g.down_i(gtok, tok.size()), tok) << "N " << cfg.N << " K " << cfg.K << " E " << cfg.E;
+    EXPECT_EQ(p.g.down(gwt, wt.size()), wt) << "N " << cfg.N << " K " << cfg.K << " E " << cfg.E;
+  }
+}

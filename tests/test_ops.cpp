@@ -280,3 +280,46 @@ TEST(Ops, RoutingGroupLimit) {
   be->moe_route(f.x.data(), 1, a, ids.data(), w.data());
   EXPECT_EQ(ids, (std::vector<int32_t>{0, 1, 2}));
 }
+
+namespace {
+// The grouping moe() did on the host before moe_group: per expert, tokens in order of (t, k).
+void naive_group(const std::vector<int32_t>& ids, const std::vector<float>& w, int64_t N, int K, int E,
+                 std::vector<int32_t>& offsets, std::vector<int32_t>& tok, std::vector<float>& wt) {
+  std::vector<std::vector<int32_t>> t_of(static_cast<size_t>(E));
+  std::vector<std::vector<float>> w_of(static_cast<size_t>(E));
+  for (int64_t t = 0; t < N; ++t)
+    for (int k = 0; k < K; ++k) {
+      t_of[size_t(ids[size_t(t * K + k)])].push_back(int32_t(t));
+      w_of[size_t(ids[size_t(t * K + k)])].push_back(w[size_t(t * K + k)]);
+    }
+  offsets.assign(1, 0);
+  tok.clear();
+  wt.clear();
+  for (int e = 0; e < E; ++e) {
+    tok.insert(tok.end(), t_of[size_t(e)].begin(), t_of[size_t(e)].end());
+    wt.insert(wt.end(), w_of[size_t(e)].begin(), w_of[size_t(e)].end());
+    offsets.push_back(int32_t(tok.size()));
+  }
+}
+}  // namespace
+
+TEST(Ops, MoeGroupIsAStableCountingSortByExpert) {
+  auto be = make_cpu_backend();
+  struct Cfg { int64_t N; int K, E; };
+  for (Cfg cfg : {Cfg{1, 8, 256}, Cfg{33, 6, 64}, Cfg{100, 4, 3}, Cfg{257, 8, 16}, Cfg{5, 1, 1}}) {
+    std::mt19937 rng(uint32_t(cfg.N * 31 + cfg.E));
+    std::uniform_int_distribution<int> pick(0, cfg.E - 1);
+    std::vector<int32_t> ids(size_t(cfg.N * cfg.K));
+    for (int32_t& v : ids) v = pick(rng);  // repeats within a token too: the op must not care
+    std::vector<float> w = random_vec(ids.size(), 7);
+    std::vector<int32_t> want_off, want_tok;
+    std::vector<float> want_w;
+    naive_group(ids, w, cfg.N, cfg.K, cfg.E, want_off, want_tok, want_w);
+    std::vector<int32_t> off(size_t(cfg.E + 1), -1), tok(ids.size(), -1);
+    std::vector<float> wt(ids.size(), -1.0f);
+    be->moe_group(ids.data(), w.data(), cfg.N, cfg.K, cfg.E, off.data(), tok.data(), wt.data());
+    EXPECT_EQ(off, want_off) << "N " << cfg.N << " E " << cfg.E;
+    EXPECT_EQ(tok, want_tok) << "N " << cfg.N << " E " << cfg.E;
+    EXPECT_EQ(wt, want_w) << "N " << cfg.N << " E " << cfg.E;
+  }
+}

@@ -97,6 +97,13 @@ class Backend {
   virtual void indexer_select(const IndexerArgs& a) = 0;
   // ids, weights [T, top_k]: chosen experts (ascending id) and their routing weights.
   virtual void moe_route(const float* x, int64_t T, const RouterArgs& a, int32_t* ids, float* weights) = 0;
+  // Groups the routing of N tokens by expert: a stable counting sort of the N * top_k slots
+  // (t, k) by ids[t, k] (each in [0, n_experts)). Expert e's slots are token_of / weight_of
+  // [offsets[e], offsets[e + 1]), tokens ascending (order of t, then k): the order in which
+  // scatter_add_rows must accumulate. Every pointer is in this backend's memory.
+  //   ids, weights [N, top_k]; offsets [n_experts + 1]; token_of, weight_of [N * top_k]
+  virtual void moe_group(const int32_t* ids, const float* weights, int64_t N, int top_k, int n_experts,
+                         int32_t* offsets, int32_t* token_of, float* weight_of) = 0;
   // rows[i] = x[index[i]]                                          x [*, n], rows [m, n]
   virtual void gather_rows(const float* x, const int32_t* index, int64_t m, int64_t n, float* rows) = 0;
   // y[index[i]] += scale[i] * rows[i]                               in order of i

@@ -208,6 +208,23 @@ class CpuBackend final : public Backend {
     }
   }
 
+  void moe_group(const int32_t* ids, const float* weights, int64_t N, int top_k, int n_experts, int32_t* offsets,
+                 int32_t* token_of, float* weight_of) override {
+    const int64_t S = N * top_k;
+    std::fill(offsets, offsets + n_experts + 1, 0);
+    for (int64_t i = 0; i < S; ++i) {
+      if (ids[i] < 0 || ids[i] >= n_experts) fail("moe_group: expert id ", ids[i], " out of range [0, ", n_experts, ")");
+      ++offsets[ids[i] + 1];
+    }
+    for (int e = 0; e < n_experts; ++e) offsets[e + 1] += offsets[e];
+    std::vector<int32_t> next(offsets, offsets + n_experts);
+    for (int64_t i = 0; i < S; ++i) {  // slots in order: stable
+      const int32_t at = next[size_t(ids[i])]++;
+      token_of[at] = int32_t(i / top_k);
+      weight_of[at] = weights[i];
+    }
+  }
+
   void gather_rows(const float* x, const int32_t* index, int64_t m, int64_t n, float* rows) override {
     for (int64_t i = 0; i < m; ++i) std::memcpy(rows + i * n, x + int64_t(index[i]) * n, size_t(n) * 4);
   }

@@ -121,6 +121,78 @@ __global__ void scatter_add_rows_kernel(float* y, const int32_t* index, const fl
   }
 }
 
+// Stable counting sort of the N * K routing slots by expert, in one block of W warps. Warp w owns
+// the contiguous slot range [w * seg, (w + 1) * seg) and walks it 32 slots at a time; lanes with
+// the same expert find each other with __match_any_sync, so a slot's place is fixed by the counts
+// of (earlier warps, earlier steps, lower lanes): no atomics, deterministic, stable.
+// Shared: cnt [W, E] (per-warp counts, then per-warp write cursors), total [E].
+__global__ void moe_group_kernel(const int32_t* __restrict__ ids, const float* __restrict__ weights, int64_t S,
+                                 int K, int E, int64_t seg, int32_t* __restrict__ offsets,
+                                 int32_t* __restrict__ token_of, float* __restrict__ weight_of) {
+  extern __shared__ int32_t sh[];
+  const int W = int(blockDim.x >> 5), w = int(threadIdx.x >> 5), lane = int(threadIdx.x & 31);
+  int32_t* cnt = sh;
+  int32_t* total = sh + int64_t(W) * E;
+  for (int64_t i = threadIdx.x; i < int64_t(W) * E; i += blockDim.x) cnt[i] = 0;
+  __syncthreads();
+  const int64_t lo = int64_t(w) * seg, hi = min(S, lo + seg);
+  const unsigned lt = (1u << lane) - 1u;
+  int32_t* mine = cnt + int64_t(w) * E;
+  for (int64_t b = lo; b < hi; b += 32) {  // count
+    const int64_t s = b + lane;
+    const int e = s < hi ? ids[s] : -1;
+    const unsigned same = __match_any_sync(0xffffffffu, e);
+    if (e >= 0 && (same & lt) == 0) mine[e] += __popc(same);
+    __syncwarp();
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {  // per-warp exclusive prefix, per expert
+    int32_t run = 0;
+    for (int v = 0; v < W; ++v) {
+      const int32_t c = cnt[int64_t(v) * E + e];
+      cnt[int64_t(v) * E + e] = run;
+      run += c;
+    }
+    total[e] = run;
+  }
+  __syncthreads();
+  if (w == 0) {  // exclusive scan of the totals over experts -> offsets
+    int32_t carry = 0;
+    for (int b = 0; b < E; b += 32) {
+      const int e = b + lane;
+      const int32_t v = e < E ? total[e] : 0;
+      int32_t inc = v;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int32_t u = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += u;
+      }
+      if (e < E) {
+        total[e] = carry + inc - v;
+        offsets[e] = carry + inc - v;
+      }
+      carry += __shfl_sync(0xffffffffu, inc, 31);
+    }
+    if (lane == 0) offsets[E] = carry;
+  }
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < int64_t(W) * E; i += blockDim.x) cnt[i] += total[i % E];
+  __syncthreads();
+  for (int64_t b = lo; b < hi; b += 32) {  // place, in slot order
+    const int64_t s = b + lane;
+    const int e = s < hi ? ids[s] : -1;
+    const unsigned same = __match_any_sync(0xffffffffu, e);
+    if (e >= 0) {
+      const int32_t at = mine[e] + __popc(same & lt);
+      token_of[at] = int32_t(s / K);
+      weight_of[at] = weights[s];
+    }
+    __syncwarp();
+    if (e >= 0 && (same & lt) == 0) mine[e] += __popc(same);
+    __syncwarp();
+  }
+}
+
 __global__ void random_bf16_kernel(__nv_bfloat16* p, int64_t n, uint32_t seed) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     uint32_t h = uint32_t(i) * 2654435761u ^ seed;
@@ -325,6 +397,22 @@ class CudaBackend final : public Backend {
     matmul(x, T, *a.gate, logits);
     cuda::moe_route(logits, T, a.n_experts, a.n_group, a.topk_group, a.top_k, a.bias, a.norm_topk_prob,
                     a.routed_scaling_factor, ids, weights, stream_);
+  }
+
+  void moe_group(const int32_t* ids, const float* weights, int64_t N, int top_k, int n_experts, int32_t* offsets,
+                 int32_t* token_of, float* weight_of) override {
+    if (n_experts <= 0) fail("moe_group: no experts");
+    const int64_t S = N * top_k;
+    // Warps: one per 32 slots up to 32, fewer when per-warp counts for many experts would not fit
+    // in 48 KiB of shared memory.
+    const int64_t fit = (int64_t(48) * 1024 / 4 - n_experts) / n_experts;
+    if (fit < 1) fail("moe_group: ", n_experts, " experts do not fit in shared memory");
+    const int W = int(std::max<int64_t>(1, std::min<int64_t>({32, fit, (S + 31) / 32})));
+    const int64_t seg = S > 0 ? (S + W - 1) / W : 0;
+    const size_t smem = size_t(int64_t(W + 1) * n_experts) * 4;
+    moe_group_kernel<<<1, unsigned(32 * W), smem, stream_>>>(ids, weights, S, top_k, n_experts, seg, offsets,
+                                                               token_of, weight_of);
+    VIREO_CUDA_LAUNCHED();
   }
 
   void gather_rows(const float* x, const int32_t* index, int64_t m, int64_t n, float* rows) override {

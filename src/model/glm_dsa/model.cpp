@@ -393,30 +393,28 @@ void GlmDsaModel::moe(int layer, const float* xn, int64_t N, float* out) {
   int32_t* ids_dev = scratch_i32(2, size_t(N * K));
   float* wts_dev = scratch(27, size_t(N * K));
   backend_.moe_route(xn, N, router_args(L), ids_dev, wts_dev);
-  std::vector<int32_t> ids(static_cast<size_t>(N * K));
-  std::vector<float> wts(static_cast<size_t>(N * K));
-  backend_.copy_to_host_i32(ids.data(), ids_dev, ids.size());
-  backend_.copy_to_host(wts.data(), wts_dev, wts.size());
+
+  // Tokens grouped by expert on the backend (stable: each expert's tokens ascending, the order in
+  // which scatter_add_rows accumulates). The host reads back only the n_experts + 1 offsets: which
+  // experts this step uses (the store needs them) and their row counts (the matmuls need them).
+  const int E = c.n_routed_experts;
+  int32_t* offsets_dev = scratch_i32(3, size_t(E + 1));
+  int32_t* token_of = scratch_i32(5, size_t(N * K));
+  float* weight_of = scratch(28, size_t(N * K));
+  backend_.moe_group(ids_dev, wts_dev, N, int(K), E, offsets_dev, token_of, weight_of);
+  std::vector<int32_t> offsets(static_cast<size_t>(E + 1));
+  backend_.copy_to_host_i32(offsets.data(), offsets_dev, offsets.size());
 
   // One pass per distinct expert over the tokens routed to it (the expert union of the whole
   // step), in ascending expert order as the oracle accumulates.
-  std::vector<std::vector<int32_t>> tokens_of(static_cast<size_t>(c.n_routed_experts));
-  std::vector<std::vector<float>> weight_of(static_cast<size_t>(c.n_routed_experts));
-  for (int64_t t = 0; t < N; ++t)
-    for (int64_t k = 0; k < K; ++k) {
-      tokens_of[size_t(ids[size_t(t * K + k)])].push_back(int32_t(t));
-      weight_of[size_t(ids[size_t(t * K + k)])].push_back(wts[size_t(t * K + k)]);
-    }
   std::vector<int> used;
-  for (int e = 0; e < c.n_routed_experts; ++e)
-    if (!tokens_of[size_t(e)].empty()) used.push_back(e);
+  for (int e = 0; e < E; ++e)
+    if (offsets[size_t(e) + 1] > offsets[size_t(e)]) used.push_back(e);
   backend_.fill(out, 0.0f, N * D);
   float* xs = scratch(22, size_t(N * D));
   float* g = scratch(23, size_t(N * I));
   float* u = scratch(24, size_t(N * I));
   float* y = scratch(25, size_t(N * D));
-  int32_t* tok_dev = scratch_i32(3, size_t(N));
-  float* w_dev = scratch(28, size_t(N));
   // A streaming store may hold fewer experts than the union: ask for it in chunks, in expert
   // order (so sums are identical), and start on each expert as soon as its bytes are in.
   const size_t chunk = std::max<size_t>(1, experts_->max_experts_per_prepare());
@@ -427,16 +425,15 @@ void GlmDsaModel::moe(int layer, const float* xn, int64_t N, float* out) {
                                                            used.begin() + long(std::min(used.size(), i + chunk))));
     experts_->await(i % chunk);
     const ExpertWeights* e = ew[i % chunk];
-    const auto& toks = tokens_of[size_t(used[i])];
-    const int64_t m = int64_t(toks.size());
-    backend_.copy_from_host_i32(tok_dev, toks.data(), toks.size());
-    backend_.copy_from_host(w_dev, weight_of[size_t(used[i])].data(), toks.size());
-    backend_.gather_rows(xn, tok_dev, m, D, xs);
+    const int64_t at = offsets[size_t(used[i])], m = offsets[size_t(used[i]) + 1] - at;
+    const int32_t* toks = token_of + at;
+    const float* wts = weight_of + at;
+    backend_.gather_rows(xn, toks, m, D, xs);
     backend_.matmul(xs, m, e->gate, g);
     backend_.matmul(xs, m, e->up, u);
     backend_.swiglu(g, u, g, m * I);
     backend_.matmul(g, m, e->down, y);
-    backend_.scatter_add_rows(out, tok_dev, w_dev, y, m, D);
+    backend_.scatter_add_rows(out, toks, wts, y, m, D);
   }
   if (L.has_shared) {
     float* s = scratch(26, size_t(N * D));
