@@ -240,3 +240,27 @@ TEST(ModelFixtures, BatchedStepsEqualSingleSequenceRuns) {
   EXPECT_EQ(batched.length(1), 41 - 5);
   EXPECT_EQ(batched.length(2), 31 - 10);
 }
+
+TEST(ModelFixtures, AutoPathPicksTheCheaperAttention) {
+  // From an empty cache the reconstructed path is cheaper for a multi-token prompt; a short chunk
+  // after a long cache (a chat turn, a server's chunked prefill) is cheaper absorbed, because
+  // the cached keys are not re-expanded through kv_b. Decode is always absorbed.
+  auto be = make_cpu_backend();
+  auto m = GlmDsaModel::load(kFixtures + "/glm_dsa_full_f32", *be);
+  EXPECT_EQ(m->choose_path(48, 0), AttentionPath::Reconstructed);
+  EXPECT_EQ(m->choose_path(1, 0), AttentionPath::Absorbed);
+  EXPECT_EQ(m->choose_path(1, 40), AttentionPath::Absorbed);
+  EXPECT_EQ(m->choose_path(4, 2000), AttentionPath::Absorbed);
+  // And Auto computes what both explicit paths compute.
+  Fixture f = load_fixture("glm_dsa_full_f32");
+  auto ids = ids_of(f.expected["tokens"]);
+  const int64_t V = m->config().vocab_size, P = int64_t(ids.size()) - 4;
+  MlaCache a(*be, m->cache_shape(), 1, int64_t(ids.size())), b(*be, m->cache_shape(), 1, int64_t(ids.size()));
+  std::vector<float> la(static_cast<size_t>(4 * V)), lb(la.size());
+  m->forward(ids.data(), P, a, 0, la.data());
+  m->forward(ids.data(), P, b, 0, lb.data());
+  m->forward(&ids[size_t(P)], 4, a, 0, la.data(), true, AttentionPath::Auto);
+  m->forward(&ids[size_t(P)], 4, b, 0, lb.data(), true, AttentionPath::Reconstructed);
+  EXPECT_LE(max_row_rel_l2(la.data(), lb.data(), 4, V), 1e-5);
+  EXPECT_LE(max_row_rel_l2(la.data(), f.logits.data.data() + P * V, 4, V), 1e-4);
+}

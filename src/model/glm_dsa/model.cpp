@@ -182,6 +182,29 @@ void GlmDsaModel::rope_table(int64_t pos0, int64_t T, float* cs) const {
   }
 }
 
+// Multiply-adds per head of the two attention paths for T new queries after pos0 cached keys
+// (each query sees at most index_topk keys under DSA):
+//   reconstructed: every key's latent through kv_b once, (nope + v) x kv_lora per key, then
+//                  (qk + v) per query-key pair;
+//   absorbed:      W_UK and W_UV per query, (nope + v) x kv_lora, then (2 kv_lora + rope) per
+//                  query-key pair.
+// From an empty cache the reconstructed path wins for any T > 1 on these models; appending a
+// short chunk to a long cache (a chat turn, a server's chunked prefill) the absorbed path does,
+// since it never re-expands the cached keys. Both compute the same function (tests compare them).
+AttentionPath GlmDsaModel::choose_path(int64_t T, int64_t pos0) const {
+  if (T == 1) return AttentionPath::Absorbed;
+  const GlmDsaConfig& c = config_;
+  const double n_keys = double(pos0 + T), L = double(c.kv_lora_rank), hw = double(c.qk_nope_dim + c.v_head_dim);
+  double pairs = 0;  // query-key pairs attended
+  for (int64_t t = 0; t < T; ++t) {
+    const double causal = double(pos0 + t + 1);
+    pairs += c.has_indexer ? std::min(causal, double(c.index_topk)) : causal;
+  }
+  const double reconstructed = n_keys * hw * L + pairs * double(c.qk_head_dim() + c.v_head_dim);
+  const double absorbed = double(T) * hw * L + pairs * (2 * L + double(c.qk_rope_dim));
+  return absorbed < reconstructed ? AttentionPath::Absorbed : AttentionPath::Reconstructed;
+}
+
 void GlmDsaModel::forward(const int32_t* tokens, int64_t T, MlaCache& cache, int row, float* logits,
                           bool all_logits, AttentionPath path) {
   BatchItem item;
@@ -212,7 +235,7 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
       if (it.tokens[t] < 0 || it.tokens[t] >= V)
         fail("token id ", it.tokens[t], " is out of range (vocab size ", V, ")");
     AttentionPath p = path;
-    if (p == AttentionPath::Auto) p = it.T == 1 ? AttentionPath::Absorbed : AttentionPath::Reconstructed;
+    if (p == AttentionPath::Auto) p = choose_path(it.T, pos0);
     segs.push_back({it.row, N, it.T, pos0, p});
     N += it.T;
     n_out += it.all_logits ? it.T : 1;

@@ -15,7 +15,7 @@
 namespace vireo {
 
 enum class AttentionPath : uint8_t {
-  Auto,           // reconstructed for T > 1, absorbed for T == 1
+  Auto,           // per sequence, whichever path costs fewer multiply-adds (see choose_path)
   Reconstructed,  // expand latents through kv_b (prefill)
   Absorbed,       // attend over latents directly (decode)
 };
@@ -60,6 +60,9 @@ class GlmDsaModel {
   // attention and DSA selection run per item over its own row. Auto picks the absorbed path for
   // items with T == 1 and the reconstructed path otherwise.
   void forward_batch(const std::vector<BatchItem>& items, MlaCache& cache, AttentionPath path = AttentionPath::Auto);
+
+  // The path AttentionPath::Auto takes for T new tokens after pos0 cached ones.
+  AttentionPath choose_path(int64_t T, int64_t pos0) const;
 
   // Bytes the forward pass reads per decoded token: the dense spine's matrices that every token
   // uses plus experts_per_token routed experts per MoE layer (embedding: one row).
