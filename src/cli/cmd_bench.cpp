@@ -172,7 +172,8 @@ Action add_bench(CLI::App& app) {
   struct Opts {
     std::string model, synthetic, dtype = "bf16";
     int layers = 2, experts = 16;
-    int64_t prompt = 64, decode = 16;
+    int64_t prompt = 64, decode = 16, context = 0;
+    std::string attention = "auto";
     StreamingFlags sf;
     std::string device = "cpu";
   };
@@ -186,6 +187,11 @@ Action add_bench(CLI::App& app) {
   app.add_option("--dtype", o->dtype, "Synthetic: weight dtype")->check(CLI::IsMember({"bf16", "fp8"}));
   app.add_option("--prompt", o->prompt, "Prefill length in tokens")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
   app.add_option("--decode", o->decode, "Decode steps to time")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
+  app.add_option("--context", o->context, "CPU: tokens already in the cache (filled untimed) before the timed "
+                                          "prefill chunk and decode steps")
+      ->check(CLI::Range(int64_t(0), int64_t(1) << 22));
+  app.add_option("--attention", o->attention, "CPU: attention path of the timed prefill chunk")
+      ->check(CLI::IsMember({"auto", "reconstructed", "absorbed"}));
   add_streaming_flags(app, o->sf);
   add_device_flag(app, o->device);
   return [o]() {
@@ -205,7 +211,7 @@ Action add_bench(CLI::App& app) {
       auto ck = make_synthetic_checkpoint(c, parse_weight_dtype_flag(o->dtype));
       model = GlmDsaModel::create(std::move(c), std::move(ck), *backend);
     } else {
-      lm = load_model(o->model, *backend, o->sf, o->prompt + o->decode);
+      lm = load_model(o->model, *backend, o->sf, o->context + o->prompt + o->decode);
       model = std::move(lm.model);
     }
     std::fprintf(stderr, "loaded in %.1f s; measuring memory bandwidth...\n",
@@ -215,18 +221,29 @@ Action add_bench(CLI::App& app) {
     double link_gbs = 0;
     if (lm.streaming) link_gbs = lm.streaming->measure_read_gbs(48, 8);
     const GlmDsaConfig& c = model->config();
-    std::vector<int32_t> ids(size_t(o->prompt + o->decode));
+    const int64_t C = o->context, total = C + o->prompt + o->decode;
+    std::vector<int32_t> ids(static_cast<size_t>(total));
     for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t((i * 7919 + 13) % size_t(c.vocab_size));
-    MlaCache cache(*backend, model->cache_shape(), 1, o->prompt + o->decode);
+    MlaCache cache(*backend, model->cache_shape(), 1, total);
     std::vector<float> logits(size_t(c.vocab_size));
     const double active = double(model->active_weight_bytes_per_token());
+    for (int64_t done = 0; done < C;) {  // untimed: fill the cache to --context
+      const int64_t n = std::min<int64_t>(512, C - done);
+      model->forward(&ids[size_t(done)], n, cache, 0, logits.data());
+      done += n;
+      std::fprintf(stderr, "\rfilling the cache: %lld/%lld tokens", (long long)done, (long long)C);
+    }
+    if (C) std::fprintf(stderr, "\n");
     model->experts().reset_stats();
     auto t1 = clock::now();
-    model->forward(ids.data(), o->prompt, cache, 0, logits.data(), false, AttentionPath::Reconstructed);
+    const AttentionPath path = o->attention == "absorbed"        ? AttentionPath::Absorbed
+                               : o->attention == "reconstructed" ? AttentionPath::Reconstructed
+                                                                 : model->choose_path(o->prompt, C);
+    model->forward(&ids[size_t(C)], o->prompt, cache, 0, logits.data(), false, path);
     auto t2 = clock::now();
     const ExpertStoreStats after_prefill = model->experts().stats();
     for (int64_t i = 0; i < o->decode; ++i)
-      model->forward(&ids[size_t(o->prompt + i)], 1, cache, 0, logits.data(), false, AttentionPath::Absorbed);
+      model->forward(&ids[size_t(C + o->prompt + i)], 1, cache, 0, logits.data(), false, AttentionPath::Absorbed);
     auto t3 = clock::now();
     const double prefill_s = std::chrono::duration<double>(t2 - t1).count();
     const double decode_s = std::chrono::duration<double>(t3 - t2).count();
@@ -238,8 +255,10 @@ Action add_bench(CLI::App& app) {
     std::printf("threads            %d\n", pool.size());
     std::printf("memory bandwidth   %.1f GB/s (read, measured now)\n", bw);
     std::printf("active weights     %.3f GB per decoded token\n", active / 1e9);
-    std::printf("prefill            %lld tokens in %.3f s: %.1f tok/s\n", (long long)o->prompt, prefill_s,
-                double(o->prompt) / prefill_s);
+    std::printf("context            %lld tokens cached before the timed steps\n", (long long)C);
+    std::printf("prefill            %lld tokens in %.3f s: %.1f tok/s (%s attention)\n", (long long)o->prompt, prefill_s,
+                double(o->prompt) / prefill_s,
+                path == AttentionPath::Absorbed ? "absorbed" : "reconstructed");
     std::printf("decode             %lld tokens in %.3f s: %.2f tok/s, %.1f GB/s of weights = %.0f%% of bandwidth\n",
                 (long long)o->decode, decode_s, dec_tps, dec_gbs, 100.0 * dec_gbs / bw);
     if (lm.streaming) {
