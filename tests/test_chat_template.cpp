@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "test_helpers.h"
 #include "text/chat_template.h"
 
 using vireo::ChatTemplate;
@@ -18,24 +19,9 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::string read_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
+using vireo::test::gunzip_file;
+using vireo::test::read_file;
 
-std::string gunzip_file(const std::string& path) {
-  gzFile f = gzopen(path.c_str(), "rb");
-  if (!f) throw Error("cannot open " + path);
-  std::string out;
-  char buf[1 << 16];
-  int n;
-  while ((n = gzread(f, buf, sizeof(buf))) > 0) out.append(buf, n);
-  gzclose(f);
-  if (n < 0) throw Error("cannot decompress " + path);
-  return out;
-}
 
 std::string shared_tokenizer_dir() { return std::string(VIREO_SHARED_DIR) + "/data/tokenizers"; }
 

@@ -10,6 +10,7 @@
 
 #include "backend/backend.h"
 #include "backend/cuda/cuda_backend.h"
+#include "cuda_test_util.h"
 #include "io/json_file.h"
 #include "io/npy.h"
 #include "model/glm_dsa/model.h"
@@ -20,15 +21,6 @@ using namespace vireo;
 using vireo::test::max_row_rel_l2;
 using vireo::test::run_logits;
 
-#ifdef VIREO_HAVE_CUDA
-#define REQUIRE_CUDA()                                                     \
-  do {                                                                     \
-    std::string why_;                                                      \
-    if (!cuda_device_present(&why_)) GTEST_SKIP() << "no CUDA device: " << why_; \
-  } while (0)
-#else
-#define REQUIRE_CUDA() GTEST_SKIP() << "no CUDA device: vireo was built without CUDA"
-#endif
 
 namespace {
 

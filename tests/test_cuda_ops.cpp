@@ -15,20 +15,12 @@
 
 #include "backend/backend.h"
 #include "backend/cuda/cuda_backend.h"
+#include "cuda_test_util.h"
 #include "core/dtype.h"
 #include "core/thread_pool.h"
 
 using namespace vireo;
 
-#ifdef VIREO_HAVE_CUDA
-#define REQUIRE_CUDA()                                                     \
-  do {                                                                     \
-    std::string why_;                                                      \
-    if (!cuda_device_present(&why_)) GTEST_SKIP() << "no CUDA device: " << why_; \
-  } while (0)
-#else
-#define REQUIRE_CUDA() GTEST_SKIP() << "no CUDA device: vireo was built without CUDA"
-#endif
 
 namespace {
 

@@ -2,6 +2,7 @@
 // Shared test utilities: temporary directories, file I/O, running the vireo binary.
 #include <sys/wait.h>
 #include <unistd.h>
+#include <zlib.h>
 
 #include <cstdio>
 #include <filesystem>
@@ -16,6 +17,18 @@ inline std::string read_file(const std::string& path) {
   std::stringstream ss;
   ss << in.rdbuf();
   return ss.str();
+}
+
+// The decompressed contents of a .gz file ("" if it cannot be opened).
+inline std::string gunzip_file(const std::string& path) {
+  gzFile f = gzopen(path.c_str(), "rb");
+  if (!f) return "";
+  std::string out;
+  char buf[1 << 16];
+  int n;
+  while ((n = gzread(f, buf, sizeof(buf))) > 0) out.append(buf, size_t(n));
+  gzclose(f);
+  return out;
 }
 
 inline void write_file(const std::string& path, const std::string& data) {

@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "test_helpers.h"
 #include "text/jinja.h"
 
 using vireo::Error;
@@ -17,23 +18,9 @@ using ojson = nlohmann::ordered_json;
 
 namespace {
 
-std::string read_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
+using vireo::test::gunzip_file;
+using vireo::test::read_file;
 
-std::string gunzip_file(const std::string& path) {
-  gzFile f = gzopen(path.c_str(), "rb");
-  if (!f) return "";
-  std::string out;
-  char buf[1 << 16];
-  int n;
-  while ((n = gzread(f, buf, sizeof(buf))) > 0) out.append(buf, n);
-  gzclose(f);
-  return out;
-}
 
 std::string render(const std::string& src, const ojson& ctx = ojson::object()) { return Template(src).render(ctx); }
 
