@@ -228,7 +228,7 @@ TEST(CudaOps, EmbedGatherScatter) {
     std::vector<float> want(ids.size() * 256);
     p.cpu->embed(table.w, ids.data(), int64_t(ids.size()), want.data());
     float* gy = p.g.zeros(want.size());
-    p.gpu->embed(p.gpu->upload_weight(table.w), ids.data(), int64_t(ids.size()), gy);
+    p.gpu->embed(p.gpu->upload_weight(table.w), p.g.up_i(ids), int64_t(ids.size()), gy);
     EXPECT_EQ(p.g.down(gy, want.size()), want) << dt_name(dt);
   }
   const int64_t n = 300, rows = 10, m = 6;
@@ -418,5 +418,123 @@ TEST(CudaOps, MoeGroupIsIdentical) {
     EXPECT_EQ(p.g.down_i(goff, off.size()), off) << "N " << cfg.N << " K " << cfg.K << " E " << cfg.E;
     EXPECT_EQ(p.g.down_i(gtok, tok.size()), tok) << "N " << cfg.N << " K " << cfg.K << " E " << cfg.E;
     EXPECT_EQ(p.g.down(gwt, wt.size()), wt) << "N " << cfg.N << " K " << cfg.K << " E " << cfg.E;
+  }
+}
+
+// Routed experts by id (the decode path): every dtype, vector-load shapes and odd shapes
+// (scalar path), one token and several, experts repeated across tokens.
+TEST(CudaOps, MoeExpertsMatchesCpu) {
+  REQUIRE_CUDA();
+  Pair p;
+  struct Cfg { int64_t D, I, N; int K, E; };
+  for (DType dt : {DType::BF16, DType::F8_E4M3, DType::F32})
+    for (Cfg cfg : {Cfg{256, 128, 1, 4, 8}, Cfg{384, 256, 3, 8, 16}, Cfg{100, 36, 2, 3, 5}}) {
+      std::vector<HostWeight> hw;
+      ExpertBank cb, gb;
+      for (int e = 0; e < cfg.E; ++e) {
+        hw.push_back(make_weight(dt, cfg.I, cfg.D, uint32_t(500 + 3 * e)));
+        hw.push_back(make_weight(dt, cfg.I, cfg.D, uint32_t(501 + 3 * e)));
+        hw.push_back(make_weight(dt, cfg.D, cfg.I, uint32_t(502 + 3 * e)));
+      }
+      for (int e = 0; e < cfg.E; ++e) {
+        cb.gate.push_back(hw[size_t(3 * e)].w);
+        cb.up.push_back(hw[size_t(3 * e + 1)].w);
+        cb.down.push_back(hw[size_t(3 * e + 2)].w);
+        gb.gate.push_back(p.gpu->upload_weight(cb.gate.back()));
+        gb.up.push_back(p.gpu->upload_weight(cb.up.back()));
+        gb.down.push_back(p.gpu->upload_weight(cb.down.back()));
+      }
+      std::mt19937 rng(uint32_t(cfg.D + cfg.N));
+      std::vector<int32_t> ids;
+      for (int64_t t = 0; t < cfg.N; ++t) {
+        std::vector<int32_t> all(size_t(cfg.E));
+        for (int e = 0; e < cfg.E; ++e) all[size_t(e)] = e;
+        std::shuffle(all.begin(), all.end(), rng);
+        std::sort(all.begin(), all.begin() + cfg.K);
+        ids.insert(ids.end(), all.begin(), all.begin() + cfg.K);
+      }
+      auto x = randv(size_t(cfg.N * cfg.D), 61, 2.0f), w = randv(ids.size(), 62);
+      std::vector<float> want(size_t(cfg.N * cfg.D));
+      p.cpu->moe_experts(x.data(), cfg.N, ids.data(), w.data(), cfg.K, cb, want.data());
+      float* gout = p.g.up(std::vector<float>(want.size(), NAN));
+      p.gpu->moe_experts(p.g.up(x), cfg.N, p.g.up_i(ids), p.g.up(w), cfg.K, gb, gout);
+      EXPECT_LT(nmse(p.g.down(gout, want.size()), want), 1e-10) << dt_name(dt) << " D " << cfg.D << " N " << cfg.N;
+    }
+}
+
+// Fused cache appends (host and run-time positions), argmax, and absorbed attention plus the
+// indexer with run-time positions against the CPU with the true ones.
+TEST(CudaOps, DecodeStepOpsMatchCpu) {
+  REQUIRE_CUDA();
+  Pair p;
+  const int64_t T = 3, L = 512, rope = 64, kvw = L + rope, d = 128, cap = 40, pos0 = 7;
+  auto kva = randv(size_t(T * kvw), 70), nw = randv(size_t(L), 71), cs = randv(size_t(T * rope), 72);
+  auto k = randv(size_t(T * d), 73), lw = randv(size_t(d), 74), lb = randv(size_t(d), 75);
+  int32_t* gpos = p.g.up_i({int32_t(pos0)});
+  for (RopeKind kind : {RopeKind::Interleaved, RopeKind::HalfSplit})
+    for (bool dev_pos : {false, true}) {
+      std::vector<float> want(size_t(cap * kvw), 0.0f), kwant(size_t(cap * d), 0.0f);
+      p.cpu->mla_cache_append(kva.data(), T, L, rope, nw.data(), 1e-6f, cs.data(), kind, want.data(), pos0, nullptr);
+      p.cpu->index_key_append(k.data(), T, d, lw.data(), lb.data(), 1e-6f, rope, cs.data(), kind, kwant.data(), pos0,
+                              nullptr);
+      float* g = p.g.zeros(want.size());
+      float* gk = p.g.zeros(kwant.size());
+      p.gpu->mla_cache_append(p.g.up(kva), T, L, rope, p.g.up(nw), 1e-6f, p.g.up(cs), kind, g, dev_pos ? 0 : pos0,
+                              dev_pos ? gpos : nullptr);
+      p.gpu->index_key_append(p.g.up(k), T, d, p.g.up(lw), p.g.up(lb), 1e-6f, rope, p.g.up(cs), kind, gk,
+                              dev_pos ? 0 : pos0, dev_pos ? gpos : nullptr);
+      EXPECT_LT(nmse(p.g.down(g, want.size()), want), 1e-12);
+      EXPECT_LT(nmse(p.g.down(gk, kwant.size()), kwant), 1e-12);
+    }
+
+  std::vector<float> logits = randv(3 * 50000, 76);
+  logits[123] = logits[40000] = 5.0f;  // a tie: the lower index wins
+  logits[50000 + 7] = 4.0f;
+  std::vector<int32_t> want_am(3);
+  p.cpu->argmax_rows(logits.data(), 3, 50000, want_am.data());
+  int32_t* gam = p.g.zeros_i(3);
+  p.gpu->argmax_rows(p.g.up(logits), 3, 50000, gam);
+  EXPECT_EQ(p.g.down_i(gam, 3), want_am);
+  EXPECT_EQ(want_am[0], 123);
+
+  // One decode query at position n - 1 of n cached keys; the GPU call is sized for cap keys.
+  const int64_t H = 16, nope = 32, vd = 32, qw = nope + rope, hw = nope + vd, nI = 4, topk = 16;
+  HostWeight kvb = make_weight(DType::BF16, H * hw, L, 77);
+  Weight gkvb = p.gpu->upload_weight(kvb.w);
+  auto kv = randv(size_t(cap * kvw), 78), q = randv(size_t(H * qw), 79);
+  auto iq = randv(size_t(nI * d), 80), iw = randv(size_t(nI), 81), keys = randv(size_t(cap * d), 82);
+  for (int64_t n : {int64_t(5), int64_t(29)}) {
+    int32_t* gp = p.g.up_i({int32_t(n - 1)});
+    IndexerArgs ia;
+    ia.T = 1; ia.n_heads = nI; ia.head_dim = d; ia.topk = topk; ia.scale = 0.1f;
+    IndexerArgs ci = ia;
+    std::vector<int32_t> sel(size_t(topk), -1), cnt(1, -1);
+    ci.q = iq.data(); ci.weights = iw.data(); ci.keys = keys.data(); ci.n_keys = n; ci.pos0 = n - 1;
+    ci.selected = sel.data(); ci.counts = cnt.data();
+    p.cpu->indexer_select(ci);
+    IndexerArgs gi = ia;
+    gi.q = p.g.up(iq); gi.weights = p.g.up(iw); gi.keys = p.g.up(keys); gi.n_keys = cap; gi.pos0 = cap - 1;
+    gi.pos0_dev = gp;
+    gi.selected = p.g.up_i(std::vector<int32_t>(size_t(topk), -1));
+    gi.counts = p.g.zeros_i(1);
+    p.gpu->indexer_select(gi);
+    ASSERT_EQ(p.g.down_i(gi.counts, 1), cnt) << "n " << n;
+    auto gsel = p.g.down_i(gi.selected, size_t(topk));
+    for (int i = 0; i < cnt[0]; ++i) EXPECT_EQ(gsel[size_t(i)], sel[size_t(i)]) << "n " << n << " i " << i;
+
+    MlaAttentionArgs a;
+    a.T = 1; a.n_heads = H; a.qk_nope = nope; a.qk_rope = rope; a.v_dim = vd; a.kv_lora = L; a.scale = 0.05f;
+    a.absorbed = true;
+    std::vector<float> want(size_t(H * vd));
+    MlaAttentionArgs c = a;
+    c.q = q.data(); c.kv = kv.data(); c.kv_b = &kvb.w; c.n_keys = n; c.pos0 = n - 1; c.out = want.data();
+    c.selection = KeySelection{sel.data(), cnt.data(), topk};
+    p.cpu->mla_attention(c);
+    MlaAttentionArgs g = a;
+    g.q = p.g.up(q); g.kv = p.g.up(kv); g.kv_b = &gkvb; g.n_keys = cap; g.pos0 = cap - 1; g.pos0_dev = gp;
+    g.out = p.g.up(std::vector<float>(want.size(), NAN));
+    g.selection = KeySelection{gi.selected, gi.counts, topk};
+    p.gpu->mla_attention(g);
+    EXPECT_LT(nmse(p.g.down(g.out, want.size()), want), 1e-10) << "n " << n;
   }
 }

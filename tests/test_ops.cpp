@@ -323,3 +323,123 @@ TEST(Ops, MoeGroupIsAStableCountingSortByExpert) {
     EXPECT_EQ(wt, want_w) << "N " << cfg.N << " E " << cfg.E;
   }
 }
+
+// The fused routed-experts op equals the grouped composition the forward pass uses otherwise
+// (moe_group, then per expert gather, gate/up, swiglu, down, scatter_add in ascending id order).
+TEST(Ops, MoeExpertsEqualsGroupedExperts) {
+  auto be = make_cpu_backend();
+  const int64_t N = 5, D = 24, I = 12;
+  const int K = 3, E = 6;
+  std::vector<std::vector<float>> data;
+  ExpertBank bank;
+  for (int e = 0; e < E; ++e) {
+    data.push_back(random_vec(size_t(I * D), 100 + e, 0.3f));
+    data.push_back(random_vec(size_t(I * D), 200 + e, 0.3f));
+    data.push_back(random_vec(size_t(D * I), 300 + e, 0.3f));
+  }
+  for (int e = 0; e < E; ++e) {
+    bank.gate.push_back(f32_weight(data[size_t(3 * e)], I, D));
+    bank.up.push_back(f32_weight(data[size_t(3 * e + 1)], I, D));
+    bank.down.push_back(f32_weight(data[size_t(3 * e + 2)], D, I));
+  }
+  auto x = random_vec(size_t(N * D), 7);
+  // Ascending ids per token (as the router writes them), experts shared between tokens.
+  std::vector<int32_t> ids = {0, 2, 5, 1, 2, 3, 0, 1, 5, 3, 4, 5, 2, 4, 5};
+  auto w = random_vec(ids.size(), 8);
+  std::vector<float> fused(size_t(N * D), -1.0f);
+  be->moe_experts(x.data(), N, ids.data(), w.data(), K, bank, fused.data());
+
+  std::vector<int32_t> off(size_t(E + 1)), tok(ids.size());
+  std::vector<float> wt(ids.size()), want(size_t(N * D), 0.0f);
+  be->moe_group(ids.data(), w.data(), N, K, E, off.data(), tok.data(), wt.data());
+  for (int e = 0; e < E; ++e) {
+    const int64_t at = off[size_t(e)], m = off[size_t(e) + 1] - at;
+    if (m == 0) continue;
+    std::vector<float> xs(size_t(m * D)), g(size_t(m * I)), u(size_t(m * I)), y(size_t(m * D));
+    be->gather_rows(x.data(), &tok[size_t(at)], m, D, xs.data());
+    be->matmul(xs.data(), m, bank.gate[size_t(e)], g.data());
+    be->matmul(xs.data(), m, bank.up[size_t(e)], u.data());
+    be->swiglu(g.data(), u.data(), g.data(), m * I);
+    be->matmul(g.data(), m, bank.down[size_t(e)], y.data());
+    be->scatter_add_rows(want.data(), &tok[size_t(at)], &wt[size_t(at)], y.data(), m, D);
+  }
+  EXPECT_LT(rel_l2(fused.data(), want.data(), want.size()), 1e-6);
+  ids[4] = E;  // an id out of range is refused, naming the op
+  EXPECT_THROW(be->moe_experts(x.data(), N, ids.data(), w.data(), K, bank, fused.data()), Error);
+}
+
+// The fused cache appends write exactly what norm + copy + rope wrote before, at the position
+// given on the host or read from backend memory.
+TEST(Ops, CacheAppendsEqualComposedOps) {
+  auto be = make_cpu_backend();
+  const int64_t T = 3, L = 16, rope = 8, kvw = L + rope, d = 12, cap = 10, pos0 = 4;
+  auto kva = random_vec(size_t(T * kvw), 30), nw = random_vec(size_t(L), 31), cs = random_vec(size_t(T * rope), 32);
+  auto k = random_vec(size_t(T * d), 33), lw = random_vec(size_t(d), 34), lb = random_vec(size_t(d), 35);
+  for (RopeKind kind : {RopeKind::Interleaved, RopeKind::HalfSplit}) {
+    std::vector<float> want(size_t(cap * kvw), 0.0f);
+    float* e = want.data() + pos0 * kvw;
+    be->rms_norm(kva.data(), kvw, T, L, nw.data(), 1e-6f, e, kvw);
+    be->copy_rows(e + L, kvw, kva.data() + L, kvw, T, rope);
+    be->rope(e, T, 1, kvw, kvw, L, rope, cs.data(), kind);
+    std::vector<float> got(want.size(), 0.0f), got_dev(want.size(), 0.0f);
+    be->mla_cache_append(kva.data(), T, L, rope, nw.data(), 1e-6f, cs.data(), kind, got.data(), pos0, nullptr);
+    const int32_t pos_dev = int32_t(pos0);
+    be->mla_cache_append(kva.data(), T, L, rope, nw.data(), 1e-6f, cs.data(), kind, got_dev.data(), 0, &pos_dev);
+    EXPECT_EQ(got, want);
+    EXPECT_EQ(got_dev, want);
+
+    std::vector<float> kwant(size_t(cap * d), 0.0f), kgot(kwant.size(), 0.0f), kgot_dev(kwant.size(), 0.0f);
+    be->layer_norm(k.data(), T, d, lw.data(), lb.data(), 1e-6f, kwant.data() + pos0 * d);
+    be->rope(kwant.data() + pos0 * d, T, 1, d, d, 0, rope, cs.data(), kind);
+    be->index_key_append(k.data(), T, d, lw.data(), lb.data(), 1e-6f, rope, cs.data(), kind, kgot.data(), pos0,
+                         nullptr);
+    be->index_key_append(k.data(), T, d, lw.data(), lb.data(), 1e-6f, rope, cs.data(), kind, kgot_dev.data(), 99,
+                         &pos_dev);
+    EXPECT_EQ(kgot, kwant);
+    EXPECT_EQ(kgot_dev, kwant);
+  }
+}
+
+// Attention and the indexer with pos0 read from backend memory (a recorded decode step, whose
+// host-side pos0 / n_keys are only bounds) equal the same call with the true values.
+TEST(Ops, RunTimePositionsEqualHostPositions) {
+  auto be = make_cpu_backend();
+  const int64_t H = 2, nope = 8, rope = 4, vd = 6, L = 10, N = 9, cap = 20, nI = 2, d = 8;
+  auto q = random_vec(size_t(H * (nope + rope)), 40), kv = random_vec(size_t(cap * (L + rope)), 41);
+  auto wkvb = random_vec(size_t(H * (nope + vd) * L), 42, 0.5f);
+  Weight kvb = f32_weight(wkvb, H * (nope + vd), L);
+  const int32_t pos_dev = int32_t(N - 1);
+  MlaAttentionArgs a;
+  a.q = q.data(); a.T = 1; a.n_heads = H; a.qk_nope = nope; a.qk_rope = rope; a.v_dim = vd; a.kv_lora = L;
+  a.kv = kv.data(); a.n_keys = N; a.pos0 = N - 1; a.kv_b = &kvb; a.scale = 0.3f; a.absorbed = true;
+  std::vector<float> want(size_t(H * vd)), got(want.size(), -1.0f);
+  a.out = want.data();
+  be->mla_attention(a);
+  a.n_keys = cap;
+  a.pos0 = cap - 1;
+  a.pos0_dev = &pos_dev;
+  a.out = got.data();
+  be->mla_attention(a);
+  EXPECT_EQ(got, want);
+
+  auto iq = random_vec(size_t(nI * d), 43), iw = random_vec(size_t(nI), 44), keys = random_vec(size_t(cap * d), 45);
+  IndexerArgs ia;
+  ia.q = iq.data(); ia.weights = iw.data(); ia.keys = keys.data(); ia.T = 1; ia.n_heads = nI; ia.head_dim = d;
+  ia.n_keys = N; ia.pos0 = N - 1; ia.topk = 4; ia.scale = 0.5f;
+  std::vector<int32_t> sel(4, -1), cnt(1, -1), sel2(4, -2), cnt2(1, -2);
+  ia.selected = sel.data(); ia.counts = cnt.data();
+  be->indexer_select(ia);
+  ia.n_keys = cap; ia.pos0 = cap - 1; ia.pos0_dev = &pos_dev;
+  ia.selected = sel2.data(); ia.counts = cnt2.data();
+  be->indexer_select(ia);
+  EXPECT_EQ(cnt2, cnt);
+  EXPECT_EQ(sel2, sel);
+}
+
+TEST(Ops, ArgmaxRowsTakesTheLowestIndexOnTies) {
+  auto be = make_cpu_backend();
+  std::vector<float> x = {1, 3, 3, 2, /**/ -5, -5, -7, -6, /**/ 0, 0, 0, 9};
+  std::vector<int32_t> out(3, -1);
+  be->argmax_rows(x.data(), 3, 4, out.data());
+  EXPECT_EQ(out, (std::vector<int32_t>{1, 0, 3}));
+}

@@ -6,7 +6,10 @@
 #include <cstdint>
 #include <memory>
 
+#include <vector>
+
 #include "backend/cpu/matmul.h"
+#include "core/error.h"
 #include "core/tensor.h"
 
 namespace vireo {
@@ -29,6 +32,9 @@ struct MlaAttentionArgs {
   const float* kv = nullptr;  // [N, kv_lora + qk_rope]: normalized latent | rotated k_rope
   int64_t n_keys = 0;         // N: cached keys, including these T queries' own
   int64_t pos0 = 0;           // position of query 0 (queries are pos0 .. pos0 + T - 1)
+  // When set, pos0 is read at run time from backend memory ([1]) and `pos0` / `n_keys` above are
+  // only upper bounds (they size the launch): a recorded decode step replays with new positions.
+  const int32_t* pos0_dev = nullptr;
   const Weight* kv_b = nullptr;  // [H * (qk_nope + v_dim), kv_lora]
   float scale = 1.0f;         // sigma
   KeySelection selection;
@@ -42,6 +48,7 @@ struct IndexerArgs {
   const float* keys = nullptr;     // [N, head_dim]
   int64_t T = 0, n_heads = 0, head_dim = 0, n_keys = 0, pos0 = 0;
   int64_t topk = 0;
+  const int32_t* pos0_dev = nullptr;  // as MlaAttentionArgs::pos0_dev (n_keys: the bound, and the row stride)
   float scale = 1.0f;              // head_dim^-1/2
   int32_t* selected = nullptr;     // [T, topk] key positions, ascending
   int32_t* counts = nullptr;       // [T]
@@ -53,6 +60,21 @@ struct RouterArgs {
   int n_experts = 0, n_group = 1, topk_group = 1, top_k = 0;
   bool norm_topk_prob = true;
   float routed_scaling_factor = 1.0f;
+};
+
+// Every routed expert of one MoE layer, resident in the backend's memory: gate/up [I, D] and
+// down [D, I] per expert, one dtype and shape throughout. The forward pass can then run experts
+// by id from backend memory, with no host round trip (Backend::moe_experts).
+struct ExpertBank {
+  std::vector<Weight> gate, up, down;  // [n_experts]
+};
+
+// A recorded sequence of backend ops (a CUDA graph), replayed with the arguments it was recorded
+// with: the same pointers and scalars; the memory they point to may hold new values.
+class RecordedOps {
+ public:
+  virtual ~RecordedOps() = default;
+  virtual void replay() = 0;
 };
 
 class Backend {
@@ -76,7 +98,7 @@ class Backend {
                          int64_t n) = 0;
   virtual void fill(float* y, float v, int64_t n) = 0;
 
-  // out[t] = table[ids[t]] as f32; ids in host memory.             out [T, hidden]
+  // out[t] = table[ids[t]] as f32; ids in backend memory, already checked to be in range.  out [T, hidden]
   virtual void embed(const Weight& table, const int32_t* ids, int64_t T, float* out) = 0;
   // y = w * x / sqrt(mean(x^2) + eps), row by row.                  x, y [T, n] (row strides)
   virtual void rms_norm(const float* x, int64_t x_stride, int64_t T, int64_t n, const float* w, float eps,
@@ -93,6 +115,18 @@ class Backend {
   virtual void scale(float* y, float s, int64_t n) = 0;       // y *= s
   // out = silu(gate) * up.                                          [n]
   virtual void swiglu(const float* gate, const float* up, float* out, int64_t n) = 0;
+  // Appends T entries to an MLA cache row at positions pos0 .. pos0 + T - 1 (pos0 read from
+  // backend memory when pos0_dev is set), fusing the norm, copy and rotation:
+  //   cache[pos0 + t] = [ rms_norm(kva[t, :L]) * norm_w | rope(kva[t, L : L + rope]) ]
+  //   kva [T, L + rope], cache [*, L + rope], cos_sin [T, rope/2, 2]
+  virtual void mla_cache_append(const float* kva, int64_t T, int64_t L, int64_t rope, const float* norm_w, float eps,
+                                const float* cos_sin, RopeKind kind, float* cache, int64_t pos0,
+                                const int32_t* pos0_dev) = 0;
+  // Appends T indexer keys: keys[pos0 + t] = layer_norm(k[t]) * w + b, its first `rope` dims
+  // rotated.                                                         k [T, d], keys [*, d]
+  virtual void index_key_append(const float* k, int64_t T, int64_t d, const float* w, const float* b, float eps,
+                                int64_t rope, const float* cos_sin, RopeKind kind, float* keys, int64_t pos0,
+                                const int32_t* pos0_dev) = 0;
   virtual void mla_attention(const MlaAttentionArgs& a) = 0;
   virtual void indexer_select(const IndexerArgs& a) = 0;
   // ids, weights [T, top_k]: chosen experts (ascending id) and their routing weights.
@@ -104,6 +138,27 @@ class Backend {
   //   ids, weights [N, top_k]; offsets [n_experts + 1]; token_of, weight_of [N * top_k]
   virtual void moe_group(const int32_t* ids, const float* weights, int64_t N, int top_k, int n_experts,
                          int32_t* offsets, int32_t* token_of, float* weight_of) = 0;
+  // Routed experts by id, fused: for each token t and k < top_k in order, e = ids[t, k],
+  //   out[t] = sum_k weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t])
+  // accumulated as (0 + w0 y0) + w1 y1 + ... (the order of scatter_add_rows over ascending ids).
+  // ids, weights in backend memory.           x, out [N, D]; ids, weights [N, top_k]
+  virtual void moe_experts(const float* x, int64_t N, const int32_t* ids, const float* weights, int top_k,
+                           const ExpertBank& bank, float* out) = 0;
+  // True when moe_experts is the faster way to run N tokens' experts on this backend (else the
+  // forward groups tokens by expert: moe_group + one product per expert).
+  virtual bool prefers_moe_experts(int64_t N) const { return false; }
+  // out[r] = index of the largest x[r, :] (ties: the lowest index).  x [rows, n], out [rows]
+  virtual void argmax_rows(const float* x, int64_t rows, int64_t n, int32_t* out) = 0;
+
+  // Recording: between begin_recording() and end_recording() ops are recorded, not run; replay()
+  // then runs them. Nothing recorded may allocate, copy from or to the host, or wait for results.
+  virtual bool can_record() const { return false; }
+  virtual void begin_recording() { fail("backend ", name(), " cannot record ops"); }
+  virtual std::unique_ptr<RecordedOps> end_recording() { fail("backend ", name(), " cannot record ops"); }
+  // Changes whenever the backend reallocates internal scratch memory: recordings made before
+  // point to freed memory and must be made again.
+  virtual uint64_t scratch_generation() const { return 0; }
+
   // rows[i] = x[index[i]]                                          x [*, n], rows [m, n]
   virtual void gather_rows(const float* x, const int32_t* index, int64_t m, int64_t n, float* rows) = 0;
   // y[index[i]] += scale[i] * rows[i]                               in order of i

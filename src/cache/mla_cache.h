@@ -4,6 +4,7 @@
 // own indexer. Per-head keys and values are never cached (spec §3.1). Rows have independent
 // lengths so a batch of sequences can share one cache; trim() rolls a row back (speculative
 // decoding, retries).
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -26,6 +27,9 @@ class MlaCache {
 
   int rows() const { return rows_; }
   int64_t capacity() const { return capacity_; }
+  // Unique per cache object over the process lifetime (a new cache may reuse a freed one's
+  // addresses; this tells them apart).
+  uint64_t id() const { return id_; }
   const MlaCacheShape& shape() const { return shape_; }
   int64_t length(int row) const { return length_[size_t(row)]; }
   void set_length(int row, int64_t n);
@@ -43,6 +47,11 @@ class MlaCache {
   static size_t bytes_per_token(const MlaCacheShape& shape);
 
  private:
+  uint64_t id_ = next_id();
+  static uint64_t next_id() {
+    static std::atomic<uint64_t> n{0};
+    return ++n;
+  }
   MlaCacheShape shape_;
   int rows_;
   int64_t capacity_;

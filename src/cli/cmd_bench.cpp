@@ -76,7 +76,7 @@ double decode_cache_bytes(const GlmDsaConfig& c, int64_t ctx) {
 // `vireo bench --device cuda`: B=1 decode at context 0 and 4096, prefill of 512 and 4096 tokens,
 // against a device-to-device copy and a cuBLASLt bf16 GEMM measured in the same run.
 int bench_cuda(const std::string& dir, const std::string& synthetic, const std::string& dtype, int layers,
-               int experts, int64_t n_decode) {
+               int experts, int64_t n_decode, bool record) {
 #ifndef VIREO_HAVE_CUDA
   fail("--device cuda: this vireo was built without CUDA (no nvcc at build time)");
 #else
@@ -94,6 +94,7 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
     model = GlmDsaModel::load(dir, *backend);
   }
   const GlmDsaConfig& c = model->config();
+  model->set_recording(record);
   // Routed experts: upload every one now, so no timed step pays for a first use.
   std::vector<int> all(size_t(c.n_routed_experts));
   for (int e = 0; e < c.n_routed_experts; ++e) all[size_t(e)] = e;
@@ -113,7 +114,7 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
   const double weights = double(model->active_weight_bytes_per_token());
   const int64_t V = c.vocab_size;
   std::vector<float> logits(static_cast<size_t>(V));
-  const int64_t max_ctx = 4096 + n_decode + 8;
+  const int64_t max_ctx = 4096 + n_decode + 10;
   std::vector<int32_t> ids(static_cast<size_t>(max_ctx));
   for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t((i * 7919 + 13) % size_t(V));
   double mm_flops_per_token = 0;
@@ -129,13 +130,16 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
   struct Prefill { int64_t T; double s, flops; };
   std::vector<Decode> dec;
   std::vector<Prefill> pre;
+  // Greedy decode steps as `vireo run` takes them (the token chosen on the device). The first
+  // two steps of a cache are untimed: the first runs eagerly, the second records the graph.
   auto decode_from = [&](MlaCache& cache, int64_t ctx) {
+    for (int64_t i = 0; i < 2; ++i) model->forward_greedy(&ids[size_t(ctx + i)], 1, cache, 0, AttentionPath::Absorbed);
+    ctx += 2;
     auto a = clock::now();
-    for (int64_t i = 0; i < n_decode; ++i)
-      model->forward(&ids[size_t(ctx + i)], 1, cache, 0, logits.data(), false, AttentionPath::Absorbed);
+    for (int64_t i = 0; i < n_decode; ++i) model->forward_greedy(&ids[size_t(ctx + i)], 1, cache, 0, AttentionPath::Absorbed);
     const double s = secs(a, clock::now());
     const double bytes = weights + decode_cache_bytes(c, ctx + n_decode / 2);
-    dec.push_back({ctx, double(n_decode) / s, bytes});
+    dec.push_back({ctx - 2, double(n_decode) / s, bytes});
   };
   {
     MlaCache cache(*backend, model->cache_shape(), 1, n_decode + 8);
@@ -156,6 +160,8 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
   std::printf("copy bandwidth     %.0f GB/s (device-to-device, read + write, measured now)\n", copy_gbs);
   std::printf("bf16 GEMM peak     %.0f TFLOP/s (cuBLASLt 8192^3, measured now)\n", gemm_tflops);
   std::printf("active weights     %.3f GB per decoded token\n", weights / 1e9);
+  std::printf("decode steps       %s\n", record ? "replayed from a recorded CUDA graph (greedy token chosen on the device)"
+                                                 : "launched op by op (--no-graph)");
   for (const Decode& d : dec)
     std::printf("decode ctx %-6lld  %8.2f tok/s  %.3f GB/token (weights + cache)  %7.0f GB/s  = %5.1f%% of copy bandwidth\n",
                 (long long)d.ctx, d.tps, d.bytes / 1e9, d.bytes * d.tps / 1e9, 100.0 * d.bytes * d.tps / 1e9 / copy_gbs);
@@ -173,6 +179,7 @@ Action add_bench(CLI::App& app) {
     std::string model, synthetic, dtype = "bf16";
     int layers = 2, experts = 16;
     int64_t prompt = 64, decode = 16, context = 0;
+    bool no_graph = false;
     std::string attention = "auto";
     StreamingFlags sf;
     std::string device = "cpu";
@@ -192,13 +199,14 @@ Action add_bench(CLI::App& app) {
       ->check(CLI::Range(int64_t(0), int64_t(1) << 22));
   app.add_option("--attention", o->attention, "CPU: attention path of the timed prefill chunk")
       ->check(CLI::IsMember({"auto", "reconstructed", "absorbed"}));
+  app.add_flag("--no-graph", o->no_graph, "CUDA: launch decode steps op by op instead of replaying a recorded graph");
   add_streaming_flags(app, o->sf);
   add_device_flag(app, o->device);
   return [o]() {
     using clock = std::chrono::steady_clock;
     if (o->model.empty() && o->synthetic.empty()) fail("bench needs --model DIR or --synthetic glm5");
     check_device_flags(o->device, o->sf);
-    if (o->device == "cuda") return bench_cuda(o->model, o->synthetic, o->dtype, o->layers, o->experts, o->decode);
+    if (o->device == "cuda") return bench_cuda(o->model, o->synthetic, o->dtype, o->layers, o->experts, o->decode, !o->no_graph);
     ThreadPool& pool = ThreadPool::global();
     auto backend = make_cpu_backend();
     std::unique_ptr<GlmDsaModel> model;

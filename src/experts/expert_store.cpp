@@ -74,11 +74,15 @@ std::unique_ptr<ExpertStore> make_expert_store(const Checkpoint& ck, const Exper
 }
 
 void ResidentExpertStore::upload(Backend& backend) {
-  for (auto& layer : experts_)
-    for (ExpertWeights& e : layer) {
+  banks_.assign(experts_.size(), ExpertBank{});
+  for (size_t l = 0; l < experts_.size(); ++l)
+    for (ExpertWeights& e : experts_[l]) {
       e.gate = backend.upload_weight(e.gate);
       e.up = backend.upload_weight(e.up);
       e.down = backend.upload_weight(e.down);
+      banks_[l].gate.push_back(e.gate);
+      banks_[l].up.push_back(e.up);
+      banks_[l].down.push_back(e.down);
     }
 }
 

@@ -71,6 +71,10 @@ class ExpertStore {
   // slots in host memory and do nothing here.
   virtual void upload(Backend& backend) {}
   virtual void reset_stats() {}
+  // Every expert of MoE layer `layer`, resident in backend memory after upload(): the forward
+  // pass may then run them by id on the backend (no host round trip, so a decode step can be
+  // recorded as a graph). Null for stores that stream.
+  virtual const ExpertBank* bank(int layer) const { return nullptr; }
 };
 
 // Binds a linear layer's weight `prefix + ".weight"` (and, for F8_E4M3, its weight_scale_inv
@@ -110,9 +114,13 @@ class ResidentExpertStore final : public ExpertStore {
   std::vector<const ExpertWeights*> prepare(int layer, const std::vector<int>& experts) override;
   size_t resident_bytes() const override { return bytes_; }
   void upload(Backend& backend) override;
+  const ExpertBank* bank(int layer) const override {
+    return size_t(layer) < banks_.size() && !banks_[size_t(layer)].gate.empty() ? &banks_[size_t(layer)] : nullptr;
+  }
 
  private:
   std::vector<std::vector<ExpertWeights>> experts_;  // [layer][expert]
+  std::vector<ExpertBank> banks_;                    // [layer], filled by upload()
   size_t bytes_ = 0;
 };
 

@@ -121,12 +121,68 @@ class CpuBackend final : public Backend {
     for (int64_t i = 0; i < n; ++i) out[i] = silu(gate[i]) * up[i];
   }
 
-  void mla_attention(const MlaAttentionArgs& a) override {
+  void mla_cache_append(const float* kva, int64_t T, int64_t L, int64_t rope_w, const float* norm_w, float eps,
+                        const float* cs, RopeKind kind, float* cache, int64_t pos0, const int32_t* pos0_dev) override {
+    const int64_t kvw = L + rope_w;
+    float* entry = cache + (pos0_dev ? *pos0_dev : pos0) * kvw;
+    rms_norm(kva, kvw, T, L, norm_w, eps, entry, kvw);
+    copy_rows(entry + L, kvw, kva + L, kvw, T, rope_w);
+    rope(entry, T, 1, kvw, kvw, L, rope_w, cs, kind);
+  }
+  void index_key_append(const float* k, int64_t T, int64_t d, const float* w, const float* b, float eps,
+                        int64_t rope_w, const float* cs, RopeKind kind, float* keys, int64_t pos0,
+                        const int32_t* pos0_dev) override {
+    float* dst = keys + (pos0_dev ? *pos0_dev : pos0) * d;
+    layer_norm(k, T, d, w, b, eps, dst);
+    rope(dst, T, 1, d, d, 0, rope_w, cs, kind);
+  }
+
+  void mla_attention(const MlaAttentionArgs& args) override {
+    MlaAttentionArgs a = args;
+    if (a.pos0_dev) {  // host memory here: resolve the run-time position
+      a.pos0 = *a.pos0_dev;
+      a.n_keys = a.pos0 + a.T;
+    }
     if (a.absorbed) attention_absorbed(a);
     else attention_reconstructed(a);
   }
 
-  void indexer_select(const IndexerArgs& a) override {
+  void moe_experts(const float* x, int64_t N, const int32_t* ids, const float* weights, int top_k,
+                   const ExpertBank& bank, float* out) override {
+    const int64_t D = bank.down.empty() ? 0 : bank.down[0].out(), I = bank.gate.empty() ? 0 : bank.gate[0].out();
+    std::vector<float> g(static_cast<size_t>(I)), u(static_cast<size_t>(I)), y(static_cast<size_t>(D));
+    std::fill(out, out + N * D, 0.0f);
+    for (int64_t t = 0; t < N; ++t)
+      for (int k = 0; k < top_k; ++k) {
+        const int32_t e = ids[t * top_k + k];
+        if (e < 0 || size_t(e) >= bank.gate.size())
+          fail("moe_experts: expert id ", e, " out of range [0, ", bank.gate.size(), ")");
+        cpu_matmul(x + t * D, 1, bank.gate[size_t(e)], g.data(), pool());
+        cpu_matmul(x + t * D, 1, bank.up[size_t(e)], u.data(), pool());
+        swiglu(g.data(), u.data(), g.data(), I);
+        cpu_matmul(g.data(), 1, bank.down[size_t(e)], y.data(), pool());
+        const float s = weights[t * top_k + k];
+        float* o = out + t * D;
+        for (int64_t j = 0; j < D; ++j) o[j] += s * y[size_t(j)];
+      }
+  }
+
+  void argmax_rows(const float* x, int64_t rows, int64_t n, int32_t* out) override {
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* xr = x + r * n;
+      int64_t best = 0;
+      for (int64_t i = 1; i < n; ++i)
+        if (xr[i] > xr[best]) best = i;
+      out[r] = int32_t(best);
+    }
+  }
+
+  void indexer_select(const IndexerArgs& args) override {
+    IndexerArgs a = args;
+    if (a.pos0_dev) {
+      a.pos0 = *a.pos0_dev;
+      a.n_keys = a.pos0 + a.T;
+    }
     pool().parallel_for(a.T, [&](int64_t b, int64_t e, int) {
       std::vector<float> score(static_cast<size_t>(a.n_keys));
       std::vector<int32_t> order(static_cast<size_t>(a.n_keys));

@@ -39,11 +39,52 @@ __global__ void absorb_q_kernel(const float* __restrict__ q, int64_t H, int64_t 
   }
 }
 
+// q_lat[t, h, c] = sum_i q[t, h, i] W_UK(h)[i, c] with 16-byte weight loads: lane l of warp w owns
+// the N columns c0 + l N .. of this block and rows i = w, w + 8, ..; the 8 warps' partial sums are
+// added in a fixed order. Grid (H, ceil(L / (32 N)), T): ~one block per SM for GLM-5 shapes.
+template <int DT>
+__global__ void __launch_bounds__(256) absorb_q_vec_kernel(const float* __restrict__ q, int64_t H, int64_t qw,
+                                                           int64_t nope, DevW kvb, int64_t hw, int64_t L,
+                                                           float* __restrict__ qlat) {
+  constexpr int N = GemvVec<DT>::n;
+  __shared__ float red[8][32 * N];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t h = blockIdx.x, t = blockIdx.z, c0 = int64_t(blockIdx.y) * 32 * N + lane * N;
+  const float* qp = q + (t * H + h) * qw;
+  float acc[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) acc[j] = 0.0f;
+  if (c0 < L) {
+    for (int64_t i = warp; i < nope; i += 8) {
+      const int64_t row = h * hw + i;
+      const uint4 v = ldg_stream(reinterpret_cast<const uint4*>(static_cast<const char*>(kvb.w) +
+                                                                (row * L + c0) * elem_bytes<DT>()));
+      float wf[N];
+      unpack16<DT>(v, wf);
+      float qi = qp[i];
+      if constexpr (DT == W_FP8) qi *= kvb.s[(row >> 7) * kvb.s_cols + (c0 >> 7)] * 256.0f;
+#pragma unroll
+      for (int j = 0; j < N; ++j) acc[j] += qi * wf[j];
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < N; ++j) red[warp][lane * N + j] = acc[j];
+  __syncthreads();
+  for (int x = threadIdx.x; x < 32 * N; x += blockDim.x) {
+    const int64_t c = int64_t(blockIdx.y) * 32 * N + x;
+    if (c >= L) continue;
+    float sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) sum += red[w][x];
+    qlat[(t * H + h) * L + c] = sum;
+  }
+}
+
 __global__ void __launch_bounds__(256) mla_decode_partial_kernel(
     const float* __restrict__ qlat, const float* __restrict__ q, int64_t H, int64_t qw, int64_t nope, int64_t L,
-    const float* __restrict__ kv, int64_t kvw, int64_t pos0, const int32_t* __restrict__ sel,
-    const int32_t* __restrict__ counts, int64_t sel_stride, float scale, int nsplit, float* __restrict__ opart,
-    float* __restrict__ mpart, float* __restrict__ lpart) {
+    const float* __restrict__ kv, int64_t kvw, int64_t pos0, const int32_t* __restrict__ pos0_dev,
+    const int32_t* __restrict__ sel, const int32_t* __restrict__ counts, int64_t sel_stride, float scale, int nsplit,
+    float* __restrict__ opart, float* __restrict__ mpart, float* __restrict__ lpart) {
   extern __shared__ float sm[];
   float* qs = sm;                                   // [kHG][kvw]: q_lat | q_rope
   float* ps = qs + kHG * kvw;                       // [kHG][kSplit]
@@ -52,6 +93,7 @@ __global__ void __launch_bounds__(256) mla_decode_partial_kernel(
   const int64_t hg0 = int64_t(blockIdx.y) * kHG;
   const int nh = int(imin(kHG, H - hg0));
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (pos0_dev) pos0 = *pos0_dev;
   const int64_t n = sel ? int64_t(counts[t]) : pos0 + t + 1;
   const int64_t i0 = int64_t(s) * kSplit;
   const int cnt = int(imax(0, imin(kSplit, n - i0)));
@@ -115,13 +157,12 @@ __global__ void __launch_bounds__(256) mla_decode_partial_kernel(
   }
 }
 
+// Merges the splits of (t, h): o_lat = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s.
 __global__ void __launch_bounds__(256) mla_decode_combine_kernel(
     const float* __restrict__ opart, const float* __restrict__ mpart, const float* __restrict__ lpart, int nsplit,
-    int64_t H, int64_t L, DevW kvb, int64_t hw, int64_t nope, int64_t vd, float* __restrict__ out) {
-  extern __shared__ float ol[];  // [L]
+    int64_t H, int64_t L, float* __restrict__ olat) {
   const int64_t h = blockIdx.x, t = blockIdx.y;
   const int64_t base = (t * H + h) * nsplit;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   float M = -INFINITY;
   for (int s = 0; s < nsplit; ++s) M = fmaxf(M, mpart[base + s]);
   float denom = 0.0f;
@@ -131,16 +172,46 @@ __global__ void __launch_bounds__(256) mla_decode_combine_kernel(
     float acc = 0.0f;
     for (int s = 0; s < nsplit; ++s)
       if (mpart[base + s] > -INFINITY) acc += expf(mpart[base + s] - M) * opart[(base + s) * L + c];
-    ol[c] = acc / denom;
+    olat[(t * H + h) * L + c] = acc / denom;
   }
-  __syncthreads();
-  for (int64_t j = warp; j < vd; j += 8) {  // o = W_UV o_lat: a warp per output, reading a weight row
-    const int64_t row = h * hw + nope + j;
-    float acc = 0.0f;
-    for (int64_t c = lane; c < L; c += 32) acc += wget_rt(kvb, row, c) * ol[c];
-    acc = warp_sum(acc);
-    if (lane == 0) out[(t * H + h) * vd + j] = acc;
+}
+
+// out[t, h, j] = W_UV(h)[j, :] . o_lat[t, h, :]: a warp per (h, j) row, 16-byte loads when the
+// rows allow (VEC), 8 rows per block, grid (ceil(H vd / 8), T).
+template <int DT, bool VEC>
+__global__ void __launch_bounds__(256) apply_wuv_kernel(const float* __restrict__ olat, int64_t H, int64_t L,
+                                                        DevW kvb, int64_t hw, int64_t nope, int64_t vd,
+                                                        float* __restrict__ out) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t r = int64_t(blockIdx.x) * 8 + warp, t = blockIdx.y;
+  if (r >= H * vd) return;
+  const int64_t h = r / vd, j = r % vd, row = h * hw + nope + j;
+  const float* x = olat + (t * H + h) * L;
+  float acc[1] = {0.0f};
+  if constexpr (VEC) {
+    constexpr int N = GemvVec<DT>::n;
+    const uint4* wr = reinterpret_cast<const uint4*>(static_cast<const char*>(kvb.w) + row * L * elem_bytes<DT>());
+    const float* srow = DT == W_FP8 ? kvb.s + (row >> 7) * kvb.s_cols : nullptr;
+    for (int64_t v = lane; v < L / N; v += 32) gemv_consume<DT, 1>(ldg_stream(wr + v), x, L, v * N, srow, acc);
+  } else {
+    for (int64_t c = lane; c < L; c += 32) acc[0] += wget<DT>(kvb, row, c) * x[c];
   }
+  const float sum = warp_sum(acc[0]);
+  if (lane == 0) out[(t * H + h) * vd + j] = sum;
+}
+
+template <int DT>
+void launch_wuv(bool vec, const float* olat, int64_t T, int64_t H, int64_t L, const DevW& kvb, int64_t hw,
+                int64_t nope, int64_t vd, float* out, cudaStream_t st) {
+  const dim3 grid(unsigned((H * vd + 7) / 8), unsigned(T));
+  if (vec) apply_wuv_kernel<DT, true><<<grid, 256, 0, st>>>(olat, H, L, kvb, hw, nope, vd, out);
+  else apply_wuv_kernel<DT, false><<<grid, 256, 0, st>>>(olat, H, L, kvb, hw, nope, vd, out);
+}
+
+// 16-byte loads along kv_b rows of length L need L a multiple of the vector and an aligned base.
+bool kvb_rows_vectorizable(const DevW& w, int64_t L) {
+  const int n = 16 / (w.dt == W_F32 ? 4 : w.dt == W_FP8 ? 1 : 2);
+  return L % n == 0 && reinterpret_cast<uintptr_t>(w.w) % 16 == 0;
 }
 
 __global__ void build_mask_kernel(const int32_t* __restrict__ sel, const int32_t* __restrict__ counts,
@@ -233,8 +304,10 @@ __global__ void __launch_bounds__(256) mla_prefill_kernel(
 
 __global__ void indexer_score_kernel(const float* __restrict__ q, const float* __restrict__ wts,
                                      const float* __restrict__ keys, int64_t nI, int64_t d, int64_t n_keys,
-                                     int64_t pos0, int64_t topk, float scale, float* __restrict__ scores) {
+                                     int64_t pos0, const int32_t* __restrict__ pos0_dev, int64_t topk, float scale,
+                                     float* __restrict__ scores) {
   extern __shared__ float sm[];
+  if (pos0_dev) pos0 = *pos0_dev;
   const int64_t t = blockIdx.y, n_causal = pos0 + t + 1, u0 = int64_t(blockIdx.x) * 32;
   if (n_causal <= topk || u0 >= n_causal) return;  // whole block: uniform
   const int64_t dp = d + 1;
@@ -273,8 +346,10 @@ __device__ __forceinline__ uint64_t select_key(float s, int64_t u) {
 }
 
 __global__ void __launch_bounds__(512) indexer_topk_kernel(const float* __restrict__ scores, int64_t n_keys,
-                                                           int64_t pos0, int64_t topk, int32_t* __restrict__ selected,
+                                                           int64_t pos0, const int32_t* __restrict__ pos0_dev,
+                                                           int64_t topk, int32_t* __restrict__ selected,
                                                            int32_t* __restrict__ counts) {
+  if (pos0_dev) pos0 = *pos0_dev;
   const int64_t t = blockIdx.x, n = pos0 + t + 1;
   int32_t* sel = selected + t * topk;
   if (n <= topk) {  // every causal key: sparse equals dense
@@ -410,7 +485,18 @@ __global__ void moe_route_kernel(const float* __restrict__ logits, int E, int G,
 
 void absorb_q(const float* q, int64_t T, int64_t H, int64_t qw, int64_t nope, const DevW& kvb, int64_t hw, int64_t L,
               float* qlat, cudaStream_t st) {
-  absorb_q_kernel<<<dim3(unsigned(H), unsigned(T)), 256, size_t(nope) * 4, st>>>(q, H, qw, nope, kvb, hw, L, qlat);
+  if (kvb_rows_vectorizable(kvb, L)) {
+    const int n = 16 / (kvb.dt == W_F32 ? 4 : kvb.dt == W_FP8 ? 1 : 2);
+    const dim3 grid(unsigned(H), unsigned((L + 32 * n - 1) / (32 * n)), unsigned(T));
+    switch (kvb.dt) {
+      case W_F32: absorb_q_vec_kernel<W_F32><<<grid, 256, 0, st>>>(q, H, qw, nope, kvb, hw, L, qlat); break;
+      case W_BF16: absorb_q_vec_kernel<W_BF16><<<grid, 256, 0, st>>>(q, H, qw, nope, kvb, hw, L, qlat); break;
+      case W_F16: absorb_q_vec_kernel<W_F16><<<grid, 256, 0, st>>>(q, H, qw, nope, kvb, hw, L, qlat); break;
+      default: absorb_q_vec_kernel<W_FP8><<<grid, 256, 0, st>>>(q, H, qw, nope, kvb, hw, L, qlat); break;
+    }
+  } else {
+    absorb_q_kernel<<<dim3(unsigned(H), unsigned(T)), 256, size_t(nope) * 4, st>>>(q, H, qw, nope, kvb, hw, L, qlat);
+  }
   VIREO_CUDA_LAUNCHED();
 }
 
@@ -426,12 +512,22 @@ void mla_decode(const DecodeAttnArgs& a, cudaStream_t st) {
   }
   if (smem > 200 * 1024) fail("mla_attention: latent width ", a.kvw, " is too wide for the decode kernel");
   dim3 grid(unsigned(a.nsplit), unsigned((a.H + kHG - 1) / kHG), unsigned(a.T));
-  mla_decode_partial_kernel<<<grid, 256, smem, st>>>(a.qlat, a.q, a.H, a.qw, a.nope, a.L, a.kv, a.kvw, a.pos0, a.sel,
-                                                    a.counts, a.sel_stride, a.scale, a.nsplit, a.opart, a.mpart,
-                                                    a.lpart);
+  mla_decode_partial_kernel<<<grid, 256, smem, st>>>(a.qlat, a.q, a.H, a.qw, a.nope, a.L, a.kv, a.kvw, a.pos0,
+                                                    a.pos0_dev, a.sel, a.counts, a.sel_stride, a.scale, a.nsplit,
+                                                    a.opart, a.mpart, a.lpart);
   VIREO_CUDA_LAUNCHED();
-  mla_decode_combine_kernel<<<dim3(unsigned(a.H), unsigned(a.T)), 256, size_t(a.L) * 4, st>>>(
-      a.opart, a.mpart, a.lpart, a.nsplit, a.H, a.L, a.kvb, a.hw, a.nope, a.vd, a.out);
+  // q_lat is not read after the partial kernel: the merged o_lat goes in its place.
+  float* olat = const_cast<float*>(a.qlat);
+  mla_decode_combine_kernel<<<dim3(unsigned(a.H), unsigned(a.T)), 256, 0, st>>>(a.opart, a.mpart, a.lpart, a.nsplit,
+                                                                               a.H, a.L, olat);
+  VIREO_CUDA_LAUNCHED();
+  const bool vec = kvb_rows_vectorizable(a.kvb, a.L);
+  switch (a.kvb.dt) {
+    case W_F32: launch_wuv<W_F32>(vec, olat, a.T, a.H, a.L, a.kvb, a.hw, a.nope, a.vd, a.out, st); break;
+    case W_BF16: launch_wuv<W_BF16>(vec, olat, a.T, a.H, a.L, a.kvb, a.hw, a.nope, a.vd, a.out, st); break;
+    case W_F16: launch_wuv<W_F16>(vec, olat, a.T, a.H, a.L, a.kvb, a.hw, a.nope, a.vd, a.out, st); break;
+    default: launch_wuv<W_FP8>(vec, olat, a.T, a.H, a.L, a.kvb, a.hw, a.nope, a.vd, a.out, st); break;
+  }
   VIREO_CUDA_LAUNCHED();
 }
 
@@ -458,7 +554,8 @@ void mla_prefill(const PrefillAttnArgs& a, cudaStream_t st) {
 }
 
 void indexer_scores(const float* q, const float* wts, const float* keys, int64_t T, int64_t nI, int64_t d,
-                    int64_t n_keys, int64_t pos0, int64_t topk, float scale, float* scores, cudaStream_t st) {
+                    int64_t n_keys, int64_t pos0, const int32_t* pos0_dev, int64_t topk, float scale, float* scores,
+                    cudaStream_t st) {
   const size_t smem = size_t(nI * d + 32 * (d + 1) + 32 * (nI + 1)) * 4;
   static bool configured = false;
   if (!configured) {
@@ -468,13 +565,13 @@ void indexer_scores(const float* q, const float* wts, const float* keys, int64_t
   }
   if (smem > 200 * 1024) fail("indexer: ", nI, " heads x ", d, " are too wide for the score kernel");
   dim3 grid(unsigned((n_keys + 31) / 32), unsigned(T));
-  indexer_score_kernel<<<grid, 256, smem, st>>>(q, wts, keys, nI, d, n_keys, pos0, topk, scale, scores);
+  indexer_score_kernel<<<grid, 256, smem, st>>>(q, wts, keys, nI, d, n_keys, pos0, pos0_dev, topk, scale, scores);
   VIREO_CUDA_LAUNCHED();
 }
 
-void indexer_topk(const float* scores, int64_t T, int64_t n_keys, int64_t pos0, int64_t topk, int32_t* selected,
-                  int32_t* counts, cudaStream_t st) {
-  indexer_topk_kernel<<<unsigned(T), 512, 0, st>>>(scores, n_keys, pos0, topk, selected, counts);
+void indexer_topk(const float* scores, int64_t T, int64_t n_keys, int64_t pos0, const int32_t* pos0_dev, int64_t topk,
+                  int32_t* selected, int32_t* counts, cudaStream_t st) {
+  indexer_topk_kernel<<<unsigned(T), 512, 0, st>>>(scores, n_keys, pos0, pos0_dev, topk, selected, counts);
   VIREO_CUDA_LAUNCHED();
 }
 

@@ -28,6 +28,7 @@ struct DecodeAttnArgs {
   float* lpart = nullptr;  // [T, H, nsplit]
   DevW kvb;
   float* out = nullptr;    // [T, H, vd]
+  const int32_t* pos0_dev = nullptr;  // run-time pos0 (then pos0 above is a bound)
 };
 // Splits of the decode kernel for a key list of at most `max_keys`.
 int decode_splits(int64_t max_keys);
@@ -52,10 +53,12 @@ struct PrefillAttnArgs {
 void mla_prefill(const PrefillAttnArgs& a, cudaStream_t st);
 
 // scores[t, u] for u < pos0 + t + 1, rows with more causal keys than topk only.
+// pos0_dev: run-time pos0 (then pos0 and n_keys are bounds; n_keys is the row stride of scores).
 void indexer_scores(const float* q, const float* wts, const float* keys, int64_t T, int64_t nI, int64_t d,
-                    int64_t n_keys, int64_t pos0, int64_t topk, float scale, float* scores, cudaStream_t st);
-void indexer_topk(const float* scores, int64_t T, int64_t n_keys, int64_t pos0, int64_t topk, int32_t* selected,
-                  int32_t* counts, cudaStream_t st);
+                    int64_t n_keys, int64_t pos0, const int32_t* pos0_dev, int64_t topk, float scale, float* scores,
+                    cudaStream_t st);
+void indexer_topk(const float* scores, int64_t T, int64_t n_keys, int64_t pos0, const int32_t* pos0_dev, int64_t topk,
+                  int32_t* selected, int32_t* counts, cudaStream_t st);
 
 void moe_route(const float* logits, int64_t T, int E, int G, int topk_group, int K, const float* bias, bool norm,
                float rsf, int32_t* ids, float* weights, cudaStream_t st);

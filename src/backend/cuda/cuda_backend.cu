@@ -12,6 +12,7 @@
 
 #include "backend/cuda/cuda_attention.h"
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/cuda_decode.h"
 #include "backend/cuda/cuda_internal.h"
 
 namespace vireo {
@@ -229,6 +230,9 @@ std::shared_ptr<T> device_alloc(size_t n) {
   return std::shared_ptr<T>(static_cast<T*>(p), [](T* q) { cudaFree(q); });
 }
 
+// Bumped by every Scratch reallocation (Backend::scratch_generation).
+uint64_t g_scratch_generation = 0;
+
 // A device buffer that only grows (scratch for one op at a time on the backend's stream).
 struct Scratch {
   std::shared_ptr<char> buf;
@@ -239,9 +243,28 @@ struct Scratch {
       buf.reset();
       buf = device_alloc<char>(need);
       bytes = need;
+      ++g_scratch_generation;
     }
     return reinterpret_cast<T*>(buf.get());
   }
+};
+
+// A CUDA graph made from the ops recorded on the backend's stream.
+class CudaGraph final : public RecordedOps {
+ public:
+  CudaGraph(cudaGraph_t g, cudaStream_t st) : graph_(g), stream_(st) {
+    VIREO_CUDA_CHECK(cudaGraphInstantiate(&exec_, graph_, 0));
+  }
+  ~CudaGraph() override {
+    if (exec_) cudaGraphExecDestroy(exec_);
+    if (graph_) cudaGraphDestroy(graph_);
+  }
+  void replay() override { VIREO_CUDA_CHECK(cudaGraphLaunch(exec_, stream_)); }
+
+ private:
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+  cudaStream_t stream_ = nullptr;
 };
 
 class CudaBackend final : public Backend {
@@ -317,12 +340,8 @@ class CudaBackend final : public Backend {
   }
 
   void embed(const Weight& table, const int32_t* ids, int64_t T, float* out) override {
-    for (int64_t t = 0; t < T; ++t)
-      if (ids[t] < 0 || ids[t] >= table.out())
-        fail("token id ", ids[t], " is out of range (vocab size ", table.out(), ")");
-    int32_t* dids = ids_.get<int32_t>(size_t(T));
-    h2d(dids, ids, size_t(T) * 4);
-    embed_kernel<<<unsigned(T), 256, 0, stream_>>>(devw(table), dids, out);
+    if (T <= 0) return;
+    embed_kernel<<<unsigned(T), 256, 0, stream_>>>(devw(table), ids, out);
     VIREO_CUDA_LAUNCHED();
   }
 
@@ -377,18 +396,55 @@ class CudaBackend final : public Backend {
     VIREO_CUDA_LAUNCHED();
   }
 
+  void mla_cache_append(const float* kva, int64_t T, int64_t L, int64_t rope, const float* norm_w, float eps,
+                        const float* cs, RopeKind kind, float* cache, int64_t pos0, const int32_t* pos0_dev) override {
+    cuda::mla_cache_append(kva, T, L, rope, norm_w, eps, cs, kind == RopeKind::Interleaved, cache, pos0, pos0_dev,
+                           stream_);
+  }
+  void index_key_append(const float* k, int64_t T, int64_t d, const float* w, const float* b, float eps,
+                        int64_t rope, const float* cs, RopeKind kind, float* keys, int64_t pos0,
+                        const int32_t* pos0_dev) override {
+    cuda::index_key_append(k, T, d, w, b, eps, rope, cs, kind == RopeKind::Interleaved, keys, pos0, pos0_dev,
+                           stream_);
+  }
+
   void mla_attention(const MlaAttentionArgs& a) override {
     if (a.T <= 0) return;
     if (a.absorbed) attention_absorbed(a);
+    else if (a.pos0_dev) fail("cuda mla_attention: run-time positions need the absorbed path");
     else attention_reconstructed(a);
   }
+
+  void moe_experts(const float* x, int64_t N, const int32_t* ids, const float* weights, int top_k,
+                   const ExpertBank& bank, float* out) override {
+    if (N <= 0) return;
+    const DeviceBank& b = device_bank(bank);
+    float* h = moe_h_.get<float>(size_t(N * top_k * b.I));
+    cuda::moe_experts(x, N, b.D, b.I, top_k, ids, weights, b.table.get(), b.dtype, b.vec, h, out, stream_);
+  }
+  bool prefers_moe_experts(int64_t N) const override { return N <= 8; }
+
+  void argmax_rows(const float* x, int64_t rows, int64_t n, int32_t* out) override {
+    cuda::argmax_rows(x, rows, n, out, stream_);
+  }
+
+  bool can_record() const override { return true; }
+  void begin_recording() override {
+    VIREO_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed));
+  }
+  std::unique_ptr<RecordedOps> end_recording() override {
+    cudaGraph_t g = nullptr;
+    VIREO_CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
+    return std::make_unique<CudaGraph>(g, stream_);
+  }
+  uint64_t scratch_generation() const override { return g_scratch_generation; }
 
   void indexer_select(const IndexerArgs& a) override {
     if (a.T <= 0) return;
     float* scores = scores_.get<float>(size_t(a.T * a.n_keys));
-    indexer_scores(a.q, a.weights, a.keys, a.T, a.n_heads, a.head_dim, a.n_keys, a.pos0, a.topk, a.scale, scores,
-                   stream_);
-    indexer_topk(scores, a.T, a.n_keys, a.pos0, a.topk, a.selected, a.counts, stream_);
+    indexer_scores(a.q, a.weights, a.keys, a.T, a.n_heads, a.head_dim, a.n_keys, a.pos0, a.pos0_dev, a.topk, a.scale,
+                   scores, stream_);
+    indexer_topk(scores, a.T, a.n_keys, a.pos0, a.pos0_dev, a.topk, a.selected, a.counts, stream_);
   }
 
   void moe_route(const float* x, int64_t T, const RouterArgs& a, int32_t* ids, float* weights) override {
@@ -463,6 +519,57 @@ class CudaBackend final : public Backend {
     return d;
   }
 
+  // A bank's device table of expert matrices, made on first use (so never while recording: the
+  // eager step before a recording makes it) and kept for the bank's lifetime (its store's).
+  struct DeviceBank {
+    std::shared_ptr<DevExpert> table;
+    std::vector<const void*> sources;  // the bank's weight addresses the table was made from
+    int64_t D = 0, I = 0;
+    int dtype = W_F32;
+    bool vec = false;  // rows 16-byte aligned: vector loads
+  };
+  static std::vector<const void*> bank_sources(const ExpertBank& bank) {
+    std::vector<const void*> v;
+    for (const std::vector<Weight>* ws : {&bank.gate, &bank.up, &bank.down})
+      for (const Weight& w : *ws) v.push_back(w.w.data);
+    return v;
+  }
+  const DeviceBank& device_bank(const ExpertBank& bank) {
+    // Keyed by the bank's address, checked against its contents: a new bank (a new model on the
+    // same backend) may live where a destroyed one did.
+    std::vector<const void*> sources = bank_sources(bank);
+    auto it = banks_.find(&bank);
+    if (it != banks_.end()) {
+      if (it->second.sources == sources) return it->second;
+      banks_.erase(it);
+    }
+    const size_t E = bank.gate.size();
+    if (E == 0 || bank.up.size() != E || bank.down.size() != E) fail("moe_experts: empty or ragged expert bank");
+    std::vector<DevExpert> host(E);
+    for (size_t e = 0; e < E; ++e) {
+      host[e].gate = devw(bank.gate[e]);
+      host[e].up = devw(bank.up[e]);
+      host[e].down = devw(bank.down[e]);
+    }
+    DeviceBank d;
+    d.I = host[0].gate.out;
+    d.D = host[0].gate.in;
+    d.dtype = host[0].gate.dt;
+    for (const DevExpert& x : host)
+      for (const DevW* w : {&x.gate, &x.up, &x.down}) {
+        const bool down = w == &x.down;
+        if (w->dt != d.dtype || w->out != (down ? d.D : d.I) || w->in != (down ? d.I : d.D))
+          fail("moe_experts: experts differ in dtype or shape (expected gate/up [", d.I, ", ", d.D, "], down [", d.D,
+               ", ", d.I, "])");
+      }
+    const int n = 16 / (d.dtype == W_F32 ? 4 : d.dtype == W_FP8 ? 1 : 2);
+    d.vec = d.D % n == 0 && d.I % n == 0;
+    d.sources = std::move(sources);
+    d.table = device_alloc<DevExpert>(E);
+    VIREO_CUDA_CHECK(cudaMemcpy(d.table.get(), host.data(), E * sizeof(DevExpert), cudaMemcpyHostToDevice));
+    return banks_.emplace(&bank, d).first->second;
+  }
+
   bool lt_bf16(const float* x, int64_t T, const DevW& w, float* y) {
     if (w.in % 8 != 0 || w.out % 4 != 0 || reinterpret_cast<uintptr_t>(y) % 16 != 0) return false;
     const bool split = mode_ == CudaGemmMode::Split;
@@ -509,6 +616,7 @@ class CudaBackend final : public Backend {
     d.lpart = d.mpart + parts;
     d.kvb = kvb;
     d.out = a.out;
+    d.pos0_dev = a.pos0_dev;
     mla_decode(d, stream_);
   }
 
@@ -552,7 +660,8 @@ class CudaBackend final : public Backend {
   CudaGemmMode mode_ = CudaGemmMode::Split;
   std::vector<std::shared_ptr<char>> owned_;
   std::unordered_map<const void*, Weight> uploaded_;
-  Scratch ids_, scores_, route_, xbf16_, qlat_, part_, latent_, kvx_, mask_;
+  Scratch scores_, route_, xbf16_, qlat_, part_, latent_, kvx_, mask_, moe_h_;
+  std::unordered_map<const ExpertBank*, DeviceBank> banks_;
 };
 
 CudaBackend& as_cuda(Backend& b) {

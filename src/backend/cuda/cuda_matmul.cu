@@ -16,65 +16,6 @@ namespace vireo::cuda {
 
 namespace {
 
-template <int DT> struct GemvVec { static constexpr int n = 16 / elem_bytes<DT>(); };
-
-// The N weights of one 16-byte load, as f32 (FP8: times 2^-8, the block scale restores it).
-template <int DT>
-__device__ __forceinline__ void unpack16(const uint4& v, float* wf) {
-  const uint32_t u[4] = {v.x, v.y, v.z, v.w};
-  if constexpr (DT == W_F32) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) wf[i] = __uint_as_float(u[i]);
-  } else if constexpr (DT == W_BF16) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      wf[2 * i] = __uint_as_float(u[i] << 16);
-      wf[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
-    }
-  } else if constexpr (DT == W_F16) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      __half2 h;
-      memcpy(&h, &u[i], 4);
-      const float2 f = __half22float2(h);
-      wf[2 * i] = f.x;
-      wf[2 * i + 1] = f.y;
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 a = fp8x2_scaled_down(__byte_perm(u[i], 0, 0x4140));  // bytes 0, 1
-      const float2 b = fp8x2_scaled_down(__byte_perm(u[i], 0, 0x4342));  // bytes 2, 3
-      wf[4 * i] = a.x;
-      wf[4 * i + 1] = a.y;
-      wf[4 * i + 2] = b.x;
-      wf[4 * i + 3] = b.y;
-    }
-  }
-}
-
-template <int DT, int TT>
-__device__ __forceinline__ void gemv_consume(const uint4& v, const float* __restrict__ x, int64_t in, int64_t k,
-                                             const float* srow, float (&acc)[TT]) {
-  constexpr int N = GemvVec<DT>::n;
-  float wf[N];
-  unpack16<DT>(v, wf);
-  float scale = 1.0f;
-  if constexpr (DT == W_FP8) scale = srow[k >> 7] * 256.0f;
-#pragma unroll
-  for (int t = 0; t < TT; ++t) {
-    const float4* xp = reinterpret_cast<const float4*>(x + t * in + k);
-    float p = 0.0f;
-#pragma unroll
-    for (int i = 0; i < N / 4; ++i) {
-      const float4 xv = __ldg(xp + i);
-      p += wf[4 * i] * xv.x + wf[4 * i + 1] * xv.y + wf[4 * i + 2] * xv.z + wf[4 * i + 3] * xv.w;
-    }
-    if constexpr (DT == W_FP8) acc[t] += scale * p;
-    else acc[t] += p;
-  }
-}
-
 // y[t, row] for t < TT; 8 warps per block, `wpr` warps per row.
 template <int DT, int TT>
 __global__ void __launch_bounds__(256) gemv_kernel(const float* __restrict__ x, DevW w, float* __restrict__ y,

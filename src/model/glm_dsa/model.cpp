@@ -116,6 +116,8 @@ float* GlmDsaModel::scratch(int slot, size_t n) {
     scratch_size_.resize(size_t(slot) + 1, 0);
   }
   if (scratch_size_[size_t(slot)] < n) {
+    VIREO_ASSERT(!recording_);  // a recorded step must find every buffer already allocated
+    ++scratch_gen_;
     scratch_[size_t(slot)] = backend_.alloc_f32(n);
     scratch_size_[size_t(slot)] = n;
   }
@@ -128,6 +130,8 @@ int32_t* GlmDsaModel::scratch_i32(int slot, size_t n) {
     scratch_i32_size_.resize(size_t(slot) + 1, 0);
   }
   if (scratch_i32_size_[size_t(slot)] < n) {
+    VIREO_ASSERT(!recording_);
+    ++scratch_gen_;
     scratch_i32_[size_t(slot)] = backend_.alloc_i32(n);
     scratch_i32_size_[size_t(slot)] = n;
   }
@@ -216,9 +220,20 @@ void GlmDsaModel::forward(const int32_t* tokens, int64_t T, MlaCache& cache, int
   forward_batch({item}, cache, path);
 }
 
+int32_t GlmDsaModel::forward_greedy(const int32_t* tokens, int64_t T, MlaCache& cache, int row, AttentionPath path) {
+  BatchItem item;
+  item.row = row;
+  item.tokens = tokens;
+  item.T = T;
+  int32_t next = -1;
+  item.argmax = &next;
+  forward_batch({item}, cache, path);
+  return next;
+}
+
 void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& cache, AttentionPath path) {
   const GlmDsaConfig& c = config_;
-  const int64_t D = c.hidden_size, V = c.vocab_size, half = c.qk_rope_dim / 2;
+  const int64_t V = c.vocab_size, half = c.qk_rope_dim / 2;
   if (items.empty()) fail("forward: empty batch");
   // Validate everything before touching the cache, so a bad request leaves no trace.
   std::vector<Segment> segs;
@@ -236,25 +251,122 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
         fail("token id ", it.tokens[t], " is out of range (vocab size ", V, ")");
     AttentionPath p = path;
     if (p == AttentionPath::Auto) p = choose_path(it.T, pos0);
-    segs.push_back({it.row, N, it.T, pos0, p});
+    Segment s{it.row, N, it.T, pos0, p};
+    s.all_logits = it.all_logits;
+    segs.push_back(s);
     N += it.T;
     n_out += it.all_logits ? it.T : 1;
   }
 
+  // The step's inputs in backend memory: token ids and the rope table.
   std::vector<int32_t> ids_host(static_cast<size_t>(N));
   std::vector<float> cs_host(static_cast<size_t>(N * half * 2));
   for (size_t i = 0; i < items.size(); ++i) {
     std::copy(items[i].tokens, items[i].tokens + items[i].T, ids_host.begin() + segs[i].offset);
     rope_table(segs[i].pos0, segs[i].T, &cs_host[size_t(segs[i].offset * half * 2)]);
   }
+  int32_t* ids = scratch_i32(6, size_t(N));
+  backend_.copy_from_host_i32(ids, ids_host.data(), ids_host.size());
   cos_sin_ = scratch(4, size_t(N * half * 2));
   backend_.copy_from_host(cos_sin_, cs_host.data(), cs_host.size());
+  float* lg = scratch(3, size_t(n_out * V));
+  for (const Segment& s : segs) cache.set_length(s.row, s.pos0 + s.T);  // entries written layer by layer
 
+  if (can_record_step(segs, N)) run_recorded(segs, N, cache, ids, lg);
+  else run_step(segs, N, cache, ids, lg);
+
+  int64_t r = 0;
+  for (const BatchItem& it : items) {
+    const int64_t n = it.all_logits ? it.T : 1;
+    if (it.logits) backend_.copy_to_host(it.logits, lg + r * V, size_t(n * V));
+    if (it.argmax) {
+      int32_t* best = scratch_i32(8, size_t(n));
+      backend_.argmax_rows(lg + r * V, n, V, best);
+      backend_.copy_to_host_i32(it.argmax, best, size_t(n));
+    }
+    r += n;
+  }
+}
+
+bool GlmDsaModel::can_record_step(const std::vector<Segment>& segs, int64_t N) const {
+  if (!recording_enabled_ || !backend_.can_record() || experts_->wants_prefetch()) return false;
+  for (const Segment& s : segs)
+    if (s.T != 1 || s.path != AttentionPath::Absorbed) return false;
+  // Every MoE layer must run its experts by id on the backend: grouping them on the host would
+  // need a round trip in the middle of the step.
+  if (!backend_.prefers_moe_experts(N)) return false;
+  for (int l = 0; l < config_.num_layers; ++l)
+    if (!config_.layer_dense[size_t(l)] && !experts_->bank(l)) return false;
+  return true;
+}
+
+// Recorded steps read their positions from backend memory (pos0 of each sequence); everything
+// else they touch (weights, cache rows, scratch) stays at the addresses it was recorded with.
+// The first step of a batch shape runs eagerly (it allocates the buffers), the second records,
+// later ones replay. Reallocated scratch (a longer prefill in between, say) invalidates.
+void GlmDsaModel::run_recorded(std::vector<Segment>& segs, int64_t N, MlaCache& cache, const int32_t* ids,
+                               float* logits) {
+  std::vector<int32_t> pos_host;
+  std::vector<int> rows;
+  for (const Segment& s : segs) {
+    pos_host.push_back(int32_t(s.pos0));
+    rows.push_back(s.row);
+  }
+  int32_t* pos = scratch_i32(7, pos_host.size());
+  backend_.copy_from_host_i32(pos, pos_host.data(), pos_host.size());
+  for (size_t i = 0; i < segs.size(); ++i) segs[i].pos0_dev = pos + i;
+
+  RecordedStep& r = recorded_[{cache.id(), rows}];
+  r.last_use = ++step_clock_;
+  const bool same_buffers = r.model_gen == scratch_gen_ && r.backend_gen == backend_.scratch_generation();
+  if (r.ops && same_buffers) {
+    r.ops->replay();
+    ++recorded_runs_;
+    return;
+  }
+  if (!r.warmed || !same_buffers) {
+    r.ops.reset();
+    run_step(segs, N, cache, ids, logits);
+    r.warmed = true;
+    r.model_gen = scratch_gen_;
+    r.backend_gen = backend_.scratch_generation();
+    return;
+  }
+  // Bound the number of recordings kept (each holds device resources): drop the least recent.
+  const size_t kMaxRecordings = 8;
+  size_t n_ops = 0;
+  for (const auto& [k, v] : recorded_) n_ops += v.ops ? 1 : 0;
+  if (n_ops >= kMaxRecordings) {
+    auto oldest = recorded_.end();
+    for (auto it = recorded_.begin(); it != recorded_.end(); ++it)
+      if (it->second.ops && (oldest == recorded_.end() || it->second.last_use < oldest->second.last_use)) oldest = it;
+    if (oldest != recorded_.end()) recorded_.erase(oldest);
+  }
+  RecordedStep& rec = recorded_[{cache.id(), rows}];
+  recording_ = true;
+  backend_.begin_recording();
+  try {
+    run_step(segs, N, cache, ids, logits);
+  } catch (...) {
+    recording_ = false;
+    backend_.end_recording();
+    throw;
+  }
+  recording_ = false;
+  rec.ops = backend_.end_recording();
+  VIREO_ASSERT(rec.model_gen == scratch_gen_ && rec.backend_gen == backend_.scratch_generation());
+  rec.ops->replay();
+  ++recorded_runs_;
+}
+
+void GlmDsaModel::run_step(const std::vector<Segment>& segs, int64_t N, MlaCache& cache, const int32_t* ids,
+                           float* lg) {
+  const GlmDsaConfig& c = config_;
+  const int64_t D = c.hidden_size;
   float* h = scratch(0, size_t(N * D));    // residual stream [N, D]
   float* xn = scratch(1, size_t(N * D));   // normed input    [N, D]
   float* out = scratch(2, size_t(N * D));  // sublayer output [N, D]
-  backend_.embed(weights_.embed, ids_host.data(), N, h);
-  for (const Segment& s : segs) cache.set_length(s.row, s.pos0 + s.T);  // entries written layer by layer
+  backend_.embed(weights_.embed, ids, N, h);
   const float eps = float(c.rms_norm_eps);
   for (int l = 0; l < c.num_layers; ++l) {
     const LayerWeights& L = weights_.layers[size_t(l)];
@@ -270,19 +382,12 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
 
   // Final norm and lm_head only for the rows whose logits were asked for.
   int64_t r = 0;
-  for (size_t i = 0; i < items.size(); ++i) {
-    const int64_t first = items[i].all_logits ? 0 : items[i].T - 1, n = items[i].T - first;
-    backend_.rms_norm(h + (segs[i].offset + first) * D, D, n, D, vec(weights_.final_norm), eps, xn + r * D, D);
+  for (const Segment& s : segs) {
+    const int64_t first = s.all_logits ? 0 : s.T - 1, n = s.T - first;
+    backend_.rms_norm(h + (s.offset + first) * D, D, n, D, vec(weights_.final_norm), eps, xn + r * D, D);
     r += n;
   }
-  float* lg = scratch(3, size_t(n_out * V));
-  backend_.matmul(xn, n_out, weights_.lm_head, lg);
-  r = 0;
-  for (const BatchItem& it : items) {
-    const int64_t n = it.all_logits ? it.T : 1;
-    backend_.copy_to_host(it.logits, lg + r * V, size_t(n * V));
-    r += n;
-  }
+  backend_.matmul(xn, r, weights_.lm_head, lg);
 }
 
 void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::vector<Segment>& segs,
@@ -312,13 +417,11 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
   // This step's cache entries [latent | k_rope], written straight into each sequence's row.
   float* kva = scratch(14, size_t(N * kvw));
   backend_.matmul(xn, N, a.kv_a_proj, kva);
-  for (const Segment& s : segs) {
-    float* entry = cache.kv(layer, s.row) + s.pos0 * kvw;
-    const float* src = kva + s.offset * kvw;
-    backend_.rms_norm(src, kvw, s.T, L, vec(a.kv_a_norm), eps_lora, entry, kvw);
-    backend_.copy_rows(entry + L, kvw, src + L, kvw, s.T, rope);
-    backend_.rope(entry, s.T, 1, kvw, kvw, L, rope, cs + s.offset * cs_stride, rope_kind(c.mla_rope_style));
-  }
+  for (const Segment& s : segs)
+    backend_.mla_cache_append(kva + s.offset * kvw, s.T, L, rope, vec(a.kv_a_norm), eps_lora, cs + s.offset * cs_stride,
+                              rope_kind(c.mla_rope_style), cache.kv(layer, s.row), s.pos0, s.pos0_dev);
+  // Recorded steps size their launches for the longest row: the real length comes at run time.
+  auto bound_pos0 = [&](const Segment& s) { return s.pos0_dev ? cache.capacity() - s.T : s.pos0; };
 
   // DSA: this layer's own top-k selection, or the previous full layer's (kept in scratch slot 0
   // of the i32 pool, [N, topk], until the next full layer overwrites it).
@@ -340,10 +443,9 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
       backend_.scale(wts, float(1.0 / std::sqrt(double(nI))), N * nI);
       for (const Segment& s : segs) {
         float* keys = cache.index_keys(layer, s.row);
-        backend_.layer_norm(kraw + s.offset * d, s.T, d, vec(a.idx_k_norm_w), vec(a.idx_k_norm_b), 1e-6f,
-                            keys + s.pos0 * d);
-        backend_.rope(keys + s.pos0 * d, s.T, 1, d, d, 0, rope, cs + s.offset * cs_stride,
-                      rope_kind(c.indexer_rope_style));
+        backend_.index_key_append(kraw + s.offset * d, s.T, d, vec(a.idx_k_norm_w), vec(a.idx_k_norm_b), 1e-6f, rope,
+                                  cs + s.offset * cs_stride, rope_kind(c.indexer_rope_style), keys, s.pos0,
+                                  s.pos0_dev);
         IndexerArgs ia;
         ia.q = qi + s.offset * nI * d;
         ia.weights = wts + s.offset * nI;
@@ -351,8 +453,9 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
         ia.T = s.T;
         ia.n_heads = nI;
         ia.head_dim = d;
-        ia.n_keys = s.pos0 + s.T;
-        ia.pos0 = s.pos0;
+        ia.pos0 = bound_pos0(s);
+        ia.n_keys = ia.pos0 + s.T;
+        ia.pos0_dev = s.pos0_dev;
         ia.topk = topk;
         ia.scale = float(1.0 / std::sqrt(double(d)));
         ia.selected = selected + s.offset * topk;
@@ -373,8 +476,9 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
     ma.v_dim = c.v_head_dim;
     ma.kv_lora = L;
     ma.kv = cache.kv(layer, s.row);
-    ma.n_keys = s.pos0 + s.T;
-    ma.pos0 = s.pos0;
+    ma.pos0 = bound_pos0(s);
+    ma.n_keys = ma.pos0 + s.T;
+    ma.pos0_dev = s.pos0_dev;
     ma.kv_b = &a.kv_b_proj;
     ma.scale = float(c.attention_scale());
     if (selected) ma.selection = KeySelection{selected + s.offset * topk, counts + s.offset, topk};
@@ -412,11 +516,27 @@ RouterArgs GlmDsaModel::router_args(const LayerWeights& L) const {
 void GlmDsaModel::moe(int layer, const float* xn, int64_t N, float* out) {
   const GlmDsaConfig& c = config_;
   const LayerWeights& L = weights_.layers[size_t(layer)];
-  const int64_t D = c.hidden_size, K = c.experts_per_token, I = c.moe_intermediate_size;
+  const int64_t D = c.hidden_size, K = c.experts_per_token;
   int32_t* ids_dev = scratch_i32(2, size_t(N * K));
   float* wts_dev = scratch(27, size_t(N * K));
   backend_.moe_route(xn, N, router_args(L), ids_dev, wts_dev);
+  if (const ExpertBank* bank = experts_->bank(layer); bank && backend_.prefers_moe_experts(N)) {
+    // Few tokens, every expert resident: run them by id on the backend, nothing read back.
+    backend_.moe_experts(xn, N, ids_dev, wts_dev, int(K), *bank, out);
+  } else {
+    moe_grouped(layer, xn, N, ids_dev, wts_dev, out);
+  }
+  if (L.has_shared) {
+    float* s = scratch(26, size_t(N * D));
+    mlp(L.shared, xn, N, s);
+    backend_.add(out, s, N * D);
+  }
+}
 
+void GlmDsaModel::moe_grouped(int layer, const float* xn, int64_t N, const int32_t* ids_dev, const float* wts_dev,
+                              float* out) {
+  const GlmDsaConfig& c = config_;
+  const int64_t D = c.hidden_size, K = c.experts_per_token, I = c.moe_intermediate_size;
   // Tokens grouped by expert on the backend (stable: each expert's tokens ascending, the order in
   // which scatter_add_rows accumulates). The host reads back only the n_experts + 1 offsets: which
   // experts this step uses (the store needs them) and their row counts (the matmuls need them).
@@ -457,11 +577,6 @@ void GlmDsaModel::moe(int layer, const float* xn, int64_t N, float* out) {
     backend_.swiglu(g, u, g, m * I);
     backend_.matmul(g, m, e->down, y);
     backend_.scatter_add_rows(out, toks, wts, y, m, D);
-  }
-  if (L.has_shared) {
-    float* s = scratch(26, size_t(N * D));
-    mlp(L.shared, xn, N, s);
-    backend_.add(out, s, N * D);
   }
 }
 

@@ -28,8 +28,9 @@ struct BatchItem {
   int row = 0;                      // cache row (the sequence)
   const int32_t* tokens = nullptr;  // [T] new tokens, at positions cache.length(row) ..
   int64_t T = 0;
-  float* logits = nullptr;          // host: [T, vocab] if all_logits, else [1, vocab] (last token)
+  float* logits = nullptr;          // host: [T, vocab] if all_logits, else [1, vocab] (last token); may be null
   bool all_logits = false;
+  int32_t* argmax = nullptr;        // host, same rows as logits: the greedy tokens, chosen on the backend
 };
 
 class GlmDsaModel {
@@ -61,6 +62,17 @@ class GlmDsaModel {
   // items with T == 1 and the reconstructed path otherwise.
   void forward_batch(const std::vector<BatchItem>& items, MlaCache& cache, AttentionPath path = AttentionPath::Auto);
 
+  // As forward(), returning the greedy next token (chosen on the backend: no logits copied).
+  int32_t forward_greedy(const int32_t* tokens, int64_t T, MlaCache& cache, int row,
+                         AttentionPath path = AttentionPath::Auto);
+
+  // Decode steps (every item one token) on a backend that can record ops run from a recording
+  // (a CUDA graph) made once per batch of cache rows: one launch per step instead of hundreds.
+  // On by default; off runs every op eagerly (same results: tests compare the two).
+  void set_recording(bool on) { recording_enabled_ = on; }
+  // Steps run from a recording since construction (for tests and bench).
+  int64_t recorded_steps_run() const { return recorded_runs_; }
+
   // The path AttentionPath::Auto takes for T new tokens after pos0 cached ones.
   AttentionPath choose_path(int64_t T, int64_t pos0) const;
 
@@ -75,11 +87,27 @@ class GlmDsaModel {
     int row;
     int64_t offset, T, pos0;  // rows [offset, offset + T) of the step's token matrix
     AttentionPath path;
+    bool all_logits = false;
+    const int32_t* pos0_dev = nullptr;  // pos0 in backend memory (recorded steps), else null
   };
+  // A recorded decode step for one batch of cache rows, valid while no scratch buffer (ours or
+  // the backend's) has been reallocated since it was recorded.
+  struct RecordedStep {
+    std::unique_ptr<RecordedOps> ops;
+    uint64_t model_gen = 0, backend_gen = 0;
+    bool warmed = false;  // an eager run at these sizes has allocated every buffer
+    uint64_t last_use = 0;
+  };
+  bool can_record_step(const std::vector<Segment>& segs, int64_t N) const;
+  void run_recorded(std::vector<Segment>& segs, int64_t N, MlaCache& cache, const int32_t* ids, float* logits);
+  // Embedding, layers, final norm and lm_head for one step: logits [rows asked for, vocab].
+  void run_step(const std::vector<Segment>& segs, int64_t N, MlaCache& cache, const int32_t* ids, float* logits);
   void rope_table(int64_t pos0, int64_t T, float* cos_sin) const;  // host [T, rope/2, 2]
   void attention(int layer, const float* xn, int64_t N, const std::vector<Segment>& segs, MlaCache& cache,
                  float* out);
   void moe(int layer, const float* xn, int64_t N, float* out);
+  // Routed experts grouped by expert (the union of the step's experts, one product each).
+  void moe_grouped(int layer, const float* xn, int64_t N, const int32_t* ids, const float* weights, float* out);
   RouterArgs router_args(const LayerWeights& L) const;
   void prefetch_next(int layer, const float* h, int64_t N);  // next layer's router -> experts_->prefetch
   void mlp(const MlpWeights& w, const float* x, int64_t T, float* out);
@@ -100,6 +128,12 @@ class GlmDsaModel {
   std::vector<std::shared_ptr<int32_t>> scratch_i32_;
   std::vector<size_t> scratch_i32_size_;
   std::map<const void*, std::shared_ptr<float>> vectors_;  // host norm vector -> backend copy
+  uint64_t scratch_gen_ = 0;   // bumped whenever a scratch buffer is reallocated
+  bool recording_ = false;     // ops are being recorded: scratch must not grow
+  bool recording_enabled_ = true;
+  std::map<std::pair<uint64_t, std::vector<int>>, RecordedStep> recorded_;  // (cache id, rows) ->
+  uint64_t step_clock_ = 0;
+  int64_t recorded_runs_ = 0;
 };
 
 }  // namespace vireo

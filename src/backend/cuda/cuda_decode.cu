@@ -1,0 +1,231 @@
+// Decode-step kernels: the pieces that let a whole decode step run on the device with no host
+// round trip (so it can be recorded as one CUDA graph) and with fewer passes over memory.
+//
+// Routed experts by id: the router's (token, k) slots are read on the device. Two launches for
+// all experts of a layer: gate and up rows read together with silu(g) * u applied in registers
+// (no g/u buffers), then the down rows of a token's k experts reduced in order, weighted and
+// summed into the output row (no scatter pass). Every weight byte is read once, 16 bytes a load.
+#include "backend/cuda/cuda_decode.h"
+#include "backend/cuda/cuda_internal.h"
+
+namespace vireo::cuda {
+
+namespace {
+
+// This lane's share of dot(w[row, :], x) (reduce over the warp afterwards).
+template <int DT, bool VEC>
+__device__ __forceinline__ float lane_dot(const DevW& w, int64_t row, const float* __restrict__ x, int lane) {
+  float acc[1] = {0.0f};
+  if constexpr (VEC) {
+    constexpr int N = GemvVec<DT>::n;
+    const uint4* wr = reinterpret_cast<const uint4*>(static_cast<const char*>(w.w) + row * w.in * elem_bytes<DT>());
+    const float* srow = DT == W_FP8 ? w.s + (row >> 7) * w.s_cols : nullptr;
+    const int64_t nv = w.in / N;
+    int64_t v = lane;
+    for (; v + 96 < nv; v += 128) {  // four loads in flight before the first use
+      const uint4 a0 = ldg_stream(wr + v), a1 = ldg_stream(wr + v + 32), a2 = ldg_stream(wr + v + 64),
+                  a3 = ldg_stream(wr + v + 96);
+      gemv_consume<DT, 1>(a0, x, w.in, v * N, srow, acc);
+      gemv_consume<DT, 1>(a1, x, w.in, (v + 32) * N, srow, acc);
+      gemv_consume<DT, 1>(a2, x, w.in, (v + 64) * N, srow, acc);
+      gemv_consume<DT, 1>(a3, x, w.in, (v + 96) * N, srow, acc);
+    }
+    for (; v < nv; v += 32) gemv_consume<DT, 1>(ldg_stream(wr + v), x, w.in, v * N, srow, acc);
+  } else {
+    for (int64_t k = lane; k < w.in; k += 32) acc[0] += wget<DT>(w, row, k) * x[k];
+  }
+  return acc[0];
+}
+
+// h[s, row] = silu(gate_e[row] . x[t]) * (up_e[row] . x[t]) for slot s = (t, k), e = ids[s].
+template <int DT, bool VEC>
+__global__ void __launch_bounds__(256) moe_gate_up_kernel(const float* __restrict__ x, int64_t D, int64_t I, int K,
+                                                          const int32_t* __restrict__ ids,
+                                                          const DevExpert* __restrict__ bank, float* __restrict__ h) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t row = int64_t(blockIdx.x) * 8 + warp, s = blockIdx.y;
+  if (row >= I) return;
+  const DevExpert& e = bank[ids[s]];
+  const float* xt = x + (s / K) * D;
+  const float g = warp_sum(lane_dot<DT, VEC>(e.gate, row, xt, lane));
+  const float u = warp_sum(lane_dot<DT, VEC>(e.up, row, xt, lane));
+  if (lane == 0) h[s * I + row] = g / (1.0f + expf(-g)) * u;
+}
+
+// out[t, row] = (0 + w0 * down_e0[row] . h[t, 0]) + w1 * ... in order of k.
+template <int DT, bool VEC>
+__global__ void __launch_bounds__(256) moe_down_kernel(const float* __restrict__ h, int64_t D, int64_t I, int K,
+                                                       const int32_t* __restrict__ ids, const float* __restrict__ wts,
+                                                       const DevExpert* __restrict__ bank, float* __restrict__ out) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t row = int64_t(blockIdx.x) * 8 + warp, t = blockIdx.y;
+  if (row >= D) return;
+  float acc = 0.0f;
+  for (int k = 0; k < K; ++k) {
+    const int64_t s = t * K + k;
+    const float y = warp_sum(lane_dot<DT, VEC>(bank[ids[s]].down, row, h + s * I, lane));
+    acc = __fadd_rn(acc, __fmul_rn(wts[s], y));
+  }
+  if (lane == 0) out[t * D + row] = acc;
+}
+
+template <int DT, bool VEC>
+void launch_moe(const float* x, int64_t N, int64_t D, int64_t I, int K, const int32_t* ids, const float* wts,
+                const DevExpert* bank, float* h, float* out, cudaStream_t st) {
+  moe_gate_up_kernel<DT, VEC><<<dim3(unsigned((I + 7) / 8), unsigned(N * K)), 256, 0, st>>>(x, D, I, K, ids, bank, h);
+  VIREO_CUDA_LAUNCHED();
+  moe_down_kernel<DT, VEC><<<dim3(unsigned((D + 7) / 8), unsigned(N)), 256, 0, st>>>(h, D, I, K, ids, wts, bank, out);
+  VIREO_CUDA_LAUNCHED();
+}
+
+template <int DT>
+void launch_moe_dt(bool vec, const float* x, int64_t N, int64_t D, int64_t I, int K, const int32_t* ids,
+                   const float* wts, const DevExpert* bank, float* h, float* out, cudaStream_t st) {
+  if (vec) launch_moe<DT, true>(x, N, D, I, K, ids, wts, bank, h, out, st);
+  else launch_moe<DT, false>(x, N, D, I, K, ids, wts, bank, h, out, st);
+}
+
+// One block per token: rms-normalize the latent, rotate k_rope, both straight into the cache row.
+// Same arithmetic as rms_norm_kernel + rope_kernel (bit-identical to running them in turn).
+__global__ void mla_cache_append_kernel(const float* __restrict__ kva, int64_t L, int64_t rope,
+                                        const float* __restrict__ w, float eps, const float* __restrict__ cs,
+                                        int interleaved, float* __restrict__ cache, int64_t pos0,
+                                        const int32_t* __restrict__ pos0_dev) {
+  const int64_t t = blockIdx.x, kvw = L + rope, half = rope / 2;
+  const float* xr = kva + t * kvw;
+  float* yr = cache + ((pos0_dev ? int64_t(*pos0_dev) : pos0) + t) * kvw;
+  float ss = 0.0f;
+  for (int64_t i = threadIdx.x; i < L; i += blockDim.x) ss += xr[i] * xr[i];
+  ss = block_sum(ss);
+  const float inv = 1.0f / sqrtf(ss / float(L) + eps);
+  for (int64_t i = threadIdx.x; i < L; i += blockDim.x) yr[i] = w[i] * (xr[i] * inv);
+  const float* c = cs + t * rope;
+  for (int64_t i = threadIdx.x; i < half; i += blockDim.x) {
+    const float a = interleaved ? xr[L + 2 * i] : xr[L + i], b = interleaved ? xr[L + 2 * i + 1] : xr[L + half + i];
+    const float co = c[2 * i], si = c[2 * i + 1];
+    yr[L + i] = a * co - b * si;
+    yr[L + half + i] = b * co + a * si;
+  }
+}
+
+// One block (256 threads) per token: layer norm as layer_norm_kernel, then the first `rope` dims
+// rotated as rope_kernel, written at the token's cache position.
+__global__ void __launch_bounds__(256) index_key_append_kernel(const float* __restrict__ k, int64_t d,
+                                                               const float* __restrict__ w,
+                                                               const float* __restrict__ b, float eps, int64_t rope,
+                                                               const float* __restrict__ cs, int interleaved,
+                                                               float* __restrict__ keys, int64_t pos0,
+                                                               const int32_t* __restrict__ pos0_dev) {
+  const int64_t t = blockIdx.x, half = rope / 2;
+  const float* xr = k + t * d;
+  float* yr = keys + ((pos0_dev ? int64_t(*pos0_dev) : pos0) + t) * d;
+  __shared__ double red[256];
+  double s = 0;
+  for (int64_t i = threadIdx.x; i < d; i += blockDim.x) s += xr[i];
+  red[threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double m = 0;
+    for (int i = 0; i < int(blockDim.x); ++i) m += red[i];
+    red[0] = m / double(d);
+  }
+  __syncthreads();
+  const double mean = red[0];
+  __syncthreads();
+  double v = 0;
+  for (int64_t i = threadIdx.x; i < d; i += blockDim.x) v += (xr[i] - mean) * (xr[i] - mean);
+  red[threadIdx.x] = v;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double m = 0;
+    for (int i = 0; i < int(blockDim.x); ++i) m += red[i];
+    red[0] = m / double(d);
+  }
+  __syncthreads();
+  const float inv = float(1.0 / sqrt(red[0] + eps));
+  for (int64_t i = threadIdx.x; i < d; i += blockDim.x) yr[i] = float(xr[i] - mean) * inv * w[i] + b[i];
+  __syncthreads();
+  const float* c = cs + t * rope;
+  float x0 = 0, x1 = 0;
+  const int64_t i = threadIdx.x;
+  if (i < half) {
+    x0 = interleaved ? yr[2 * i] : yr[i];
+    x1 = interleaved ? yr[2 * i + 1] : yr[half + i];
+  }
+  __syncthreads();
+  if (i < half) {
+    const float co = c[2 * i], si = c[2 * i + 1];
+    yr[i] = x0 * co - x1 * si;
+    yr[half + i] = x1 * co + x0 * si;
+  }
+}
+
+// One block per row: each thread's best (largest, then lowest index), then a tree over the block.
+__global__ void __launch_bounds__(1024) argmax_kernel(const float* __restrict__ x, int64_t n, int32_t* __restrict__ out) {
+  __shared__ float bv[1024];
+  __shared__ int64_t bi[1024];
+  const float* xr = x + int64_t(blockIdx.x) * n;
+  float best = -INFINITY;
+  int64_t at = -1;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
+    if (at < 0 || xr[i] > best) {
+      best = xr[i];
+      at = i;
+    }
+  bv[threadIdx.x] = best;
+  bi[threadIdx.x] = at;
+  __syncthreads();
+  for (int o = blockDim.x / 2; o > 0; o >>= 1) {
+    if (int(threadIdx.x) < o) {
+      const float v = bv[threadIdx.x + o];
+      const int64_t j = bi[threadIdx.x + o];
+      const int64_t mine = bi[threadIdx.x];
+      if (j >= 0 && (mine < 0 || v > bv[threadIdx.x] || (v == bv[threadIdx.x] && j < mine))) {
+        bv[threadIdx.x] = v;
+        bi[threadIdx.x] = j;
+      }
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) out[blockIdx.x] = int32_t(bi[0] < 0 ? 0 : bi[0]);
+}
+
+}  // namespace
+
+void moe_experts(const float* x, int64_t N, int64_t D, int64_t I, int K, const int32_t* ids, const float* weights,
+                 const DevExpert* bank, int dtype, bool vec, float* h, float* out, cudaStream_t st) {
+  if (N <= 0) return;
+  switch (dtype) {
+    case W_F32: launch_moe_dt<W_F32>(vec, x, N, D, I, K, ids, weights, bank, h, out, st); break;
+    case W_BF16: launch_moe_dt<W_BF16>(vec, x, N, D, I, K, ids, weights, bank, h, out, st); break;
+    case W_F16: launch_moe_dt<W_F16>(vec, x, N, D, I, K, ids, weights, bank, h, out, st); break;
+    default: launch_moe_dt<W_FP8>(vec, x, N, D, I, K, ids, weights, bank, h, out, st); break;
+  }
+}
+
+void mla_cache_append(const float* kva, int64_t T, int64_t L, int64_t rope, const float* norm_w, float eps,
+                      const float* cs, bool interleaved, float* cache, int64_t pos0, const int32_t* pos0_dev,
+                      cudaStream_t st) {
+  if (T <= 0) return;
+  mla_cache_append_kernel<<<unsigned(T), L >= 2048 ? 512 : 256, 0, st>>>(kva, L, rope, norm_w, eps, cs,
+                                                                          interleaved ? 1 : 0, cache, pos0, pos0_dev);
+  VIREO_CUDA_LAUNCHED();
+}
+
+void index_key_append(const float* k, int64_t T, int64_t d, const float* w, const float* b, float eps, int64_t rope,
+                      const float* cs, bool interleaved, float* keys, int64_t pos0, const int32_t* pos0_dev,
+                      cudaStream_t st) {
+  if (T <= 0) return;
+  if (rope / 2 > 256) fail("index_key_append: rope width ", rope, " is too wide");
+  index_key_append_kernel<<<unsigned(T), 256, 0, st>>>(k, d, w, b, eps, rope, cs, interleaved ? 1 : 0, keys, pos0,
+                                                       pos0_dev);
+  VIREO_CUDA_LAUNCHED();
+}
+
+void argmax_rows(const float* x, int64_t rows, int64_t n, int32_t* out, cudaStream_t st) {
+  if (rows <= 0) return;
+  argmax_kernel<<<unsigned(rows), 1024, 0, st>>>(x, n, out);
+  VIREO_CUDA_LAUNCHED();
+}
+
+}  // namespace vireo::cuda

@@ -1,0 +1,30 @@
+#pragma once
+// Decode-step kernels (cuda_decode.cu): routed experts by id, fused cache appends, argmax.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backend/cuda/cuda_kernels.cuh"
+
+namespace vireo::cuda {
+
+// One routed expert's three matrices on the device.
+struct DevExpert {
+  DevW gate, up, down;  // gate/up [I, D], down [D, I]
+};
+
+// out[t] = sum_k weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]), e = ids[t, k], k in order.
+// h is scratch [N * K, I].
+void moe_experts(const float* x, int64_t N, int64_t D, int64_t I, int K, const int32_t* ids, const float* weights,
+                 const DevExpert* bank, int dtype, bool vec, float* h, float* out, cudaStream_t st);
+
+void mla_cache_append(const float* kva, int64_t T, int64_t L, int64_t rope, const float* norm_w, float eps,
+                      const float* cs, bool interleaved, float* cache, int64_t pos0, const int32_t* pos0_dev,
+                      cudaStream_t st);
+void index_key_append(const float* k, int64_t T, int64_t d, const float* w, const float* b, float eps, int64_t rope,
+                      const float* cs, bool interleaved, float* keys, int64_t pos0, const int32_t* pos0_dev,
+                      cudaStream_t st);
+
+void argmax_rows(const float* x, int64_t rows, int64_t n, int32_t* out, cudaStream_t st);
+
+}  // namespace vireo::cuda
