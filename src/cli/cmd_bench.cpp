@@ -76,7 +76,7 @@ double decode_cache_bytes(const GlmDsaConfig& c, int64_t ctx) {
 // `vireo bench --device cuda`: B=1 decode at context 0 and 4096, prefill of 512 and 4096 tokens,
 // against a device-to-device copy and a cuBLASLt bf16 GEMM measured in the same run.
 int bench_cuda(const std::string& dir, const std::string& synthetic, const std::string& dtype, int layers,
-               int experts, int64_t n_decode, bool record) {
+               int experts, int64_t n_decode, bool record, bool profile) {
 #ifndef VIREO_HAVE_CUDA
   fail("--device cuda: this vireo was built without CUDA (no nvcc at build time)");
 #else
@@ -145,18 +145,48 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
     MlaCache cache(*backend, model->cache_shape(), 1, n_decode + 8);
     decode_from(cache, 0);
   }
+  // Prefill: one untimed run at the length first (the backend's scratch buffers grow to it, and
+  // cuBLASLt picks algorithms for its shapes), then the median of 3 timed runs.
   for (int64_t T : {int64_t(512), int64_t(4096)}) {
     MlaCache cache(*backend, model->cache_shape(), 1, T + n_decode + 8);
-    auto a = clock::now();
-    model->forward(ids.data(), T, cache, 0, logits.data(), false, AttentionPath::Reconstructed);
-    const double s = secs(a, clock::now());
-    pre.push_back({T, s, mm_flops_per_token * double(T) + lm_head_flops + prefill_attention_flops(c, T)});
+    std::vector<double> runs;
+    for (int r = 0; r < 4; ++r) {
+      cache.trim(0, 0);
+      auto a = clock::now();
+      model->forward(ids.data(), T, cache, 0, logits.data(), false, AttentionPath::Reconstructed);
+      if (r > 0) runs.push_back(secs(a, clock::now()));
+    }
+    std::sort(runs.begin(), runs.end());
+    pre.push_back({T, runs[1], mm_flops_per_token * double(T) + lm_head_flops + prefill_attention_flops(c, T)});
     if (T == 4096) decode_from(cache, T);
+  }
+  std::string profiles;
+  if (profile) {  // after the timed runs: the profile's syncs would distort them
+    model->set_recording(false);  // op by op: each op timed on its own
+    auto run = [&](const char* what, auto&& body) {
+      cuda_set_profile(*backend, true);
+      auto a = clock::now();
+      body();
+      const double ms = 1e3 * secs(a, clock::now());
+      profiles += std::string("\nprofile: ") + what + "\n" + cuda_profile_report(*backend, ms);
+      cuda_set_profile(*backend, false);
+    };
+    const int64_t steps = std::min<int64_t>(n_decode, 8);
+    for (int64_t T : {int64_t(512), int64_t(4096)}) {
+      MlaCache cache(*backend, model->cache_shape(), 1, T + steps + 8);
+      run(("prefill " + std::to_string(T) + " tokens").c_str(),
+          [&] { model->forward(ids.data(), T, cache, 0, logits.data(), false, AttentionPath::Reconstructed); });
+      if (T == 4096)
+        run(("decode, " + std::to_string(steps) + " steps after 4096 cached").c_str(), [&] {
+          for (int64_t i = 0; i < steps; ++i)
+            model->forward(&ids[size_t(T + i)], 1, cache, 0, logits.data(), false, AttentionPath::Absorbed);
+        });
+    }
   }
   std::printf("model              %s\n", synthetic.empty() ? dir.c_str()
               : ("synthetic glm5, " + std::to_string(layers) + " layers x " + std::to_string(experts) +
                  " experts, " + dtype).c_str());
-  std::printf("device             cuda (prefill GEMMs: bf16 weights on cuBLASLt, x split hi+lo; others f32 tiles)\n");
+  std::printf("device             cuda\n");
   std::printf("copy bandwidth     %.0f GB/s (device-to-device, read + write, measured now)\n", copy_gbs);
   std::printf("bf16 GEMM peak     %.0f TFLOP/s (cuBLASLt 8192^3, measured now)\n", gemm_tflops);
   std::printf("active weights     %.3f GB per decoded token\n", weights / 1e9);
@@ -166,8 +196,10 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
     std::printf("decode ctx %-6lld  %8.2f tok/s  %.3f GB/token (weights + cache)  %7.0f GB/s  = %5.1f%% of copy bandwidth\n",
                 (long long)d.ctx, d.tps, d.bytes / 1e9, d.bytes * d.tps / 1e9, 100.0 * d.bytes * d.tps / 1e9 / copy_gbs);
   for (const Prefill& p : pre)
-    std::printf("prefill %-6lld     %8.1f tok/s  %.3f s  %7.1f TFLOP/s  = %5.1f%% of bf16 GEMM peak\n", (long long)p.T,
+    std::printf("prefill %-6lld     %8.1f tok/s  %.4f s  %7.1f TFLOP/s  = %5.1f%% of bf16 GEMM peak (median of 3)\n",
+                (long long)p.T,
                 double(p.T) / p.s, p.s, p.flops / p.s / 1e12, 100.0 * p.flops / p.s / 1e12 / gemm_tflops);
+  std::fputs(profiles.c_str(), stdout);
   return 0;
 #endif
 }
@@ -183,6 +215,7 @@ Action add_bench(CLI::App& app) {
     std::string attention = "auto";
     StreamingFlags sf;
     std::string device = "cpu";
+    bool profile = false;
   };
   auto o = std::make_shared<Opts>();
   auto* m = app.add_option("--model,-m", o->model, "Model directory");
@@ -202,11 +235,16 @@ Action add_bench(CLI::App& app) {
   app.add_flag("--no-graph", o->no_graph, "CUDA: launch decode steps op by op instead of replaying a recorded graph");
   add_streaming_flags(app, o->sf);
   add_device_flag(app, o->device);
+  app.add_flag("--profile", o->profile,
+               "CUDA: after the timed runs, an op-level GPU profile (time per op and matmul shape) of prefill 512 "
+               "and 4096 and of decode");
   return [o]() {
     using clock = std::chrono::steady_clock;
     if (o->model.empty() && o->synthetic.empty()) fail("bench needs --model DIR or --synthetic glm5");
     check_device_flags(o->device, o->sf);
-    if (o->device == "cuda") return bench_cuda(o->model, o->synthetic, o->dtype, o->layers, o->experts, o->decode, !o->no_graph);
+    if (o->profile && o->device != "cuda") fail("--profile needs --device cuda");
+    if (o->device == "cuda")
+      return bench_cuda(o->model, o->synthetic, o->dtype, o->layers, o->experts, o->decode, !o->no_graph, o->profile);
     ThreadPool& pool = ThreadPool::global();
     auto backend = make_cpu_backend();
     std::unique_ptr<GlmDsaModel> model;

@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -14,6 +16,7 @@
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_decode.h"
 #include "backend/cuda/cuda_internal.h"
+#include "backend/cuda/cuda_profile.h"
 
 namespace vireo {
 
@@ -204,6 +207,32 @@ __global__ void random_bf16_kernel(__nv_bfloat16* p, int64_t n, uint32_t seed) {
   }
 }
 
+// Brackets one op (or a piece of one) for the profiler; costs one branch when profiling is off.
+class ProfScope {
+ public:
+  ProfScope(OpProfiler& p, cudaStream_t st, const char* name) : p_(p.on() ? &p : nullptr), st_(st) {
+    if (p_) p_->begin(st_, name);
+  }
+  // `key()` builds the key (only called when profiling is on).
+  template <typename F>
+  ProfScope(OpProfiler& p, cudaStream_t st, F&& key, double flops) : p_(p.on() ? &p : nullptr), st_(st) {
+    if (p_) {
+      p_->begin(st_, key());
+      p_->add_flops(flops);
+    }
+  }
+  ~ProfScope() {
+    if (p_) p_->end(st_);
+  }
+  ProfScope(const ProfScope&) = delete;
+  ProfScope& operator=(const ProfScope&) = delete;
+
+ private:
+  OpProfiler* p_;
+  cudaStream_t st_;
+};
+#define VIREO_PROF(name) ProfScope prof_scope_(prof_, stream_, name)
+
 unsigned grid_for(int64_t n) { return unsigned(std::clamp<int64_t>((n + 255) / 256, 1, 65536)); }
 
 int dtype_code(DType d) {
@@ -285,16 +314,29 @@ class CudaBackend final : public Backend {
   const char* name() const override { return "cuda"; }
   cudaStream_t stream() const { return stream_; }
   void set_gemm_mode(CudaGemmMode m) { mode_ = m; }
+  OpProfiler& profiler() { return prof_; }
   cublasLtHandle_t lt() const { return lt_; }
   void* lt_ws() const { return lt_ws_.get(); }
   size_t lt_ws_bytes() const { return lt_ws_bytes_; }
 
   std::shared_ptr<float> alloc_f32(size_t n) override { return device_alloc<float>(n); }
   std::shared_ptr<int32_t> alloc_i32(size_t n) override { return device_alloc<int32_t>(n); }
-  void copy_to_host(float* dst, const float* src, size_t n) override { d2h(dst, src, n * 4); }
-  void copy_from_host(float* dst, const float* src, size_t n) override { h2d(dst, src, n * 4); }
-  void copy_to_host_i32(int32_t* dst, const int32_t* src, size_t n) override { d2h(dst, src, n * 4); }
-  void copy_from_host_i32(int32_t* dst, const int32_t* src, size_t n) override { h2d(dst, src, n * 4); }
+  void copy_to_host(float* dst, const float* src, size_t n) override {
+    VIREO_PROF("copy_to_host");
+    d2h(dst, src, n * 4);
+  }
+  void copy_from_host(float* dst, const float* src, size_t n) override {
+    VIREO_PROF("copy_from_host");
+    h2d(dst, src, n * 4);
+  }
+  void copy_to_host_i32(int32_t* dst, const int32_t* src, size_t n) override {
+    VIREO_PROF("copy_to_host_i32");
+    d2h(dst, src, n * 4);
+  }
+  void copy_from_host_i32(int32_t* dst, const int32_t* src, size_t n) override {
+    VIREO_PROF("copy_from_host_i32");
+    h2d(dst, src, n * 4);
+  }
 
   // Always uploads (the caller owns the host bytes and may reuse their address later); the copy
   // is also remembered under the host address for matmuls that pass the host weight itself.
@@ -330,17 +372,20 @@ class CudaBackend final : public Backend {
 
   void copy_rows(float* dst, int64_t ds, const float* src, int64_t ss, int64_t rows, int64_t n) override {
     if (rows <= 0 || n <= 0) return;
+    VIREO_PROF("copy_rows");
     VIREO_CUDA_CHECK(cudaMemcpy2DAsync(dst, size_t(ds) * 4, src, size_t(ss) * 4, size_t(n) * 4, size_t(rows),
                                        cudaMemcpyDeviceToDevice, stream_));
   }
   void fill(float* y, float v, int64_t n) override {
     if (n <= 0) return;
+    VIREO_PROF("fill");
     fill_kernel<<<grid_for(n), 256, 0, stream_>>>(y, v, n);
     VIREO_CUDA_LAUNCHED();
   }
 
   void embed(const Weight& table, const int32_t* ids, int64_t T, float* out) override {
     if (T <= 0) return;
+    VIREO_PROF("embed");
     embed_kernel<<<unsigned(T), 256, 0, stream_>>>(devw(table), ids, out);
     VIREO_CUDA_LAUNCHED();
   }
@@ -348,12 +393,14 @@ class CudaBackend final : public Backend {
   void rms_norm(const float* x, int64_t xs, int64_t T, int64_t n, const float* w, float eps, float* y,
                 int64_t ys) override {
     if (T <= 0) return;
+    VIREO_PROF("rms_norm");
     rms_norm_kernel<<<unsigned(T), n >= 2048 ? 512 : 256, 0, stream_>>>(x, xs, n, w, eps, y, ys);
     VIREO_CUDA_LAUNCHED();
   }
   void layer_norm(const float* x, int64_t T, int64_t n, const float* w, const float* b, float eps,
                   float* y) override {
     if (T <= 0) return;
+    VIREO_PROF("layer_norm");
     layer_norm_kernel<<<unsigned(T), 256, 0, stream_>>>(x, n, w, b, eps, y);
     VIREO_CUDA_LAUNCHED();
   }
@@ -361,6 +408,15 @@ class CudaBackend final : public Backend {
   void matmul(const float* x, int64_t T, const Weight& wt, float* y) override {
     if (T <= 0) return;
     const DevW w = devw(wt);
+    const char* path = T <= 8 ? "gemv" : (w.dt == W_BF16 && mode_ != CudaGemmMode::Simt) ? "lt" : "simt";
+    ProfScope ps(
+        prof_, stream_,
+        [&] {
+          static const char* names[] = {"f32", "bf16", "f16", "fp8"};
+          return std::string("matmul ") + names[w.dt] + " " + std::to_string(w.out) + "x" + std::to_string(w.in) +
+                 " " + path + (T <= 8 ? " T=" + std::to_string(T) : std::string());
+        },
+        2.0 * double(T) * double(w.out) * double(w.in));
     if (T <= 8) {
       matmul_small(x, T, w, y, stream_, sms_);
     } else if (!(w.dt == W_BF16 && mode_ != CudaGemmMode::Simt && lt_bf16(x, T, w, y))) {
@@ -372,6 +428,7 @@ class CudaBackend final : public Backend {
   void rope(float* x, int64_t T, int64_t H, int64_t ts, int64_t hs, int64_t offset, int64_t width, const float* cs,
             RopeKind kind) override {
     if (T <= 0 || H <= 0) return;
+    VIREO_PROF("rope");
     const int64_t half = width / 2;
     if (half > 1024) fail("rope: width ", width, " is too wide");
     const unsigned threads = unsigned((half + 31) / 32 * 32);
@@ -382,34 +439,40 @@ class CudaBackend final : public Backend {
 
   void add(float* y, const float* x, int64_t n) override {
     if (n <= 0) return;
+    VIREO_PROF("add");
     add_kernel<<<grid_for(n), 256, 0, stream_>>>(y, x, n);
     VIREO_CUDA_LAUNCHED();
   }
   void scale(float* y, float s, int64_t n) override {
     if (n <= 0) return;
+    VIREO_PROF("scale");
     scale_kernel<<<grid_for(n), 256, 0, stream_>>>(y, s, n);
     VIREO_CUDA_LAUNCHED();
   }
   void swiglu(const float* gate, const float* up, float* out, int64_t n) override {
     if (n <= 0) return;
+    VIREO_PROF("swiglu");
     swiglu_kernel<<<grid_for(n), 256, 0, stream_>>>(gate, up, out, n);
     VIREO_CUDA_LAUNCHED();
   }
 
   void mla_cache_append(const float* kva, int64_t T, int64_t L, int64_t rope, const float* norm_w, float eps,
                         const float* cs, RopeKind kind, float* cache, int64_t pos0, const int32_t* pos0_dev) override {
+    VIREO_PROF("mla_cache_append");
     cuda::mla_cache_append(kva, T, L, rope, norm_w, eps, cs, kind == RopeKind::Interleaved, cache, pos0, pos0_dev,
                            stream_);
   }
   void index_key_append(const float* k, int64_t T, int64_t d, const float* w, const float* b, float eps,
                         int64_t rope, const float* cs, RopeKind kind, float* keys, int64_t pos0,
                         const int32_t* pos0_dev) override {
+    VIREO_PROF("index_key_append");
     cuda::index_key_append(k, T, d, w, b, eps, rope, cs, kind == RopeKind::Interleaved, keys, pos0, pos0_dev,
                            stream_);
   }
 
   void mla_attention(const MlaAttentionArgs& a) override {
     if (a.T <= 0) return;
+    VIREO_PROF(a.absorbed ? "mla_attention absorbed" : "mla_attention reconstructed");
     if (a.absorbed) attention_absorbed(a);
     else if (a.pos0_dev) fail("cuda mla_attention: run-time positions need the absorbed path");
     else attention_reconstructed(a);
@@ -418,6 +481,7 @@ class CudaBackend final : public Backend {
   void moe_experts(const float* x, int64_t N, const int32_t* ids, const float* weights, int top_k,
                    const ExpertBank& bank, float* out) override {
     if (N <= 0) return;
+    VIREO_PROF("moe_experts");
     const DeviceBank& b = device_bank(bank);
     float* h = moe_h_.get<float>(size_t(N * top_k * b.I));
     cuda::moe_experts(x, N, b.D, b.I, top_k, ids, weights, b.table.get(), b.dtype, b.vec, h, out, stream_);
@@ -425,10 +489,12 @@ class CudaBackend final : public Backend {
   bool prefers_moe_experts(int64_t N) const override { return N <= 8; }
 
   void argmax_rows(const float* x, int64_t rows, int64_t n, int32_t* out) override {
+    VIREO_PROF("argmax_rows");
     cuda::argmax_rows(x, rows, n, out, stream_);
   }
 
-  bool can_record() const override { return true; }
+  // Not while profiling: the profile waits on the stream around every op, which a recording can't.
+  bool can_record() const override { return !prof_.on(); }
   void begin_recording() override {
     VIREO_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed));
   }
@@ -441,14 +507,24 @@ class CudaBackend final : public Backend {
 
   void indexer_select(const IndexerArgs& a) override {
     if (a.T <= 0) return;
+    VIREO_PROF("indexer_select");
     float* scores = scores_.get<float>(size_t(a.T * a.n_keys));
-    indexer_scores(a.q, a.weights, a.keys, a.T, a.n_heads, a.head_dim, a.n_keys, a.pos0, a.pos0_dev, a.topk, a.scale,
-                   scores, stream_);
+    {
+      double pairs = 0;
+      if (prof_.on())
+        for (int64_t t = 0; t < a.T; ++t)
+          if (a.pos0 + t + 1 > a.topk) pairs += double(a.pos0 + t + 1);
+      ProfScope ps(prof_, stream_, [] { return std::string("scores"); }, 2.0 * pairs * double(a.n_heads * a.head_dim));
+      indexer_scores(a.q, a.weights, a.keys, a.T, a.n_heads, a.head_dim, a.n_keys, a.pos0, a.pos0_dev, a.topk,
+                     a.scale, scores, stream_);
+    }
+    ProfScope ps(prof_, stream_, [] { return std::string("topk"); }, 0.0);
     indexer_topk(scores, a.T, a.n_keys, a.pos0, a.pos0_dev, a.topk, a.selected, a.counts, stream_);
   }
 
   void moe_route(const float* x, int64_t T, const RouterArgs& a, int32_t* ids, float* weights) override {
     if (T <= 0) return;
+    VIREO_PROF("moe_route");
     float* logits = route_.get<float>(size_t(T * a.n_experts));
     matmul(x, T, *a.gate, logits);
     cuda::moe_route(logits, T, a.n_experts, a.n_group, a.topk_group, a.top_k, a.bias, a.norm_topk_prob,
@@ -458,6 +534,7 @@ class CudaBackend final : public Backend {
   void moe_group(const int32_t* ids, const float* weights, int64_t N, int top_k, int n_experts, int32_t* offsets,
                  int32_t* token_of, float* weight_of) override {
     if (n_experts <= 0) fail("moe_group: no experts");
+    VIREO_PROF("moe_group");
     const int64_t S = N * top_k;
     // Warps: one per 32 slots up to 32, fewer when per-warp counts for many experts would not fit
     // in 48 KiB of shared memory.
@@ -473,12 +550,14 @@ class CudaBackend final : public Backend {
 
   void gather_rows(const float* x, const int32_t* index, int64_t m, int64_t n, float* rows) override {
     if (m <= 0) return;
+    VIREO_PROF("gather_rows");
     gather_rows_kernel<<<unsigned(m), 256, 0, stream_>>>(x, index, n, rows);
     VIREO_CUDA_LAUNCHED();
   }
   void scatter_add_rows(float* y, const int32_t* index, const float* s, const float* rows, int64_t m,
                         int64_t n) override {
     if (m <= 0) return;
+    VIREO_PROF("scatter_add_rows");
     scatter_add_rows_kernel<<<unsigned((n + 127) / 128), 128, 0, stream_>>>(y, index, s, rows, m, n);
     VIREO_CUDA_LAUNCHED();
   }
@@ -589,7 +668,10 @@ class CudaBackend final : public Backend {
     const int64_t H = a.n_heads, L = a.kv_lora, qw = a.qk_nope + a.qk_rope, hw = a.qk_nope + a.v_dim;
     const DevW kvb = devw(*a.kv_b);
     float* qlat = qlat_.get<float>(size_t(a.T * H * L));
-    absorb_q(a.q, a.T, H, qw, a.qk_nope, kvb, hw, L, qlat, stream_);
+    {
+      VIREO_PROF("absorb_q");
+      absorb_q(a.q, a.T, H, qw, a.qk_nope, kvb, hw, L, qlat, stream_);
+    }
     const int64_t max_keys = a.selection.keys ? std::min(a.selection.stride, a.n_keys) : a.n_keys;
     DecodeAttnArgs d;
     d.qlat = qlat;
@@ -617,6 +699,7 @@ class CudaBackend final : public Backend {
     d.kvb = kvb;
     d.out = a.out;
     d.pos0_dev = a.pos0_dev;
+    VIREO_PROF("decode kernels");
     mla_decode(d, stream_);
   }
 
@@ -644,11 +727,17 @@ class CudaBackend final : public Backend {
     p.scale = a.scale;
     p.out = a.out;
     if (a.selection.keys) {
+      VIREO_PROF("build_mask");
       p.mwords = (N + 31) / 32;
       uint32_t* mask = mask_.get<uint32_t>(size_t(a.T * p.mwords));
       build_mask(a.selection.keys, a.selection.counts, a.T, a.selection.stride, p.mwords, mask, stream_);
       p.mask = mask;
     }
+    // FLOPs counted as attended: every causal key (the DSA mask is applied per key inside tiles).
+    double causal = 0;
+    if (prof_.on())
+      for (int64_t t = 0; t < a.T; ++t) causal += double(std::min(N, a.pos0 + t + 1));
+    ProfScope ps(prof_, stream_, [] { return std::string("prefill kernel"); }, 2.0 * causal * double(H * (qw + vd)));
     mla_prefill(p, stream_);
   }
 
@@ -658,6 +747,7 @@ class CudaBackend final : public Backend {
   size_t lt_ws_bytes_ = 0;
   int sms_ = 132;
   CudaGemmMode mode_ = CudaGemmMode::Split;
+  OpProfiler prof_;
   std::vector<std::shared_ptr<char>> owned_;
   std::unordered_map<const void*, Weight> uploaded_;
   Scratch scores_, route_, xbf16_, qlat_, part_, latent_, kvx_, mask_, moe_h_;
@@ -696,6 +786,39 @@ std::unique_ptr<Backend> make_cuda_backend() {
 void cuda_synchronize(Backend& b) { VIREO_CUDA_CHECK(cudaStreamSynchronize(as_cuda(b).stream())); }
 
 void cuda_set_gemm_mode(Backend& b, CudaGemmMode mode) { as_cuda(b).set_gemm_mode(mode); }
+
+void cuda_set_profile(Backend& b, bool on) {
+  OpProfiler& p = as_cuda(b).profiler();
+  p.set_on(on);
+  p.clear();
+}
+
+std::string cuda_profile_report(Backend& b, double wall_ms) {
+  const auto& stats = as_cuda(b).profiler().stats();
+  std::vector<std::pair<std::string, OpProfiler::Stat>> rows(stats.begin(), stats.end());
+  std::stable_sort(rows.begin(), rows.end(), [](const auto& x, const auto& y) { return x.second.ms > y.second.ms; });
+  double top = 0;
+  for (const auto& r : rows)
+    if (r.second.depth == 0) top += r.second.ms;
+  std::string s;
+  char line[512];
+  std::snprintf(line, sizeof line, "  %-58s %7s %10s %6s %10s %8s\n", "op (a / b: piece b inside op a)", "calls", "ms",
+                "%", "us/call", "TFLOP/s");
+  s += line;
+  for (const auto& [key, st] : rows) {
+    char tf[32] = "";
+    if (st.flops > 0) std::snprintf(tf, sizeof tf, "%.1f", st.flops / (st.ms * 1e-3) / 1e12);
+    std::snprintf(line, sizeof line, "  %-58s %7lld %10.3f %6.1f %10.1f %8s\n", key.c_str(), (long long)st.calls, st.ms,
+                  100.0 * st.ms / std::max(top, 1e-9), 1e3 * st.ms / double(st.calls), tf);
+    s += line;
+  }
+  std::snprintf(line, sizeof line,
+                "  top-level ops %.3f ms of %.3f ms wall (the rest: host work between ops, inflated by the profile's "
+                "syncs)\n",
+                top, wall_ms);
+  s += line;
+  return s;
+}
 
 double cuda_measure_copy_gbs(Backend& b) {
   CudaBackend& c = as_cuda(b);

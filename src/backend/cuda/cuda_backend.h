@@ -30,6 +30,12 @@ void cuda_synchronize(Backend& cuda);
 // tiles (exact f32 math, slow).
 enum class CudaGemmMode { Split, Bf16, Simt };
 void cuda_set_gemm_mode(Backend& cuda, CudaGemmMode mode);
+// Op-level profile (`vireo bench --profile`): when on, every op is bracketed with CUDA events
+// (the outermost waits for the stream first), and time, calls and FLOPs accumulate per op name and
+// per matmul dtype/shape/path. Turning it on or off clears it. Off: no syncs, nothing recorded.
+void cuda_set_profile(Backend& cuda, bool on);
+// The accumulated profile as a table sorted by time; `wall_ms` is the host time of the region.
+std::string cuda_profile_report(Backend& cuda, double wall_ms);
 #endif
 
 inline bool cuda_compiled_in() {
