@@ -428,15 +428,17 @@ TEST(CudaOps, MoeExpertsMatchesCpu) {
   Pair p;
   struct Cfg { int64_t D, I, N; int K, E; };
   for (DType dt : {DType::BF16, DType::F8_E4M3, DType::F32})
-    for (Cfg cfg : {Cfg{256, 128, 1, 4, 8}, Cfg{384, 256, 3, 8, 16}, Cfg{100, 36, 2, 3, 5}}) {
+    for (Cfg cfg : {Cfg{256, 128, 1, 4, 8}, Cfg{384, 256, 3, 8, 16}, Cfg{100, 36, 2, 3, 5}})
+      for (int n_shared : {0, 1}) {
       std::vector<HostWeight> hw;
       ExpertBank cb, gb;
-      for (int e = 0; e < cfg.E; ++e) {
+      cb.n_shared = gb.n_shared = n_shared;
+      for (int e = 0; e < cfg.E + n_shared; ++e) {
         hw.push_back(make_weight(dt, cfg.I, cfg.D, uint32_t(500 + 3 * e)));
         hw.push_back(make_weight(dt, cfg.I, cfg.D, uint32_t(501 + 3 * e)));
         hw.push_back(make_weight(dt, cfg.D, cfg.I, uint32_t(502 + 3 * e)));
       }
-      for (int e = 0; e < cfg.E; ++e) {
+      for (int e = 0; e < cfg.E + n_shared; ++e) {
         cb.gate.push_back(hw[size_t(3 * e)].w);
         cb.up.push_back(hw[size_t(3 * e + 1)].w);
         cb.down.push_back(hw[size_t(3 * e + 2)].w);
@@ -458,7 +460,8 @@ TEST(CudaOps, MoeExpertsMatchesCpu) {
       p.cpu->moe_experts(x.data(), cfg.N, ids.data(), w.data(), cfg.K, cb, want.data());
       float* gout = p.g.up(std::vector<float>(want.size(), NAN));
       p.gpu->moe_experts(p.g.up(x), cfg.N, p.g.up_i(ids), p.g.up(w), cfg.K, gb, gout);
-      EXPECT_LT(nmse(p.g.down(gout, want.size()), want), 1e-10) << dt_name(dt) << " D " << cfg.D << " N " << cfg.N;
+      EXPECT_LT(nmse(p.g.down(gout, want.size()), want), 1e-10)
+          << dt_name(dt) << " D " << cfg.D << " N " << cfg.N << " shared " << n_shared;
     }
 }
 

@@ -364,6 +364,24 @@ TEST(Ops, MoeExpertsEqualsGroupedExperts) {
     be->scatter_add_rows(want.data(), &tok[size_t(at)], &wt[size_t(at)], y.data(), m, D);
   }
   EXPECT_LT(rel_l2(fused.data(), want.data(), want.size()), 1e-6);
+  // A shared expert appended to the bank runs for every token with weight 1, summed last.
+  data.push_back(random_vec(size_t(I * D), 400, 0.3f));
+  data.push_back(random_vec(size_t(I * D), 401, 0.3f));
+  data.push_back(random_vec(size_t(D * I), 402, 0.3f));
+  ExpertBank with_shared = bank;
+  with_shared.gate.push_back(f32_weight(data[size_t(3 * E)], I, D));
+  with_shared.up.push_back(f32_weight(data[size_t(3 * E + 1)], I, D));
+  with_shared.down.push_back(f32_weight(data[size_t(3 * E + 2)], D, I));
+  with_shared.n_shared = 1;
+  std::vector<float> fused_shared(want.size());
+  be->moe_experts(x.data(), N, ids.data(), w.data(), K, with_shared, fused_shared.data());
+  std::vector<float> g(size_t(N * I)), u(size_t(N * I)), ys(want.size());
+  be->matmul(x.data(), N, with_shared.gate[size_t(E)], g.data());
+  be->matmul(x.data(), N, with_shared.up[size_t(E)], u.data());
+  be->swiglu(g.data(), u.data(), g.data(), N * I);
+  be->matmul(g.data(), N, with_shared.down[size_t(E)], ys.data());
+  be->add(want.data(), ys.data(), N * D);
+  EXPECT_LT(rel_l2(fused_shared.data(), want.data(), want.size()), 1e-6);
   ids[4] = E;  // an id out of range is refused, naming the op
   EXPECT_THROW(be->moe_experts(x.data(), N, ids.data(), w.data(), K, bank, fused.data()), Error);
 }

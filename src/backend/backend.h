@@ -66,7 +66,10 @@ struct RouterArgs {
 // down [D, I] per expert, one dtype and shape throughout. The forward pass can then run experts
 // by id from backend memory, with no host round trip (Backend::moe_experts).
 struct ExpertBank {
-  std::vector<Weight> gate, up, down;  // [n_experts]
+  std::vector<Weight> gate, up, down;  // [n_routed + n_shared]
+  // The last n_shared entries are shared experts: they run for every token with weight 1, after
+  // the routed ones (so their sum lands where `out += shared(x)` would put it).
+  int n_shared = 0;
 };
 
 // A recorded sequence of backend ops (a CUDA graph), replayed with the arguments it was recorded
@@ -103,6 +106,11 @@ class Backend {
   // y = w * x / sqrt(mean(x^2) + eps), row by row.                  x, y [T, n] (row strides)
   virtual void rms_norm(const float* x, int64_t x_stride, int64_t T, int64_t n, const float* w, float eps,
                         float* y, int64_t y_stride) = 0;
+  // h += x, then y = rms_norm(h) (the residual add and the next norm in one pass).  h, x, y [T, n]
+  virtual void add_rms_norm(float* h, const float* x, int64_t T, int64_t n, const float* w, float eps, float* y) {
+    add(h, x, T * n);
+    rms_norm(h, n, T, n, w, eps, y, n);
+  }
   // y = (x - mean) / sqrt(var + eps) * w + b.                       x, y [T, n]
   virtual void layer_norm(const float* x, int64_t T, int64_t n, const float* w, const float* b, float eps,
                           float* y) = 0;
@@ -140,7 +148,8 @@ class Backend {
                          int32_t* offsets, int32_t* token_of, float* weight_of) = 0;
   // Routed experts by id, fused: for each token t and k < top_k in order, e = ids[t, k],
   //   out[t] = sum_k weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t])
-  // accumulated as (0 + w0 y0) + w1 y1 + ... (the order of scatter_add_rows over ascending ids).
+  // accumulated as (0 + w0 y0) + w1 y1 + ... (the order of scatter_add_rows over ascending ids),
+  // then + y_s for each of the bank's shared experts.
   // ids, weights in backend memory.           x, out [N, D]; ids, weights [N, top_k]
   virtual void moe_experts(const float* x, int64_t N, const int32_t* ids, const float* weights, int top_k,
                            const ExpertBank& bank, float* out) = 0;

@@ -151,17 +151,18 @@ class CpuBackend final : public Backend {
                    const ExpertBank& bank, float* out) override {
     const int64_t D = bank.down.empty() ? 0 : bank.down[0].out(), I = bank.gate.empty() ? 0 : bank.gate[0].out();
     std::vector<float> g(static_cast<size_t>(I)), u(static_cast<size_t>(I)), y(static_cast<size_t>(D));
+    const int64_t n_routed = int64_t(bank.gate.size()) - bank.n_shared;
     std::fill(out, out + N * D, 0.0f);
     for (int64_t t = 0; t < N; ++t)
-      for (int k = 0; k < top_k; ++k) {
-        const int32_t e = ids[t * top_k + k];
-        if (e < 0 || size_t(e) >= bank.gate.size())
-          fail("moe_experts: expert id ", e, " out of range [0, ", bank.gate.size(), ")");
+      for (int k = 0; k < top_k + bank.n_shared; ++k) {
+        const int32_t e = k < top_k ? ids[t * top_k + k] : int32_t(n_routed + (k - top_k));
+        if (e < 0 || (k < top_k && e >= n_routed))
+          fail("moe_experts: expert id ", e, " out of range [0, ", n_routed, ")");
         cpu_matmul(x + t * D, 1, bank.gate[size_t(e)], g.data(), pool());
         cpu_matmul(x + t * D, 1, bank.up[size_t(e)], u.data(), pool());
         swiglu(g.data(), u.data(), g.data(), I);
         cpu_matmul(g.data(), 1, bank.down[size_t(e)], y.data(), pool());
-        const float s = weights[t * top_k + k];
+        const float s = k < top_k ? weights[t * top_k + k] : 1.0f;
         float* o = out + t * D;
         for (int64_t j = 0; j < D; ++j) o[j] += s * y[size_t(j)];
       }

@@ -23,6 +23,7 @@ __device__ __forceinline__ int64_t imax(int64_t a, int64_t b) { return a > b ? a
 
 constexpr int kHG = 8;       // heads per block in the decode partial kernel (= warps)
 constexpr int kSplit = 128;  // keys per split in the decode partial kernel
+constexpr int kChunk = 32;   // cache rows staged in shared memory at a time (8 warps x 4 keys)
 constexpr int kQT = 32, kKT = 32;  // prefill attention tile: queries x keys
 
 __global__ void absorb_q_kernel(const float* __restrict__ q, int64_t H, int64_t qw, int64_t nope, DevW kvb,
@@ -80,15 +81,22 @@ __global__ void __launch_bounds__(256) absorb_q_vec_kernel(const float* __restri
   }
 }
 
+// One block: a split of up to kSplit keys x kHG heads x one query. The split's cache rows are
+// staged through shared memory kChunk at a time with coalesced 16-byte loads (so no thread waits
+// on a chain of dependent global loads), scored by warps that each take 4 keys against all kHG
+// heads (a query value read from shared memory serves 4 keys), softmax per head, then o_lat
+// accumulated from the same staged rows. Partials (max, sum, o_lat) per split go to the combine.
 __global__ void __launch_bounds__(256) mla_decode_partial_kernel(
     const float* __restrict__ qlat, const float* __restrict__ q, int64_t H, int64_t qw, int64_t nope, int64_t L,
     const float* __restrict__ kv, int64_t kvw, int64_t pos0, const int32_t* __restrict__ pos0_dev,
     const int32_t* __restrict__ sel, const int32_t* __restrict__ counts, int64_t sel_stride, float scale, int nsplit,
     float* __restrict__ opart, float* __restrict__ mpart, float* __restrict__ lpart) {
   extern __shared__ float sm[];
-  float* qs = sm;                                   // [kHG][kvw]: q_lat | q_rope
-  float* ps = qs + kHG * kvw;                       // [kHG][kSplit]
-  int* us = reinterpret_cast<int*>(ps + kHG * kSplit);  // [kSplit] key positions
+  const int64_t kp = kvw + 1;                        // padded row: lanes reading one row hit distinct banks
+  float* qs = sm;                                    // [kHG][kvw]: q_lat | q_rope
+  float* ks = qs + kHG * kvw;                        // [kChunk][kp] staged cache rows
+  float* ps = ks + kChunk * kp;                      // [kSplit][kHG] scores, then probabilities
+  int* us = reinterpret_cast<int*>(ps + kSplit * kHG);  // [kSplit] key positions
   const int s = blockIdx.x, t = blockIdx.z;
   const int64_t hg0 = int64_t(blockIdx.y) * kHG;
   const int nh = int(imin(kHG, H - hg0));
@@ -108,32 +116,67 @@ __global__ void __launch_bounds__(256) mla_decode_partial_kernel(
   }
   for (int j = threadIdx.x; j < cnt; j += blockDim.x) us[j] = sel ? sel[t * sel_stride + i0 + j] : int(i0 + j);
   __syncthreads();
-  for (int j = warp; j < cnt; j += 8) {  // scores: a warp per key, all heads at once
-    const float* kr = kv + int64_t(us[j]) * kvw;
-    float acc[kHG];
-#pragma unroll
-    for (int g = 0; g < kHG; ++g) acc[g] = 0.0f;
-    for (int64_t c = lane; c < kvw; c += 32) {
-      const float kvv = kr[c];
-#pragma unroll
-      for (int g = 0; g < kHG; ++g) acc[g] += qs[g * kvw + c] * kvv;
+  const bool vec = (kvw & 3) == 0 && (reinterpret_cast<uintptr_t>(kv) & 15) == 0;
+  auto stage = [&](int j0, int nk) {  // rows us[j0 .. j0 + nk) -> ks
+    if (vec) {
+      const int64_t q4 = kvw / 4;
+      for (int64_t idx = threadIdx.x; idx < nk * q4; idx += blockDim.x) {
+        const int64_t j = idx / q4, c = (idx % q4) * 4;
+        const float4 v = __ldg(reinterpret_cast<const float4*>(kv + int64_t(us[j0 + j]) * kvw + c));
+        float* d = ks + j * kp + c;
+        d[0] = v.x;
+        d[1] = v.y;
+        d[2] = v.z;
+        d[3] = v.w;
+      }
+    } else {
+      for (int64_t idx = threadIdx.x; idx < nk * kvw; idx += blockDim.x) {
+        const int64_t j = idx / kvw, c = idx % kvw;
+        ks[j * kp + c] = kv[int64_t(us[j0 + j]) * kvw + c];
+      }
     }
+  };
+  for (int j0 = 0; j0 < cnt; j0 += kChunk) {  // scores
+    const int nk = min(kChunk, cnt - j0);
+    stage(j0, nk);
+    __syncthreads();
+    const int jw = warp * 4;  // this warp's 4 keys of the chunk
+    if (jw < nk) {
+      float acc[4][kHG];
 #pragma unroll
-    for (int g = 0; g < kHG; ++g) {
-      const float v = warp_sum(acc[g]);
-      if (lane == 0) ps[g * kSplit + j] = v * scale;
+      for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int g = 0; g < kHG; ++g) acc[r][g] = 0.0f;
+      for (int64_t c = lane; c < kvw; c += 32) {
+        float kr[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) kr[r] = ks[(jw + r) * kp + c];  // rows past nk: stale, never written out
+#pragma unroll
+        for (int g = 0; g < kHG; ++g) {
+          const float qv = qs[g * kvw + c];
+#pragma unroll
+          for (int r = 0; r < 4; ++r) acc[r][g] += qv * kr[r];
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int g = 0; g < kHG; ++g) {
+          const float v = warp_sum(acc[r][g]);
+          if (lane == 0 && jw + r < nk) ps[(j0 + jw + r) * kHG + g] = v * scale;
+        }
     }
+    __syncthreads();
   }
-  __syncthreads();
   {  // softmax pieces: warp g owns head g
     const int g = warp;
     float m = -INFINITY;
-    for (int j = lane; j < cnt; j += 32) m = fmaxf(m, ps[g * kSplit + j]);
+    for (int j = lane; j < cnt; j += 32) m = fmaxf(m, ps[j * kHG + g]);
     m = warp_max(m);
     float l = 0.0f;
     for (int j = lane; j < cnt; j += 32) {
-      const float p = expf(ps[g * kSplit + j] - m);
-      ps[g * kSplit + j] = p;
+      const float p = expf(ps[j * kHG + g] - m);
+      ps[j * kHG + g] = p;
       l += p;
     }
     l = warp_sum(l);
@@ -144,16 +187,37 @@ __global__ void __launch_bounds__(256) mla_decode_partial_kernel(
     }
   }
   __syncthreads();
-  for (int64_t c = threadIdx.x; c < L; c += blockDim.x) {
-    float o[kHG];
+  constexpr int kMaxCols = 4;  // latent columns per thread: L <= 1024
+  float o[kMaxCols][kHG];
 #pragma unroll
-    for (int g = 0; g < kHG; ++g) o[g] = 0.0f;
-    for (int j = 0; j < cnt; ++j) {
-      const float v = kv[int64_t(us[j]) * kvw + c];
+  for (int ci = 0; ci < kMaxCols; ++ci)
 #pragma unroll
-      for (int g = 0; g < kHG; ++g) o[g] += ps[g * kSplit + j] * v;
+    for (int g = 0; g < kHG; ++g) o[ci][g] = 0.0f;
+  for (int j0 = 0; j0 < cnt; j0 += kChunk) {  // o_lat = sum_j p_j latent_j
+    const int nk = min(kChunk, cnt - j0);
+    stage(j0, nk);
+    __syncthreads();
+    for (int j = 0; j < nk; ++j) {
+      const float4 p0 = *reinterpret_cast<const float4*>(ps + (j0 + j) * kHG);
+      const float4 p1 = *reinterpret_cast<const float4*>(ps + (j0 + j) * kHG + 4);
+      const float p[kHG] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};
+#pragma unroll
+      for (int ci = 0; ci < kMaxCols; ++ci) {
+        const int64_t c = threadIdx.x + int64_t(ci) * 256;
+        if (c < L) {
+          const float v = ks[j * kp + c];
+#pragma unroll
+          for (int g = 0; g < kHG; ++g) o[ci][g] += p[g] * v;
+        }
+      }
     }
-    for (int g = 0; g < nh; ++g) opart[((t * H + hg0 + g) * nsplit + s) * L + c] = o[g];
+    __syncthreads();
+  }
+#pragma unroll
+  for (int ci = 0; ci < kMaxCols; ++ci) {
+    const int64_t c = threadIdx.x + int64_t(ci) * 256;
+    if (c >= L) continue;
+    for (int g = 0; g < nh; ++g) opart[((t * H + hg0 + g) * nsplit + s) * L + c] = o[ci][g];
   }
 }
 
@@ -503,14 +567,15 @@ void absorb_q(const float* q, int64_t T, int64_t H, int64_t qw, int64_t nope, co
 int decode_splits(int64_t max_keys) { return int(std::max<int64_t>(1, (max_keys + kSplit - 1) / kSplit)); }
 
 void mla_decode(const DecodeAttnArgs& a, cudaStream_t st) {
-  const size_t smem = size_t(kHG * a.kvw + kHG * kSplit) * 4 + size_t(kSplit) * 4;
+  const size_t smem = size_t(kHG * a.kvw + kChunk * (a.kvw + 1) + kHG * kSplit) * 4 + size_t(kSplit) * 4;
   static bool configured = false;
   if (!configured) {
     VIREO_CUDA_CHECK(cudaFuncSetAttribute(mla_decode_partial_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           200 * 1024));
     configured = true;
   }
-  if (smem > 200 * 1024) fail("mla_attention: latent width ", a.kvw, " is too wide for the decode kernel");
+  if (smem > 200 * 1024 || a.L > 1024)
+    fail("mla_attention: latent width ", a.kvw, " is too wide for the decode kernel");
   dim3 grid(unsigned(a.nsplit), unsigned((a.H + kHG - 1) / kHG), unsigned(a.T));
   mla_decode_partial_kernel<<<grid, 256, smem, st>>>(a.qlat, a.q, a.H, a.qw, a.nope, a.L, a.kv, a.kvw, a.pos0,
                                                     a.pos0_dev, a.sel, a.counts, a.sel_stride, a.scale, a.nsplit,

@@ -397,6 +397,10 @@ class CudaBackend final : public Backend {
     rms_norm_kernel<<<unsigned(T), n >= 2048 ? 512 : 256, 0, stream_>>>(x, xs, n, w, eps, y, ys);
     VIREO_CUDA_LAUNCHED();
   }
+  void add_rms_norm(float* h, const float* x, int64_t T, int64_t n, const float* w, float eps, float* y) override {
+    VIREO_PROF("add_rms_norm");
+    cuda::add_rms_norm(h, x, T, n, w, eps, y, stream_);
+  }
   void layer_norm(const float* x, int64_t T, int64_t n, const float* w, const float* b, float eps,
                   float* y) override {
     if (T <= 0) return;
@@ -483,8 +487,9 @@ class CudaBackend final : public Backend {
     if (N <= 0) return;
     VIREO_PROF("moe_experts");
     const DeviceBank& b = device_bank(bank);
-    float* h = moe_h_.get<float>(size_t(N * top_k * b.I));
-    cuda::moe_experts(x, N, b.D, b.I, top_k, ids, weights, b.table.get(), b.dtype, b.vec, h, out, stream_);
+    float* h = moe_h_.get<float>(size_t(N * (top_k + bank.n_shared) * b.I));
+    cuda::moe_experts(x, N, b.D, b.I, top_k, bank.n_shared, int(bank.gate.size()) - bank.n_shared, ids, weights,
+                      b.table.get(), b.dtype, b.vec, h, out, stream_);
   }
   bool prefers_moe_experts(int64_t N) const override { return N <= 8; }
 

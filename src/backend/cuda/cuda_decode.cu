@@ -22,7 +22,14 @@ __device__ __forceinline__ float lane_dot(const DevW& w, int64_t row, const floa
     const float* srow = DT == W_FP8 ? w.s + (row >> 7) * w.s_cols : nullptr;
     const int64_t nv = w.in / N;
     int64_t v = lane;
-    for (; v + 96 < nv; v += 128) {  // four loads in flight before the first use
+    for (; v + 224 < nv; v += 256) {  // eight (then four) loads in flight before the first use
+      uint4 a[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) a[i] = ldg_stream(wr + v + 32 * i);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) gemv_consume<DT, 1>(a[i], x, w.in, (v + 32 * i) * N, srow, acc);
+    }
+    for (; v + 96 < nv; v += 128) {
       const uint4 a0 = ldg_stream(wr + v), a1 = ldg_stream(wr + v + 32), a2 = ldg_stream(wr + v + 64),
                   a3 = ldg_stream(wr + v + 96);
       gemv_consume<DT, 1>(a0, x, w.in, v * N, srow, acc);
@@ -37,52 +44,78 @@ __device__ __forceinline__ float lane_dot(const DevW& w, int64_t row, const floa
   return acc[0];
 }
 
-// h[s, row] = silu(gate_e[row] . x[t]) * (up_e[row] . x[t]) for slot s = (t, k), e = ids[s].
+// Slot k of a token: routed expert ids[t, k] for k < K, else shared expert n_routed + k - K.
+__device__ __forceinline__ int slot_expert(const int32_t* ids, int64_t t, int k, int K, int n_routed) {
+  return k < K ? ids[t * K + k] : n_routed + (k - K);
+}
+
+// h[s, row] = silu(gate_e[row] . x[t]) * (up_e[row] . x[t]) for slot s = (t, k), k < K + S.
 template <int DT, bool VEC>
 __global__ void __launch_bounds__(256) moe_gate_up_kernel(const float* __restrict__ x, int64_t D, int64_t I, int K,
-                                                          const int32_t* __restrict__ ids,
+                                                          int S, int n_routed, const int32_t* __restrict__ ids,
                                                           const DevExpert* __restrict__ bank, float* __restrict__ h) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t row = int64_t(blockIdx.x) * 8 + warp, s = blockIdx.y;
+  const int64_t row = int64_t(blockIdx.x) * 8 + warp, s = blockIdx.y, t = s / (K + S);
   if (row >= I) return;
-  const DevExpert& e = bank[ids[s]];
-  const float* xt = x + (s / K) * D;
+  const DevExpert& e = bank[slot_expert(ids, t, int(s % (K + S)), K, n_routed)];
+  const float* xt = x + t * D;
   const float g = warp_sum(lane_dot<DT, VEC>(e.gate, row, xt, lane));
   const float u = warp_sum(lane_dot<DT, VEC>(e.up, row, xt, lane));
   if (lane == 0) h[s * I + row] = g / (1.0f + expf(-g)) * u;
 }
 
-// out[t, row] = (0 + w0 * down_e0[row] . h[t, 0]) + w1 * ... in order of k.
+// out[t, row] = (0 + w0 * down_e0[row] . h[t, 0]) + w1 * ... in order of k, shared ones last.
 template <int DT, bool VEC>
 __global__ void __launch_bounds__(256) moe_down_kernel(const float* __restrict__ h, int64_t D, int64_t I, int K,
-                                                       const int32_t* __restrict__ ids, const float* __restrict__ wts,
+                                                       int S, int n_routed, const int32_t* __restrict__ ids,
+                                                       const float* __restrict__ wts,
                                                        const DevExpert* __restrict__ bank, float* __restrict__ out) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t row = int64_t(blockIdx.x) * 8 + warp, t = blockIdx.y;
   if (row >= D) return;
   float acc = 0.0f;
-  for (int k = 0; k < K; ++k) {
-    const int64_t s = t * K + k;
-    const float y = warp_sum(lane_dot<DT, VEC>(bank[ids[s]].down, row, h + s * I, lane));
-    acc = __fadd_rn(acc, __fmul_rn(wts[s], y));
+  for (int k = 0; k < K + S; ++k) {
+    const int64_t s = t * (K + S) + k;
+    const float y = warp_sum(lane_dot<DT, VEC>(bank[slot_expert(ids, t, k, K, n_routed)].down, row, h + s * I, lane));
+    acc = k < K ? __fadd_rn(acc, __fmul_rn(wts[t * K + k], y)) : __fadd_rn(acc, y);
   }
   if (lane == 0) out[t * D + row] = acc;
 }
 
 template <int DT, bool VEC>
-void launch_moe(const float* x, int64_t N, int64_t D, int64_t I, int K, const int32_t* ids, const float* wts,
-                const DevExpert* bank, float* h, float* out, cudaStream_t st) {
-  moe_gate_up_kernel<DT, VEC><<<dim3(unsigned((I + 7) / 8), unsigned(N * K)), 256, 0, st>>>(x, D, I, K, ids, bank, h);
+void launch_moe(const float* x, int64_t N, int64_t D, int64_t I, int K, int S, int n_routed, const int32_t* ids,
+                const float* wts, const DevExpert* bank, float* h, float* out, cudaStream_t st) {
+  moe_gate_up_kernel<DT, VEC><<<dim3(unsigned((I + 7) / 8), unsigned(N * (K + S))), 256, 0, st>>>(
+      x, D, I, K, S, n_routed, ids, bank, h);
   VIREO_CUDA_LAUNCHED();
-  moe_down_kernel<DT, VEC><<<dim3(unsigned((D + 7) / 8), unsigned(N)), 256, 0, st>>>(h, D, I, K, ids, wts, bank, out);
+  moe_down_kernel<DT, VEC><<<dim3(unsigned((D + 7) / 8), unsigned(N)), 256, 0, st>>>(h, D, I, K, S, n_routed, ids,
+                                                                                      wts, bank, out);
   VIREO_CUDA_LAUNCHED();
 }
 
 template <int DT>
-void launch_moe_dt(bool vec, const float* x, int64_t N, int64_t D, int64_t I, int K, const int32_t* ids,
-                   const float* wts, const DevExpert* bank, float* h, float* out, cudaStream_t st) {
-  if (vec) launch_moe<DT, true>(x, N, D, I, K, ids, wts, bank, h, out, st);
-  else launch_moe<DT, false>(x, N, D, I, K, ids, wts, bank, h, out, st);
+void launch_moe_dt(bool vec, const float* x, int64_t N, int64_t D, int64_t I, int K, int S, int n_routed,
+                   const int32_t* ids, const float* wts, const DevExpert* bank, float* h, float* out,
+                   cudaStream_t st) {
+  if (vec) launch_moe<DT, true>(x, N, D, I, K, S, n_routed, ids, wts, bank, h, out, st);
+  else launch_moe<DT, false>(x, N, D, I, K, S, n_routed, ids, wts, bank, h, out, st);
+}
+
+// One block per row: h += x, then the same arithmetic as rms_norm_kernel on the new h.
+__global__ void add_rms_norm_kernel(float* __restrict__ h, const float* __restrict__ x, int64_t n,
+                                    const float* __restrict__ w, float eps, float* __restrict__ y) {
+  float* hr = h + int64_t(blockIdx.x) * n;
+  const float* xr = x + int64_t(blockIdx.x) * n;
+  float* yr = y + int64_t(blockIdx.x) * n;
+  float ss = 0.0f;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const float v = hr[i] + xr[i];
+    hr[i] = v;
+    ss += v * v;
+  }
+  ss = block_sum(ss);
+  const float inv = 1.0f / sqrtf(ss / float(n) + eps);
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) yr[i] = w[i] * (hr[i] * inv);
 }
 
 // One block per token: rms-normalize the latent, rotate k_rope, both straight into the cache row.
@@ -192,15 +225,23 @@ __global__ void __launch_bounds__(1024) argmax_kernel(const float* __restrict__ 
 
 }  // namespace
 
-void moe_experts(const float* x, int64_t N, int64_t D, int64_t I, int K, const int32_t* ids, const float* weights,
-                 const DevExpert* bank, int dtype, bool vec, float* h, float* out, cudaStream_t st) {
+void moe_experts(const float* x, int64_t N, int64_t D, int64_t I, int K, int S, int n_routed, const int32_t* ids,
+                 const float* weights, const DevExpert* bank, int dtype, bool vec, float* h, float* out,
+                 cudaStream_t st) {
   if (N <= 0) return;
   switch (dtype) {
-    case W_F32: launch_moe_dt<W_F32>(vec, x, N, D, I, K, ids, weights, bank, h, out, st); break;
-    case W_BF16: launch_moe_dt<W_BF16>(vec, x, N, D, I, K, ids, weights, bank, h, out, st); break;
-    case W_F16: launch_moe_dt<W_F16>(vec, x, N, D, I, K, ids, weights, bank, h, out, st); break;
-    default: launch_moe_dt<W_FP8>(vec, x, N, D, I, K, ids, weights, bank, h, out, st); break;
+    case W_F32: launch_moe_dt<W_F32>(vec, x, N, D, I, K, S, n_routed, ids, weights, bank, h, out, st); break;
+    case W_BF16: launch_moe_dt<W_BF16>(vec, x, N, D, I, K, S, n_routed, ids, weights, bank, h, out, st); break;
+    case W_F16: launch_moe_dt<W_F16>(vec, x, N, D, I, K, S, n_routed, ids, weights, bank, h, out, st); break;
+    default: launch_moe_dt<W_FP8>(vec, x, N, D, I, K, S, n_routed, ids, weights, bank, h, out, st); break;
   }
+}
+
+void add_rms_norm(float* h, const float* x, int64_t T, int64_t n, const float* w, float eps, float* y,
+                  cudaStream_t st) {
+  if (T <= 0) return;
+  add_rms_norm_kernel<<<unsigned(T), n >= 2048 ? 512 : 256, 0, st>>>(h, x, n, w, eps, y);
+  VIREO_CUDA_LAUNCHED();
 }
 
 void mla_cache_append(const float* kva, int64_t T, int64_t L, int64_t rope, const float* norm_w, float eps,

@@ -13,10 +13,15 @@ struct DevExpert {
   DevW gate, up, down;  // gate/up [I, D], down [D, I]
 };
 
-// out[t] = sum_k weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]), e = ids[t, k], k in order.
-// h is scratch [N * K, I].
-void moe_experts(const float* x, int64_t N, int64_t D, int64_t I, int K, const int32_t* ids, const float* weights,
-                 const DevExpert* bank, int dtype, bool vec, float* h, float* out, cudaStream_t st);
+// out[t] = sum_k weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]), e = ids[t, k], k in order,
+// then + the S shared experts (bank[n_routed ..], weight 1). h is scratch [N * (K + S), I].
+void moe_experts(const float* x, int64_t N, int64_t D, int64_t I, int K, int S, int n_routed, const int32_t* ids,
+                 const float* weights, const DevExpert* bank, int dtype, bool vec, float* h, float* out,
+                 cudaStream_t st);
+
+// h += x; y = rms_norm(h) * w, row by row (bit-identical to add then rms_norm).   [T, n]
+void add_rms_norm(float* h, const float* x, int64_t T, int64_t n, const float* w, float eps, float* y,
+                  cudaStream_t st);
 
 void mla_cache_append(const float* kva, int64_t T, int64_t L, int64_t rope, const float* norm_w, float eps,
                       const float* cs, bool interleaved, float* cache, int64_t pos0, const int32_t* pos0_dev,

@@ -33,7 +33,15 @@ __global__ void __launch_bounds__(256) gemv_kernel(const float* __restrict__ x, 
     const float* srow = DT == W_FP8 ? w.s + (row >> 7) * w.s_cols : nullptr;
     const int64_t nv = w.in / N, step = int64_t(wpr) * 32;
     int64_t v = int64_t(sub) * 32 + lane;
-    // Four loads in flight before the first use.
+    // Eight (then four) loads in flight before the first use: a warp streams one row, so the
+    // bytes in flight per warp are what hides the memory latency.
+    for (; v + 7 * step < nv; v += 8 * step) {
+      uint4 a[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) a[i] = ldg_stream(wr + v + i * step);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) gemv_consume<DT, TT>(a[i], x, w.in, (v + i * step) * N, srow, acc);
+    }
     for (; v + 3 * step < nv; v += 4 * step) {
       const uint4 a0 = ldg_stream(wr + v), a1 = ldg_stream(wr + v + step), a2 = ldg_stream(wr + v + 2 * step),
                   a3 = ldg_stream(wr + v + 3 * step);

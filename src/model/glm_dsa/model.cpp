@@ -78,7 +78,32 @@ std::unique_ptr<GlmDsaModel> GlmDsaModel::create(GlmDsaConfig config, std::uniqu
   m->inv_freq_ = compute_inv_freq(c);
   m->upload_weights();
   m->experts_->upload(backend);
+  m->make_fused_banks();
   return m;
+}
+
+// A resident store's bank of a layer plus the layer's shared expert, when it has a routed
+// expert's shape and dtype: moe_experts then runs it in the same launches (weight 1, summed last,
+// where `out += shared(x)` would add it).
+void GlmDsaModel::make_fused_banks() {
+  fused_banks_.assign(size_t(config_.num_layers), ExpertBank{});
+  for (int l = 0; l < config_.num_layers; ++l) {
+    const ExpertBank* bank = experts_->bank(l);
+    if (!bank) continue;
+    ExpertBank& f = fused_banks_[size_t(l)];
+    f = *bank;
+    const LayerWeights& L = weights_.layers[size_t(l)];
+    auto same = [](const Weight& a, const Weight& b) {
+      return a.w.dtype == b.w.dtype && a.out() == b.out() && a.in() == b.in();
+    };
+    if (L.has_shared && same(L.shared.gate, bank->gate[0]) && same(L.shared.up, bank->up[0]) &&
+        same(L.shared.down, bank->down[0])) {
+      f.gate.push_back(L.shared.gate);
+      f.up.push_back(L.shared.up);
+      f.down.push_back(L.shared.down);
+      f.n_shared = 1;
+    }
+  }
 }
 
 MlaCacheShape GlmDsaModel::cache_shape() const {
@@ -368,16 +393,17 @@ void GlmDsaModel::run_step(const std::vector<Segment>& segs, int64_t N, MlaCache
   float* out = scratch(2, size_t(N * D));  // sublayer output [N, D]
   backend_.embed(weights_.embed, ids, N, h);
   const float eps = float(c.rms_norm_eps);
+  backend_.rms_norm(h, D, N, D, vec(weights_.layers[0].attn_norm), eps, xn, D);
+  // Each residual add is fused with the norm that follows it (the next sublayer's input).
   for (int l = 0; l < c.num_layers; ++l) {
     const LayerWeights& L = weights_.layers[size_t(l)];
-    backend_.rms_norm(h, D, N, D, vec(L.attn_norm), eps, xn, D);
     attention(l, xn, N, segs, cache, out);
-    backend_.add(h, out, N * D);
+    backend_.add_rms_norm(h, out, N, D, vec(L.ffn_norm), eps, xn);
     if (experts_->wants_prefetch()) prefetch_next(l, h, N);
-    backend_.rms_norm(h, D, N, D, vec(L.ffn_norm), eps, xn, D);
     if (L.dense) mlp(L.mlp, xn, N, out);
     else moe(l, xn, N, out);
-    backend_.add(h, out, N * D);
+    if (l + 1 < c.num_layers) backend_.add_rms_norm(h, out, N, D, vec(weights_.layers[size_t(l) + 1].attn_norm), eps, xn);
+    else backend_.add(h, out, N * D);
   }
 
   // Final norm and lm_head only for the rows whose logits were asked for.
@@ -520,13 +546,17 @@ void GlmDsaModel::moe(int layer, const float* xn, int64_t N, float* out) {
   int32_t* ids_dev = scratch_i32(2, size_t(N * K));
   float* wts_dev = scratch(27, size_t(N * K));
   backend_.moe_route(xn, N, router_args(L), ids_dev, wts_dev);
-  if (const ExpertBank* bank = experts_->bank(layer); bank && backend_.prefers_moe_experts(N)) {
-    // Few tokens, every expert resident: run them by id on the backend, nothing read back.
-    backend_.moe_experts(xn, N, ids_dev, wts_dev, int(K), *bank, out);
+  bool shared_done = false;
+  if (experts_->bank(layer) && backend_.prefers_moe_experts(N)) {
+    // Few tokens, every expert resident: run them by id on the backend, nothing read back (the
+    // shared expert too, when it fits the bank).
+    const ExpertBank& bank = fused_banks_[size_t(layer)];
+    backend_.moe_experts(xn, N, ids_dev, wts_dev, int(K), bank, out);
+    shared_done = bank.n_shared > 0;
   } else {
     moe_grouped(layer, xn, N, ids_dev, wts_dev, out);
   }
-  if (L.has_shared) {
+  if (L.has_shared && !shared_done) {
     float* s = scratch(26, size_t(N * D));
     mlp(L.shared, xn, N, s);
     backend_.add(out, s, N * D);

@@ -114,6 +114,7 @@ class GlmDsaModel {
   float* scratch(int slot, size_t n);
   int32_t* scratch_i32(int slot, size_t n);
   void upload_weights();
+  void make_fused_banks();
   const float* vec(const std::vector<float>& host) const;  // backend copy of a norm vector
 
   GlmDsaConfig config_;
@@ -121,6 +122,7 @@ class GlmDsaModel {
   Backend& backend_;
   GlmDsaWeights weights_;
   std::unique_ptr<ExpertStore> experts_;
+  std::vector<ExpertBank> fused_banks_;  // [layer]: the store's bank (+ the shared expert), see moe()
   std::vector<float> inv_freq_;  // [rope/2]
   float* cos_sin_ = nullptr;     // backend copy of this step's rope table [N, rope/2, 2]
   std::vector<std::shared_ptr<float>> scratch_;
