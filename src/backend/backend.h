@@ -116,6 +116,11 @@ class Backend {
                           float* y) = 0;
   // y = x @ W^T.                                                    x [T, in], y [T, out]
   virtual void matmul(const float* x, int64_t T, const Weight& w, float* y) = 0;
+  // ys[i] = x @ ws[i]^T for n weights that share the input x (one launch where the backend can).
+  //   x [T, in]; ws[i] [out_i, in]; ys[i] [T, out_i]
+  virtual void matmul_many(const float* x, int64_t T, const Weight* const* ws, float* const* ys, int n) {
+    for (int i = 0; i < n; ++i) matmul(x, T, *ws[i], ys[i]);
+  }
   // Rotates x[t, h, offset : offset + width] in place by cos_sin[t] ([T, width/2, 2]).
   virtual void rope(float* x, int64_t T, int64_t n_heads, int64_t token_stride, int64_t head_stride,
                     int64_t offset, int64_t width, const float* cos_sin, RopeKind kind) = 0;

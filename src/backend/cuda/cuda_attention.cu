@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(256) mla_decode_partial_kernel(
     const int32_t* __restrict__ sel, const int32_t* __restrict__ counts, int64_t sel_stride, float scale, int nsplit,
     float* __restrict__ opart, float* __restrict__ mpart, float* __restrict__ lpart) {
   extern __shared__ float sm[];
-  const int64_t kp = kvw + 1;                        // padded row: lanes reading one row hit distinct banks
+  const int kp = int(kvw) + 1;                       // padded row: lanes reading one row hit distinct banks
   float* qs = sm;                                    // [kHG][kvw]: q_lat | q_rope
   float* ks = qs + kHG * kvw;                        // [kChunk][kp] staged cache rows
   float* ps = ks + kChunk * kp;                      // [kSplit][kHG] scores, then probabilities
@@ -105,34 +105,30 @@ __global__ void __launch_bounds__(256) mla_decode_partial_kernel(
   const int64_t n = sel ? int64_t(counts[t]) : pos0 + t + 1;
   const int64_t i0 = int64_t(s) * kSplit;
   const int cnt = int(imax(0, imin(kSplit, n - i0)));
-  for (int64_t idx = threadIdx.x; idx < kHG * kvw; idx += blockDim.x) {
-    const int64_t g = idx / kvw, c = idx % kvw;
-    float v = 0.0f;
-    if (g < nh) {
-      const int64_t h = hg0 + g;
-      v = c < L ? qlat[(t * H + h) * L + c] : q[(t * H + h) * qw + nope + (c - L)];
-    }
-    qs[idx] = v;
+  // Row by row (a warp per row, lanes along it): no 64-bit divisions in the index math.
+  const int kw = int(kvw), Li = int(L);
+  for (int g = warp; g < kHG; g += 8) {
+    const int64_t h = hg0 + g;
+    for (int c = lane; c < kw; c += 32)
+      qs[g * kw + c] = g >= nh ? 0.0f : c < Li ? qlat[(t * H + h) * L + c] : q[(t * H + h) * qw + nope + (c - Li)];
   }
   for (int j = threadIdx.x; j < cnt; j += blockDim.x) us[j] = sel ? sel[t * sel_stride + i0 + j] : int(i0 + j);
   __syncthreads();
-  const bool vec = (kvw & 3) == 0 && (reinterpret_cast<uintptr_t>(kv) & 15) == 0;
+  const bool vec = (kw & 3) == 0 && (reinterpret_cast<uintptr_t>(kv) & 15) == 0;
   auto stage = [&](int j0, int nk) {  // rows us[j0 .. j0 + nk) -> ks
-    if (vec) {
-      const int64_t q4 = kvw / 4;
-      for (int64_t idx = threadIdx.x; idx < nk * q4; idx += blockDim.x) {
-        const int64_t j = idx / q4, c = (idx % q4) * 4;
-        const float4 v = __ldg(reinterpret_cast<const float4*>(kv + int64_t(us[j0 + j]) * kvw + c));
-        float* d = ks + j * kp + c;
-        d[0] = v.x;
-        d[1] = v.y;
-        d[2] = v.z;
-        d[3] = v.w;
-      }
-    } else {
-      for (int64_t idx = threadIdx.x; idx < nk * kvw; idx += blockDim.x) {
-        const int64_t j = idx / kvw, c = idx % kvw;
-        ks[j * kp + c] = kv[int64_t(us[j0 + j]) * kvw + c];
+    for (int j = warp; j < nk; j += 8) {
+      const float* src = kv + int64_t(us[j0 + j]) * kvw;
+      float* d = ks + j * kp;
+      if (vec) {
+        for (int c = lane * 4; c < kw; c += 128) {
+          const float4 v = __ldg(reinterpret_cast<const float4*>(src + c));
+          d[c] = v.x;
+          d[c + 1] = v.y;
+          d[c + 2] = v.z;
+          d[c + 3] = v.w;
+        }
+      } else {
+        for (int c = lane; c < kw; c += 32) d[c] = src[c];
       }
     }
   };
@@ -147,7 +143,7 @@ __global__ void __launch_bounds__(256) mla_decode_partial_kernel(
       for (int r = 0; r < 4; ++r)
 #pragma unroll
         for (int g = 0; g < kHG; ++g) acc[r][g] = 0.0f;
-      for (int64_t c = lane; c < kvw; c += 32) {
+      for (int c = lane; c < kw; c += 32) {
         float kr[4];
 #pragma unroll
         for (int r = 0; r < 4; ++r) kr[r] = ks[(jw + r) * kp + c];  // rows past nk: stale, never written out
@@ -203,8 +199,8 @@ __global__ void __launch_bounds__(256) mla_decode_partial_kernel(
       const float p[kHG] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};
 #pragma unroll
       for (int ci = 0; ci < kMaxCols; ++ci) {
-        const int64_t c = threadIdx.x + int64_t(ci) * 256;
-        if (c < L) {
+        const int c = int(threadIdx.x) + ci * 256;
+        if (c < Li) {
           const float v = ks[j * kp + c];
 #pragma unroll
           for (int g = 0; g < kHG; ++g) o[ci][g] += p[g] * v;
@@ -431,9 +427,17 @@ __global__ void __launch_bounds__(512) indexer_topk_kernel(const float* __restri
   for (int shift = 56; shift >= 0; shift -= 8) {
     for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
     __syncthreads();
-    for (int64_t u = threadIdx.x; u < n; u += blockDim.x) {
-      const uint64_t key = select_key(sr[u], u);
-      if ((key & pmask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+    // Keys agree on their top bits, so most land in a few bins: lanes with the same bin combine
+    // their counts first (one shared-memory atomic per distinct bin per warp, not per key).
+    for (int64_t c0 = 0; c0 < n; c0 += blockDim.x) {
+      const int64_t u = c0 + threadIdx.x;
+      int bin = -1;
+      if (u < n) {
+        const uint64_t key = select_key(sr[u], u);
+        if ((key & pmask) == prefix) bin = int((key >> shift) & 255u);
+      }
+      const unsigned same = __match_any_sync(0xffffffffu, bin);
+      if (bin >= 0 && (threadIdx.x & 31) == __ffs(same) - 1) atomicAdd(&hist[bin], unsigned(__popc(same)));
     }
     __syncthreads();
     if (threadIdx.x == 0) {

@@ -429,6 +429,26 @@ class CudaBackend final : public Backend {
     VIREO_CUDA_LAUNCHED();
   }
 
+  // One decode token, several weights of one dtype on the same input: one launch. Otherwise (or
+  // for rows that don't allow 16-byte loads) one matmul each.
+  void matmul_many(const float* x, int64_t T, const Weight* const* ws, float* const* ys, int n) override {
+    bool one = T == 1 && n <= kMaxMany && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+    ManyW m;
+    m.n = n;
+    m.row0[0] = 0;
+    for (int i = 0; one && i < n; ++i) {
+      m.w[i] = devw(*ws[i]);
+      m.y[i] = ys[i];
+      m.row0[i + 1] = m.row0[i] + m.w[i].out;
+      const int vec = 16 / (m.w[i].dt == W_F32 ? 4 : m.w[i].dt == W_FP8 ? 1 : 2);
+      one = m.w[i].dt == m.w[0].dt && m.w[i].in == m.w[0].in && m.w[i].in % vec == 0 &&
+            reinterpret_cast<uintptr_t>(m.w[i].w) % 16 == 0;
+    }
+    if (!one) return Backend::matmul_many(x, T, ws, ys, n);
+    VIREO_PROF("matmul_many");
+    gemv_many(x, m, stream_);
+  }
+
   void rope(float* x, int64_t T, int64_t H, int64_t ts, int64_t hs, int64_t offset, int64_t width, const float* cs,
             RopeKind kind) override {
     if (T <= 0 || H <= 0) return;

@@ -101,6 +101,18 @@ void launch_moe_dt(bool vec, const float* x, int64_t N, int64_t D, int64_t I, in
   else launch_moe<DT, false>(x, N, D, I, K, S, n_routed, ids, wts, bank, h, out, st);
 }
 
+template <int DT>
+__global__ void __launch_bounds__(256) gemv_many_kernel(const float* __restrict__ x, ManyW m) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t r = int64_t(blockIdx.x) * 8 + warp;
+  if (r >= m.row0[m.n]) return;
+  int i = 0;
+  while (r >= m.row0[i + 1]) ++i;
+  const int64_t row = r - m.row0[i];
+  const float v = warp_sum(lane_dot<DT, true>(m.w[i], row, x, lane));
+  if (lane == 0) m.y[i][row] = v;
+}
+
 // One block per row: h += x, then the same arithmetic as rms_norm_kernel on the new h.
 __global__ void add_rms_norm_kernel(float* __restrict__ h, const float* __restrict__ x, int64_t n,
                                     const float* __restrict__ w, float eps, float* __restrict__ y) {
@@ -260,6 +272,17 @@ void index_key_append(const float* k, int64_t T, int64_t d, const float* w, cons
   if (rope / 2 > 256) fail("index_key_append: rope width ", rope, " is too wide");
   index_key_append_kernel<<<unsigned(T), 256, 0, st>>>(k, d, w, b, eps, rope, cs, interleaved ? 1 : 0, keys, pos0,
                                                        pos0_dev);
+  VIREO_CUDA_LAUNCHED();
+}
+
+void gemv_many(const float* x, const ManyW& m, cudaStream_t st) {
+  const unsigned blocks = unsigned((m.row0[m.n] + 7) / 8);
+  switch (m.w[0].dt) {
+    case W_F32: gemv_many_kernel<W_F32><<<blocks, 256, 0, st>>>(x, m); break;
+    case W_BF16: gemv_many_kernel<W_BF16><<<blocks, 256, 0, st>>>(x, m); break;
+    case W_F16: gemv_many_kernel<W_F16><<<blocks, 256, 0, st>>>(x, m); break;
+    default: gemv_many_kernel<W_FP8><<<blocks, 256, 0, st>>>(x, m); break;
+  }
   VIREO_CUDA_LAUNCHED();
 }
 

@@ -30,6 +30,17 @@ void index_key_append(const float* k, int64_t T, int64_t d, const float* w, cons
                       const float* cs, bool interleaved, float* keys, int64_t pos0, const int32_t* pos0_dev,
                       cudaStream_t st);
 
+// Up to kMaxMany weights of one dtype sharing one input row: y_i = W_i x, one launch, a warp per
+// output row. Rows must allow 16-byte loads.
+constexpr int kMaxMany = 6;
+struct ManyW {
+  DevW w[kMaxMany];
+  float* y[kMaxMany];
+  int64_t row0[kMaxMany + 1];  // first global row of each weight; row0[n] = total rows
+  int n = 0;
+};
+void gemv_many(const float* x, const ManyW& m, cudaStream_t st);
+
 void argmax_rows(const float* x, int64_t rows, int64_t n, int32_t* out, cudaStream_t st);
 
 }  // namespace vireo::cuda

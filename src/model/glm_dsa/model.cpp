@@ -426,23 +426,33 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
   const float* cs = cos_sin_;
   const int64_t cs_stride = rope;  // floats of rope table per token
 
-  // Queries: [N, H, nope + rope].
-  float* q = scratch(11, size_t(N * H * qw));
+  // Every product of xn in one call (one launch on a GPU at decode): the queries (or their
+  // low-rank part), this step's cache entries, and the indexer's keys and head weights.
+  const bool own_indexer = c.has_indexer && a.has_indexer;
+  const int64_t nI = c.index_n_heads, d = c.index_head_dim;
+  float* q = scratch(11, size_t(N * H * qw));                                  // [N, H, nope + rope]
+  float* qa = c.q_lora_rank > 0 ? scratch(12, size_t(N * c.q_lora_rank)) : nullptr;
+  float* kva = scratch(14, size_t(N * kvw));                                   // [N, latent | k_rope]
+  float* kraw = own_indexer ? scratch(16, size_t(N * d)) : nullptr;
+  float* wts = own_indexer ? scratch(17, size_t(N * nI)) : nullptr;
+  {
+    std::vector<const Weight*> ws = {qa ? &a.q_a_proj : &a.q_proj, &a.kv_a_proj};
+    std::vector<float*> ys = {qa ? qa : q, kva};
+    if (own_indexer) {
+      ws.insert(ws.end(), {&a.idx_wk, &a.idx_weights_proj});
+      ys.insert(ys.end(), {kraw, wts});
+    }
+    backend_.matmul_many(xn, N, ws.data(), ys.data(), int(ws.size()));
+  }
   float* q_resid = nullptr;
-  if (c.q_lora_rank > 0) {
-    float* qa = scratch(12, size_t(N * c.q_lora_rank));
+  if (qa) {
     q_resid = scratch(13, size_t(N * c.q_lora_rank));
-    backend_.matmul(xn, N, a.q_a_proj, qa);
     backend_.rms_norm(qa, c.q_lora_rank, N, c.q_lora_rank, vec(a.q_a_norm), eps_lora, q_resid, c.q_lora_rank);
     backend_.matmul(q_resid, N, a.q_b_proj, q);
-  } else {
-    backend_.matmul(xn, N, a.q_proj, q);
   }
   backend_.rope(q, N, H, H * qw, qw, nope, rope, cs, rope_kind(c.mla_rope_style));
 
   // This step's cache entries [latent | k_rope], written straight into each sequence's row.
-  float* kva = scratch(14, size_t(N * kvw));
-  backend_.matmul(xn, N, a.kv_a_proj, kva);
   for (const Segment& s : segs)
     backend_.mla_cache_append(kva + s.offset * kvw, s.T, L, rope, vec(a.kv_a_norm), eps_lora, cs + s.offset * cs_stride,
                               rope_kind(c.mla_rope_style), cache.kv(layer, s.row), s.pos0, s.pos0_dev);
@@ -457,15 +467,10 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
   if (c.has_indexer) {
     selected = scratch_i32(0, size_t(N * topk));
     counts = scratch_i32(1, size_t(N));
-    if (a.has_indexer) {
-      const int64_t nI = c.index_n_heads, d = c.index_head_dim;
+    if (own_indexer) {
       float* qi = scratch(15, size_t(N * nI * d));
       backend_.matmul(q_resid, N, a.idx_wq_b, qi);
       backend_.rope(qi, N, nI, nI * d, d, 0, rope, cs, rope_kind(c.indexer_rope_style));
-      float* kraw = scratch(16, size_t(N * d));
-      backend_.matmul(xn, N, a.idx_wk, kraw);
-      float* wts = scratch(17, size_t(N * nI));
-      backend_.matmul(xn, N, a.idx_weights_proj, wts);
       backend_.scale(wts, float(1.0 / std::sqrt(double(nI))), N * nI);
       for (const Segment& s : segs) {
         float* keys = cache.index_keys(layer, s.row);
