@@ -282,6 +282,14 @@ TEST(CudaOps, EmbedGatherScatter) {
     float* gyy = p.g.up(yy);
     p.gpu->scatter_add_rows(gyy, p.g.up_i(idx), p.g.up(ss), p.g.up(rr), mi, nn);
     EXPECT_EQ(p.g.down(gyy, want.size()), want);
+    // Many rows with repeats: checked on the device, then accumulated in order.
+    std::vector<int32_t> rep_idx(static_cast<size_t>(mi));
+    for (int64_t i = 0; i < mi; ++i) rep_idx[size_t(i)] = int32_t((i * 37) % 50);
+    std::vector<float> want2 = yy;
+    p.cpu->scatter_add_rows(want2.data(), rep_idx.data(), ss.data(), rr.data(), mi, nn);
+    float* gy2 = p.g.up(yy);
+    p.gpu->scatter_add_rows(gy2, p.g.up_i(rep_idx), p.g.up(ss), p.g.up(rr), mi, nn);
+    EXPECT_EQ(p.g.down(gy2, want2.size()), want2);
   }
 }
 

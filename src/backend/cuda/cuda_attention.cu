@@ -491,14 +491,16 @@ __global__ void indexer_score_kernel(const float* __restrict__ q, const float* _
 // heads summed in order), blocked for shared-memory bandwidth: lane j owns key u0 + j, warp w
 // heads 4w..4w+3 (+32 per round), and x advances 4 at a time with 16-byte loads (the query rows
 // are broadcast). Per 4 x-steps a warp loads 1 key vector and 4 query vectors for 4 x 32 dot
-// products, against 2 scalar loads per product before. Needs d % 4 == 0.
+// products, against 2 scalar loads per product before. Needs d % 4 == 0. The grid covers only the
+// rows that select (t >= t_first: more causal keys than topk); key blocks past a row's causal
+// keys exit at once.
 __global__ void __launch_bounds__(256) indexer_score_v4_kernel(const float* __restrict__ q,
                                                                const float* __restrict__ wts,
                                                                const float* __restrict__ keys, int64_t nI, int64_t d,
                                                                int64_t n_keys, int64_t pos0, int64_t topk, float scale,
-                                                               float* __restrict__ scores) {
+                                                               int64_t t_first, float* __restrict__ scores) {
   extern __shared__ float4 sm4[];
-  const int64_t t = blockIdx.y, n_causal = pos0 + t + 1, u0 = int64_t(blockIdx.x) * 32;
+  const int64_t t = t_first + blockIdx.y, n_causal = pos0 + t + 1, u0 = int64_t(blockIdx.x) * 32;
   if (n_causal <= topk || u0 >= n_causal) return;  // whole block: uniform
   const int64_t d4 = d / 4, kp4 = d4 + 1;          // key rows padded by 16 bytes: conflict-free
   float4* qs = sm4;                                // [nI][d4]
@@ -781,8 +783,11 @@ void indexer_scores(const float* q, const float* wts, const float* keys, int64_t
           cudaFuncSetAttribute(indexer_score_v4_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
       configured4 = true;
     }
-    dim3 grid(unsigned((n_keys + 31) / 32), unsigned(T));
-    indexer_score_v4_kernel<<<grid, 256, smem4, st>>>(q, wts, keys, nI, d, n_keys, pos0, topk, scale, scores);
+    const int64_t t_first = std::max<int64_t>(0, topk - pos0);  // rows before it take every causal key
+    if (t_first >= T) return;
+    dim3 grid(unsigned((n_keys + 31) / 32), unsigned(T - t_first));
+    indexer_score_v4_kernel<<<grid, 256, smem4, st>>>(q, wts, keys, nI, d, n_keys, pos0, topk, scale, t_first,
+                                                      scores);
     VIREO_CUDA_LAUNCHED();
     return;
   }

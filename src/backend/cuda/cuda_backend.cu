@@ -125,13 +125,14 @@ __global__ void strictly_increasing_kernel(const int32_t* index, int64_t m, int3
   if (threadIdx.x == 0) *distinct = !any_bad;
 }
 // y[index[i], j] += s[i] * rows[i, j], unfused as the reference (bit-identical). Distinct rows:
-// every (i, j) independently, rows spread over gridDim.y. Otherwise column j of every row in
-// order of i by the blockIdx.y == 0 blocks: repeated indices accumulate in the reference's order.
+// every (i, j) independently, rows spread over gridDim.y. Otherwise (or with no flag) column j of
+// every row in order of i by the blockIdx.y == 0 blocks: repeated indices accumulate in the
+// reference's order.
 __global__ void scatter_add_rows_kernel(float* y, const int32_t* index, const float* s, const float* rows, int64_t m,
                                         int64_t n, const int32_t* distinct) {
   const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (j >= n) return;
-  const bool par = *distinct != 0;
+  const bool par = distinct && *distinct != 0;
   if (!par && blockIdx.y != 0) return;
   for (int64_t i = par ? blockIdx.y : 0; i < m; i += par ? gridDim.y : 1) {
     float& yv = y[int64_t(index[i]) * n + j];
@@ -514,9 +515,13 @@ class CudaBackend final : public Backend {
                         int64_t n) override {
     if (m <= 0) return;
     VIREO_PROF("scatter_add_rows");
-    int32_t* distinct = flag_.get<int32_t>(1);
-    strictly_increasing_kernel<<<1, 1024, 0, stream_>>>(index, m, distinct);
-    const dim3 grid(unsigned((n + 255) / 256), unsigned(std::min<int64_t>(m, 256)));
+    // Few rows (decode): in order, no check (a second launch would cost more than it saves).
+    int32_t* distinct = nullptr;
+    if (m >= 32) {
+      distinct = flag_.get<int32_t>(1);
+      strictly_increasing_kernel<<<1, 1024, 0, stream_>>>(index, m, distinct);
+    }
+    const dim3 grid(unsigned((n + 255) / 256), distinct ? unsigned(std::min<int64_t>(m, 256)) : 1u);
     scatter_add_rows_kernel<<<grid, 256, 0, stream_>>>(y, index, s, rows, m, n, distinct);
     VIREO_CUDA_LAUNCHED();
   }
@@ -563,7 +568,10 @@ class CudaBackend final : public Backend {
     char* buf = xbf16_.get<char>(size_t(T * w.in) * 2 * (split ? 2 : 1));
     void* hi = buf;
     void* lo = split ? buf + size_t(T * w.in) * 2 : nullptr;
-    split_bf16(x, T * w.in, hi, lo, stream_);
+    {
+      ProfScope ps(prof_, stream_, [] { return std::string("split x"); }, 0.0);
+      split_bf16(x, T * w.in, hi, lo, stream_);
+    }
     bool ok = lt_matmul(lt_, lt_ws_.get(), lt_ws_bytes_, stream_, w.out, T, w.in, w.w, CUDA_R_16BF, hi, CUDA_R_16BF,
                         y, CUDA_R_32F, 1.0f, 0.0f);
     if (ok && split)
@@ -583,14 +591,20 @@ class CudaBackend final : public Backend {
     char* xb = xbf16_.get<char>(size_t(T * w.in) * 2 * (split ? 2 : 1));
     void* xh = xb;
     void* xl = split ? xb + size_t(T * w.in) * 2 : nullptr;
-    split_bf16(x, T * w.in, xh, xl, stream_);
+    {
+      ProfScope ps(prof_, stream_, [] { return std::string("split x"); }, 0.0);
+      split_bf16(x, T * w.in, xh, xl, stream_);
+    }
     const int64_t rows = std::min(w.out, std::max<int64_t>(128, fp8_chunk_bytes_ / (w.in * 4) / 128 * 128));
     char* wb = wbf16_.get<char>(size_t(rows * w.in) * 2 * (split ? 2 : 1));
     void* wh = wb;
     void* wl = split ? wb + size_t(rows * w.in) * 2 : nullptr;
     for (int64_t o0 = 0; o0 < w.out; o0 += rows) {
       const int64_t m = std::min(rows, w.out - o0);
-      dequant_split_fp8(w, o0, m, wh, wl, stream_);
+      {
+        ProfScope ps(prof_, stream_, [] { return std::string("dequantize w"); }, 0.0);
+        dequant_split_fp8(w, o0, m, wh, wl, stream_);
+      }
       auto pass = [&](const void* A, const void* B, float beta) {
         return lt_matmul(lt_, lt_ws_.get(), lt_ws_bytes_, stream_, m, T, w.in, A, CUDA_R_16BF, B, CUDA_R_16BF,
                          y + o0, CUDA_R_32F, 1.0f, beta, w.out);
