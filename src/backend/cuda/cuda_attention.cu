@@ -243,7 +243,6 @@ __global__ void __launch_bounds__(256) mla_prefill_kernel(
 // words = 4 mod 8 with an odd quotient).
 constexpr int kTcBQ = 128, kTcBK = 32, kTcWarps = kTcBQ / 16;
 constexpr int kTcVSW = kTcBK / 2 + 4;  // V^T row stride in words (pairs of keys)
-constexpr int kTcLd = 16;              // K and V pairs each thread loads before converting
 
 __device__ __forceinline__ uint32_t bf16_bits(__nv_bfloat16 h) { return uint32_t(__bfloat16_as_ushort(h)); }
 // (x, y) -> hi = (bf16(x), bf16(y)), lo = (bf16(x - hi.x), bf16(y - hi.y)), low half = x.
@@ -306,47 +305,24 @@ __global__ void __launch_bounds__(256, 1) mla_prefill_tc_kernel(
       if (!__syncthreads_or(int((wa | wb) != 0u))) continue;  // no query of the block selected a key here
     }
     __syncthreads();  // the previous tile's K and V are no longer read
-    // The tile's K (pairs of dims) and V (pairs of keys): each thread issues kTcLd loads of each
-    // before it converts and stores any, so a tile costs about one memory latency, not one per
-    // element (the loads would otherwise wait in turn: measured 15 us a tile, 4x the math).
-    const int kpairs = kTcBK * qp2;
-    constexpr int vpairs = kTcBK / 2 * 8 * NV;
-    for (int base = 0; base < kpairs || base < vpairs; base += 256 * kTcLd) {
-      float kx[kTcLd], ky[kTcLd], vx[kTcLd], vy[kTcLd];
-#pragma unroll
-      for (int i = 0; i < kTcLd; ++i) {
-        const int idx = base + i * 256 + int(threadIdx.x);
-        kx[i] = ky[i] = vx[i] = vy[i] = 0.0f;
-        if (idx < kpairs) {
-          const int j = idx / qp2, p = idx - j * qp2;
-          const int64_t u = k0 + j, d = 2 * int64_t(p);
-          if (u < n_keys) {
-            kx[i] = d < nope ? kvx[(u * H + h) * hw + d] : d < qw ? kv[u * kvw + L + (d - nope)] : 0.0f;
-            ky[i] = d + 1 < nope ? kvx[(u * H + h) * hw + d + 1]
-                    : d + 1 < qw ? kv[u * kvw + L + (d + 1 - nope)]
-                                 : 0.0f;
-          }
+    for (int j = warp; j < kTcBK; j += kTcWarps) {
+      const int64_t u = k0 + j;
+      for (int p = lane; p < qp2; p += 32) {
+        float x = 0.0f, y = 0.0f;
+        if (u < n_keys) {
+          const int64_t d = 2 * int64_t(p);
+          x = d < nope ? kvx[(u * H + h) * hw + d] : d < qw ? kv[u * kvw + L + (d - nope)] : 0.0f;
+          y = d + 1 < nope ? kvx[(u * H + h) * hw + d + 1] : d + 1 < qw ? kv[u * kvw + L + (d + 1 - nope)] : 0.0f;
         }
-        if (idx < vpairs) {
-          const int jp = idx / (8 * NV), c = idx % (8 * NV);
-          const int64_t u = k0 + 2 * jp;
-          if (c < vd) {
-            if (u < n_keys) vx[i] = kvx[(u * H + h) * hw + nope + c];
-            if (u + 1 < n_keys) vy[i] = kvx[((u + 1) * H + h) * hw + nope + c];
-          }
-        }
+        split2(x, y, Kh[j * qsw + p], Kl[j * qsw + p]);
       }
-#pragma unroll
-      for (int i = 0; i < kTcLd; ++i) {
-        const int idx = base + i * 256 + int(threadIdx.x);
-        if (idx < kpairs) {
-          const int j = idx / qp2, p = idx - j * qp2;
-          split2(kx[i], ky[i], Kh[j * qsw + p], Kl[j * qsw + p]);
-        }
-        if (idx < vpairs) {
-          const int jp = idx / (8 * NV), c = idx % (8 * NV);
-          split2(vx[i], vy[i], Vh[c * kTcVSW + jp], Vl[c * kTcVSW + jp]);
-        }
+    }
+    for (int jp = warp; jp < kTcBK / 2; jp += kTcWarps) {
+      const int64_t u = k0 + 2 * jp;
+      for (int c = lane; c < 8 * NV; c += 32) {
+        const float x = u < n_keys && c < vd ? kvx[(u * H + h) * hw + nope + c] : 0.0f;
+        const float y = u + 1 < n_keys && c < vd ? kvx[((u + 1) * H + h) * hw + nope + c] : 0.0f;
+        split2(x, y, Vh[c * kTcVSW + jp], Vl[c * kTcVSW + jp]);
       }
     }
     __syncthreads();
