@@ -6,8 +6,10 @@
 // once per 8 heads and long contexts still fill the chip), then a combine kernel merges the splits
 // and applies W_UV.
 // Reconstructed (prefill) path: kv_b expands the latents into per-head k_nope | v once (a GEMM),
-// then a tiled kernel (32 queries x 32 keys, online softmax) computes attention under the causal
-// mask and the DSA selection (a bitmask [T, ceil(N/32)]); no T x T matrix is ever stored.
+// then a tiled kernel computes attention under the causal mask and the DSA selection (a bitmask
+// [T, ceil(N/32)]); no T x T matrix is ever stored. Default: tensor cores (mma.sync with bf16
+// hi/lo operands, 128 queries x 32 keys, see mla_prefill_tc_kernel); CudaGemmMode::Simt: f32
+// CUDA cores (32 x 32 tiles, online softmax, exact f32 math, ~10x slower).
 // Indexer: scores [T, N] (bit-for-bit the CPU reference's sums, given equal inputs: explicit
 // round-to-nearest multiply and add in its order), then an exact top-k per row by radix select
 // on (score, -position) keys, so ties go to the lower position, written in ascending order.
