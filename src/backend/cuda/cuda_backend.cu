@@ -237,7 +237,11 @@ class ProfScope {
     }
   }
   ~ProfScope() {
-    if (p_) p_->end(st_);
+    if (!p_) return;
+    try {
+      p_->end(st_);
+    } catch (...) {  // a CUDA error is already on its way out as the op's own exception
+    }
   }
   ProfScope(const ProfScope&) = delete;
   ProfScope& operator=(const ProfScope&) = delete;
