@@ -152,4 +152,6 @@ TEST(Cli, BadFlagsAreRejected) {
   r = run_vireo("bench");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.err.find("--model DIR or --synthetic"), std::string::npos) << r.err;
+  r = run_vireo("bench --model " + kFixture + " --profile");  // the profile is the CUDA backend's
+  expect_clean_error(r, "--profile needs --device cuda");
 }

@@ -1,9 +1,10 @@
 // Op parity: every Backend op on the CUDA backend against the CPU reference, on random inputs,
 // by normalized mean squared error (NMSE = sum (got - want)^2 / sum want^2), in the spirit of
 // llama.cpp's test-backend-ops. Both sides do f32 math on the same stored weights, so the only
-// differences are summation order (and, for the bf16 tensor-core prefill GEMM, the 2^-16 of the
-// hi + lo split): thresholds are 1e-9 / 1e-8, far below any format's own rounding. Selections
-// (indexer top-k, MoE expert ids) must be identical.
+// differences are summation order (and, for the tensor-core prefill GEMMs on BF16/FP8 weights and
+// the tensor-core prefill attention, the ~2^-16 of the bf16 hi + lo split): thresholds are 1e-10
+// (f32 kernels) / 1e-9 (split), far below any format's own rounding (bf16 alone: ~1e-5).
+// Selections (indexer top-k, MoE expert ids) must be identical.
 // Without a GPU (or without CUDA in the build) every test skips, saying so.
 #include <gtest/gtest.h>
 
@@ -150,22 +151,46 @@ TEST(CudaOps, MatmulGemmModes) {
   REQUIRE_CUDA();
   Pair p;
   const int64_t out = 512, in = 768, T = 200;
-  HostWeight hw = make_weight(DType::BF16, out, in, 3);
-  auto x = randv(size_t(T * in), 4);
+  for (DType dt : {DType::BF16, DType::F8_E4M3}) {
+    HostWeight hw = make_weight(dt, out, in, 3);
+    auto x = randv(size_t(T * in), 4);
+    std::vector<float> want(size_t(T * out));
+    cpu_matmul(x.data(), T, hw.w, want.data(), ThreadPool::global());
+    float* gx = p.g.up(x);
+    float* gy = p.g.zeros(want.size());
+    struct M { CudaGemmMode m; double tol; const char* name; };
+    for (M m : {M{CudaGemmMode::Split, 1e-9, "split"}, M{CudaGemmMode::Simt, 1e-10, "simt"},
+                M{CudaGemmMode::Bf16, 1e-4, "bf16"}}) {
+      cuda_set_gemm_mode(*p.gpu, m.m);
+      p.gpu->fill(gy, NAN, int64_t(want.size()));  // poison: every output must be written
+      p.gpu->matmul(gx, T, hw.w, gy);
+      const double e = nmse(p.g.down(gy, want.size()), want);
+      EXPECT_LT(e, m.tol) << dt_name(dt) << " " << m.name;
+      std::printf("  %-8s gemm mode %-5s NMSE %.3g\n", dt_name(dt), m.name, e);
+    }
+    cuda_set_gemm_mode(*p.gpu, CudaGemmMode::Split);
+  }
+}
+
+// FP8 on tensor cores dequantizes the weight into bf16 hi/lo scratch in row chunks (256 MiB by
+// default; 1 MiB here): 600 x 1024 takes chunks of 256, 256 and 88 rows, each written at its
+// column offset of y.
+TEST(CudaOps, MatmulFp8TensorCoresChunked) {
+  REQUIRE_CUDA();
+  Pair p;
+  const int64_t out = 600, in = 1024, T = 33;
+  HostWeight hw = make_weight(DType::F8_E4M3, out, in, 5);
+  auto x = randv(size_t(T * in), 6);
   std::vector<float> want(size_t(T * out));
   cpu_matmul(x.data(), T, hw.w, want.data(), ThreadPool::global());
-  float* gx = p.g.up(x);
   float* gy = p.g.zeros(want.size());
-  struct M { CudaGemmMode m; double tol; const char* name; };
-  for (M m : {M{CudaGemmMode::Split, 1e-9, "split"}, M{CudaGemmMode::Simt, 1e-10, "simt"},
-              M{CudaGemmMode::Bf16, 1e-4, "bf16"}}) {
-    cuda_set_gemm_mode(*p.gpu, m.m);
-    p.gpu->matmul(gx, T, hw.w, gy);
-    const double e = nmse(p.g.down(gy, want.size()), want);
-    EXPECT_LT(e, m.tol) << m.name;
-    std::printf("  gemm mode %-5s NMSE %.3g\n", m.name, e);
-  }
-  cuda_set_gemm_mode(*p.gpu, CudaGemmMode::Split);
+  p.gpu->fill(gy, NAN, int64_t(want.size()));
+  cuda_set_fp8_chunk_bytes(*p.gpu, size_t(1) << 20);
+  p.gpu->matmul(p.g.up(x), T, p.gpu->upload_weight(hw.w), gy);
+  cuda_set_fp8_chunk_bytes(*p.gpu, size_t(256) << 20);
+  const double e = nmse(p.g.down(gy, want.size()), want);
+  EXPECT_LT(e, 1e-9);
+  std::printf("  fp8 %lldx%lld T %lld (three chunks) NMSE %.3g\n", (long long)out, (long long)in, (long long)T, e);
 }
 #endif
 
@@ -246,6 +271,26 @@ TEST(CudaOps, EmbedGatherScatter) {
   float* gy = p.g.up(y);
   p.gpu->scatter_add_rows(gy, gidx, p.g.up(s), p.g.up(r), m, n);
   EXPECT_EQ(p.g.down(gy, want_y.size()), want_y);
+  {  // strictly increasing rows (an expert's token list): the parallel path, still bit-identical
+    const int64_t ny = 3000, mm = 700, nn = 1000;
+    std::vector<int32_t> idx;
+    for (int64_t i = 0; i < ny && int64_t(idx.size()) < mm; i += 1 + (i % 5 == 0)) idx.push_back(int32_t(i));
+    const int64_t mi = int64_t(idx.size());
+    auto rr = randv(size_t(mi * nn), 13), yy = randv(size_t(ny * nn), 14), ss = randv(size_t(mi), 15);
+    std::vector<float> want = yy;
+    p.cpu->scatter_add_rows(want.data(), idx.data(), ss.data(), rr.data(), mi, nn);
+    float* gyy = p.g.up(yy);
+    p.gpu->scatter_add_rows(gyy, p.g.up_i(idx), p.g.up(ss), p.g.up(rr), mi, nn);
+    EXPECT_EQ(p.g.down(gyy, want.size()), want);
+    // Many rows with repeats: checked on the device, then accumulated in order.
+    std::vector<int32_t> rep_idx(static_cast<size_t>(mi));
+    for (int64_t i = 0; i < mi; ++i) rep_idx[size_t(i)] = int32_t((i * 37) % 50);
+    std::vector<float> want2 = yy;
+    p.cpu->scatter_add_rows(want2.data(), rep_idx.data(), ss.data(), rr.data(), mi, nn);
+    float* gy2 = p.g.up(yy);
+    p.gpu->scatter_add_rows(gy2, p.g.up_i(rep_idx), p.g.up(ss), p.g.up(rr), mi, nn);
+    EXPECT_EQ(p.g.down(gy2, want2.size()), want2);
+  }
 }
 
 namespace {
@@ -312,11 +357,82 @@ TEST(CudaOps, MlaAttentionBothPathsWithAndWithoutSelection) {
           if (selected) g.selection = KeySelection{p.g.up_i(keys), p.g.up_i(counts), stride};
           p.gpu->mla_attention(g);
           const double e = nmse(p.g.down(g.out, want.size()), want);
-          EXPECT_LT(e, 1e-10) << dt_name(dt) << (absorbed ? " absorbed" : " reconstructed")
-                              << (selected ? " selected" : " causal") << " T " << T;
+          // Reconstructed: tensor cores with the bf16 hi/lo split (kv_b through the split GEMM too).
+          EXPECT_LT(e, absorbed ? 1e-10 : 1e-9) << dt_name(dt) << (absorbed ? " absorbed" : " reconstructed")
+                                                << (selected ? " selected" : " causal") << " T " << T;
         }
   }
 }
+
+#ifdef VIREO_HAVE_CUDA
+// The prefill attention kernels at GLM-5 head shapes (qk 192 + 64, v 256, kv_lora 512; fewer
+// heads): a prompt from an empty cache and a chunk after cached keys, causal and under a DSA
+// selection (random keys, and contiguous runs that leave whole key tiles unselected), on tensor
+// cores (split) and on f32 CUDA cores (simt). Output poisoned first: every element is written.
+TEST(CudaOps, PrefillAttentionGlmShapes) {
+  REQUIRE_CUDA();
+  Pair p;
+  const int64_t H = 3, nope = 192, rope = 64, vd = 256, L = 512, N = 520;
+  const int64_t qw = nope + rope, kvw = L + rope, hw = nope + vd;
+  HostWeight kvb = make_weight(DType::BF16, H * hw, L, 51);
+  Weight gkvb = p.gpu->upload_weight(kvb.w);
+  auto kv = randv(size_t(N * kvw), 52);
+  float* gkv = p.g.up(kv);
+  for (int64_t T : {N, int64_t(200)})
+    for (int sel = 0; sel < 3; ++sel) {
+      const int64_t pos0 = N - T, stride = 160;
+      auto q = randv(size_t(T * H * qw), uint32_t(53 + T));
+      std::vector<int32_t> keys, counts;
+      if (sel == 1) {
+        random_selection(T, stride, pos0, uint32_t(54 + T), keys, counts);
+      } else if (sel == 2) {  // the first 40 keys and the last (up to) 120 before each query
+        keys.assign(size_t(T * stride), 0);
+        counts.assign(size_t(T), 0);
+        for (int64_t t = 0; t < T; ++t) {
+          const int64_t n = pos0 + t + 1;
+          int32_t c = 0;
+          for (int64_t u = 0; u < n && c < stride; ++u)
+            if (u < 40 || u >= n - 120) keys[size_t(t * stride + c++)] = int32_t(u);
+          counts[size_t(t)] = c;
+        }
+      }
+      MlaAttentionArgs a;
+      a.T = T;
+      a.n_heads = H;
+      a.qk_nope = nope;
+      a.qk_rope = rope;
+      a.v_dim = vd;
+      a.kv_lora = L;
+      a.n_keys = N;
+      a.pos0 = pos0;
+      a.scale = 1.0f / std::sqrt(float(qw));
+      std::vector<float> want(size_t(T * H * vd));
+      MlaAttentionArgs c = a;
+      c.q = q.data();
+      c.kv = kv.data();
+      c.kv_b = &kvb.w;
+      c.out = want.data();
+      if (sel) c.selection = KeySelection{keys.data(), counts.data(), stride};
+      p.cpu->mla_attention(c);
+      MlaAttentionArgs g = a;
+      g.q = p.g.up(q);
+      g.kv = gkv;
+      g.kv_b = &gkvb;
+      g.out = p.g.zeros(want.size());
+      if (sel) g.selection = KeySelection{p.g.up_i(keys), p.g.up_i(counts), stride};
+      struct M { CudaGemmMode m; double tol; const char* name; };
+      for (M m : {M{CudaGemmMode::Split, 1e-9, "tensor cores"}, M{CudaGemmMode::Simt, 1e-10, "f32"}}) {
+        cuda_set_gemm_mode(*p.gpu, m.m);
+        p.gpu->fill(g.out, NAN, int64_t(want.size()));
+        p.gpu->mla_attention(g);
+        const double e = nmse(p.g.down(g.out, want.size()), want);
+        EXPECT_LT(e, m.tol) << m.name << " T " << T << " selection " << sel;
+        std::printf("  prefill attention %-12s T %4lld selection %d NMSE %.3g\n", m.name, (long long)T, sel, e);
+      }
+      cuda_set_gemm_mode(*p.gpu, CudaGemmMode::Split);
+    }
+}
+#endif
 
 TEST(CudaOps, IndexerSelectIsIdentical) {
   REQUIRE_CUDA();

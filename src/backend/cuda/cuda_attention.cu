@@ -6,8 +6,10 @@
 // once per 8 heads and long contexts still fill the chip), then a combine kernel merges the splits
 // and applies W_UV.
 // Reconstructed (prefill) path: kv_b expands the latents into per-head k_nope | v once (a GEMM),
-// then a tiled kernel (32 queries x 32 keys, online softmax) computes attention under the causal
-// mask and the DSA selection (a bitmask [T, ceil(N/32)]); no T x T matrix is ever stored.
+// then a tiled kernel computes attention under the causal mask and the DSA selection (a bitmask
+// [T, ceil(N/32)]); no T x T matrix is ever stored. Default: tensor cores (mma.sync with bf16
+// hi/lo operands, 128 queries x 32 keys, see mla_prefill_tc_kernel); CudaGemmMode::Simt: f32
+// CUDA cores (32 x 32 tiles, online softmax, exact f32 math, ~10x slower).
 // Indexer: scores [T, N] (bit-for-bit the CPU reference's sums, given equal inputs: explicit
 // round-to-nearest multiply and add in its order), then an exact top-k per row by radix select
 // on (score, -position) keys, so ties go to the lower position, written in ascending order.
@@ -362,6 +364,204 @@ __global__ void __launch_bounds__(256) mla_prefill_kernel(
   }
 }
 
+// --- Tensor-core prefill attention -------------------------------------------------------------
+// Flash-attention on mma.sync (m16n8k16, bf16 in, f32 accumulate) with every operand split into
+// bf16 hi + lo and each product taken as hi*hi + lo*hi + hi*lo: what is dropped (lo*lo, and the
+// rounding of lo) is ~2^-16 relative per product, the same f32-level accuracy as the split GEMMs.
+// A block owns 128 queries of one head (8 warps x 16 rows) and walks 32-key tiles: the tile's K
+// [32, qw] and V^T [vd, 32] are converted to hi/lo in shared memory; each warp computes its S
+// [16, 32] in registers, applies the causal and DSA masks, updates its online softmax, and adds
+// P V into O [16, vd] held in registers. No T x T matrix exists anywhere.
+// Shared-memory rows are padded so every fragment load hits 32 distinct banks (row stride in
+// words = 4 mod 8 with an odd quotient).
+constexpr int kTcBQ = 128, kTcBK = 32, kTcWarps = kTcBQ / 16;
+constexpr int kTcVSW = kTcBK / 2 + 4;  // V^T row stride in words (pairs of keys)
+
+__device__ __forceinline__ uint32_t bf16_bits(__nv_bfloat16 h) { return uint32_t(__bfloat16_as_ushort(h)); }
+// (x, y) -> hi = (bf16(x), bf16(y)), lo = (bf16(x - hi.x), bf16(y - hi.y)), low half = x.
+__device__ __forceinline__ void split2(float x, float y, uint32_t& hi, uint32_t& lo) {
+  const __nv_bfloat16 hx = __float2bfloat16_rn(x), hy = __float2bfloat16_rn(y);
+  const __nv_bfloat16 lx = __float2bfloat16_rn(x - __bfloat162float(hx));
+  const __nv_bfloat16 ly = __float2bfloat16_rn(y - __bfloat162float(hy));
+  hi = bf16_bits(hx) | (bf16_bits(hy) << 16);
+  lo = bf16_bits(lx) | (bf16_bits(ly) << 16);
+}
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// NV: 8-wide tiles of v (vd <= 8 NV). qw is padded with zeros to qp (a multiple of 16).
+template <int NV>
+__global__ void __launch_bounds__(256, 1) mla_prefill_tc_kernel(
+    const float* __restrict__ q, int64_t T, int64_t H, int64_t qw, int64_t qp, int64_t nope, int64_t vd, int64_t L,
+    const float* __restrict__ kv, int64_t kvw, const float* __restrict__ kvx, int64_t hw, int64_t n_keys,
+    int64_t pos0, const uint32_t* __restrict__ mask, int64_t mwords, float scale, float* __restrict__ out) {
+  extern __shared__ uint32_t smw[];
+  const int qp2 = int(qp / 2), qsw = qp2 + 4;  // words per Q/K row
+  uint32_t* Qh = smw;                          // [kTcBQ][qsw]
+  uint32_t* Ql = Qh + kTcBQ * qsw;
+  uint32_t* Kh = Ql + kTcBQ * qsw;             // [kTcBK][qsw]
+  uint32_t* Kl = Kh + kTcBK * qsw;
+  uint32_t* Vh = Kl + kTcBK * qsw;             // [8 NV][kTcVSW]: V^T, pairs of keys
+  uint32_t* Vl = Vh + 8 * NV * kTcVSW;
+  const int warp = int(threadIdx.x >> 5), lane = int(threadIdx.x & 31), g = lane >> 2, tq = lane & 3;
+  const int64_t h = blockIdx.y;
+  const int64_t q0 = int64_t(gridDim.x - 1 - blockIdx.x) * kTcBQ;  // the longest rows first
+  const int64_t r0 = q0 + warp * 16, ta = r0 + g, tb = ta + 8;     // this thread's two query rows
+
+  for (int r = warp; r < kTcBQ; r += kTcWarps) {
+    const int64_t t = q0 + r;
+    const float* qr = q + (t * H + h) * qw;
+    for (int p = lane; p < qp2; p += 32) {
+      const int64_t d = 2 * int64_t(p);
+      const float x = t < T && d < qw ? qr[d] : 0.0f, y = t < T && d + 1 < qw ? qr[d + 1] : 0.0f;
+      split2(x, y, Qh[r * qsw + p], Ql[r * qsw + p]);
+    }
+  }
+  float o[NV][4];
+#pragma unroll
+  for (int i = 0; i < NV; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+  float ma = -INFINITY, mb = -INFINITY, la = 0.0f, lb = 0.0f;  // l: this thread's partial row sums
+
+  const int64_t kmax = imin(n_keys, pos0 + imin(T, q0 + kTcBQ));
+  const int64_t warp_kmax = imin(n_keys, pos0 + imin(T, r0 + 16));
+  for (int64_t k0 = 0; k0 < kmax; k0 += kTcBK) {
+    uint32_t wa = ~0u, wb = ~0u;
+    if (mask) {
+      wa = ta < T ? mask[ta * mwords + (k0 >> 5)] : 0u;
+      wb = tb < T ? mask[tb * mwords + (k0 >> 5)] : 0u;
+      if (!__syncthreads_or(int((wa | wb) != 0u))) continue;  // no query of the block selected a key here
+    }
+    __syncthreads();  // the previous tile's K and V are no longer read
+    for (int j = warp; j < kTcBK; j += kTcWarps) {
+      const int64_t u = k0 + j;
+      for (int p = lane; p < qp2; p += 32) {
+        float x = 0.0f, y = 0.0f;
+        if (u < n_keys) {
+          const int64_t d = 2 * int64_t(p);
+          x = d < nope ? kvx[(u * H + h) * hw + d] : d < qw ? kv[u * kvw + L + (d - nope)] : 0.0f;
+          y = d + 1 < nope ? kvx[(u * H + h) * hw + d + 1] : d + 1 < qw ? kv[u * kvw + L + (d + 1 - nope)] : 0.0f;
+        }
+        split2(x, y, Kh[j * qsw + p], Kl[j * qsw + p]);
+      }
+    }
+    for (int jp = warp; jp < kTcBK / 2; jp += kTcWarps) {
+      const int64_t u = k0 + 2 * jp;
+      for (int c = lane; c < 8 * NV; c += 32) {
+        const float x = u < n_keys && c < vd ? kvx[(u * H + h) * hw + nope + c] : 0.0f;
+        const float y = u + 1 < n_keys && c < vd ? kvx[((u + 1) * H + h) * hw + nope + c] : 0.0f;
+        split2(x, y, Vh[c * kTcVSW + jp], Vl[c * kTcVSW + jp]);
+      }
+    }
+    __syncthreads();
+    if (k0 >= warp_kmax || !__any_sync(0xffffffffu, (wa | wb) != 0u)) continue;  // nothing for this warp
+
+    float s[4][4];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+    for (int kd = 0; kd < qp2 / 8; ++kd) {  // S = Q K^T, 16 dims per step
+      const uint32_t* qa = Qh + (warp * 16 + g) * qsw + kd * 8 + tq;
+      const uint32_t* ql = Ql + (warp * 16 + g) * qsw + kd * 8 + tq;
+      const uint32_t ah0 = qa[0], ah1 = qa[8 * qsw], ah2 = qa[4], ah3 = qa[8 * qsw + 4];
+      const uint32_t al0 = ql[0], al1 = ql[8 * qsw], al2 = ql[4], al3 = ql[8 * qsw + 4];
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const uint32_t* kh = Kh + (nt * 8 + g) * qsw + kd * 8 + tq;
+        const uint32_t* kl = Kl + (nt * 8 + g) * qsw + kd * 8 + tq;
+        const uint32_t bh0 = kh[0], bh1 = kh[4], bl0 = kl[0], bl1 = kl[4];
+        mma_bf16(s[nt], ah0, ah1, ah2, ah3, bh0, bh1);
+        mma_bf16(s[nt], al0, al1, al2, al3, bh0, bh1);
+        mma_bf16(s[nt], ah0, ah1, ah2, ah3, bl0, bl1);
+      }
+    }
+    // Masks, then the online softmax: rows ta (elements 0, 1) and tb (2, 3); a row's 32 keys are
+    // spread over the 4 lanes of a quad.
+    float mxa = -INFINITY, mxb = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int kk = nt * 8 + 2 * tq + (e & 1);
+        const int64_t key = k0 + kk, row = e < 2 ? ta : tb;
+        const uint32_t w = e < 2 ? wa : wb;
+        const bool valid = row < T && key < n_keys && key <= pos0 + row && ((w >> kk) & 1u);
+        s[nt][e] = valid ? s[nt][e] * scale : -INFINITY;
+        if (e < 2) mxa = fmaxf(mxa, s[nt][e]);
+        else mxb = fmaxf(mxb, s[nt][e]);
+      }
+    mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 1));
+    mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 2));
+    mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 1));
+    mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 2));
+    const float na = fmaxf(ma, mxa), nb = fmaxf(mb, mxb);
+    const float alpha_a = na == -INFINITY ? 1.0f : expf(ma - na);
+    const float alpha_b = nb == -INFINITY ? 1.0f : expf(mb - nb);
+    ma = na;
+    mb = nb;
+    float sa = 0.0f, sb = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float v = s[nt][e];
+        const float pv = v == -INFINITY ? 0.0f : expf(v - (e < 2 ? na : nb));
+        s[nt][e] = pv;
+        if (e < 2) sa += pv;
+        else sb += pv;
+      }
+    la = la * alpha_a + sa;
+    lb = lb * alpha_b + sb;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      o[i][0] *= alpha_a;
+      o[i][1] *= alpha_a;
+      o[i][2] *= alpha_b;
+      o[i][3] *= alpha_b;
+    }
+#pragma unroll
+    for (int kk = 0; kk < kTcBK / 16; ++kk) {  // O += P V, 16 keys per step
+      uint32_t ph0, pl0, ph1, pl1, ph2, pl2, ph3, pl3;
+      split2(s[2 * kk][0], s[2 * kk][1], ph0, pl0);
+      split2(s[2 * kk][2], s[2 * kk][3], ph1, pl1);
+      split2(s[2 * kk + 1][0], s[2 * kk + 1][1], ph2, pl2);
+      split2(s[2 * kk + 1][2], s[2 * kk + 1][3], ph3, pl3);
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        const uint32_t* vh = Vh + (i * 8 + g) * kTcVSW + kk * 8 + tq;
+        const uint32_t* vl = Vl + (i * 8 + g) * kTcVSW + kk * 8 + tq;
+        const uint32_t bh0 = vh[0], bh1 = vh[4], bl0 = vl[0], bl1 = vl[4];
+        mma_bf16(o[i], ph0, ph1, ph2, ph3, bh0, bh1);
+        mma_bf16(o[i], pl0, pl1, pl2, pl3, bh0, bh1);
+        mma_bf16(o[i], ph0, ph1, ph2, ph3, bl0, bl1);
+      }
+    }
+  }
+  la += __shfl_xor_sync(0xffffffffu, la, 1);
+  la += __shfl_xor_sync(0xffffffffu, la, 2);
+  lb += __shfl_xor_sync(0xffffffffu, lb, 1);
+  lb += __shfl_xor_sync(0xffffffffu, lb, 2);
+  const float inva = 1.0f / la, invb = 1.0f / lb;
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int64_t c = i * 8 + 2 * tq;
+    if (ta < T) {
+      float* orow = out + (ta * H + h) * vd;
+      if (c < vd) orow[c] = o[i][0] * inva;
+      if (c + 1 < vd) orow[c + 1] = o[i][1] * inva;
+    }
+    if (tb < T) {
+      float* orow = out + (tb * H + h) * vd;
+      if (c < vd) orow[c] = o[i][2] * invb;
+      if (c + 1 < vd) orow[c + 1] = o[i][3] * invb;
+    }
+  }
+}
+
 __global__ void indexer_score_kernel(const float* __restrict__ q, const float* __restrict__ wts,
                                      const float* __restrict__ keys, int64_t nI, int64_t d, int64_t n_keys,
                                      int64_t pos0, const int32_t* __restrict__ pos0_dev, int64_t topk, float scale,
@@ -386,6 +586,69 @@ __global__ void indexer_score_kernel(const float* __restrict__ q, const float* _
     for (int64_t x = 0; x < d; ++x) acc = __fadd_rn(acc, __fmul_rn(qs[jh * d + x], ks[j * dp + x]));
     const float dd = __fmul_rn(acc, scale);
     part[j * (nI + 1) + jh] = __fmul_rn(wts[t * nI + jh], fmaxf(dd, 0.0f));
+  }
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    const int64_t u = u0 + threadIdx.x;
+    if (u < n_causal) {
+      float s = 0.0f;
+      for (int64_t jh = 0; jh < nI; ++jh) s = __fadd_rn(s, part[threadIdx.x * (nI + 1) + jh]);
+      scores[t * n_keys + u] = s;
+    }
+  }
+}
+
+// The same scores, bit for bit (each dot product still a sequential unfused multiply-add over x,
+// heads summed in order), blocked for shared-memory bandwidth: lane j owns key u0 + j, warp w
+// heads 4w..4w+3 (+32 per round), and x advances 4 at a time with 16-byte loads (the query rows
+// are broadcast). Per 4 x-steps a warp loads 1 key vector and 4 query vectors for 4 x 32 dot
+// products, against 2 scalar loads per product before. Needs d % 4 == 0. The grid covers only the
+// rows that select (t >= t_first: more causal keys than topk); key blocks past a row's causal
+// keys exit at once.
+__global__ void __launch_bounds__(256) indexer_score_v4_kernel(const float* __restrict__ q,
+                                                               const float* __restrict__ wts,
+                                                               const float* __restrict__ keys, int64_t nI, int64_t d,
+                                                               int64_t n_keys, int64_t pos0, int64_t topk, float scale,
+                                                               int64_t t_first, float* __restrict__ scores) {
+  extern __shared__ float4 sm4[];
+  const int64_t t = t_first + blockIdx.y, n_causal = pos0 + t + 1, u0 = int64_t(blockIdx.x) * 32;
+  if (n_causal <= topk || u0 >= n_causal) return;  // whole block: uniform
+  const int64_t d4 = d / 4, kp4 = d4 + 1;          // key rows padded by 16 bytes: conflict-free
+  float4* qs = sm4;                                // [nI][d4]
+  float4* ks = qs + nI * d4;                       // [32][kp4]
+  float* part = reinterpret_cast<float*>(ks + 32 * kp4);  // [32][nI + 1]
+  const float4* q4 = reinterpret_cast<const float4*>(q + t * nI * d);
+  const float4* k4 = reinterpret_cast<const float4*>(keys);
+  for (int64_t i = threadIdx.x; i < nI * d4; i += blockDim.x) qs[i] = q4[i];
+  for (int64_t i = threadIdx.x; i < 32 * d4; i += blockDim.x) {
+    const int64_t j = i / d4, x = i % d4, u = u0 + j;
+    ks[j * kp4 + x] = u < n_causal ? k4[u * d4 + x] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+  __syncthreads();
+  const int warp = int(threadIdx.x >> 5), j = int(threadIdx.x & 31);
+  for (int64_t h0 = int64_t(warp) * 4; h0 < nI; h0 += 32) {
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const float4* kr = ks + j * kp4;
+    for (int64_t x = 0; x < d4; ++x) {
+      const float4 kv = kr[x];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        if (h0 + i >= nI) break;
+        const float4 qv = qs[(h0 + i) * d4 + x];
+        float a = acc[i];
+        a = __fadd_rn(a, __fmul_rn(qv.x, kv.x));
+        a = __fadd_rn(a, __fmul_rn(qv.y, kv.y));
+        a = __fadd_rn(a, __fmul_rn(qv.z, kv.z));
+        a = __fadd_rn(a, __fmul_rn(qv.w, kv.w));
+        acc[i] = a;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      if (h0 + i < nI) {
+        const float dd = __fmul_rn(acc[i], scale);
+        part[j * (nI + 1) + h0 + i] = __fmul_rn(wts[t * nI + h0 + i], fmaxf(dd, 0.0f));
+      }
   }
   __syncthreads();
   if (threadIdx.x < 32) {
@@ -607,6 +870,36 @@ void build_mask(const int32_t* sel, const int32_t* counts, int64_t T, int64_t st
   VIREO_CUDA_LAUNCHED();
 }
 
+namespace {
+
+template <int NV>
+bool launch_prefill_tc(const PrefillAttnArgs& a, cudaStream_t st) {
+  const int64_t qp = (a.qw + 15) / 16 * 16, qsw = qp / 2 + 4;
+  const size_t smem = size_t(2 * (kTcBQ + kTcBK) * qsw + 2 * 8 * NV * kTcVSW) * 4;
+  if (smem > size_t(227) * 1024) return false;
+  static bool configured = false;
+  if (!configured) {
+    VIREO_CUDA_CHECK(cudaFuncSetAttribute(mla_prefill_tc_kernel<NV>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          227 * 1024));
+    configured = true;
+  }
+  dim3 grid(unsigned((a.T + kTcBQ - 1) / kTcBQ), unsigned(a.H));
+  mla_prefill_tc_kernel<NV><<<grid, 256, smem, st>>>(a.q, a.T, a.H, a.qw, qp, a.nope, a.vd, a.L, a.kv, a.kvw, a.kvx,
+                                                     a.hw, a.n_keys, a.pos0, a.mask, a.mwords, a.scale, a.out);
+  VIREO_CUDA_LAUNCHED();
+  return true;
+}
+
+}  // namespace
+
+bool mla_prefill_tc(const PrefillAttnArgs& a, cudaStream_t st) {
+  if (a.vd <= 32) return launch_prefill_tc<4>(a, st);
+  if (a.vd <= 64) return launch_prefill_tc<8>(a, st);
+  if (a.vd <= 128) return launch_prefill_tc<16>(a, st);
+  if (a.vd <= 256) return launch_prefill_tc<32>(a, st);
+  return false;
+}
+
 void mla_prefill(const PrefillAttnArgs& a, cudaStream_t st) {
   const size_t smem = size_t((kQT + kKT) * (a.qw + 1) + (kKT + kQT) * a.vd) * 4;
   static bool configured = false;
@@ -625,6 +918,24 @@ void mla_prefill(const PrefillAttnArgs& a, cudaStream_t st) {
 void indexer_scores(const float* q, const float* wts, const float* keys, int64_t T, int64_t nI, int64_t d,
                     int64_t n_keys, int64_t pos0, const int32_t* pos0_dev, int64_t topk, float scale, float* scores,
                     cudaStream_t st) {
+  const bool aligned = reinterpret_cast<uintptr_t>(q) % 16 == 0 && reinterpret_cast<uintptr_t>(keys) % 16 == 0;
+  const size_t smem4 = size_t(nI * d + 32 * (d + 4) + 32 * (nI + 1)) * 4;
+  // Run-time positions (a recorded decode step) take the plain kernel below, which reads them.
+  if (!pos0_dev && d % 4 == 0 && aligned && smem4 <= 200 * 1024) {
+    static bool configured4 = false;
+    if (!configured4) {
+      VIREO_CUDA_CHECK(
+          cudaFuncSetAttribute(indexer_score_v4_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+      configured4 = true;
+    }
+    const int64_t t_first = std::max<int64_t>(0, topk - pos0);  // rows before it take every causal key
+    if (t_first >= T) return;
+    dim3 grid(unsigned((n_keys + 31) / 32), unsigned(T - t_first));
+    indexer_score_v4_kernel<<<grid, 256, smem4, st>>>(q, wts, keys, nI, d, n_keys, pos0, topk, scale, t_first,
+                                                      scores);
+    VIREO_CUDA_LAUNCHED();
+    return;
+  }
   const size_t smem = size_t(nI * d + 32 * (d + 1) + 32 * (nI + 1)) * 4;
   static bool configured = false;
   if (!configured) {

@@ -50,7 +50,11 @@ struct PrefillAttnArgs {
   float scale = 1.0f;
   float* out = nullptr;        // [T, H, vd]
 };
+// f32 CUDA cores (exact f32 math, slow).
 void mla_prefill(const PrefillAttnArgs& a, cudaStream_t st);
+// Tensor cores (bf16 hi/lo split, ~2^-16 relative per product). False (nothing launched) when
+// the head dims do not fit the kernel (qk > 256 or v > 256).
+bool mla_prefill_tc(const PrefillAttnArgs& a, cudaStream_t st);
 
 // scores[t, u] for u < pos0 + t + 1, rows with more causal keys than topk only.
 // pos0_dev: run-time pos0 (then pos0 and n_keys are bounds; n_keys is the row stride of scores).

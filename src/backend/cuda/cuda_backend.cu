@@ -114,12 +114,28 @@ __global__ void gather_rows_kernel(const float* x, const int32_t* index, int64_t
   const int64_t i = blockIdx.x, src = index[i];
   for (int64_t j = threadIdx.x; j < n; j += blockDim.x) rows[i * n + j] = x[src * n + j];
 }
-// Column j of every row, in order of i: repeated indices accumulate in the reference's order.
+// *distinct = 1 when index[0..m) is strictly increasing (so no two rows add into one row of y),
+// as moe_group's per-expert token lists are. One block.
+__global__ void strictly_increasing_kernel(const int32_t* index, int64_t m, int32_t* distinct) {
+  const int bad = [&] {
+    for (int64_t i = int64_t(threadIdx.x) + 1; i < m; i += blockDim.x)
+      if (index[i] <= index[i - 1]) return 1;
+    return 0;
+  }();
+  const int any_bad = __syncthreads_or(bad);
+  if (threadIdx.x == 0) *distinct = !any_bad;
+}
+// y[index[i], j] += s[i] * rows[i, j], unfused as the reference (bit-identical). Distinct rows:
+// every (i, j) independently, rows spread over gridDim.y. Otherwise (or with no flag) column j of
+// every row in order of i by the blockIdx.y == 0 blocks: repeated indices accumulate in the
+// reference's order.
 __global__ void scatter_add_rows_kernel(float* y, const int32_t* index, const float* s, const float* rows, int64_t m,
-                                        int64_t n) {
+                                        int64_t n, const int32_t* distinct) {
   const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (j >= n) return;
-  for (int64_t i = 0; i < m; ++i) {  // unfused, as the reference: bit-identical sums
+  const bool par = distinct && *distinct != 0;
+  if (!par && blockIdx.y != 0) return;
+  for (int64_t i = par ? blockIdx.y : 0; i < m; i += par ? gridDim.y : 1) {
     float& yv = y[int64_t(index[i]) * n + j];
     yv = __fadd_rn(yv, __fmul_rn(s[i], rows[i * n + j]));
   }
@@ -222,7 +238,11 @@ class ProfScope {
     }
   }
   ~ProfScope() {
-    if (p_) p_->end(st_);
+    if (!p_) return;
+    try {
+      p_->end(st_);
+    } catch (...) {  // a CUDA error is already on its way out as the op's own exception
+    }
   }
   ProfScope(const ProfScope&) = delete;
   ProfScope& operator=(const ProfScope&) = delete;
@@ -314,6 +334,7 @@ class CudaBackend final : public Backend {
   const char* name() const override { return "cuda"; }
   cudaStream_t stream() const { return stream_; }
   void set_gemm_mode(CudaGemmMode m) { mode_ = m; }
+  void set_fp8_chunk_bytes(int64_t b) { fp8_chunk_bytes_ = b; }
   OpProfiler& profiler() { return prof_; }
   cublasLtHandle_t lt() const { return lt_; }
   void* lt_ws() const { return lt_ws_.get(); }
@@ -412,7 +433,8 @@ class CudaBackend final : public Backend {
   void matmul(const float* x, int64_t T, const Weight& wt, float* y) override {
     if (T <= 0) return;
     const DevW w = devw(wt);
-    const char* path = T <= 8 ? "gemv" : (w.dt == W_BF16 && mode_ != CudaGemmMode::Simt) ? "lt" : "simt";
+    const bool tc = T > 8 && mode_ != CudaGemmMode::Simt && (w.dt == W_BF16 || w.dt == W_FP8);
+    const char* path = T <= 8 ? "gemv" : tc ? "lt" : "simt";
     ProfScope ps(
         prof_, stream_,
         [&] {
@@ -423,7 +445,7 @@ class CudaBackend final : public Backend {
         2.0 * double(T) * double(w.out) * double(w.in));
     if (T <= 8) {
       matmul_small(x, T, w, y, stream_, sms_);
-    } else if (!(w.dt == W_BF16 && mode_ != CudaGemmMode::Simt && lt_bf16(x, T, w, y))) {
+    } else if (!(tc && (w.dt == W_BF16 ? lt_bf16(x, T, w, y) : lt_fp8(x, T, w, y)))) {
       matmul_simt(x, T, w, y, stream_);
     }
     VIREO_CUDA_LAUNCHED();
@@ -583,7 +605,14 @@ class CudaBackend final : public Backend {
                         int64_t n) override {
     if (m <= 0) return;
     VIREO_PROF("scatter_add_rows");
-    scatter_add_rows_kernel<<<unsigned((n + 127) / 128), 128, 0, stream_>>>(y, index, s, rows, m, n);
+    // Few rows (decode): in order, no check (a second launch would cost more than it saves).
+    int32_t* distinct = nullptr;
+    if (m >= 32) {
+      distinct = flag_.get<int32_t>(1);
+      strictly_increasing_kernel<<<1, 1024, 0, stream_>>>(index, m, distinct);
+    }
+    const dim3 grid(unsigned((n + 255) / 256), distinct ? unsigned(std::min<int64_t>(m, 256)) : 1u);
+    scatter_add_rows_kernel<<<grid, 256, 0, stream_>>>(y, index, s, rows, m, n, distinct);
     VIREO_CUDA_LAUNCHED();
   }
 
@@ -680,13 +709,51 @@ class CudaBackend final : public Backend {
     char* buf = xbf16_.get<char>(size_t(T * w.in) * 2 * (split ? 2 : 1));
     void* hi = buf;
     void* lo = split ? buf + size_t(T * w.in) * 2 : nullptr;
-    split_bf16(x, T * w.in, hi, lo, stream_);
+    {
+      ProfScope ps(prof_, stream_, [] { return std::string("split x"); }, 0.0);
+      split_bf16(x, T * w.in, hi, lo, stream_);
+    }
     bool ok = lt_matmul(lt_, lt_ws_.get(), lt_ws_bytes_, stream_, w.out, T, w.in, w.w, CUDA_R_16BF, hi, CUDA_R_16BF,
                         y, CUDA_R_32F, 1.0f, 0.0f);
     if (ok && split)
       ok = lt_matmul(lt_, lt_ws_.get(), lt_ws_bytes_, stream_, w.out, T, w.in, w.w, CUDA_R_16BF, lo, CUDA_R_16BF, y,
                      CUDA_R_32F, 1.0f, 1.0f);
     return ok;
+  }
+
+  // FP8 weights on tensor cores: x = x_hi + x_lo and W = w * scale = W_hi + W_lo (all bf16, W
+  // dequantized into scratch in row chunks of at most fp8_chunk_bytes_, 256 MiB), then
+  // y = W_hi x_hi + W_hi x_lo + W_lo x_hi, f32 accumulation. Error per product: the dropped
+  // W_lo x_lo (<= 2^-16 |W x| per term) plus the lo parts' own rounding (<= 2^-17 each): the same
+  // f32-level accuracy as the bf16 split. Bf16 mode: one pass, W_hi x_hi.
+  bool lt_fp8(const float* x, int64_t T, const DevW& w, float* y) {
+    if (w.in % 8 != 0 || w.out % 4 != 0 || reinterpret_cast<uintptr_t>(y) % 16 != 0) return false;
+    const bool split = mode_ == CudaGemmMode::Split;
+    char* xb = xbf16_.get<char>(size_t(T * w.in) * 2 * (split ? 2 : 1));
+    void* xh = xb;
+    void* xl = split ? xb + size_t(T * w.in) * 2 : nullptr;
+    {
+      ProfScope ps(prof_, stream_, [] { return std::string("split x"); }, 0.0);
+      split_bf16(x, T * w.in, xh, xl, stream_);
+    }
+    const int64_t rows = std::min(w.out, std::max<int64_t>(128, fp8_chunk_bytes_ / (w.in * 4) / 128 * 128));
+    char* wb = wbf16_.get<char>(size_t(rows * w.in) * 2 * (split ? 2 : 1));
+    void* wh = wb;
+    void* wl = split ? wb + size_t(rows * w.in) * 2 : nullptr;
+    for (int64_t o0 = 0; o0 < w.out; o0 += rows) {
+      const int64_t m = std::min(rows, w.out - o0);
+      {
+        ProfScope ps(prof_, stream_, [] { return std::string("dequantize w"); }, 0.0);
+        dequant_split_fp8(w, o0, m, wh, wl, stream_);
+      }
+      auto pass = [&](const void* A, const void* B, float beta) {
+        return lt_matmul(lt_, lt_ws_.get(), lt_ws_bytes_, stream_, m, T, w.in, A, CUDA_R_16BF, B, CUDA_R_16BF,
+                         y + o0, CUDA_R_32F, 1.0f, beta, w.out);
+      };
+      if (!pass(wh, xh, 0.0f)) return false;
+      if (split && !(pass(wh, xl, 1.0f) && pass(wl, xh, 1.0f))) return false;
+    }
+    return true;
   }
 
   void attention_absorbed(const MlaAttentionArgs& a) {
@@ -762,8 +829,11 @@ class CudaBackend final : public Backend {
     double causal = 0;
     if (prof_.on())
       for (int64_t t = 0; t < a.T; ++t) causal += double(std::min(N, a.pos0 + t + 1));
-    ProfScope ps(prof_, stream_, [] { return std::string("prefill kernel"); }, 2.0 * causal * double(H * (qw + vd)));
-    mla_prefill(p, stream_);
+    const bool tc = mode_ != CudaGemmMode::Simt;
+    ProfScope ps(
+        prof_, stream_, [tc] { return std::string(tc ? "prefill kernel (tensor cores)" : "prefill kernel (f32)"); },
+        2.0 * causal * double(H * (qw + vd)));
+    if (!(tc && mla_prefill_tc(p, stream_))) mla_prefill(p, stream_);
   }
 
   cudaStream_t stream_ = nullptr;
@@ -772,10 +842,11 @@ class CudaBackend final : public Backend {
   size_t lt_ws_bytes_ = 0;
   int sms_ = 132;
   CudaGemmMode mode_ = CudaGemmMode::Split;
+  int64_t fp8_chunk_bytes_ = int64_t(256) << 20;
   OpProfiler prof_;
   std::vector<std::shared_ptr<char>> owned_;
   std::unordered_map<const void*, Weight> uploaded_;
-  Scratch scores_, route_, xbf16_, qlat_, part_, latent_, kvx_, mask_, moe_h_;
+  Scratch flag_, scores_, route_, xbf16_, wbf16_, qlat_, part_, latent_, kvx_, mask_, moe_h_;
   std::unordered_map<const ExpertBank*, DeviceBank> banks_;
 };
 
@@ -811,6 +882,8 @@ std::unique_ptr<Backend> make_cuda_backend() {
 void cuda_synchronize(Backend& b) { VIREO_CUDA_CHECK(cudaStreamSynchronize(as_cuda(b).stream())); }
 
 void cuda_set_gemm_mode(Backend& b, CudaGemmMode mode) { as_cuda(b).set_gemm_mode(mode); }
+
+void cuda_set_fp8_chunk_bytes(Backend& b, size_t bytes) { as_cuda(b).set_fp8_chunk_bytes(int64_t(bytes)); }
 
 void cuda_set_profile(Backend& b, bool on) {
   OpProfiler& p = as_cuda(b).profiler();

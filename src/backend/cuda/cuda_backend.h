@@ -24,12 +24,17 @@ double cuda_measure_copy_gbs(Backend& cuda);
 double cuda_measure_bf16_gemm_tflops(Backend& cuda, int n = 8192);
 // Waits for all queued device work (for host-side timing).
 void cuda_synchronize(Backend& cuda);
-// Prefill GEMMs (T > 8 rows) on BF16 weights: Split (default) runs two bf16 tensor-core products
-// on x = hi + lo (both bf16), f32 accumulation: ~2^-16 relative error, fixture-exact. Bf16 rounds
-// x to bf16 once (one product, ~2^-9 relative error, as most engines). Simt: f32 CUDA-core
-// tiles (exact f32 math, slow).
+// Prefill GEMMs (T > 8 rows) on BF16 and FP8 weights, and prefill attention: Split (default) runs
+// bf16 tensor-core products on x = hi + lo (both bf16; FP8 weights and attention operands split
+// too: 2 passes for BF16 weights, 3 for FP8 and attention), f32 accumulation: ~2^-16 relative
+// error, fixture-exact. Bf16 rounds to bf16 once (one GEMM pass, ~2^-9 relative error, as most
+// engines; attention stays split). Simt: f32 CUDA-core tiles for GEMMs and attention (exact f32
+// math, slow).
 enum class CudaGemmMode { Split, Bf16, Simt };
 void cuda_set_gemm_mode(Backend& cuda, CudaGemmMode mode);
+// Scratch bytes for an FP8 weight's bf16 hi + lo copy (prefill GEMMs dequantize in row chunks
+// of this size, multiples of 128 rows; default 256 MiB). Tests set it small to cover chunking.
+void cuda_set_fp8_chunk_bytes(Backend& cuda, size_t bytes);
 // Op-level profile (`vireo bench --profile`): when on, every op is bracketed with CUDA events
 // (the outermost waits for the stream first), and time, calls and FLOPs accumulate per op name and
 // per matmul dtype/shape/path. Turning it on or off clears it. Off: no syncs, nothing recorded.

@@ -21,8 +21,11 @@ namespace vireo::cuda {
 void matmul_small(const float* x, int64_t T, const DevW& w, float* y, cudaStream_t st, int sms);  // T <= 8
 void matmul_simt(const float* x, int64_t T, const DevW& w, float* y, cudaStream_t st);
 void split_bf16(const float* x, int64_t n, void* hi, void* lo, cudaStream_t st);  // lo may be null
+// Rows [row0, row0 + rows) of an FP8 weight as bf16 hi + lo of the f32 w * scale ([rows, in]
+// each; lo may be null). Needs in % 4 == 0.
+void dequant_split_fp8(const DevW& w, int64_t row0, int64_t rows, void* hi, void* lo, cudaStream_t st);
 bool lt_matmul(cublasLtHandle_t lt, void* workspace, size_t ws_bytes, cudaStream_t st, int64_t m, int64_t n,
                int64_t k, const void* A, cudaDataType_t at, const void* B, cudaDataType_t bt, void* D,
-               cudaDataType_t dt, float alpha, float beta);
+               cudaDataType_t dt, float alpha, float beta, int64_t ldd = 0);
 
 }  // namespace vireo::cuda

@@ -4,10 +4,15 @@
 //    row are chosen so the grid covers the chip even for narrow matrices; the partial sums are
 //    combined in a fixed order, so results never depend on timing.
 //  - Prefill (T > 8): BF16 weights go to cuBLASLt tensor cores (x split into bf16 hi + lo so the
-//    product stays within ~2^-16 of f32 math); F32/F16/FP8 weights (and shapes cuBLASLt refuses)
-//    run a tiled f32 CUDA-core kernel. cuBLASLt's FP8 path needs FP8 activations (measured in
-//    shared/notes), which is a different, lossier function: not used for the exact forward.
+//    product stays within ~2^-16 of f32 math). FP8 weights too: each 128x128 block of w * scale is
+//    dequantized to f32 and split into bf16 hi + lo (a scratch copy, in row chunks), and
+//    y = W_hi x_hi + W_hi x_lo + W_lo x_hi (three passes, f32 accumulation; the dropped W_lo x_lo
+//    and the rounding of the lo parts are ~2^-16 relative). F32/F16 weights (and shapes cuBLASLt
+//    refuses) run a tiled f32 CUDA-core kernel. cuBLASLt's own FP8 path needs FP8 activations
+//    (measured in shared/notes), which is a different, lossier function: not used.
 #include <cublasLt.h>
+
+#include <algorithm>
 
 #include "backend/cuda/cuda_internal.h"
 #include "backend/cuda/cuda_kernels.cuh"
@@ -141,6 +146,33 @@ __global__ void split_bf16_kernel(const float* __restrict__ x, int64_t n, __nv_b
   }
 }
 
+// rows [row0, row0 + rows) of an FP8 weight -> hi = bf16(w * s), lo = bf16(w * s - hi), [rows, in].
+// w * s is the f32 product the CPU reference uses. Four consecutive weights per thread (in % 4 == 0).
+__global__ void dequant_split_fp8_kernel(DevW w, int64_t row0, int64_t rows, __nv_bfloat16* __restrict__ hi,
+                                         __nv_bfloat16* __restrict__ lo) {
+  const int64_t n4 = rows * w.in / 4;
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(w.w) + row0 * w.in);
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n4; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t e = 4 * i, r = e / w.in, c = e % w.in;
+    const float sc = w.s[((row0 + r) >> 7) * w.s_cols + (c >> 7)];
+    const uint32_t b = src[i];
+    __nv_bfloat16 h[4], l[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float v = fp8_to_f32((b >> (8 * k)) & 0xffu) * sc;
+      h[k] = __float2bfloat16_rn(v);
+      l[k] = __float2bfloat16_rn(v - __bfloat162float(h[k]));
+    }
+    uint2 hv, lv;
+    hv.x = uint32_t(__bfloat16_as_ushort(h[0])) | (uint32_t(__bfloat16_as_ushort(h[1])) << 16);
+    hv.y = uint32_t(__bfloat16_as_ushort(h[2])) | (uint32_t(__bfloat16_as_ushort(h[3])) << 16);
+    lv.x = uint32_t(__bfloat16_as_ushort(l[0])) | (uint32_t(__bfloat16_as_ushort(l[1])) << 16);
+    lv.y = uint32_t(__bfloat16_as_ushort(l[2])) | (uint32_t(__bfloat16_as_ushort(l[3])) << 16);
+    reinterpret_cast<uint2*>(hi)[i] = hv;
+    if (lo) reinterpret_cast<uint2*>(lo)[i] = lv;
+  }
+}
+
 template <int DT, int TT>
 void launch_gemv_t(const float* x, const DevW& w, float* y, cudaStream_t st, int sms) {
   // Enough warps per row that the grid has ~2 blocks per multiprocessor.
@@ -200,17 +232,25 @@ void matmul_simt(const float* x, int64_t T, const DevW& w, float* y, cudaStream_
   }
 }
 
+void dequant_split_fp8(const DevW& w, int64_t row0, int64_t rows, void* hi, void* lo, cudaStream_t st) {
+  const int64_t n4 = rows * w.in / 4;
+  const unsigned blocks = unsigned(std::clamp<int64_t>((n4 + 255) / 256, 1, 65536));
+  dequant_split_fp8_kernel<<<blocks, 256, 0, st>>>(w, row0, rows, static_cast<__nv_bfloat16*>(hi),
+                                                   static_cast<__nv_bfloat16*>(lo));
+}
+
 void split_bf16(const float* x, int64_t n, void* hi, void* lo, cudaStream_t st) {
   const unsigned blocks = unsigned(std::min<int64_t>((n + 255) / 256, 65536));
   split_bf16_kernel<<<blocks, 256, 0, st>>>(x, n, static_cast<__nv_bfloat16*>(hi), static_cast<__nv_bfloat16*>(lo));
 }
 
-// D[m = rows of A^T op, n] (column-major, ldd = m) = alpha * op(A) op(B) + beta * D via cuBLASLt.
+// D[m = rows of A^T op, n] (column-major, ldd = m unless given) = alpha * op(A) op(B) + beta * D via cuBLASLt.
 // A is [k, m] column-major read transposed (a row-major [m, k] matrix), B is [k, n] column-major
 // (a row-major [n, k] matrix). Returns false when cuBLASLt has no algorithm for it.
 bool lt_matmul(cublasLtHandle_t lt, void* workspace, size_t ws_bytes, cudaStream_t st, int64_t m, int64_t n,
                int64_t k, const void* A, cudaDataType_t at, const void* B, cudaDataType_t bt, void* D,
-               cudaDataType_t dt, float alpha, float beta) {
+               cudaDataType_t dt, float alpha, float beta, int64_t ldd) {
+  if (ldd == 0) ldd = m;
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t la = nullptr, lb = nullptr, ld = nullptr;
   cublasLtMatmulPreference_t pref = nullptr;
@@ -229,7 +269,7 @@ bool lt_matmul(cublasLtHandle_t lt, void* workspace, size_t ws_bytes, cudaStream
     cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb);
     if (cublasLtMatrixLayoutCreate(&la, at, uint64_t(k), uint64_t(m), k) != CUBLAS_STATUS_SUCCESS) break;
     if (cublasLtMatrixLayoutCreate(&lb, bt, uint64_t(k), uint64_t(n), k) != CUBLAS_STATUS_SUCCESS) break;
-    if (cublasLtMatrixLayoutCreate(&ld, dt, uint64_t(m), uint64_t(n), m) != CUBLAS_STATUS_SUCCESS) break;
+    if (cublasLtMatrixLayoutCreate(&ld, dt, uint64_t(m), uint64_t(n), ldd) != CUBLAS_STATUS_SUCCESS) break;
     if (cublasLtMatmulPreferenceCreate(&pref) != CUBLAS_STATUS_SUCCESS) break;
     cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof ws_bytes);
     cublasLtMatmulHeuristicResult_t res{};
