@@ -24,7 +24,7 @@ __device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a
 __device__ __forceinline__ int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
 
 constexpr int kHG = 8;       // heads per block in the decode partial kernel (= warps)
-constexpr int kSplit = 128;  // keys per split in the decode partial kernel
+constexpr int kSplit = 64;   // keys per split in the decode partial kernel (2 blocks per SM at 2048 keys)
 constexpr int kChunk = 32;   // cache rows staged in shared memory at a time (8 warps x 4 keys)
 constexpr int kQT = 32, kKT = 32;  // prefill attention tile: queries x keys
 
@@ -703,15 +703,34 @@ __global__ void __launch_bounds__(512) indexer_topk_kernel(const float* __restri
       if (bin >= 0 && (threadIdx.x & 31) == __ffs(same) - 1) atomicAdd(&hist[bin], unsigned(__popc(same)));
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-      long long cum = 0;
-      int b = 255;
-      for (; b > 0; --b) {
-        if (cum + (long long)hist[b] >= rem) break;
-        cum += hist[b];
+    // The bin holding the rem-th largest key, counting from bin 255 down: warp 0, lane l owns
+    // bins 255 - 8l .. 248 - 8l; a scan over lanes finds the lane, the lane walks its 8 bins.
+    if (threadIdx.x < 32) {
+      const int lane = int(threadIdx.x);
+      unsigned c[8], tot = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        c[i] = hist[255 - (lane * 8 + i)];
+        tot += c[i];
       }
-      s_bin = b;
-      s_rem = rem - cum;
+      unsigned inc = tot;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const unsigned v = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += v;
+      }
+      const unsigned reach = __ballot_sync(0xffffffffu, (long long)inc >= rem);
+      if (lane == __ffs(reach) - 1) {  // the matching keys number >= rem, so some lane reaches it
+        long long cum = (long long)(inc - tot);
+        int b = 255 - lane * 8;
+        for (int i = 0; i < 8; ++i) {
+          b = 255 - (lane * 8 + i);
+          if (b == 0 || cum + (long long)c[i] >= rem) break;
+          cum += c[i];
+        }
+        s_bin = b;
+        s_rem = rem - cum;
+      }
     }
     __syncthreads();
     prefix |= uint64_t(s_bin) << shift;
