@@ -261,6 +261,7 @@ class CudaBackend final : public Backend {
   }
   const char* name() const override { return "cuda"; }
   cudaStream_t stream() const { return stream_; }
+  uint64_t weight_bytes() const { return weight_bytes_; }
   void set_gemm_mode(CudaGemmMode m) { mode_ = m; }
   cublasLtHandle_t lt() const { return lt_; }
   void* lt_ws() const { return lt_ws_.get(); }
@@ -444,6 +445,7 @@ class CudaBackend final : public Backend {
     auto buf = device_alloc<char>(bytes);
     VIREO_CUDA_CHECK(cudaMemcpy(buf.get(), src, bytes, cudaMemcpyHostToDevice));
     owned_.push_back(buf);
+    weight_bytes_ += bytes;
     return buf.get();
   }
 
@@ -551,6 +553,7 @@ class CudaBackend final : public Backend {
   int sms_ = 132;
   CudaGemmMode mode_ = CudaGemmMode::Split;
   std::vector<std::shared_ptr<char>> owned_;
+  uint64_t weight_bytes_ = 0;  // bytes of weights uploaded (owned_)
   std::unordered_map<const void*, Weight> uploaded_;
   Scratch ids_, scores_, route_, xbf16_, qlat_, part_, latent_, kvx_, mask_;
 };
@@ -583,6 +586,10 @@ std::unique_ptr<Backend> make_cuda_backend() {
   if (!cuda_device_present(&why)) fail("--device cuda: ", why);
   return std::make_unique<CudaBackend>();
 }
+
+cudaStream_t cuda::compute_stream_of(Backend& b) { return as_cuda(b).stream(); }
+
+uint64_t cuda_weight_bytes(Backend& b) { return as_cuda(b).weight_bytes(); }
 
 void cuda_synchronize(Backend& b) { VIREO_CUDA_CHECK(cudaStreamSynchronize(as_cuda(b).stream())); }
 

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "backend/backend.h"
+#include "backend/transfer_link.h"
 #include "core/error.h"
 
 namespace vireo {
@@ -28,6 +29,12 @@ void cuda_synchronize(Backend& cuda);
 // on x = hi + lo (both bf16), f32 accumulation: ~2^-16 relative error, fixture-exact. Bf16 rounds
 // x to bf16 once (one product, ~2^-9 relative error, as most engines). Simt: f32 CUDA-core
 // tiles (exact f32 math, slow).
+// Host-to-device expert transfers ordered against `cuda`'s compute stream (transfer_link.h).
+std::unique_ptr<TransferLink> make_cuda_transfer_link(Backend& cuda);
+// Device memory in use (total - free, all processes), for checking the memory plan.
+uint64_t cuda_device_memory_used();
+// Bytes of weights the backend has uploaded (dense spine and resident experts).
+uint64_t cuda_weight_bytes(Backend& cuda);
 enum class CudaGemmMode { Split, Bf16, Simt };
 void cuda_set_gemm_mode(Backend& cuda, CudaGemmMode mode);
 #endif

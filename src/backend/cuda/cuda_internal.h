@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "backend/cuda/cuda_kernels.cuh"
+#include "backend/backend.h"
 #include "core/error.h"
 
 namespace vireo::cuda {
@@ -24,5 +25,8 @@ void split_bf16(const float* x, int64_t n, void* hi, void* lo, cudaStream_t st);
 bool lt_matmul(cublasLtHandle_t lt, void* workspace, size_t ws_bytes, cudaStream_t st, int64_t m, int64_t n,
                int64_t k, const void* A, cudaDataType_t at, const void* B, cudaDataType_t bt, void* D,
                cudaDataType_t dt, float alpha, float beta);
+
+// The CUDA backend's one compute stream (cuda_backend.cu); fails for another backend.
+cudaStream_t compute_stream_of(Backend& b);
 
 }  // namespace vireo::cuda
