@@ -99,6 +99,7 @@ MemoryPlan plan_for(const Checkpoint& ck, const GlmDsaConfig& c, uint64_t budget
       in.slot_bytes = layout.slot_bytes();
     }
   }
+  if (!p.moe_layers.empty() && gpu_budget) in.device_slot_bytes = ExpertLayout(ck, p, true).slot_bytes();
   in.in_memory = ck.files().empty();
   if (gpu_budget) in.host_available = mem_available_bytes();
   MlaCacheShape cs;

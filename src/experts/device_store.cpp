@@ -30,6 +30,7 @@ DeviceExpertStore::DeviceExpertStore(const Checkpoint& ck, const ExpertStorePara
       link_holder_(std::move(link)),
       link_(*link_holder_),
       layout_(ck, p, ck.files().empty()),
+      dev_layout_(ck, p, true),
       pool_(o.slots, p.n_layers, int(p.moe_layers.size()), p.n_experts,
             o.layer_floor >= 0 ? o.layer_floor : auto_floor(p, o.slots)) {
   if (o.slots < 1) fail("the device expert pool needs at least one slot");
@@ -42,7 +43,7 @@ DeviceExpertStore::DeviceExpertStore(const Checkpoint& ck, const ExpertStorePara
   moe_index_.assign(size_t(p.n_layers), -1);
   for (size_t i = 0; i < p.moe_layers.size(); ++i) moe_index_[size_t(p.moe_layers[i])] = int(i);
   const uint64_t sb = layout_.slot_bytes();
-  arena_bytes_ = size_t(o.slots) * size_t(sb);
+  arena_bytes_ = size_t(o.slots) * size_t(dev_layout_.slot_bytes());
   arena_ = link_.alloc_device(arena_bytes_);
   weights_.resize(size_t(o.slots));
   ticket_.assign(size_t(o.slots), 0);
@@ -187,12 +188,23 @@ void DeviceExpertStore::pump() {
       s.error.clear();
       continue;
     }
-    const ExpertRecord& r = layout_.record(pool_.layer_of(slot), pool_.expert_of(slot));
-    char* dst = arena_.get() + size_t(slot) * size_t(layout_.slot_bytes());
-    const char* src = pinned_.get() + size_t(b) * size_t(layout_.slot_bytes());
-    s.ticket = ticket_[size_t(slot)] = link_.copy_to_device(dst, src, r.transfer_bytes);
-    stats_.bytes_to_device += r.transfer_bytes;
+    s.ticket = ticket_[size_t(slot)] = copy_expert(slot, pinned_.get() + size_t(b) * size_t(layout_.slot_bytes()));
   }
+}
+
+TransferLink::Ticket DeviceExpertStore::copy_expert(int64_t slot, const char* src) {
+  const int layer = pool_.layer_of(slot), expert = pool_.expert_of(slot);
+  const ExpertRecord& from = layout_.record(layer, expert);
+  const ExpertRecord& to = dev_layout_.record(layer, expert);
+  char* dst = arena_.get() + size_t(slot) * size_t(dev_layout_.slot_bytes());
+  TransferLink::Ticket t = 0;
+  for (int k = 0; k < 6; ++k) {
+    if (!to.pieces[k].view.ndim) continue;
+    const size_t n = to.pieces[k].view.nbytes();
+    t = link_.copy_to_device(dst + to.pieces[k].slot_offset, src + from.pieces[k].slot_offset, n);
+    stats_.bytes_to_device += n;
+  }
+  return t;
 }
 
 int64_t DeviceExpertStore::claim(int layer, int expert) {
@@ -213,8 +225,8 @@ int64_t DeviceExpertStore::claim(int layer, int expert) {
 }
 
 void DeviceExpertStore::start_miss(int64_t slot, int layer, int expert) {
-  char* dst = arena_.get() + size_t(slot) * size_t(layout_.slot_bytes());
-  ExpertWeights w = layout_.bind(layer, expert, dst);
+  char* dst = arena_.get() + size_t(slot) * size_t(dev_layout_.slot_bytes());
+  ExpertWeights w = dev_layout_.bind(layer, expert, dst);
   for (Tensor* t : {&w.gate.w, &w.gate.scale_inv, &w.up.w, &w.up.scale_inv, &w.down.w, &w.down.scale_inv})
     on_device(*t, link_.device());
   weights_[size_t(slot)] = w;
@@ -222,8 +234,7 @@ void DeviceExpertStore::start_miss(int64_t slot, int layer, int expert) {
   const ExpertRecord& r = layout_.record(layer, expert);
   stats_.bytes_read += r.payload_bytes;
   if (host_copy()) {
-    ticket_[size_t(slot)] = link_.copy_to_device(dst, host_image(layer, expert), r.transfer_bytes);
-    stats_.bytes_to_device += r.transfer_bytes;
+    ticket_[size_t(slot)] = copy_expert(slot, host_image(layer, expert));
     return;
   }
   const int64_t b = take_staging();

@@ -3,6 +3,10 @@
 // slots x slot_bytes) under a GPU memory budget; misses are copied host -> device on the
 // TransferLink's own stream, and the compute stream waits only for the expert it is about to use.
 //
+// Device slots use a packed layout (every tensor 256-byte aligned, as the GPU kernels' vector
+// loads need) whatever the host side's layout is; a miss is one copy per tensor, all on one
+// stream, its ticket the last one's.
+//
 // Where the host bytes come from:
 //   host copy (staging == 0): every expert, read once at startup into pinned host memory (disk
 //       checkpoints with the ExpertReader, in-memory ones by memcpy); a miss is one copy.
@@ -50,7 +54,8 @@ class DeviceExpertStore final : public ExpertStore {
 
   int64_t slots() const { return pool_.size(); }
   int layer_floor() const { return pool_.floor(); }
-  uint64_t slot_bytes() const { return layout_.slot_bytes(); }
+  uint64_t slot_bytes() const { return dev_layout_.slot_bytes(); }        // one device slot
+  uint64_t host_slot_bytes() const { return layout_.slot_bytes(); }      // one expert in pinned memory
   bool host_copy() const { return staging_.empty(); }
   int64_t staging_buffers() const { return int64_t(staging_.size()); }
   uint64_t pinned_bytes() const { return pinned_bytes_; }
@@ -69,6 +74,8 @@ class DeviceExpertStore final : public ExpertStore {
   void fill_host_copy(const Checkpoint& ck);
   int64_t claim(int layer, int expert);
   void start_miss(int64_t slot, int layer, int expert);
+  // Queues the copies of one expert's tensors from its host image to its device slot.
+  TransferLink::Ticket copy_expert(int64_t slot, const char* src);
   int64_t take_staging();
   // Issues the copies of staging reads that have finished (forward thread).
   void pump();
@@ -78,7 +85,8 @@ class DeviceExpertStore final : public ExpertStore {
   ExpertStoreOptions opts_;
   std::shared_ptr<TransferLink> link_holder_;
   TransferLink& link_;
-  ExpertLayout layout_;
+  ExpertLayout layout_;      // host side: the checkpoint's extents (or packed, in memory)
+  ExpertLayout dev_layout_;  // device slots: packed
   SlotPool pool_;
   std::vector<int> moe_index_;          // [layer] -> index among MoE layers, or -1
   std::shared_ptr<char> arena_;         // device slots

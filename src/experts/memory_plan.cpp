@@ -18,13 +18,14 @@ void plan_gpu(MemoryPlan& p) {
   p.gpu = true;
   g.reserve = gpu_reserve_for(in.gpu_budget);
   const uint64_t fixed = in.dense_bytes + in.cache_bytes + in.scratch_bytes + g.reserve;
-  const uint64_t slot = std::max<uint64_t>(in.slot_bytes, 1);
+  const uint64_t dev_slot = in.device_slot_bytes ? in.device_slot_bytes : in.slot_bytes;
+  const uint64_t slot = std::max<uint64_t>(dev_slot, 1);
   // The reserve grows with the budget: solve B >= fixed_without_the_2% + B / 50 + top_k slots.
   const uint64_t base = fixed - in.gpu_budget / 50 + uint64_t(std::max(in.top_k, 1)) * slot;
   g.minimum = uint64_t(double(base) / (1.0 - 1.0 / 50)) + 1;
   g.slots = in.gpu_budget > fixed ? int64_t((in.gpu_budget - fixed) / slot) : 0;
   g.slots = std::min<int64_t>(g.slots, p.total_experts());
-  g.pool_bytes = uint64_t(g.slots) * in.slot_bytes;
+  g.pool_bytes = uint64_t(g.slots) * dev_slot;
   g.total = fixed + g.pool_bytes;
   g.fits = in.gpu_budget >= g.minimum && g.slots >= std::max(in.top_k, 1);
   // Host side. Every expert pinned in RAM when it fits (the RAM budget, else 90% of what is
@@ -42,7 +43,7 @@ void plan_gpu(MemoryPlan& p) {
     g.staging = std::max(2 * in.top_k, 2);
     if (in.budget) {
       const uint64_t fixed_ram = in.dense_bytes + ram_reserve;
-      const int64_t room = in.budget > fixed_ram ? int64_t((in.budget - fixed_ram) / slot) : 0;
+      const int64_t room = in.budget > fixed_ram ? int64_t((in.budget - fixed_ram) / std::max<uint64_t>(in.slot_bytes, 1)) : 0;
       g.staging = std::min<int64_t>(g.staging, room);
       if (g.staging < 1) g.fits = false;  // not even one staging buffer fits the RAM budget
     }
@@ -133,7 +134,7 @@ std::string MemoryPlan::table() const {
         "dense spine: embeddings, attention, norms, routers, shared experts, dense layers, lm_head");
     char note[200];
     std::snprintf(note, sizeof note, "GPU: %lld slots x %s (%.1f%% of %lld routed experts); RAM: %s",
-                  (long long)g.slots, format_bytes(in.slot_bytes).c_str(),
+                  (long long)g.slots, format_bytes(in.device_slot_bytes ? in.device_slot_bytes : in.slot_bytes).c_str(),
                   total_experts() ? 100.0 * double(g.slots) / double(total_experts()) : 0.0,
                   (long long)total_experts(),
                   g.host_copy ? "pinned copy of every expert"

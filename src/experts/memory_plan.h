@@ -17,6 +17,7 @@ struct MemoryPlanInputs {
   uint64_t dense_bytes = 0;    // resident weights: everything but routed experts
   uint64_t expert_bytes = 0;   // one routed expert's weights
   uint64_t slot_bytes = 0;     // one pool slot (expert_bytes plus block alignment)
+  uint64_t device_slot_bytes = 0;  // one device slot (tensors packed, 256-byte aligned); 0: slot_bytes
   int n_moe_layers = 0, n_experts = 0, top_k = 0;
   uint64_t cache_bytes = 0;    // MLA cache for context x batch
   uint64_t scratch_bytes = 0;  // activations of one step
