@@ -407,7 +407,7 @@ TEST(CudaDeviceStore, PlanMatchesDeviceAllocationsWithin5Percent) {
   for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t(i * 7 % 200);
   {  // warm-up, freed again: kernels loaded (lazily, into device memory) before the baseline
     auto warm = GlmDsaModel::load(dir, *be);
-    MlaCache cache(*be, warm->cache_shape(), 1, int64_t(ids.size()));
+    MlaCache cache(*be, warm->cache_shape(), 1, int64_t(ids.size()) + 1);
     std::vector<float> logits(size_t(warm->config().vocab_size));
     warm->forward(ids.data(), int64_t(ids.size()), cache, 0, logits.data());
     warm->forward(ids.data(), 1, cache, 0, logits.data());
