@@ -129,7 +129,7 @@ ExpertStoreStats DeviceExpertStore::stats() const {
   ExpertStoreStats s = stats_;
   s.bytes_transferred = disk_bytes_;
   s.read_seconds = disk_seconds_;
-  s.stall_seconds += const_cast<TransferLink&>(link_).compute_stall_seconds() - link_stall_base_;
+  s.stall_seconds += link_.compute_stall_seconds() - link_stall_base_;
   return s;
 }
 
