@@ -20,8 +20,10 @@ void add_device_flag(CLI::App& app, std::string& device) {
 }
 
 void check_device_flags(const std::string& device, const StreamingFlags& f) {
-  if (device == "cuda" && !f.budget.empty())
-    fail("--memory-budget streams experts through host memory slots and is CPU-only for now; drop it with --device cuda");
+  if (!f.gpu_budget.empty() && device != "cuda") fail("--gpu-budget needs --device cuda");
+  if (device == "cuda" && !f.budget.empty() && f.gpu_budget.empty())
+    fail("--memory-budget with --device cuda bounds the host RAM of experts streamed to the GPU: add --gpu-budget");
+  if (!f.gpu_budget.empty() && f.prefetch == "on") fail("--prefetch on: not supported with --gpu-budget yet");
   if (device == "cuda" && !cuda_compiled_in())
     fail("--device cuda: this vireo was built without CUDA (no nvcc at build time)");
 }
@@ -204,6 +206,94 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
 #endif
 }
 
+// `vireo bench --device cuda --gpu-budget X`: B = 1 decode with the routed experts streamed from
+// host RAM into a device pool of slots, against the pinned host-to-device bandwidth measured in
+// the same run: bound = link GB/s / ((1 - hit) x expert bytes per token).
+int bench_cuda_streaming(const std::string& dir, const std::string& synthetic, const std::string& dtype, int layers,
+                         int experts, int64_t n_prompt, int64_t n_decode, const StreamingFlags& sf) {
+#ifndef VIREO_HAVE_CUDA
+  fail("--device cuda: this vireo was built without CUDA (no nvcc at build time)");
+#else
+  using clock = std::chrono::steady_clock;
+  auto secs = [](clock::time_point a, clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
+  auto backend = make_cuda_backend();
+  const int64_t total = n_prompt + 1 + n_decode;  // one untimed decode step loads its kernels
+  auto t0 = clock::now();
+  LoadedModel lm;
+  if (!synthetic.empty()) {
+    GlmDsaConfig c = glm5_synthetic_config(layers, experts);
+    std::fprintf(stderr, "building synthetic glm5: %d layers x %d experts, %s weights...\n", layers, experts,
+                 dtype.c_str());
+    auto ck = make_synthetic_checkpoint(c, parse_weight_dtype_flag(dtype));
+    lm = load_checkpoint(std::move(c), std::move(ck), "synthetic glm5", *backend, sf, total);
+  } else {
+    lm = load_model(dir, *backend, sf, total);
+  }
+  GlmDsaModel& model = *lm.model;
+  DeviceExpertStore& st = *lm.device;
+  const GlmDsaConfig& c = model.config();
+  cuda_synchronize(*backend);
+  std::fprintf(stderr, "loaded in %.1f s; measuring pinned host-to-device bandwidth...\n", secs(t0, clock::now()));
+  const double h2d_gbs = st.measure_link_gbs(size_t(1) << 30);
+  // A staging ring reads every miss from disk first: the disk is the link then, measured as the
+  // host streaming store measures it (random experts, the same reader settings).
+  double disk_gbs = 0;
+  if (!st.host_copy()) {
+    ExpertStoreOptions po;
+    po.slots = 1;
+    po.io_threads = sf.io_threads;
+    po.direct = sf.direct == "on" ? DirectIo::On : sf.direct == "off" ? DirectIo::Off : DirectIo::Auto;
+    disk_gbs = StreamingExpertStore(model.checkpoint(), expert_store_params(c), po).measure_read_gbs(48, 8);
+  }
+  const double link_gbs = disk_gbs > 0 ? std::min(disk_gbs, h2d_gbs) : h2d_gbs;
+  std::vector<int32_t> ids(static_cast<size_t>(total));
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t((i * 7919 + 13) % size_t(c.vocab_size));
+  std::vector<float> logits(static_cast<size_t>(c.vocab_size));
+  MlaCache cache(*backend, model.cache_shape(), 1, total);
+  auto t1 = clock::now();
+  model.forward(ids.data(), n_prompt, cache, 0, logits.data(), false, AttentionPath::Reconstructed);
+  auto t2 = clock::now();
+  model.forward(&ids[size_t(n_prompt)], 1, cache, 0, logits.data(), false, AttentionPath::Absorbed);
+  model.experts().reset_stats();
+  auto t3 = clock::now();
+  for (int64_t i = 0; i < n_decode; ++i)
+    model.forward(&ids[size_t(n_prompt + 1 + i)], 1, cache, 0, logits.data(), false, AttentionPath::Absorbed);
+  auto t4 = clock::now();
+  const ExpertStoreStats d = model.experts().stats();
+  const double decode_s = secs(t3, t4), tps = double(n_decode) / decode_s;
+  const double hit = d.hit_rate();
+  const double expert_bytes = double(st.layout().expert_bytes());
+  const double per_token = double(c.experts_per_token) * double(lm.plan.in.n_moe_layers) * expert_bytes;
+  const double bound_tps = link_gbs * 1e9 / std::max((1.0 - hit) * per_token, 1.0);
+  const uint64_t n_experts = uint64_t(lm.plan.total_experts());
+  std::printf("model              %s\n", synthetic.empty() ? dir.c_str()
+              : ("synthetic glm5, " + std::to_string(layers) + " layers x " + std::to_string(experts) +
+                 " experts, " + dtype).c_str());
+  std::printf("device             cuda, GPU budget %s\n", format_bytes(lm.plan.in.gpu_budget).c_str());
+  std::printf("expert pool        %lld device slots of %.1f MB (%.1f%% of %llu experts), floor %d; host: %s (%.2f GB pinned)\n",
+              (long long)st.slots(), double(st.slot_bytes()) / 1e6, 100.0 * double(st.slots()) / double(n_experts),
+              (unsigned long long)n_experts, st.layer_floor(),
+              st.host_copy() ? "pinned copy of every expert"
+                             : ("ring of " + std::to_string(st.staging_buffers()) + " staging buffers from disk").c_str(),
+              double(st.pinned_bytes()) / 1e9);
+  std::printf("host->device link  %.2f GB/s (pinned, 1 GiB copies, measured now)\n", h2d_gbs);
+  if (disk_gbs > 0)
+    std::printf("disk read          %.2f GB/s (measured now, %d threads); link for the bound: the slower one\n",
+                disk_gbs, sf.io_threads);
+  std::printf("prefill            %lld tokens in %.3f s\n", (long long)n_prompt, secs(t1, t2));
+  std::printf("decode             %lld tokens in %.3f s: %.2f tok/s\n", (long long)n_decode, decode_s, tps);
+  std::printf("decode experts     %s\n", stats_line(d).c_str());
+  std::printf("decode H2D         %.2f GB/s achieved (%.3f GB per token)\n", double(d.bytes_to_device) / 1e9 / decode_s,
+              double(d.bytes_to_device) / 1e9 / double(n_decode));
+  if (!st.host_copy())
+    std::printf("decode disk read   %.2f GB/s achieved (%.3f GB moved per token)\n",
+                double(d.bytes_transferred) / 1e9 / decode_s, double(d.bytes_transferred) / 1e9 / double(n_decode));
+  std::printf("bound              (1 - %.3f) x %.3f GB / %.2f GB/s = %.4f s/token: %.2f tok/s; achieved %.0f%% of bound\n",
+              hit, per_token / 1e9, link_gbs, 1.0 / bound_tps, bound_tps, 100.0 * tps / bound_tps);
+  return 0;
+#endif
+}
+
 }  // namespace
 
 Action add_bench(CLI::App& app) {
@@ -243,6 +333,8 @@ Action add_bench(CLI::App& app) {
     if (o->model.empty() && o->synthetic.empty()) fail("bench needs --model DIR or --synthetic glm5");
     check_device_flags(o->device, o->sf);
     if (o->profile && o->device != "cuda") fail("--profile needs --device cuda");
+    if (o->device == "cuda" && !o->sf.gpu_budget.empty())
+      return bench_cuda_streaming(o->model, o->synthetic, o->dtype, o->layers, o->experts, o->prompt, o->decode, o->sf);
     if (o->device == "cuda")
       return bench_cuda(o->model, o->synthetic, o->dtype, o->layers, o->experts, o->decode, !o->no_graph, o->profile);
     ThreadPool& pool = ThreadPool::global();

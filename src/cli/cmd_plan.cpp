@@ -12,6 +12,7 @@
 
 #include "cache/mla_cache.h"
 #include "cli/commands.h"
+#include "backend/cuda/cuda_backend.h"
 #include "experts/expert_layout.h"
 #include "experts/streaming_store.h"
 #include "model/glm_dsa/weights.h"
@@ -23,7 +24,9 @@ namespace {
 // Activations of one step of T tokens (the model's scratch buffers), f32.
 uint64_t estimate_scratch_bytes(const GlmDsaConfig& c, int64_t T, int64_t out_rows) {
   const int64_t qw = c.qk_head_dim(), inter = std::max(c.intermediate_size, c.moe_intermediate_size * c.n_shared_experts);
-  const int64_t per_token = 7 * c.hidden_size + c.n_heads * qw + 2 * c.q_lora_rank + c.kv_cache_dim() +
+  // (8 hidden-wide rows: residual, norm, output, gather, expert output, shared, prefetch norm, and
+  // the rows of experts run early while others stream in.)
+  const int64_t per_token = 8 * c.hidden_size + c.n_heads * qw + 2 * c.q_lora_rank + c.kv_cache_dim() +
                             int64_t(c.index_n_heads) * c.index_head_dim + c.index_head_dim + c.index_n_heads +
                             c.n_heads * c.v_head_dim + 2 * inter + 2 * c.moe_intermediate_size + c.qk_rope_dim +
                             int64_t(c.index_topk) + 4 * c.experts_per_token;
@@ -64,6 +67,8 @@ void advise_dense_resident(const Checkpoint& ck, const ExpertStoreParams& p) {
 void add_streaming_flags(CLI::App& app, StreamingFlags& f) {
   app.add_option("--memory-budget", f.budget, "Bytes of RAM for weights, cache and scratch (e.g. 8G); routed experts "
                                               "stream from disk through a pool sized to fit");
+  app.add_option("--gpu-budget", f.gpu_budget, "With --device cuda: bytes of GPU memory (e.g. 24G); routed experts "
+                                               "stream from host RAM into a device pool sized to fit");
   app.add_option("--direct-io", f.direct, "Expert reads with O_DIRECT: auto, on, off (off: buffered + DONTNEED)")
       ->check(CLI::IsMember({"auto", "on", "off"}));
   app.add_option("--prefetch", f.prefetch, "Next-layer expert prediction and read-ahead: auto, on, off")
@@ -88,12 +93,15 @@ MemoryPlan plan_for(const Checkpoint& ck, const GlmDsaConfig& c, uint64_t budget
       ExpertLayout layout(ck, p);
       in.expert_bytes = layout.expert_bytes();
       in.slot_bytes = layout.slot_bytes();
-    } else {  // in memory: no file layout
-      ExpertWeights w = ResidentExpertStore(ck, p).prepare(p.moe_layers[0], {0})[0][0];
-      in.expert_bytes = w.nbytes();
-      in.slot_bytes = estimate_slot_bytes(in.expert_bytes);
+    } else {  // in memory: tensors packed into slots, copied rather than read
+      ExpertLayout layout(ck, p, true);
+      in.expert_bytes = layout.expert_bytes();
+      in.slot_bytes = layout.slot_bytes();
     }
   }
+  if (!p.moe_layers.empty() && gpu_budget) in.device_slot_bytes = ExpertLayout(ck, p, true).slot_bytes();
+  in.in_memory = ck.files().empty();
+  if (gpu_budget) in.host_available = mem_available_bytes();
   MlaCacheShape cs;
   cs.n_layers = c.num_layers;
   cs.kv_dim = c.kv_cache_dim();
@@ -108,17 +116,46 @@ MemoryPlan plan_for(const Checkpoint& ck, const GlmDsaConfig& c, uint64_t budget
 
 LoadedModel load_model(const std::string& dir, Backend& backend, const StreamingFlags& f, int64_t context,
                        int64_t batch) {
+  return load_checkpoint(load_glm_dsa_config(dir), Checkpoint::open(dir), dir, backend, f, context, batch);
+}
+
+LoadedModel load_checkpoint(GlmDsaConfig c, std::unique_ptr<Checkpoint> ck, const std::string& what, Backend& backend,
+                            const StreamingFlags& f, int64_t context, int64_t batch) {
   LoadedModel m;
-  GlmDsaConfig c = load_glm_dsa_config(dir);
-  auto ck = Checkpoint::open(dir);
   std::unique_ptr<ExpertStore> store;
-  if (!f.budget.empty()) {
-    const uint64_t budget = parse_byte_size(f.budget, "--memory-budget");
+  const uint64_t budget = f.budget.empty() ? 0 : parse_byte_size(f.budget, "--memory-budget");
+  if (!f.gpu_budget.empty()) {
+    const uint64_t gpu = parse_byte_size(f.gpu_budget, "--gpu-budget");
+    if (std::string(backend.name()) != "cuda") fail("--gpu-budget needs --device cuda");
+    m.plan = plan_for(*ck, c, budget, context, batch, gpu);
+    const GpuPlan& g = m.plan.g;
+    if (gpu < g.minimum || g.slots < std::max(c.experts_per_token, 1)) {
+      std::fputs(m.plan.table().c_str(), stderr);
+      fail("--gpu-budget ", format_bytes(gpu), " is below the minimum of ", format_bytes(g.minimum), " for ", what,
+           " at context ", context, " x batch ", batch);
+    }
+    if (!g.fits) {
+      std::fputs(m.plan.table().c_str(), stderr);
+      fail("--memory-budget ", format_bytes(budget), " leaves no room for a pinned staging buffer (",
+           format_bytes(m.plan.in.slot_bytes), ") besides the resident weights for ", what);
+    }
+#ifdef VIREO_HAVE_CUDA
+    ExpertStoreOptions o = store_options(f);
+    o.prefetch = false;
+    o.slots = g.slots;
+    o.staging = g.staging;
+    auto s = std::make_unique<DeviceExpertStore>(*ck, expert_store_params(c), o, make_cuda_transfer_link(backend));
+    m.device = s.get();
+    store = std::move(s);
+#else
+    fail("--gpu-budget: this vireo was built without CUDA (no nvcc at build time)");
+#endif
+  } else if (budget) {
     m.plan = plan_for(*ck, c, budget, context, batch);
     if (!m.plan.fits) {
       std::fputs(m.plan.table().c_str(), stderr);
       fail("--memory-budget ", format_bytes(budget), " is below the minimum of ", format_bytes(m.plan.minimum),
-           " for ", dir, " at context ", context, " x batch ", batch);
+           " for ", what, " at context ", context, " x batch ", batch);
     }
     ExpertStoreOptions o = store_options(f);
     o.slots = m.plan.slots;
@@ -140,6 +177,10 @@ std::string stats_line(const ExpertStoreStats& s) {
                 (unsigned long long)s.misses, double(s.bytes_read) / 1e9, double(s.bytes_transferred) / 1e9,
                 s.stall_seconds, (unsigned long long)s.prefetch_reads, (unsigned long long)s.prefetch_used);
   std::string out = buf;
+  if (s.bytes_to_device) {
+    std::snprintf(buf, sizeof buf, ", to device %.3f GB", double(s.bytes_to_device) / 1e9);
+    out += buf;
+  }
   if (s.predicted) {
     std::snprintf(buf, sizeof buf, ", predictor precision %.1f%% recall %.1f%%",
                   100.0 * double(s.predicted_correct) / double(s.predicted),
@@ -161,6 +202,14 @@ uint64_t status_bytes(const char* field) {
 }  // namespace
 
 uint64_t peak_rss_bytes() { return status_bytes("VmHWM:"); }
+
+uint64_t mem_available_bytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.compare(0, 13, "MemAvailable:") == 0) return uint64_t(std::stoull(line.substr(13))) * 1024;
+  return 0;
+}
 uint64_t current_rss_bytes() { return status_bytes("VmRSS:"); }
 
 Action add_plan(CLI::App& app) {
@@ -171,7 +220,7 @@ Action add_plan(CLI::App& app) {
   auto o = std::make_shared<Opts>();
   app.add_option("--model,-m", o->model, "Model directory")->required();
   app.add_option("--memory-budget", o->budget, "RAM budget (e.g. 8G); without it every expert is resident");
-  app.add_option("--gpu-budget", o->gpu_budget, "GPU memory budget (shown; not planned by the CPU backend yet)");
+  app.add_option("--gpu-budget", o->gpu_budget, "GPU memory budget (e.g. 24G): plan a device pool of expert slots");
   app.add_option("--context", o->context, "Context length per sequence")->check(CLI::Range(int64_t(1), int64_t(1) << 24));
   app.add_option("--batch", o->batch, "Sequences decoded together")->check(CLI::Range(int64_t(1), int64_t(1) << 16));
   return [o]() {
@@ -181,7 +230,13 @@ Action add_plan(CLI::App& app) {
     const uint64_t gpu = o->gpu_budget.empty() ? 0 : parse_byte_size(o->gpu_budget, "--gpu-budget");
     MemoryPlan p = plan_for(*ck, c, budget, o->context, o->batch, gpu);
     std::fputs(p.table().c_str(), stdout);
-    if (!p.fits)
+    if (p.gpu && gpu < p.g.minimum)
+      fail("--gpu-budget ", format_bytes(gpu), " is below the minimum of ", format_bytes(p.g.minimum), " for ",
+           o->model, " at context ", o->context, " x batch ", o->batch);
+    if (p.gpu && !p.g.fits)
+      fail("--memory-budget ", format_bytes(budget), " leaves no room for a pinned staging buffer (",
+           format_bytes(p.in.slot_bytes), ") besides the resident weights for ", o->model);
+    if (!p.gpu && budget && !p.fits)
       fail("--memory-budget ", format_bytes(budget), " is below the minimum of ", format_bytes(p.minimum), " for ",
            o->model, " at context ", o->context, " x batch ", o->batch);
     return 0;

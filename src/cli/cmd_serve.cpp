@@ -82,6 +82,7 @@ Action add_serve(CLI::App& app) {
     if (o->model.empty() && o->synthetic.empty()) fail("serve needs --model DIR or --synthetic glm5");
     check_device_flags(o->device, o->sf);
     if (!o->synthetic.empty() && !o->sf.budget.empty()) fail("--memory-budget needs a checkpoint on disk (--model)");
+    if (!o->synthetic.empty() && !o->sf.gpu_budget.empty()) fail("--gpu-budget needs a checkpoint on disk (--model)");
     // Signals go to a sigwait below, never to a handler racing the server's threads.
     sigset_t sigs;
     sigemptyset(&sigs);

@@ -8,6 +8,7 @@
 #include <CLI/CLI.hpp>
 
 #include "experts/memory_plan.h"
+#include "experts/device_store.h"
 #include "experts/streaming_store.h"
 #include "model/glm_dsa/model.h"
 
@@ -32,6 +33,7 @@ Action add_serve(CLI::App& app);  // cmd_serve.cpp
 // Expert streaming (cmd_plan.cpp): --memory-budget and friends, shared by run, logits and bench.
 struct StreamingFlags {
   std::string budget;            // empty: every expert resident
+  std::string gpu_budget;        // --device cuda: device memory for weights, expert slots, cache
   std::string direct = "auto";   // O_DIRECT reads: auto, on, off
   std::string prefetch = "auto"; // next-layer prediction: auto, on, off
   int io_threads = 4;
@@ -42,17 +44,24 @@ void add_streaming_flags(CLI::App& app, StreamingFlags& f);
 struct LoadedModel {
   std::unique_ptr<GlmDsaModel> model;
   MemoryPlan plan;                              // set when streaming
-  StreamingExpertStore* streaming = nullptr;  // null: all experts resident
+  StreamingExpertStore* streaming = nullptr;  // null: all experts resident in RAM (or none streamed)
+  DeviceExpertStore* device = nullptr;        // --gpu-budget: experts streamed to device slots
 };
-// Loads `dir`; under --memory-budget plans first (refusing a budget below the minimum with the
-// table on stderr) and streams routed experts through a pool sized by the plan.
+// Loads `dir`; under --memory-budget (or --gpu-budget on a CUDA backend) plans first (refusing a
+// budget below the minimum with the table on stderr) and streams routed experts through a pool
+// sized by the plan.
 LoadedModel load_model(const std::string& dir, Backend& backend, const StreamingFlags& f, int64_t context,
                        int64_t batch = 1);
+// As load_model, for a checkpoint already open (`what` names it in errors; in-memory synthetic
+// checkpoints stream to the GPU from a pinned host copy).
+LoadedModel load_checkpoint(GlmDsaConfig c, std::unique_ptr<Checkpoint> ck, const std::string& what, Backend& backend,
+                            const StreamingFlags& f, int64_t context, int64_t batch = 1);
 MemoryPlan plan_for(const Checkpoint& ck, const GlmDsaConfig& c, uint64_t budget, int64_t context, int64_t batch,
                     uint64_t gpu_budget = 0);
 std::string stats_line(const ExpertStoreStats& s);
 uint64_t peak_rss_bytes();     // VmHWM of this process
 uint64_t current_rss_bytes();  // VmRSS of this process
+uint64_t mem_available_bytes(); // MemAvailable of /proc/meminfo (0 if unknown)
 
 // --device cpu|cuda (cmd_bench.cpp), and the combinations a device does not support yet.
 void add_device_flag(CLI::App& app, std::string& device);

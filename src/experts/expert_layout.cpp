@@ -18,8 +18,8 @@ constexpr uint64_t kMergeGap = uint64_t(1) << 20;
 
 uint64_t estimate_slot_bytes(uint64_t payload_bytes) { return align_up(payload_bytes) + 2 * kIoAlign; }
 
-ExpertLayout::ExpertLayout(const Checkpoint& ck, const ExpertStoreParams& p) : p_(p) {
-  if (ck.files().empty()) fail(ck.dir(), ": streaming experts needs a checkpoint on disk");
+ExpertLayout::ExpertLayout(const Checkpoint& ck, const ExpertStoreParams& p, bool packed) : p_(p), packed_(packed) {
+  if (ck.files().empty() && !packed) fail(ck.dir(), ": streaming experts needs a checkpoint on disk");
   std::map<std::string, int> file_index;
   for (const auto& f : ck.files()) {
     file_index[f->path()] = int(files_.size());
@@ -39,6 +39,22 @@ ExpertLayout::ExpertLayout(const Checkpoint& ck, const ExpertStoreParams& p) : p
         Weight w = bind_weight(ck, prefix, down ? p.hidden : p.moe_intermediate, down ? p.moe_intermediate : p.hidden);
         srcs.push_back({ck.find(prefix + ".weight"), 2 * k});
         if (!w.scale_inv.empty()) srcs.push_back({ck.find(prefix + ".weight_scale_inv"), 2 * k + 1});
+      }
+      if (packed) {
+        uint64_t cursor = 0;
+        for (const Src& src : srcs) {
+          ExpertPiece& pc = r.pieces[src.piece];
+          pc.view = src.info->view();
+          pc.src = pc.view.data;
+          pc.view.data = nullptr;
+          pc.slot_offset = cursor;
+          r.payload_bytes += src.info->nbytes;
+          cursor += (src.info->nbytes + kPackAlign - 1) / kPackAlign * kPackAlign;
+        }
+        r.transfer_bytes = cursor;
+        slot_bytes_ = std::max(slot_bytes_, cursor);
+        expert_bytes_ = std::max(expert_bytes_, r.payload_bytes);
+        continue;
       }
       std::sort(srcs.begin(), srcs.end(), [&](const Src& a, const Src& b) {
         const int fa = file_index.at(a.info->file), fb = file_index.at(b.info->file);

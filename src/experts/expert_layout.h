@@ -13,6 +13,7 @@
 namespace vireo {
 
 constexpr size_t kIoAlign = 4096;
+constexpr size_t kPackAlign = 256;
 
 struct ExpertExtent {
   int file = 0;             // index into ExpertLayout::files
@@ -26,23 +27,26 @@ struct ExpertExtent {
 struct ExpertPiece {
   Tensor view;
   uint64_t slot_offset = 0;
+  const void* src = nullptr;  // packed layouts: the tensor's bytes in memory
 };
 
 struct ExpertRecord {
   std::vector<ExpertExtent> extents;
   ExpertPiece pieces[6];  // gate.w, gate.scale, up.w, up.scale, down.w, down.scale (scales may be empty)
   uint64_t payload_bytes = 0;   // sum of the tensors' bytes
-  uint64_t transfer_bytes = 0;  // sum of extents' lengths
+  uint64_t transfer_bytes = 0;  // sum of extents' lengths (packed: the slot bytes in use)
 };
 
 class ExpertLayout {
  public:
   // Validates every expert's tensors (shape, dtype) as bind_weight does. Fails for checkpoints
-  // that are not on disk (in-memory synthetic ones).
-  ExpertLayout(const Checkpoint& ck, const ExpertStoreParams& p);
+  // that are not on disk (in-memory synthetic ones) unless `packed`: then no extents, the
+  // tensors lie back to back in the slot (kPackAlign-aligned) and are copied from memory.
+  ExpertLayout(const Checkpoint& ck, const ExpertStoreParams& p, bool packed = false);
 
   const ExpertStoreParams& params() const { return p_; }
   const std::vector<std::string>& files() const { return files_; }
+  bool packed() const { return packed_; }
   const ExpertRecord& record(int layer, int expert) const {
     return records_[size_t(layer) * size_t(p_.n_experts) + size_t(expert)];
   }
@@ -57,6 +61,7 @@ class ExpertLayout {
   std::vector<std::string> files_;
   std::vector<ExpertRecord> records_;  // [layer * n_experts + expert]; empty for dense layers
   uint64_t slot_bytes_ = 0, expert_bytes_ = 0;
+  bool packed_ = false;
 };
 
 // Slot size for experts of these shapes and dtype, without a checkpoint (the memory plan of a

@@ -33,12 +33,15 @@ struct ExpertStoreStats {
   uint64_t bytes_read = 0;         // payload bytes of experts read (misses and prefetches)
   uint64_t bytes_transferred = 0;  // bytes the reads really moved (block-aligned extents)
   uint64_t evictions = 0;
+  uint64_t bytes_to_device = 0;    // device stores: bytes copied host -> device
   uint64_t prefetch_reads = 0;     // experts read ahead of need
   uint64_t prefetch_used = 0;      // ... and later requested before being evicted
   // Next-layer predictor: experts predicted, predicted and then requested, requested where a
   // prediction existed. precision = correct / predicted, recall = correct / actual.
   uint64_t predicted = 0, predicted_correct = 0, predicted_actual = 0;
   double stall_seconds = 0;        // time prepare()/await() spent waiting for reads or slots
+                                   // (device stores: plus the time the compute stream waited
+                                   // for copies)
   double read_seconds = 0;         // summed wall time of the read calls (over all I/O threads)
 
   double hit_rate() const { return requests ? double(hits) / double(requests) : 0.0; }
@@ -57,6 +60,9 @@ class ExpertStore {
     return prepare(layer, experts);
   }
   virtual void await(size_t i) {}
+  // True when the i-th expert of the last prepare_async is already in memory: await(i) will not
+  // wait. The forward pass runs those first, while the others are still on their way.
+  virtual bool ready(size_t i) { return true; }
   // The most experts one prepare() can hold at once; a larger union must be asked for in chunks.
   virtual size_t max_experts_per_prepare() const { return std::numeric_limits<size_t>::max(); }
   // A hint: layer `layer` will probably ask for `experts` soon. Stores that stream start reads.
@@ -106,6 +112,9 @@ struct ExpertStoreOptions {
   int io_threads = 4;                  // reads in flight at once
   size_t read_chunk = size_t(8) << 20; // bytes per read call (a multiple of 4096)
   bool prefetch = false;               // act on prefetch() hints
+  // Device stores (device_store.h): 0 keeps a pinned host copy of every expert; N > 0 reads
+  // misses from disk through N pinned staging buffers instead.
+  int64_t staging = 0;
 };
 
 class ResidentExpertStore final : public ExpertStore {

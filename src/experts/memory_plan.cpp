@@ -11,7 +11,51 @@ namespace vireo {
 namespace {
 // Code, libraries, thread stacks and allocator slack: a fixed floor plus a share of the budget.
 uint64_t reserve_for(uint64_t budget) { return (uint64_t(48) << 20) + budget / 50; }
+
+void plan_gpu(MemoryPlan& p) {
+  const MemoryPlanInputs& in = p.in;
+  GpuPlan& g = p.g;
+  p.gpu = true;
+  g.reserve = gpu_reserve_for(in.gpu_budget);
+  const uint64_t fixed = in.dense_bytes + in.cache_bytes + in.scratch_bytes + g.reserve;
+  const uint64_t dev_slot = in.device_slot_bytes ? in.device_slot_bytes : in.slot_bytes;
+  const uint64_t slot = std::max<uint64_t>(dev_slot, 1);
+  // The reserve grows with the budget: solve B >= fixed_without_the_2% + B / 50 + top_k slots.
+  const uint64_t base = fixed - in.gpu_budget / 50 + uint64_t(std::max(in.top_k, 1)) * slot;
+  g.minimum = uint64_t(double(base) / (1.0 - 1.0 / 50)) + 1;
+  g.slots = in.gpu_budget > fixed ? int64_t((in.gpu_budget - fixed) / slot) : 0;
+  g.slots = std::min<int64_t>(g.slots, p.total_experts());
+  g.pool_bytes = uint64_t(g.slots) * dev_slot;
+  g.total = fixed + g.pool_bytes;
+  g.fits = in.gpu_budget >= g.minimum && g.slots >= std::max(in.top_k, 1);
+  // Host side. Every expert pinned in RAM when it fits (the RAM budget, else 90% of what is
+  // available); else a ring of staging buffers: 2 x top_k, or fewer if the RAM budget says so.
+  const uint64_t all = uint64_t(p.total_experts()) * in.slot_bytes;
+  const uint64_t ram_reserve = reserve_for(in.budget);
+  if (in.in_memory) g.host_copy = true;
+  else if (in.budget) g.host_copy = in.dense_bytes + all + ram_reserve <= in.budget;
+  else if (in.host_available) g.host_copy = in.dense_bytes + all <= in.host_available / 10 * 9;
+  else g.host_copy = true;
+  if (g.host_copy) {
+    g.staging = 0;
+    g.pinned_bytes = all;
+  } else {
+    g.staging = std::max(2 * in.top_k, 2);
+    if (in.budget) {
+      const uint64_t fixed_ram = in.dense_bytes + ram_reserve;
+      const int64_t room = in.budget > fixed_ram ? int64_t((in.budget - fixed_ram) / std::max<uint64_t>(in.slot_bytes, 1)) : 0;
+      g.staging = std::min<int64_t>(g.staging, room);
+      if (g.staging < 1) g.fits = false;  // not even one staging buffer fits the RAM budget
+    }
+    g.staging = std::max<int64_t>(g.staging, 0);
+    g.pinned_bytes = uint64_t(g.staging) * in.slot_bytes;
+  }
+  g.host_total = in.dense_bytes + g.pinned_bytes + ram_reserve;
+}
+
 }  // namespace
+
+uint64_t gpu_reserve_for(uint64_t gpu_budget) { return (uint64_t(640) << 20) + gpu_budget / 50; }
 
 std::string format_bytes(uint64_t b) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
@@ -69,11 +113,42 @@ MemoryPlan make_memory_plan(const MemoryPlanInputs& in) {
     p.pool_bytes = uint64_t(p.slots) * in.expert_bytes;
   }
   p.total = fixed + p.pool_bytes;
+  if (in.gpu_budget) plan_gpu(p);
   return p;
 }
 
 std::string MemoryPlan::table() const {
   std::string t;
+  if (gpu) {
+    auto row = [&](const char* name, const std::string& ram, const std::string& dev, const std::string& note) {
+      char buf[320];
+      std::snprintf(buf, sizeof buf, "  %-26s %12s %12s  %s\n", name, ram.c_str(), dev.c_str(), note.c_str());
+      t += buf;
+    };
+    const std::string none = "-";
+    t += str("memory plan: GPU budget ", format_bytes(in.gpu_budget), ", RAM budget ",
+             in.budget ? format_bytes(in.budget) : std::string("none"), ", context ", in.context, " x batch ", in.batch,
+             "\n");
+    row("", "RAM", "GPU", "");
+    row("resident weights", format_bytes(in.dense_bytes), format_bytes(in.dense_bytes),
+        "dense spine: embeddings, attention, norms, routers, shared experts, dense layers, lm_head");
+    char note[200];
+    std::snprintf(note, sizeof note, "GPU: %lld slots x %s (%.1f%% of %lld routed experts); RAM: %s",
+                  (long long)g.slots, format_bytes(in.device_slot_bytes ? in.device_slot_bytes : in.slot_bytes).c_str(),
+                  total_experts() ? 100.0 * double(g.slots) / double(total_experts()) : 0.0,
+                  (long long)total_experts(),
+                  g.host_copy ? "pinned copy of every expert"
+                              : str("ring of ", g.staging, " pinned staging buffers fed from disk").c_str());
+    row("expert pool", format_bytes(g.pinned_bytes), format_bytes(g.pool_bytes), note);
+    row("MLA cache", none, format_bytes(in.cache_bytes), str(in.context, " tokens x ", in.batch, " sequences"));
+    row("scratch", none, format_bytes(in.scratch_bytes), "activations of one step");
+    row("reserve", format_bytes(reserve_for(in.budget)), format_bytes(g.reserve),
+        "RAM: 48 MiB + 2% of budget; GPU: CUDA context, cuBLASLt workspace (640 MiB) + 2% of budget");
+    row("total", format_bytes(g.host_total), format_bytes(g.total),
+        str(format_bytes(in.gpu_budget > g.total ? in.gpu_budget - g.total : 0), " of the GPU budget unused"));
+    row("minimum budget", none, format_bytes(g.minimum), str("a device pool of top_k = ", in.top_k, " slots"));
+    return t;
+  }
   auto row = [&](const char* name, uint64_t bytes, const std::string& note) {
     char buf[256];
     std::snprintf(buf, sizeof buf, "  %-26s %12s  %s\n", name, format_bytes(bytes).c_str(), note.c_str());
@@ -92,7 +167,6 @@ std::string MemoryPlan::table() const {
   row("reserve", reserve, "code, stacks, allocator slack (48 MiB + 2% of budget)");
   row("total", total, streaming ? str(format_bytes(in.budget > total ? in.budget - total : 0), " of the budget unused") : "");
   if (streaming) row("minimum budget", minimum, str("a pool of top_k = ", in.top_k, " slots"));
-  if (in.gpu_budget) row("GPU budget", in.gpu_budget, "not planned yet: the CPU backend holds everything in RAM");
   return t;
 }
 

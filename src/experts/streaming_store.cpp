@@ -188,6 +188,12 @@ void StreamingExpertStore::await(size_t i) {
   }
 }
 
+bool StreamingExpertStore::ready(size_t i) {
+  std::lock_guard<std::mutex> lock(mu_);
+  VIREO_ASSERT(i < current_.size());
+  return !pool_.busy(current_[i]);
+}
+
 std::vector<const ExpertWeights*> StreamingExpertStore::prepare(int layer, const std::vector<int>& experts) {
   auto out = prepare_async(layer, experts);
   for (size_t i = 0; i < out.size(); ++i) await(i);

@@ -32,6 +32,7 @@ class StreamingExpertStore final : public ExpertStore {
   std::vector<const ExpertWeights*> prepare(int layer, const std::vector<int>& experts) override;
   std::vector<const ExpertWeights*> prepare_async(int layer, const std::vector<int>& experts) override;
   void await(size_t i) override;
+  bool ready(size_t i) override;
   size_t max_experts_per_prepare() const override { return size_t(pool_.max_per_prepare()); }
   void prefetch(int layer, const std::vector<int>& experts) override;
   bool wants_prefetch() const override { return opts_.prefetch; }

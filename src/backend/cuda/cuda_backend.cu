@@ -333,6 +333,7 @@ class CudaBackend final : public Backend {
   }
   const char* name() const override { return "cuda"; }
   cudaStream_t stream() const { return stream_; }
+  uint64_t weight_bytes() const { return weight_bytes_; }
   void set_gemm_mode(CudaGemmMode m) { mode_ = m; }
   void set_fp8_chunk_bytes(int64_t b) { fp8_chunk_bytes_ = b; }
   OpProfiler& profiler() { return prof_; }
@@ -633,6 +634,7 @@ class CudaBackend final : public Backend {
     auto buf = device_alloc<char>(bytes);
     VIREO_CUDA_CHECK(cudaMemcpy(buf.get(), src, bytes, cudaMemcpyHostToDevice));
     owned_.push_back(buf);
+    weight_bytes_ += bytes;
     return buf.get();
   }
 
@@ -845,6 +847,7 @@ class CudaBackend final : public Backend {
   int64_t fp8_chunk_bytes_ = int64_t(256) << 20;
   OpProfiler prof_;
   std::vector<std::shared_ptr<char>> owned_;
+  uint64_t weight_bytes_ = 0;  // bytes of weights uploaded (owned_)
   std::unordered_map<const void*, Weight> uploaded_;
   Scratch flag_, scores_, route_, xbf16_, wbf16_, qlat_, part_, latent_, kvx_, mask_, moe_h_;
   std::unordered_map<const ExpertBank*, DeviceBank> banks_;
@@ -878,6 +881,10 @@ std::unique_ptr<Backend> make_cuda_backend() {
   if (!cuda_device_present(&why)) fail("--device cuda: ", why);
   return std::make_unique<CudaBackend>();
 }
+
+cudaStream_t cuda::compute_stream_of(Backend& b) { return as_cuda(b).stream(); }
+
+uint64_t cuda_weight_bytes(Backend& b) { return as_cuda(b).weight_bytes(); }
 
 void cuda_synchronize(Backend& b) { VIREO_CUDA_CHECK(cudaStreamSynchronize(as_cuda(b).stream())); }
 

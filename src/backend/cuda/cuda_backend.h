@@ -7,6 +7,7 @@
 #include <string>
 
 #include "backend/backend.h"
+#include "backend/transfer_link.h"
 #include "core/error.h"
 
 namespace vireo {
@@ -24,6 +25,12 @@ double cuda_measure_copy_gbs(Backend& cuda);
 double cuda_measure_bf16_gemm_tflops(Backend& cuda, int n = 8192);
 // Waits for all queued device work (for host-side timing).
 void cuda_synchronize(Backend& cuda);
+// Host-to-device expert transfers ordered against `cuda`'s compute stream (transfer_link.h).
+std::unique_ptr<TransferLink> make_cuda_transfer_link(Backend& cuda);
+// Device memory in use (total - free, all processes), for checking the memory plan.
+uint64_t cuda_device_memory_used();
+// Bytes of weights the backend has uploaded (dense spine and resident experts).
+uint64_t cuda_weight_bytes(Backend& cuda);
 // Prefill GEMMs (T > 8 rows) on BF16 and FP8 weights, and prefill attention: Split (default) runs
 // bf16 tensor-core products on x = hi + lo (both bf16; FP8 weights and attention operands split
 // too: 2 passes for BF16 weights, 3 for FP8 and attention), f32 accumulation: ~2^-16 relative

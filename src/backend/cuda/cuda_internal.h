@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "backend/cuda/cuda_kernels.cuh"
+#include "backend/backend.h"
 #include "core/error.h"
 
 namespace vireo::cuda {
@@ -27,5 +28,8 @@ void dequant_split_fp8(const DevW& w, int64_t row0, int64_t rows, void* hi, void
 bool lt_matmul(cublasLtHandle_t lt, void* workspace, size_t ws_bytes, cudaStream_t st, int64_t m, int64_t n,
                int64_t k, const void* A, cudaDataType_t at, const void* B, cudaDataType_t bt, void* D,
                cudaDataType_t dt, float alpha, float beta, int64_t ldd = 0);
+
+// The CUDA backend's one compute stream (cuda_backend.cu); fails for another backend.
+cudaStream_t compute_stream_of(Backend& b);
 
 }  // namespace vireo::cuda

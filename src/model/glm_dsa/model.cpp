@@ -551,26 +551,25 @@ void GlmDsaModel::moe(int layer, const float* xn, int64_t N, float* out) {
   int32_t* ids_dev = scratch_i32(2, size_t(N * K));
   float* wts_dev = scratch(27, size_t(N * K));
   backend_.moe_route(xn, N, router_args(L), ids_dev, wts_dev);
-  bool shared_done = false;
   if (experts_->bank(layer) && backend_.prefers_moe_experts(N)) {
     // Few tokens, every expert resident: run them by id on the backend, nothing read back (the
     // shared expert too, when it fits the bank).
     const ExpertBank& bank = fused_banks_[size_t(layer)];
     backend_.moe_experts(xn, N, ids_dev, wts_dev, int(K), bank, out);
-    shared_done = bank.n_shared > 0;
-  } else {
-    moe_grouped(layer, xn, N, ids_dev, wts_dev, out);
+    if (L.has_shared && bank.n_shared == 0) {
+      float* s = scratch(26, size_t(N * D));
+      mlp(L.shared, xn, N, s);
+      backend_.add(out, s, N * D);
+    }
+    return;
   }
-  if (L.has_shared && !shared_done) {
-    float* s = scratch(26, size_t(N * D));
-    mlp(L.shared, xn, N, s);
-    backend_.add(out, s, N * D);
-  }
+  moe_grouped(layer, xn, N, ids_dev, wts_dev, out);  // the shared expert included
 }
 
 void GlmDsaModel::moe_grouped(int layer, const float* xn, int64_t N, const int32_t* ids_dev, const float* wts_dev,
                               float* out) {
   const GlmDsaConfig& c = config_;
+  const LayerWeights& L = weights_.layers[size_t(layer)];
   const int64_t D = c.hidden_size, K = c.experts_per_token, I = c.moe_intermediate_size;
   // Tokens grouped by expert on the backend (stable: each expert's tokens ascending, the order in
   // which scatter_add_rows accumulates). The host reads back only the n_experts + 1 offsets: which
@@ -593,25 +592,61 @@ void GlmDsaModel::moe_grouped(int layer, const float* xn, int64_t N, const int32
   float* g = scratch(23, size_t(N * I));
   float* u = scratch(24, size_t(N * I));
   float* y = scratch(25, size_t(N * D));
-  // A streaming store may hold fewer experts than the union: ask for it in chunks, in expert
-  // order (so sums are identical), and start on each expert as soon as its bytes are in.
-  const size_t chunk = std::max<size_t>(1, experts_->max_experts_per_prepare());
-  std::vector<const ExpertWeights*> ew;
-  for (size_t i = 0; i < used.size(); ++i) {
-    if (i % chunk == 0)
-      ew = experts_->prepare_async(layer, std::vector<int>(used.begin() + long(i),
-                                                           used.begin() + long(std::min(used.size(), i + chunk))));
-    experts_->await(i % chunk);
-    const ExpertWeights* e = ew[i % chunk];
-    const int64_t at = offsets[size_t(used[i])], m = offsets[size_t(used[i]) + 1] - at;
-    const int32_t* toks = token_of + at;
-    const float* wts = weight_of + at;
-    backend_.gather_rows(xn, toks, m, D, xs);
+  auto run_expert = [&](const ExpertWeights* e, int expert, float* rows) {
+    const int64_t at = offsets[size_t(expert)], m = offsets[size_t(expert) + 1] - at;
+    backend_.gather_rows(xn, token_of + at, m, D, xs);
     backend_.matmul(xs, m, e->gate, g);
     backend_.matmul(xs, m, e->up, u);
     backend_.swiglu(g, u, g, m * I);
-    backend_.matmul(g, m, e->down, y);
-    backend_.scatter_add_rows(out, toks, wts, y, m, D);
+    backend_.matmul(g, m, e->down, rows);
+  };
+  // The shared expert runs first, into its own buffer, while the first routed experts are still
+  // on their way to a streaming store; it is added last, as the oracle sums: routed experts in
+  // ascending id order, then the shared expert.
+  float* shared = L.has_shared ? scratch(26, size_t(N * D)) : nullptr;
+  // A streaming store may hold fewer experts than the union: ask for it in chunks, in expert
+  // order. Experts already in memory that come after one still loading run first, their rows
+  // kept (up to max(N, 64) rows) until their turn in the ascending-order sum; the others run as
+  // their bytes arrive.
+  const size_t chunk = std::max<size_t>(1, experts_->max_experts_per_prepare());
+  const int64_t early_cap = std::min<int64_t>(N * K, std::max<int64_t>(N, 64));
+  float* early = nullptr;
+  for (size_t c0 = 0; c0 < used.size(); c0 += chunk) {
+    const size_t n = std::min(chunk, used.size() - c0);
+    const std::vector<const ExpertWeights*> ew =
+        experts_->prepare_async(layer, std::vector<int>(used.begin() + long(c0), used.begin() + long(c0 + n)));
+    if (c0 == 0 && shared) mlp(L.shared, xn, N, shared);
+    std::vector<float*> rows(n, nullptr);
+    int64_t early_rows = 0;
+    bool behind_a_miss = false;
+    for (size_t i = 0; i < n; ++i) {
+      if (!experts_->ready(i)) {
+        behind_a_miss = true;
+        continue;
+      }
+      const int e = used[c0 + i];
+      const int64_t m = offsets[size_t(e) + 1] - offsets[size_t(e)];
+      if (!behind_a_miss || early_rows + m > early_cap) continue;
+      if (!early) early = scratch(40, size_t(early_cap * D));
+      experts_->await(i);
+      rows[i] = early + early_rows * D;
+      early_rows += m;
+      run_expert(ew[i], e, rows[i]);
+    }
+    for (size_t i = 0; i < n; ++i) {
+      const int e = used[c0 + i];
+      if (!rows[i]) {
+        experts_->await(i);
+        run_expert(ew[i], e, y);
+        rows[i] = y;
+      }
+      const int64_t at = offsets[size_t(e)], m = offsets[size_t(e) + 1] - at;
+      backend_.scatter_add_rows(out, token_of + at, weight_of + at, rows[i], m, D);
+    }
+  }
+  if (shared) {
+    if (used.empty()) mlp(L.shared, xn, N, shared);
+    backend_.add(out, shared, N * D);
   }
 }
 

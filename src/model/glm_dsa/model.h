@@ -106,7 +106,8 @@ class GlmDsaModel {
   void attention(int layer, const float* xn, int64_t N, const std::vector<Segment>& segs, MlaCache& cache,
                  float* out);
   void moe(int layer, const float* xn, int64_t N, float* out);
-  // Routed experts grouped by expert (the union of the step's experts, one product each).
+  // Routed experts grouped by expert (the union of the step's experts, one product each), then
+  // the shared expert; with a streaming store, compute overlaps the experts' transfers.
   void moe_grouped(int layer, const float* xn, int64_t N, const int32_t* ids, const float* weights, float* out);
   RouterArgs router_args(const LayerWeights& L) const;
   void prefetch_next(int layer, const float* h, int64_t N);  // next layer's router -> experts_->prefetch

@@ -1,0 +1,111 @@
+#pragma once
+// DeviceExpertStore: routed experts in a fixed pool of device slots (one device allocation of
+// slots x slot_bytes) under a GPU memory budget; misses are copied host -> device on the
+// TransferLink's own stream, and the compute stream waits only for the expert it is about to use.
+//
+// Device slots use a packed layout (every tensor 256-byte aligned, as the GPU kernels' vector
+// loads need) whatever the host side's layout is; a miss is one copy per tensor, all on one
+// stream, its ticket the last one's.
+//
+// Where the host bytes come from:
+//   host copy (staging == 0): every expert, read once at startup into pinned host memory (disk
+//       checkpoints with the ExpertReader, in-memory ones by memcpy); a miss is one copy.
+//   staging ring (staging > 0, disk checkpoints): `staging` pinned buffers; a miss is read from
+//       disk into a free buffer on the reader's threads, then copied to its slot. For models
+//       whose experts do not fit in host RAM.
+//
+// Slot policy and pinning are the SlotPool's, as in the host StreamingExpertStore: LRU over one
+// global pool with a per-layer floor; what a prepare returns stays pinned until the next one; a
+// slot whose bytes are still being read from disk is busy. Before a copy overwrites a slot whose
+// previous expert may still be read by queued kernels, the link orders the copy after them.
+//
+// Threading: the forward pass calls everything, stats() included, on one thread (every call into
+// the link happens there); the reader's threads only mark staging reads done under the mutex.
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "backend/transfer_link.h"
+#include "experts/expert_layout.h"
+#include "experts/expert_reader.h"
+#include "experts/expert_store.h"
+#include "experts/slot_pool.h"
+
+namespace vireo {
+
+class DeviceExpertStore final : public ExpertStore {
+ public:
+  // In-memory checkpoints need staging == 0.
+  DeviceExpertStore(const Checkpoint& ck, const ExpertStoreParams& p, const ExpertStoreOptions& o,
+                    std::shared_ptr<TransferLink> link);
+  ~DeviceExpertStore() override;
+
+  std::vector<const ExpertWeights*> prepare(int layer, const std::vector<int>& experts) override;
+  std::vector<const ExpertWeights*> prepare_async(int layer, const std::vector<int>& experts) override;
+  void await(size_t i) override;
+  bool ready(size_t i) override;
+  size_t max_experts_per_prepare() const override { return size_t(pool_.max_per_prepare()); }
+  // Device bytes of the slot pool.
+  size_t resident_bytes() const override { return arena_bytes_; }
+  ExpertStoreStats stats() const override;
+  void reset_stats() override;
+
+  int64_t slots() const { return pool_.size(); }
+  int layer_floor() const { return pool_.floor(); }
+  uint64_t slot_bytes() const { return dev_layout_.slot_bytes(); }        // one device slot
+  uint64_t host_slot_bytes() const { return layout_.slot_bytes(); }      // one expert in pinned memory
+  bool host_copy() const { return staging_.empty(); }
+  int64_t staging_buffers() const { return int64_t(staging_.size()); }
+  uint64_t pinned_bytes() const { return pinned_bytes_; }
+  const ExpertLayout& layout() const { return layout_; }
+  int64_t slot_of(int layer, int expert) const { return pool_.find(layer, expert); }
+  // Pinned host-to-device bandwidth in GB/s, measured now by the link.
+  double measure_link_gbs(size_t bytes = size_t(1) << 30) { return link_.measure_gbs(bytes); }
+
+ private:
+  struct Staging {
+    int64_t slot = -1;               // device slot being filled, or -1
+    bool reading = false, read_done = false;
+    std::string error;
+    TransferLink::Ticket ticket = 0; // copy out of this buffer (reuse after it lands)
+  };
+  void fill_host_copy(const Checkpoint& ck);
+  int64_t claim(int layer, int expert);
+  void start_miss(int64_t slot, int layer, int expert);
+  // Queues the copies of one expert's tensors from its host image to its device slot.
+  TransferLink::Ticket copy_expert(int64_t slot, const char* src);
+  int64_t take_staging();
+  // Issues the copies of staging reads that have finished (forward thread).
+  void pump();
+  void wait_for_a_read();
+  char* host_image(int layer, int expert) const;
+
+  ExpertStoreOptions opts_;
+  std::shared_ptr<TransferLink> link_holder_;
+  TransferLink& link_;
+  ExpertLayout layout_;      // host side: the checkpoint's extents (or packed, in memory)
+  ExpertLayout dev_layout_;  // device slots: packed
+  SlotPool pool_;
+  std::vector<int> moe_index_;          // [layer] -> index among MoE layers, or -1
+  std::shared_ptr<char> arena_;         // device slots
+  size_t arena_bytes_ = 0;
+  std::shared_ptr<char> pinned_;        // host copy, or the staging buffers
+  uint64_t pinned_bytes_ = 0;
+  std::vector<ExpertWeights> weights_;  // [slot] device views
+  std::vector<TransferLink::Ticket> ticket_;  // [slot] the copy that filled it
+  std::vector<int64_t> staging_of_;     // [slot] staging buffer being read for it, or -1
+  std::vector<std::string> errors_;     // [slot] read error
+  std::vector<Staging> staging_;
+  std::vector<int64_t> current_;        // slots of the last prepare, in its order
+  mutable std::mutex mu_;               // staging_[*].read_done / error, disk_*
+  std::condition_variable cv_;
+  ExpertStoreStats stats_;              // forward thread only
+  uint64_t disk_bytes_ = 0;             // staging reads: bytes moved, seconds in read calls
+  double disk_seconds_ = 0;
+  double link_stall_base_ = 0;
+  std::unique_ptr<ExpertReader> reader_;  // staging only; destroyed first (see the destructor)
+};
+
+}  // namespace vireo

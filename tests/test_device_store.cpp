@@ -1,0 +1,442 @@
+// Experts streamed to device slots (DeviceExpertStore) under a GPU budget.
+//
+// Without a GPU the store runs over the host TransferLink (make_host_transfer_link): "device"
+// memory is host memory and every copy is deferred until its ticket is waited for, so a missing
+// wait leaves the previous expert's bytes in the slot and the outputs change. That checks the
+// store's policy, counters and ordering on the CPU backend: equality with resident execution at
+// 1-2 slots per layer, from a pinned host copy and from a staging ring. The GPU column of the
+// memory plan is arithmetic and is checked here too. The CUDA suites (gated by REQUIRE_CUDA) run
+// the same equality on the CUDA backend against resident CUDA runs, and check the plan against
+// the device memory really allocated.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <regex>
+
+#include "backend/backend.h"
+#include "backend/cuda/cuda_backend.h"
+#include "backend/transfer_link.h"
+#include "cuda_test_util.h"
+#include "experts/device_store.h"
+#include "experts/memory_plan.h"
+#include "io/json_file.h"
+#include "model/glm_dsa/model.h"
+#include "runtime/generate.h"
+#include "test_helpers.h"
+
+using namespace vireo;
+
+namespace {
+
+const std::string kFixtures = VIREO_FIXTURES_DIR;
+
+struct Mode {
+  int per_layer;    // device slots per MoE layer
+  int64_t staging;  // 0: pinned host copy; N: staging ring of N buffers
+};
+std::string mode_name(const Mode& m) {
+  return std::to_string(m.per_layer) + " slots per layer, " +
+         (m.staging ? "staging ring of " + std::to_string(m.staging) : std::string("host copy"));
+}
+const Mode kModes[] = {{1, 0}, {2, 0}, {1, 1}, {2, 3}};
+
+std::unique_ptr<Checkpoint> in_memory_copy(const Checkpoint& ck) {
+  auto m = Checkpoint::in_memory("copy of " + ck.dir());
+  for (const auto& [name, t] : ck.tensors()) std::memcpy(m->add_tensor(name, t->dtype, t->shape), t->data, t->nbytes);
+  return m;
+}
+
+std::unique_ptr<GlmDsaModel> load_device(const std::string& dir, Backend& be, std::shared_ptr<TransferLink> link,
+                                         const Mode& mode, bool in_memory = false) {
+  GlmDsaConfig c = load_glm_dsa_config(dir);
+  auto ck = Checkpoint::open(dir);
+  if (in_memory) ck = in_memory_copy(*ck);
+  ExpertStoreOptions o;
+  o.slots = int64_t(mode.per_layer) * int64_t(expert_store_params(c).moe_layers.size());
+  o.staging = mode.staging;
+  o.read_chunk = 4096;  // several reads per expert
+  auto store = std::make_unique<DeviceExpertStore>(*ck, expert_store_params(c), o, std::move(link));
+  return GlmDsaModel::create(std::move(c), std::move(ck), be, std::move(store));
+}
+
+std::vector<float> prefill_logits(GlmDsaModel& m, Backend& be, const std::vector<int32_t>& ids) {
+  const int64_t T = int64_t(ids.size()), V = m.config().vocab_size;
+  MlaCache cache(be, m.cache_shape(), 1, T);
+  std::vector<float> out(size_t(T * V));
+  m.forward(ids.data(), T, cache, 0, out.data(), true, AttentionPath::Reconstructed);
+  return out;
+}
+
+std::vector<int32_t> greedy(GlmDsaModel& m, Backend& be, const std::vector<int32_t>& prompt, int64_t n) {
+  MlaCache cache(be, m.cache_shape(), 1, int64_t(prompt.size()) + n);
+  GenerateOptions opt;
+  opt.max_new_tokens = n;
+  opt.stop_at_eos = false;
+  return generate(m, cache, 0, prompt, opt).tokens;
+}
+
+uint64_t payload_bytes(const Checkpoint& ck, int layer, int expert) {
+  uint64_t n = 0;
+  const std::string x = "model.layers." + std::to_string(layer) + ".mlp.experts." + std::to_string(expert) + ".";
+  for (const char* t : {"gate_proj", "up_proj", "down_proj"})
+    for (const char* s : {".weight", ".weight_scale_inv"})
+      if (const TensorInfo* i = ck.find(x + t + s)) n += i->nbytes;
+  return n;
+}
+
+bool same_bytes(const ExpertWeights& a, const ExpertWeights& b) {
+  for (auto [x, y] : {std::pair{&a.gate, &b.gate}, {&a.up, &b.up}, {&a.down, &b.down}}) {
+    if (x->w.nbytes() != y->w.nbytes() || std::memcmp(x->w.data, y->w.data, x->w.nbytes()) != 0) return false;
+    if (x->scale_inv.nbytes() != y->scale_inv.nbytes() ||
+        (x->scale_inv.nbytes() && std::memcmp(x->scale_inv.data, y->scale_inv.data, x->scale_inv.nbytes()) != 0))
+      return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+TEST(DeviceStore, CountersAreExact) {
+  const std::string dir = kFixtures + "/glm_dsa_full_f32";
+  GlmDsaConfig c = load_glm_dsa_config(dir);
+  auto ck = Checkpoint::open(dir);
+  ExpertStoreParams p = expert_store_params(c);  // MoE layers 1, 2, 3; 8 experts, top 2
+  for (int64_t staging : {int64_t(0), int64_t(2)}) {
+    SCOPED_TRACE(staging ? "staging ring" : "host copy");
+    ExpertStoreOptions o;
+    o.slots = 4;
+    o.layer_floor = 1;
+    o.staging = staging;
+    DeviceExpertStore s(*ck, p, o, make_host_transfer_link());
+    EXPECT_EQ(s.max_experts_per_prepare(), 2u);
+    EXPECT_EQ(s.resident_bytes(), 4 * s.slot_bytes());
+    EXPECT_EQ(s.pinned_bytes(), (staging ? uint64_t(staging) : 3 * 8) * s.host_slot_bytes());
+    EXPECT_EQ(s.slot_bytes() % 256, 0u);
+    const uint64_t e = payload_bytes(*ck, 1, 0), moved = e;  // one copy per tensor
+    ASSERT_GT(e, 0u);
+    struct Step { int layer; std::vector<int> experts; int misses; };
+    const std::vector<Step> script = {
+        {1, {0, 1}, 2},  // cold
+        {1, {0, 1}, 0},  // both resident
+        {2, {3, 4}, 2},  // pool now full: 1:{0,1} 2:{3,4}
+        {3, {5}, 1},     // evicts the LRU slot not protected by a floor: (1,0)
+        {1, {1}, 0},
+        {1, {0}, 1},     // was evicted
+    };
+    uint64_t misses = 0, requests = 0;
+    for (size_t i = 0; i < script.size(); ++i) {
+      s.prepare(script[i].layer, script[i].experts);
+      misses += uint64_t(script[i].misses);
+      requests += script[i].experts.size();
+      const ExpertStoreStats st = s.stats();
+      EXPECT_EQ(st.misses, misses) << "step " << i;
+      EXPECT_EQ(st.requests, requests) << "step " << i;
+      EXPECT_EQ(st.hits, requests - misses) << "step " << i;
+      EXPECT_EQ(st.bytes_read, misses * e) << "step " << i;
+      EXPECT_EQ(st.bytes_to_device, misses * moved) << "step " << i;
+      if (staging) {
+        EXPECT_GE(st.bytes_transferred, st.bytes_read) << "step " << i;
+      } else {
+        EXPECT_EQ(st.bytes_transferred, 0u) << "step " << i;  // no disk reads after startup
+      }
+    }
+    EXPECT_EQ(s.slot_of(2, 3), -1);
+    EXPECT_GE(s.slot_of(2, 4), 0);
+    EXPECT_GE(s.slot_of(3, 5), 0);
+    s.reset_stats();
+    EXPECT_EQ(s.stats().requests, 0u);
+    EXPECT_THROW(s.prepare(1, {0, 1, 2}), Error);
+  }
+}
+
+TEST(DeviceStore, SlotsHoldTheCheckpointBytesOnlyAfterAwait) {
+  // The host link performs a copy only when it is waited for: before await(i) the slot still
+  // holds what was there (the test would catch a forward pass that skipped the wait).
+  const std::string dir = kFixtures + "/glm_dsa_fp8";
+  GlmDsaConfig c = load_glm_dsa_config(dir);
+  auto ck = Checkpoint::open(dir);
+  ResidentExpertStore r(*ck, expert_store_params(c));
+  for (int64_t staging : {int64_t(0), int64_t(1)}) {
+    SCOPED_TRACE(staging ? "staging ring" : "host copy");
+    ExpertStoreOptions o;
+    o.slots = 2 * int64_t(expert_store_params(c).moe_layers.size());
+    o.staging = staging;
+    o.read_chunk = 4096;
+    DeviceExpertStore s(*ck, expert_store_params(c), o, make_host_transfer_link());
+    bool saw_stale = false;
+    for (int l : expert_store_params(c).moe_layers)
+      for (int e = 0; e < c.n_routed_experts; ++e) {
+        const ExpertWeights* a = s.prepare_async(l, {e})[0];
+        const ExpertWeights* b = r.prepare(l, {e})[0];
+        if (!s.ready(0)) saw_stale |= !same_bytes(*a, *b);
+        s.await(0);
+        EXPECT_TRUE(same_bytes(*a, *b)) << "layer " << l << " expert " << e;
+        EXPECT_TRUE(s.ready(0));
+      }
+    EXPECT_TRUE(saw_stale);
+  }
+}
+
+class DeviceStoreFixture : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(DeviceStoreFixture, EqualsResidentTokenForToken) {
+  const std::string dir = kFixtures + "/" + GetParam();
+  if (!std::filesystem::exists(dir)) GTEST_SKIP() << "fixture " << GetParam() << " not present";
+  Json expected = read_json_file(dir + "/expected.json");
+  auto ids = expected["tokens"].get<std::vector<int32_t>>();
+  auto prompt = expected["greedy_prompt"].get<std::vector<int32_t>>();
+  auto be = make_cpu_backend();
+  auto resident = GlmDsaModel::load(dir, *be);
+  const auto want_logits = prefill_logits(*resident, *be, ids);
+  const auto want_tokens = greedy(*resident, *be, prompt, 24);
+  for (const Mode& mode : kModes) {
+    SCOPED_TRACE(mode_name(mode));
+    auto m = load_device(dir, *be, make_host_transfer_link(), mode);
+    EXPECT_EQ(prefill_logits(*m, *be, ids), want_logits);  // bit for bit: same sums, same order
+    EXPECT_EQ(greedy(*m, *be, prompt, 24), want_tokens);
+    const ExpertStoreStats st = m->experts().stats();
+    EXPECT_GT(st.misses, 0u);
+    EXPECT_GT(st.bytes_to_device, 0u);
+  }
+  // An in-memory checkpoint (as `vireo bench --synthetic`): packed slots, copied not read.
+  auto m = load_device(dir, *be, make_host_transfer_link(), {1, 0}, true);
+  EXPECT_EQ(prefill_logits(*m, *be, ids), want_logits);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, DeviceStoreFixture,
+                         ::testing::Values("glm_dsa_full_f32", "glm_dsa_shared_f32", "glm_dsa_bf16", "glm_dsa_fp8",
+                                           "dsv32_f32"));
+
+// --- the memory plan's GPU column --------------------------------------------------------------
+
+namespace {
+
+MemoryPlanInputs gpu_inputs() {
+  MemoryPlanInputs in;
+  in.dense_bytes = uint64_t(2) << 30;
+  in.expert_bytes = uint64_t(37) << 20;
+  in.slot_bytes = uint64_t(38) << 20;
+  in.n_moe_layers = 4;
+  in.n_experts = 64;
+  in.top_k = 8;
+  in.cache_bytes = uint64_t(100) << 20;
+  in.scratch_bytes = uint64_t(50) << 20;
+  in.context = 4096;
+  in.gpu_budget = uint64_t(8) << 30;
+  return in;
+}
+
+}  // namespace
+
+TEST(MemoryPlan, GpuColumnArithmetic) {
+  MemoryPlanInputs in = gpu_inputs();
+  MemoryPlan p = make_memory_plan(in);
+  ASSERT_TRUE(p.gpu);
+  const uint64_t reserve = (uint64_t(640) << 20) + in.gpu_budget / 50;
+  EXPECT_EQ(p.g.reserve, reserve);
+  const uint64_t fixed = in.dense_bytes + in.cache_bytes + in.scratch_bytes + reserve;
+  EXPECT_EQ(p.g.slots, int64_t((in.gpu_budget - fixed) / in.slot_bytes));
+  EXPECT_EQ(p.g.pool_bytes, uint64_t(p.g.slots) * in.slot_bytes);
+  in.device_slot_bytes = in.slot_bytes - (uint64_t(1) << 20);  // device slots sized apart
+  EXPECT_EQ(make_memory_plan(in).g.slots, int64_t((in.gpu_budget - fixed) / in.device_slot_bytes));
+  EXPECT_EQ(make_memory_plan(in).g.pinned_bytes, 256 * in.slot_bytes);
+  in.device_slot_bytes = 0;
+  EXPECT_EQ(p.g.total, fixed + p.g.pool_bytes);
+  EXPECT_LE(p.g.total, in.gpu_budget);
+  EXPECT_TRUE(p.g.fits);
+  // No RAM budget, nothing known about RAM: a pinned copy of every expert.
+  EXPECT_TRUE(p.g.host_copy);
+  EXPECT_EQ(p.g.pinned_bytes, 256 * in.slot_bytes);
+  // The minimum runs exactly top_k slots.
+  in.gpu_budget = p.g.minimum;
+  MemoryPlan q = make_memory_plan(in);
+  EXPECT_TRUE(q.g.fits);
+  EXPECT_GE(q.g.slots, 8);
+  in.gpu_budget = p.g.minimum - (uint64_t(40) << 20);
+  EXPECT_FALSE(make_memory_plan(in).g.fits);
+  // Never more slots than experts.
+  in.gpu_budget = uint64_t(64) << 30;
+  EXPECT_EQ(make_memory_plan(in).g.slots, 256);
+}
+
+TEST(MemoryPlan, GpuHostSideIsACopyOrAStagingRing) {
+  MemoryPlanInputs in = gpu_inputs();
+  const uint64_t all = 256 * in.slot_bytes;  // 9.5 GiB
+  in.host_available = uint64_t(64) << 30;
+  EXPECT_TRUE(make_memory_plan(in).g.host_copy);
+  in.host_available = uint64_t(8) << 30;  // less than the experts: stream from disk
+  MemoryPlan p = make_memory_plan(in);
+  EXPECT_FALSE(p.g.host_copy);
+  EXPECT_EQ(p.g.staging, 16);
+  EXPECT_EQ(p.g.pinned_bytes, 16 * in.slot_bytes);
+  // A RAM budget decides instead of what is available.
+  in.budget = in.dense_bytes + all + (uint64_t(1) << 30);
+  EXPECT_TRUE(make_memory_plan(in).g.host_copy);
+  in.budget = in.dense_bytes + (uint64_t(400) << 20);  // room for a few staging buffers only
+  p = make_memory_plan(in);
+  EXPECT_FALSE(p.g.host_copy);
+  EXPECT_GE(p.g.staging, 1);
+  EXPECT_LT(p.g.staging, 16);
+  EXPECT_LE(p.g.host_total, in.budget);
+  EXPECT_TRUE(p.g.fits);
+  in.budget = in.dense_bytes;  // not even one buffer
+  EXPECT_FALSE(make_memory_plan(in).g.fits);
+  // In-memory checkpoints cannot stream from disk: always a host copy.
+  in.in_memory = true;
+  EXPECT_TRUE(make_memory_plan(in).g.host_copy);
+  // The table has both columns.
+  const std::string t = make_memory_plan(gpu_inputs()).table();
+  EXPECT_NE(t.find("RAM          GPU"), std::string::npos) << t;
+  EXPECT_TRUE(std::regex_search(t, std::regex("expert pool +9\\.50 GiB +[0-9.]+ GiB  GPU: [0-9]+ slots"))) << t;
+  EXPECT_NE(t.find("minimum budget"), std::string::npos);
+}
+
+namespace {
+
+// A tiny GLM-5-structured checkpoint on disk (4 layers x 64 experts of 768 KiB).
+struct TinyCheckpoint {
+  test::TempDir dir{"device_ck"};
+  TinyCheckpoint() {
+    auto r = test::run_vireo("synth --out " + dir.str() + " --arch tiny --layers 4 --experts 64 --quiet");
+    if (r.exit_code != 0) ADD_FAILURE() << r.err;
+  }
+};
+TinyCheckpoint& tiny() {
+  static TinyCheckpoint ck;
+  return ck;
+}
+
+// "  expert pool   12.00 MiB   140.00 MiB  GPU: ..." -> (RAM bytes, GPU bytes); "-" is 0.
+[[maybe_unused]] std::pair<double, double> gpu_row(const std::string& table, const std::string& row) {
+  auto bytes = [](const std::string& v, const std::string& u) {
+    if (v == "-") return 0.0;
+    const double mult = u == "B" ? 1 : u == "KiB" ? 1024.0 : u == "MiB" ? 1048576.0 : 1073741824.0;
+    return std::stod(v) * mult;
+  };
+  std::smatch m;
+  std::regex re("  " + row + " +(-|[0-9.]+) ?(B|KiB|MiB|GiB)? +(-|[0-9.]+) ?(B|KiB|MiB|GiB)?");
+  if (!std::regex_search(table, m, re)) {
+    ADD_FAILURE() << "no row " << row << " in\n" << table;
+    return {0, 0};
+  }
+  return {bytes(m[1], m[2]), bytes(m[3], m[4])};
+}
+
+}  // namespace
+
+TEST(MemoryPlan, GpuPlanCommandAndRefusal) {
+  const std::string dir = tiny().dir.str();
+  auto r = test::run_vireo("plan --model " + dir + " --gpu-budget 1G --context 1024");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("memory plan: GPU budget 1.00 GiB"), std::string::npos) << r.out;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.out, m, std::regex("GPU: ([0-9]+) slots"))) << r.out;
+  EXPECT_EQ(std::stoll(m[1]), 256);  // 1 GiB holds every expert of this tiny model
+  // Below the minimum: the table, then one line naming the flag.
+  r = test::run_vireo("plan --model " + dir + " --gpu-budget 500M");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("minimum budget"), std::string::npos) << r.out;
+  std::regex err_line("^vireo: error: --gpu-budget 500.00 MiB is below the minimum of [0-9.]+ MiB for [^\n]*\n$");
+  EXPECT_TRUE(std::regex_search(r.err, err_line)) << r.err;
+  // A RAM budget too small for a staging buffer besides the resident weights.
+  r = test::run_vireo("plan --model " + dir + " --gpu-budget 1G --memory-budget 1M");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("vireo: error: --memory-budget 1.00 MiB leaves no room for a pinned staging buffer"),
+            std::string::npos) << r.err;
+  // The flag belongs to the CUDA device.
+  r = test::run_vireo("run -m " + dir + " --prompt-ids 1,2 -n 1 --gpu-budget 1G");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(r.err, "vireo: error: --gpu-budget needs --device cuda\n");
+  r = test::run_vireo("plan --model " + dir + " --gpu-budget 1x");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(r.err, "vireo: error: --gpu-budget: '1x' is not a size (expected bytes or a number with K, M, G or T, e.g. 8G)\n");
+}
+
+// --- on the GPU -------------------------------------------------------------------------------
+
+class CudaDeviceStoreFixture : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(CudaDeviceStoreFixture, EqualsResidentCudaTokenForToken) {
+  REQUIRE_CUDA();
+#ifdef VIREO_HAVE_CUDA
+  const std::string dir = kFixtures + "/" + GetParam();
+  Json expected = read_json_file(dir + "/expected.json");
+  auto ids = expected["tokens"].get<std::vector<int32_t>>();
+  auto prompt = expected["greedy_prompt"].get<std::vector<int32_t>>();
+  auto be = make_cuda_backend();
+  auto resident = GlmDsaModel::load(dir, *be);
+  const auto want_logits = prefill_logits(*resident, *be, ids);
+  const auto want_tokens = greedy(*resident, *be, prompt, 24);
+  for (const Mode& mode : kModes) {
+    SCOPED_TRACE(mode_name(mode));
+    auto m = load_device(dir, *be, make_cuda_transfer_link(*be), mode);
+    EXPECT_EQ(prefill_logits(*m, *be, ids), want_logits);  // bit for bit
+    EXPECT_EQ(greedy(*m, *be, prompt, 24), want_tokens);
+    const ExpertStoreStats st = m->experts().stats();
+    EXPECT_GT(st.misses, 0u);
+    EXPECT_GT(st.bytes_to_device, 0u);
+  }
+  auto m = load_device(dir, *be, make_cuda_transfer_link(*be), {1, 0}, true);
+  EXPECT_EQ(prefill_logits(*m, *be, ids), want_logits);
+#endif
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, CudaDeviceStoreFixture,
+                         ::testing::Values("glm_dsa_full_f32", "glm_dsa_shared_f32", "glm_dsa_bf16", "glm_dsa_fp8",
+                                           "dsv32_f32"));
+
+TEST(CudaDeviceStore, PlanMatchesDeviceAllocationsWithin5Percent) {
+  REQUIRE_CUDA();
+#ifdef VIREO_HAVE_CUDA
+  const std::string dir = tiny().dir.str();
+  const int64_t context = 2048;
+  // A budget whose pool holds about half of the experts (the tiny model's spine is small).
+  auto r = test::run_vireo("plan --model " + dir + " --gpu-budget 768M --context " + std::to_string(context));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::printf("%s", r.out.c_str());
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.out, m, std::regex("GPU: ([0-9]+) slots"))) << r.out;
+  const int64_t slots = std::stoll(m[1]);
+  ASSERT_GT(slots, 8);
+  ASSERT_LT(slots, 256);
+  auto be = make_cuda_backend();
+  std::vector<int32_t> ids(128);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t(i * 7 % 200);
+  {  // warm-up, freed again: kernels loaded (lazily, into device memory) before the baseline
+    auto warm = GlmDsaModel::load(dir, *be);
+    MlaCache cache(*be, warm->cache_shape(), 1, int64_t(ids.size()) + 1);
+    std::vector<float> logits(size_t(warm->config().vocab_size));
+    warm->forward(ids.data(), int64_t(ids.size()), cache, 0, logits.data());
+    warm->forward(ids.data(), 1, cache, 0, logits.data());
+  }
+  cuda_synchronize(*be);
+  const uint64_t used0 = cuda_device_memory_used(), weights0 = cuda_weight_bytes(*be);
+  GlmDsaConfig c = load_glm_dsa_config(dir);
+  auto ck = Checkpoint::open(dir);
+  ExpertStoreOptions o;
+  o.slots = slots;
+  auto store = std::make_unique<DeviceExpertStore>(*ck, expert_store_params(c), o, make_cuda_transfer_link(*be));
+  const DeviceExpertStore* st = store.get();
+  auto model = GlmDsaModel::create(std::move(c), std::move(ck), *be, std::move(store));
+  MlaCache cache(*be, model->cache_shape(), 1, context);
+  std::vector<float> logits(size_t(model->config().vocab_size));
+  model->forward(ids.data(), int64_t(ids.size()), cache, 0, logits.data());
+  cuda_synchronize(*be);
+  const double used = double(cuda_device_memory_used() - used0);
+  auto near = [](double plan, double real) { return std::abs(plan - real) <= 0.05 * real; };
+  const double dense = gpu_row(r.out, "resident weights").second, pool = gpu_row(r.out, "expert pool").second;
+  const double mla = gpu_row(r.out, "MLA cache").second, scratch = gpu_row(r.out, "scratch").second;
+  const double weights = double(cuda_weight_bytes(*be) - weights0);
+  std::printf("plan: dense %.0f pool %.0f cache %.0f scratch %.0f (sum %.0f); real: weights %.0f pool %zu cache %zu, "
+              "device memory used %.0f\n",
+              dense, pool, mla, scratch, dense + pool + mla + scratch, weights, st->resident_bytes(),
+              cache.bytes_allocated(), used);
+  EXPECT_TRUE(near(dense, weights));
+  EXPECT_TRUE(near(pool, double(st->resident_bytes())));
+  EXPECT_TRUE(near(mla, double(cache.bytes_allocated())));
+  // Everything the process added on the device (weights, pool, cache, scratch, per-op buffers,
+  // allocator rounding) against the plan's rows without the reserve.
+  EXPECT_TRUE(near(dense + pool + mla + scratch, used));
+#endif
+}
