@@ -62,33 +62,7 @@ __global__ void rms_norm_kernel(const float* x, int64_t xs, int64_t n, const flo
 }
 
 __global__ void layer_norm_kernel(const float* x, int64_t n, const float* w, const float* b, float eps, float* y) {
-  const float* xr = x + int64_t(blockIdx.x) * n;
-  float* yr = y + int64_t(blockIdx.x) * n;
-  __shared__ double red[256];
-  double s = 0;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) s += xr[i];
-  red[threadIdx.x] = s;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    double m = 0;
-    for (int i = 0; i < int(blockDim.x); ++i) m += red[i];
-    red[0] = m / double(n);
-  }
-  __syncthreads();
-  const double mean = red[0];
-  __syncthreads();
-  double v = 0;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) v += (xr[i] - mean) * (xr[i] - mean);
-  red[threadIdx.x] = v;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    double m = 0;
-    for (int i = 0; i < int(blockDim.x); ++i) m += red[i];
-    red[0] = m / double(n);
-  }
-  __syncthreads();
-  const float inv = float(1.0 / sqrt(red[0] + eps));
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) yr[i] = float(xr[i] - mean) * inv * w[i] + b[i];
+  layer_norm_row(x + int64_t(blockIdx.x) * n, n, w, b, eps, y + int64_t(blockIdx.x) * n);
 }
 
 // One block per (token, head): every thread reads its pair, then all write (in place).

@@ -164,31 +164,7 @@ __global__ void __launch_bounds__(256) index_key_append_kernel(const float* __re
   const int64_t t = blockIdx.x, half = rope / 2;
   const float* xr = k + t * d;
   float* yr = keys + ((pos0_dev ? int64_t(*pos0_dev) : pos0) + t) * d;
-  __shared__ double red[256];
-  double s = 0;
-  for (int64_t i = threadIdx.x; i < d; i += blockDim.x) s += xr[i];
-  red[threadIdx.x] = s;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    double m = 0;
-    for (int i = 0; i < int(blockDim.x); ++i) m += red[i];
-    red[0] = m / double(d);
-  }
-  __syncthreads();
-  const double mean = red[0];
-  __syncthreads();
-  double v = 0;
-  for (int64_t i = threadIdx.x; i < d; i += blockDim.x) v += (xr[i] - mean) * (xr[i] - mean);
-  red[threadIdx.x] = v;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    double m = 0;
-    for (int i = 0; i < int(blockDim.x); ++i) m += red[i];
-    red[0] = m / double(d);
-  }
-  __syncthreads();
-  const float inv = float(1.0 / sqrt(red[0] + eps));
-  for (int64_t i = threadIdx.x; i < d; i += blockDim.x) yr[i] = float(xr[i] - mean) * inv * w[i] + b[i];
+  layer_norm_row(xr, d, w, b, eps, yr);
   __syncthreads();
   const float* c = cs + t * rope;
   float x0 = 0, x1 = 0;

@@ -82,6 +82,35 @@ __device__ __forceinline__ float block_sum(float v) {
   return total;
 }
 
+// The mean of per-thread partial sums in f64, added in thread order (blockDim <= 256, every
+// thread gets it): the layer norm's reductions, deterministic for a given block size.
+__device__ __forceinline__ double block_mean_f64(double v, int64_t n) {
+  __shared__ double red[256];
+  red[threadIdx.x] = v;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double m = 0;
+    for (int i = 0; i < int(blockDim.x); ++i) m += red[i];
+    red[0] = m / double(n);
+  }
+  __syncthreads();
+  const double r = red[0];
+  __syncthreads();  // `red` may be written again by the next call
+  return r;
+}
+
+// y = (x - mean) / sqrt(var + eps) * w + b over one row, by the whole block (blockDim <= 256).
+__device__ __forceinline__ void layer_norm_row(const float* __restrict__ xr, int64_t n, const float* __restrict__ w,
+                                               const float* __restrict__ b, float eps, float* __restrict__ yr) {
+  double s = 0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) s += xr[i];
+  const double mean = block_mean_f64(s, n);
+  double v = 0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) v += (xr[i] - mean) * (xr[i] - mean);
+  const float inv = float(1.0 / sqrt(block_mean_f64(v, n) + eps));
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) yr[i] = float(xr[i] - mean) * inv * w[i] + b[i];
+}
+
 // A 16-byte weight load that does not displace activations in L1 (each weight byte is read once).
 __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
   uint4 r;
