@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(256) absorb_q_vec_kernel(const float* __restri
       float wf[N];
       unpack16<DT>(v, wf);
       float qi = qp[i];
-      if constexpr (DT == W_FP8) qi *= kvb.s[(row >> 7) * kvb.s_cols + (c0 >> 7)] * 256.0f;
+      if constexpr (DT == W_FP8) qi *= kvb.s[(row >> 7) * kvb.s_cols + (c0 >> 7)];
 #pragma unroll
       for (int j = 0; j < N; ++j) acc[j] += qi * wf[j];
     }
@@ -671,7 +671,8 @@ __device__ __forceinline__ uint64_t select_key(float s, int64_t u) {
 __global__ void __launch_bounds__(512) indexer_topk_kernel(const float* __restrict__ scores, int64_t n_keys,
                                                            int64_t pos0, const int32_t* __restrict__ pos0_dev,
                                                            int64_t topk, int32_t* __restrict__ selected,
-                                                           int32_t* __restrict__ counts) {
+                                                           int32_t* __restrict__ counts, int64_t cache_cap) {
+  extern __shared__ uint64_t key_cache[];  // [cache_cap]: the row's keys, when they fit
   if (pos0_dev) pos0 = *pos0_dev;
   const int64_t t = blockIdx.x, n = pos0 + t + 1;
   int32_t* sel = selected + t * topk;
@@ -681,6 +682,12 @@ __global__ void __launch_bounds__(512) indexer_topk_kernel(const float* __restri
     return;
   }
   const float* sr = scores + t * n_keys;
+  // The 8 passes below read every key: from shared memory when the row fits.
+  const bool cached = n <= cache_cap;
+  if (cached)
+    for (int64_t u = threadIdx.x; u < n; u += blockDim.x) key_cache[u] = select_key(sr[u], u);
+  __syncthreads();
+  auto key_at = [&](int64_t u) { return cached ? key_cache[u] : select_key(sr[u], u); };
   __shared__ unsigned hist[256];
   __shared__ int s_bin;
   __shared__ long long s_rem;
@@ -696,7 +703,7 @@ __global__ void __launch_bounds__(512) indexer_topk_kernel(const float* __restri
       const int64_t u = c0 + threadIdx.x;
       int bin = -1;
       if (u < n) {
-        const uint64_t key = select_key(sr[u], u);
+        const uint64_t key = key_at(u);
         if ((key & pmask) == prefix) bin = int((key >> shift) & 255u);
       }
       const unsigned same = __match_any_sync(0xffffffffu, bin);
@@ -746,7 +753,7 @@ __global__ void __launch_bounds__(512) indexer_topk_kernel(const float* __restri
   __syncthreads();
   for (int64_t c0 = 0; c0 < n; c0 += blockDim.x) {
     const int64_t u = c0 + threadIdx.x;
-    const bool f = u < n && select_key(sr[u], u) >= prefix;
+    const bool f = u < n && key_at(u) >= prefix;
     const unsigned ballot = __ballot_sync(0xffffffffu, f);
     if (lane == 0) warp_counts[warp] = __popc(ballot);
     __syncthreads();
@@ -970,7 +977,16 @@ void indexer_scores(const float* q, const float* wts, const float* keys, int64_t
 
 void indexer_topk(const float* scores, int64_t T, int64_t n_keys, int64_t pos0, const int32_t* pos0_dev, int64_t topk,
                   int32_t* selected, int32_t* counts, cudaStream_t st) {
-  indexer_topk_kernel<<<unsigned(T), 512, 0, st>>>(scores, n_keys, pos0, pos0_dev, topk, selected, counts);
+  constexpr int64_t kMaxCached = 12288;  // keys (96 KiB of shared memory)
+  static bool configured = false;
+  if (!configured) {
+    VIREO_CUDA_CHECK(cudaFuncSetAttribute(indexer_topk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          int(kMaxCached * 8)));
+    configured = true;
+  }
+  const int64_t cap = std::min(n_keys, kMaxCached);
+  indexer_topk_kernel<<<unsigned(T), 512, size_t(cap) * 8, st>>>(scores, n_keys, pos0, pos0_dev, topk, selected,
+                                                                 counts, cap);
   VIREO_CUDA_LAUNCHED();
 }
 

@@ -2,6 +2,7 @@
 // Device-side helpers shared by the CUDA backend's kernels: stored-dtype weight access, reductions.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -25,14 +26,6 @@ template <int DT> __host__ __device__ constexpr int elem_bytes() { return DT == 
 __device__ __forceinline__ float fp8_to_f32(uint32_t b) {
   const unsigned short h = (unsigned short)(((b & 0x7Fu) << 7) | ((b & 0x80u) << 8));
   return __half2float(__ushort_as_half(h)) * 256.0f;
-}
-// Two e4m3 bytes sitting in bits 0-7 and 16-23 -> the two values times 2^-8 (see fp8_to_f32).
-__device__ __forceinline__ float2 fp8x2_scaled_down(uint32_t x) {
-  const uint32_t h2 = ((x & 0x007F007Fu) << 7) | ((x & 0x00800080u) << 8);
-  __half2 hv;
-  static_assert(sizeof(hv) == 4);
-  memcpy(&hv, &h2, 4);
-  return __half22float2(hv);
 }
 
 template <int DT>
@@ -124,7 +117,14 @@ __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
 
 template <int DT> struct GemvVec { static constexpr int n = 16 / elem_bytes<DT>(); };
 
-// The N weights of one 16-byte load, as f32 (FP8: times 2^-8, the block scale restores it).
+// Two e4m3 bytes (bits 0-15) -> their values, exactly, by the hardware's e4m3x2 -> f16x2
+// conversion (one instruction; sm_89+).
+__device__ __forceinline__ float2 fp8x2_to_float2(uint32_t x) {
+  const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(x & 0xffffu), __NV_E4M3);
+  return __half22float2(__half2(r));
+}
+
+// The N weights of one 16-byte load, as f32 (FP8: the e4m3 values; the block scale comes after).
 template <int DT>
 __device__ __forceinline__ void unpack16(const uint4& v, float* wf) {
   const uint32_t u[4] = {v.x, v.y, v.z, v.w};
@@ -149,8 +149,8 @@ __device__ __forceinline__ void unpack16(const uint4& v, float* wf) {
   } else {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const float2 a = fp8x2_scaled_down(__byte_perm(u[i], 0, 0x4140));  // bytes 0, 1
-      const float2 b = fp8x2_scaled_down(__byte_perm(u[i], 0, 0x4342));  // bytes 2, 3
+      const float2 a = fp8x2_to_float2(u[i]);        // bytes 0, 1
+      const float2 b = fp8x2_to_float2(u[i] >> 16);  // bytes 2, 3
       wf[4 * i] = a.x;
       wf[4 * i + 1] = a.y;
       wf[4 * i + 2] = b.x;
@@ -166,7 +166,7 @@ __device__ __forceinline__ void gemv_consume(const uint4& v, const float* __rest
   float wf[N];
   unpack16<DT>(v, wf);
   float scale = 1.0f;
-  if constexpr (DT == W_FP8) scale = srow[k >> 7] * 256.0f;
+  if constexpr (DT == W_FP8) scale = srow[k >> 7];
 #pragma unroll
   for (int t = 0; t < TT; ++t) {
     const float4* xp = reinterpret_cast<const float4*>(x + t * in + k);
