@@ -418,7 +418,9 @@ class CudaBackend final : public Backend {
                  " " + path + (T <= 8 ? " T=" + std::to_string(T) : std::string());
         },
         2.0 * double(T) * double(w.out) * double(w.in));
-    if (T <= 8) {
+    if (T == 1 && w.out >= 4096 && gemv_rows2(x, w, y, stream_)) {
+      // done: two rows per warp
+    } else if (T <= 8) {
       matmul_small(x, T, w, y, stream_, sms_);
     } else if (!(tc && (w.dt == W_BF16 ? lt_bf16(x, T, w, y) : lt_fp8(x, T, w, y)))) {
       matmul_simt(x, T, w, y, stream_);

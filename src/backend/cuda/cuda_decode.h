@@ -41,6 +41,11 @@ struct ManyW {
 };
 void gemv_many(const float* x, const ManyW& m, cudaStream_t st);
 
+// y = W x for one token, a warp per two rows (x read once for both): large matrices, where the
+// x reads from L1 rather than the weight bytes limit the one-row-per-warp GEMV. False when the
+// shape or alignment does not allow it (nothing launched).
+bool gemv_rows2(const float* x, const DevW& w, float* y, cudaStream_t st);
+
 void argmax_rows(const float* x, int64_t rows, int64_t n, int32_t* out, cudaStream_t st);
 
 }  // namespace vireo::cuda
