@@ -145,14 +145,49 @@ __global__ void __launch_bounds__(256) moe_down_kernel(const float* __restrict__
   if (lane == 0) out[t * D + row] = acc;
 }
 
+// As moe_down_kernel, a warp per two output rows (2i, 2i + 1): each slot's h read once for both.
+template <int DT>
+__global__ void __launch_bounds__(256) moe_down2_kernel(const float* __restrict__ h, int64_t D, int64_t I, int K,
+                                                        int S, int n_routed, const int32_t* __restrict__ ids,
+                                                        const float* __restrict__ wts,
+                                                        const DevExpert* __restrict__ bank, float* __restrict__ out) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t row = (int64_t(blockIdx.x) * 8 + warp) * 2, t = blockIdx.y;
+  if (row >= D) return;
+  float acc0 = 0.0f, acc1 = 0.0f;
+  for (int k = 0; k < K + S; ++k) {
+    const int64_t s = t * (K + S) + k;
+    const DevW& w = bank[slot_expert(ids, t, k, K, n_routed)].down;
+    DevW next = w;
+    next.w = static_cast<const char*>(w.w) + size_t(w.in) * elem_bytes<DT>();
+    const float2 v = lane_dot2<DT, true>(w, next, row, h + s * I, lane);
+    const float y0 = warp_sum(v.x), y1 = warp_sum(v.y);
+    if (k < K) {
+      acc0 = __fadd_rn(acc0, __fmul_rn(wts[t * K + k], y0));
+      acc1 = __fadd_rn(acc1, __fmul_rn(wts[t * K + k], y1));
+    } else {
+      acc0 = __fadd_rn(acc0, y0);
+      acc1 = __fadd_rn(acc1, y1);
+    }
+  }
+  if (lane == 0) {
+    out[t * D + row] = acc0;
+    out[t * D + row + 1] = acc1;
+  }
+}
+
 template <int DT, bool VEC>
 void launch_moe(const float* x, int64_t N, int64_t D, int64_t I, int K, int S, int n_routed, const int32_t* ids,
                 const float* wts, const DevExpert* bank, float* h, float* out, cudaStream_t st) {
   moe_gate_up_kernel<DT, VEC><<<dim3(unsigned((I + 7) / 8), unsigned(N * (K + S))), 256, 0, st>>>(
       x, D, I, K, S, n_routed, ids, bank, h);
   VIREO_CUDA_LAUNCHED();
-  moe_down_kernel<DT, VEC><<<dim3(unsigned((D + 7) / 8), unsigned(N)), 256, 0, st>>>(h, D, I, K, S, n_routed, ids,
-                                                                                      wts, bank, out);
+  if (VEC && D % 2 == 0)
+    moe_down2_kernel<DT><<<dim3(unsigned((D / 2 + 7) / 8), unsigned(N)), 256, 0, st>>>(h, D, I, K, S, n_routed, ids,
+                                                                                       wts, bank, out);
+  else
+    moe_down_kernel<DT, VEC><<<dim3(unsigned((D + 7) / 8), unsigned(N)), 256, 0, st>>>(h, D, I, K, S, n_routed, ids,
+                                                                                        wts, bank, out);
   VIREO_CUDA_LAUNCHED();
 }
 
