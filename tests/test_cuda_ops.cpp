@@ -658,3 +658,38 @@ TEST(CudaOps, DecodeStepOpsMatchCpu) {
     EXPECT_LT(nmse(p.g.down(g.out, want.size()), want), 1e-10) << "n " << n;
   }
 }
+
+// Several products of one input in one launch (a decode step's q_a, kv_a, indexer keys and
+// weights): even row counts (two rows per warp), odd ones (one), mixed dtypes and T > 1 (one
+// matmul each): every way equals the CPU's separate products.
+TEST(CudaOps, MatmulManyMatchesCpu) {
+  REQUIRE_CUDA();
+  Pair p;
+  struct Case { std::vector<int64_t> outs; std::vector<DType> dts; int64_t T; };
+  const int64_t in = 512;
+  for (const Case& c : {Case{{2048, 576, 128, 32}, {DType::BF16, DType::BF16, DType::BF16, DType::BF16}, 1},
+                        Case{{256, 130, 2}, {DType::F8_E4M3, DType::F8_E4M3, DType::F8_E4M3}, 1},
+                        Case{{300, 77}, {DType::F32, DType::F32}, 1},
+                        Case{{256, 32}, {DType::F8_E4M3, DType::BF16}, 1},
+                        Case{{64, 32}, {DType::BF16, DType::BF16}, 3}}) {
+    std::vector<HostWeight> hw;
+    for (size_t i = 0; i < c.outs.size(); ++i) hw.push_back(make_weight(c.dts[i], c.outs[i], in, uint32_t(90 + i)));
+    auto x = randv(size_t(c.T * in), 91);
+    float* gx = p.g.up(x);
+    std::vector<Weight> gw;
+    std::vector<float*> gy;
+    for (size_t i = 0; i < hw.size(); ++i) {
+      gw.push_back(p.gpu->upload_weight(hw[i].w));
+      gy.push_back(p.g.up(std::vector<float>(size_t(c.T * c.outs[i]), NAN)));
+    }
+    std::vector<const Weight*> ws;
+    for (const Weight& w : gw) ws.push_back(&w);
+    p.gpu->matmul_many(gx, c.T, ws.data(), gy.data(), int(ws.size()));
+    for (size_t i = 0; i < hw.size(); ++i) {
+      std::vector<float> want(size_t(c.T * c.outs[i]));
+      cpu_matmul(x.data(), c.T, hw[i].w, want.data(), ThreadPool::global());
+      EXPECT_LT(nmse(p.g.down(gy[i], want.size()), want), 1e-9) << "weight " << i << " of " << hw.size() << " rows "
+                                                                << c.outs[i] << " T " << c.T;
+    }
+  }
+}

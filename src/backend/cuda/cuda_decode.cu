@@ -215,16 +215,38 @@ __global__ void __launch_bounds__(256) gemv_rows2_kernel(const float* __restrict
   }
 }
 
-template <int DT>
+// A warp per output row, or (PAIRS: every weight has an even row count) per two rows of one
+// weight, x read once for both.
+template <int DT, bool PAIRS>
 __global__ void __launch_bounds__(256) gemv_many_kernel(const float* __restrict__ x, ManyW m) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t r = int64_t(blockIdx.x) * 8 + warp;
+  const int64_t r = (int64_t(blockIdx.x) * 8 + warp) * (PAIRS ? 2 : 1);
   if (r >= m.row0[m.n]) return;
   int i = 0;
   while (r >= m.row0[i + 1]) ++i;
   const int64_t row = r - m.row0[i];
-  const float v = warp_sum(lane_dot<DT, true>(m.w[i], row, x, lane));
-  if (lane == 0) m.y[i][row] = v;
+  if constexpr (PAIRS) {
+    DevW next = m.w[i];
+    next.w = static_cast<const char*>(next.w) + size_t(next.in) * elem_bytes<DT>();
+    const float2 v = lane_dot2<DT, true>(m.w[i], next, row, x, lane);
+    const float a = warp_sum(v.x), b = warp_sum(v.y);
+    if (lane == 0) {
+      m.y[i][row] = a;
+      m.y[i][row + 1] = b;
+    }
+  } else {
+    const float v = warp_sum(lane_dot<DT, true>(m.w[i], row, x, lane));
+    if (lane == 0) m.y[i][row] = v;
+  }
+}
+
+template <int DT>
+void launch_many(const float* x, const ManyW& m, cudaStream_t st) {
+  bool pairs = true;
+  for (int i = 0; i <= m.n; ++i) pairs = pairs && m.row0[i] % 2 == 0;
+  const unsigned blocks = unsigned((m.row0[m.n] / (pairs ? 2 : 1) + 7) / 8);
+  if (pairs) gemv_many_kernel<DT, true><<<blocks, 256, 0, st>>>(x, m);
+  else gemv_many_kernel<DT, false><<<blocks, 256, 0, st>>>(x, m);
 }
 
 // One block per row: h += x, then the same arithmetic as rms_norm_kernel on the new h.
@@ -382,12 +404,11 @@ bool gemv_rows2(const float* x, const DevW& w, float* y, cudaStream_t st) {
 }
 
 void gemv_many(const float* x, const ManyW& m, cudaStream_t st) {
-  const unsigned blocks = unsigned((m.row0[m.n] + 7) / 8);
   switch (m.w[0].dt) {
-    case W_F32: gemv_many_kernel<W_F32><<<blocks, 256, 0, st>>>(x, m); break;
-    case W_BF16: gemv_many_kernel<W_BF16><<<blocks, 256, 0, st>>>(x, m); break;
-    case W_F16: gemv_many_kernel<W_F16><<<blocks, 256, 0, st>>>(x, m); break;
-    default: gemv_many_kernel<W_FP8><<<blocks, 256, 0, st>>>(x, m); break;
+    case W_F32: launch_many<W_F32>(x, m, st); break;
+    case W_BF16: launch_many<W_BF16>(x, m, st); break;
+    case W_F16: launch_many<W_F16>(x, m, st); break;
+    default: launch_many<W_FP8>(x, m, st); break;
   }
   VIREO_CUDA_LAUNCHED();
 }
