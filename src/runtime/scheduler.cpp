@@ -125,8 +125,8 @@ void Scheduler::finish(Running& r, SchedEvent ev) {
 void Scheduler::emit_token(Running& r, const float* logits) {
   SchedEvent ev;
   ev.kind = SchedEvent::Kind::Token;
-  ev.token = r.sampler->sample(logits, vocab_);
-  if (r.req.logprobs || r.req.top_logprobs > 0) {
+  ev.token = logits ? r.sampler->sample(logits, vocab_) : r.greedy;
+  if (logits && (r.req.logprobs || r.req.top_logprobs > 0)) {
     // log-softmax of the raw logits: what the model assigns, independent of the sampling warpers.
     float mx = logits[0];
     for (int64_t i = 1; i < vocab_; ++i) mx = std::max(mx, logits[i]);
@@ -222,7 +222,8 @@ bool Scheduler::step() {
     it.row = r.row;
     it.tokens = &r.last;
     it.T = 1;
-    it.logits = logits_[size_t(r.row)].data();
+    if (r.needs_logits()) it.logits = logits_[size_t(r.row)].data();
+    else it.argmax = &r.greedy;
     items.push_back(it);
     owner.push_back(i);
   }
@@ -239,7 +240,8 @@ bool Scheduler::step() {
     it.row = r.row;
     it.tokens = r.req.prompt.data() + r.prefilled;
     it.T = T;
-    it.logits = logits_[size_t(r.row)].data();
+    if (r.needs_logits()) it.logits = logits_[size_t(r.row)].data();
+    else it.argmax = &r.greedy;
     items.push_back(it);
     owner.push_back(i);
   }

@@ -133,9 +133,14 @@ class Scheduler {
     int64_t generated = 0;   // tokens emitted
     int32_t last = -1;       // the last emitted token: the next decode input
     size_t reserved = 0;     // admission bytes
+    int32_t greedy = -1;     // this step's token chosen on the backend (greedy, no logprobs)
+    // Greedy requests that want no logprobs need no logits on the host: the backend picks the
+    // token (on a GPU: 4 bytes copied back instead of the vocabulary's logits).
+    bool needs_logits() const { return req.sampling.temperature != 0.0f || req.logprobs || req.top_logprobs > 0; }
   };
   void engine_loop();
   void finish(Running& r, SchedEvent ev);  // pushes ev, frees the row
+  // Emits the next token: sampled from `logits` (the row's last position), or r.greedy when null.
   void emit_token(Running& r, const float* logits);
 
   GlmDsaModel& model_;
