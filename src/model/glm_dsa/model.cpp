@@ -295,6 +295,9 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
   cos_sin_ = scratch(4, size_t(N * half * 2));
   backend_.copy_from_host(cos_sin_, cs_host.data(), cs_host.size());
   float* lg = scratch(3, size_t(n_out * V));
+  bool any_argmax = false;
+  for (const BatchItem& it : items) any_argmax = any_argmax || it.argmax;
+  int32_t* best = any_argmax ? scratch_i32(8, size_t(n_out)) : nullptr;  // before a recording is checked
   for (const Segment& s : segs) cache.set_length(s.row, s.pos0 + s.T);  // entries written layer by layer
 
   if (can_record_step(segs, N)) run_recorded(segs, N, cache, ids, lg);
@@ -305,9 +308,8 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
     const int64_t n = it.all_logits ? it.T : 1;
     if (it.logits) backend_.copy_to_host(it.logits, lg + r * V, size_t(n * V));
     if (it.argmax) {
-      int32_t* best = scratch_i32(8, size_t(n));
-      backend_.argmax_rows(lg + r * V, n, V, best);
-      backend_.copy_to_host_i32(it.argmax, best, size_t(n));
+      backend_.argmax_rows(lg + r * V, n, V, best + r);
+      backend_.copy_to_host_i32(it.argmax, best + r, size_t(n));
     }
     r += n;
   }
