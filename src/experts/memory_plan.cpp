@@ -100,9 +100,10 @@ MemoryPlan make_memory_plan(const MemoryPlanInputs& in) {
   p.reserve = reserve_for(in.budget);
   const uint64_t fixed = in.dense_bytes + in.cache_bytes + in.scratch_bytes + p.reserve;
   const uint64_t slot = std::max<uint64_t>(in.slot_bytes, 1);
-  p.minimum = fixed + uint64_t(std::max(in.top_k, 1)) * slot;
-  // The reserve grows with the budget: solve budget >= fixed(budget) + top_k slots.
-  p.minimum = uint64_t(double(p.minimum) / (1.0 - 1.0 / 50)) + 1;
+  // The reserve grows with the budget: solve B >= fixed_without_the_2% + B / 50 + top_k slots
+  // (fixed holds this budget's 2% already: take it out before solving, or it counts twice).
+  const uint64_t base = fixed - in.budget / 50 + uint64_t(std::max(in.top_k, 1)) * slot;
+  p.minimum = uint64_t(double(base) / (1.0 - 1.0 / 50)) + 1;
   if (p.streaming) {
     p.slots = in.budget > fixed ? int64_t((in.budget - fixed) / slot) : 0;
     p.slots = std::min<int64_t>(p.slots, p.total_experts());
