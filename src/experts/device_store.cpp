@@ -208,20 +208,15 @@ TransferLink::Ticket DeviceExpertStore::copy_expert(int64_t slot, const char* sr
 }
 
 int64_t DeviceExpertStore::claim(int layer, int expert) {
-  for (;;) {
-    bool evicted = false;
-    const int64_t slot = pool_.claim(layer, expert, &evicted);
-    if (slot >= 0) {
-      stats_.evictions += evicted;
-      return slot;
-    }
-    // Every slot is pinned or still being read from disk: let a read finish.
-    if (!pool_.any_busy())
-      fail("internal error: device expert pool of ", pool_.size(), " slots exhausted by one prepare of layer ", layer);
+  bool evicted = false;
+  // Every slot pinned or still being read from disk: let a read finish.
+  const int64_t slot = pool_.claim_waiting(layer, expert, &evicted, [&] {
     const auto t0 = Clock::now();
     wait_for_a_read();
     stats_.stall_seconds += seconds_since(t0);
-  }
+  }, "device expert pool");
+  stats_.evictions += evicted;
+  return slot;
 }
 
 void DeviceExpertStore::start_miss(int64_t slot, int layer, int expert) {

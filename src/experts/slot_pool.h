@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/error.h"
+
 namespace vireo {
 
 class SlotPool {
@@ -31,6 +33,19 @@ class SlotPool {
   // a floor. *evicted is set when a resident expert lost its slot. own_layer_only: take only a
   // free slot or one of `layer`'s own (prefetch: a guess must not push out other layers).
   int64_t claim(int layer, int expert, bool* evicted = nullptr, bool own_layer_only = false);
+  // As claim(), but while every slot is pinned or busy calls `wait()` (which must let a busy
+  // slot finish) and tries again. Fails (an internal error naming `what`) when no slot is busy:
+  // then nothing could ever free one.
+  template <typename Wait>
+  int64_t claim_waiting(int layer, int expert, bool* evicted, Wait&& wait, const char* what) {
+    for (;;) {
+      const int64_t slot = claim(layer, expert, evicted);
+      if (slot >= 0) return slot;
+      if (!any_busy())
+        fail("internal error: ", what, " of ", size(), " slots exhausted by one prepare of layer ", layer);
+      wait();
+    }
+  }
   void touch(int64_t slot);             // most recently used
   void pin(int64_t slot);               // until unpin_all()
   void unpin_all();

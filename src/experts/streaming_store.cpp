@@ -90,20 +90,15 @@ void StreamingExpertStore::reset_stats() {
 }
 
 int64_t StreamingExpertStore::claim(int layer, int expert, std::unique_lock<std::mutex>& lock) {
-  for (;;) {
-    bool evicted = false;
-    const int64_t slot = pool_.claim(layer, expert, &evicted);
-    if (slot >= 0) {
-      stats_.evictions += evicted;
-      return slot;
-    }
-    // Every slot is pinned, protected or still being read: wait for a read to finish.
-    if (!pool_.any_busy())
-      fail("internal error: expert pool of ", pool_.size(), " slots exhausted by one prepare of layer ", layer);
+  bool evicted = false;
+  // Every slot pinned, protected or still being read: wait for a read to finish.
+  const int64_t slot = pool_.claim_waiting(layer, expert, &evicted, [&] {
     const auto t0 = Clock::now();
     cv_.wait(lock);
     stats_.stall_seconds += seconds_since(t0);
-  }
+  }, "expert pool");
+  stats_.evictions += evicted;
+  return slot;
 }
 
 void StreamingExpertStore::start_read(int64_t slot, int layer, int expert, bool urgent) {

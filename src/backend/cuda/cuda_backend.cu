@@ -901,27 +901,33 @@ std::string cuda_profile_report(Backend& b, double wall_ms) {
   return s;
 }
 
-double cuda_measure_copy_gbs(Backend& b) {
-  CudaBackend& c = as_cuda(b);
-  const size_t bytes = size_t(1) << 31;  // 2 GiB each way: far past the 60 MB L2
-  auto src = device_alloc<char>(bytes), dst = device_alloc<char>(bytes);
+double cuda::median_copy_ms(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, cudaStream_t st, int warmup,
+                            int runs) {
   cudaEvent_t e0, e1;
   VIREO_CUDA_CHECK(cudaEventCreate(&e0));
   VIREO_CUDA_CHECK(cudaEventCreate(&e1));
   std::vector<float> ms;
-  for (int i = 0; i < 12; ++i) {
-    VIREO_CUDA_CHECK(cudaEventRecord(e0, c.stream()));
-    VIREO_CUDA_CHECK(cudaMemcpyAsync(dst.get(), src.get(), bytes, cudaMemcpyDeviceToDevice, c.stream()));
-    VIREO_CUDA_CHECK(cudaEventRecord(e1, c.stream()));
+  for (int i = 0; i < warmup + runs; ++i) {
+    VIREO_CUDA_CHECK(cudaEventRecord(e0, st));
+    VIREO_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, st));
+    VIREO_CUDA_CHECK(cudaEventRecord(e1, st));
     VIREO_CUDA_CHECK(cudaEventSynchronize(e1));
     float t = 0;
     VIREO_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
-    if (i >= 2) ms.push_back(t);
+    if (i >= warmup) ms.push_back(t);
   }
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
   std::sort(ms.begin(), ms.end());
-  return 2.0 * double(bytes) / (double(ms[ms.size() / 2]) * 1e-3) / 1e9;
+  return double(ms[ms.size() / 2]);
+}
+
+double cuda_measure_copy_gbs(Backend& b) {
+  CudaBackend& c = as_cuda(b);
+  const size_t bytes = size_t(1) << 31;  // 2 GiB each way: far past the 60 MB L2
+  auto src = device_alloc<char>(bytes), dst = device_alloc<char>(bytes);
+  const double ms = median_copy_ms(dst.get(), src.get(), bytes, cudaMemcpyDeviceToDevice, c.stream(), 2, 10);
+  return 2.0 * double(bytes) / (ms * 1e-3) / 1e9;
 }
 
 double cuda_measure_bf16_gemm_tflops(Backend& b, int n) {

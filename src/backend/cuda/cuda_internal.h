@@ -18,6 +18,10 @@ namespace vireo::cuda {
   } while (0)
 #define VIREO_CUDA_LAUNCHED() VIREO_CUDA_CHECK(cudaGetLastError())
 
+// Median time in ms of `runs` copies of `bytes` on `st`, after `warmup` untimed ones (cuda_backend.cu).
+double median_copy_ms(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, cudaStream_t st, int warmup,
+                      int runs);
+
 // Matrix products (cuda_matmul.cu).
 void matmul_small(const float* x, int64_t T, const DevW& w, float* y, cudaStream_t st, int sms);  // T <= 8
 void matmul_simt(const float* x, int64_t T, const DevW& w, float* y, cudaStream_t st);

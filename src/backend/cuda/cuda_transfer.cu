@@ -117,23 +117,8 @@ class CudaTransferLink final : public TransferLink {
     auto host = alloc_pinned(bytes);
     auto dev = alloc_device(bytes);
     std::fill(host.get(), host.get() + bytes, char(1));
-    cudaEvent_t e0, e1;
-    VIREO_CUDA_CHECK(cudaEventCreate(&e0));
-    VIREO_CUDA_CHECK(cudaEventCreate(&e1));
-    std::vector<float> ms;
-    for (int i = 0; i < 7; ++i) {
-      VIREO_CUDA_CHECK(cudaEventRecord(e0, copy_));
-      VIREO_CUDA_CHECK(cudaMemcpyAsync(dev.get(), host.get(), bytes, cudaMemcpyHostToDevice, copy_));
-      VIREO_CUDA_CHECK(cudaEventRecord(e1, copy_));
-      VIREO_CUDA_CHECK(cudaEventSynchronize(e1));
-      float t = 0;
-      VIREO_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
-      if (i >= 2) ms.push_back(t);
-    }
-    cudaEventDestroy(e0);
-    cudaEventDestroy(e1);
-    std::sort(ms.begin(), ms.end());
-    return double(bytes) / (double(ms[ms.size() / 2]) * 1e-3) / 1e9;
+    const double ms = median_copy_ms(dev.get(), host.get(), bytes, cudaMemcpyHostToDevice, copy_, 2, 5);
+    return double(bytes) / (ms * 1e-3) / 1e9;
   }
 
  private:
