@@ -32,14 +32,16 @@ namespace {
 const std::string kFixtures = VIREO_FIXTURES_DIR;
 
 struct Mode {
-  int per_layer;    // device slots per MoE layer
-  int64_t staging;  // 0: pinned host copy; N: staging ring of N buffers
+  int per_layer;          // device slots per MoE layer
+  int64_t staging;        // 0: pinned host copy; N: staging ring of N buffers
+  bool prefetch = false;  // next-layer guesses copied ahead of need
 };
 std::string mode_name(const Mode& m) {
   return std::to_string(m.per_layer) + " slots per layer, " +
-         (m.staging ? "staging ring of " + std::to_string(m.staging) : std::string("host copy"));
+         (m.staging ? "staging ring of " + std::to_string(m.staging) : std::string("host copy")) +
+         (m.prefetch ? ", prefetch" : "");
 }
-const Mode kModes[] = {{1, 0}, {2, 0}, {1, 1}, {2, 3}};
+const Mode kModes[] = {{1, 0}, {2, 0}, {1, 1}, {2, 3}, {2, 0, true}, {2, 3, true}};
 
 std::unique_ptr<Checkpoint> in_memory_copy(const Checkpoint& ck) {
   auto m = Checkpoint::in_memory("copy of " + ck.dir());
@@ -55,6 +57,7 @@ std::unique_ptr<GlmDsaModel> load_device(const std::string& dir, Backend& be, st
   ExpertStoreOptions o;
   o.slots = int64_t(mode.per_layer) * int64_t(expert_store_params(c).moe_layers.size());
   o.staging = mode.staging;
+  o.prefetch = mode.prefetch;
   o.read_chunk = 4096;  // several reads per expert
   auto store = std::make_unique<DeviceExpertStore>(*ck, expert_store_params(c), o, std::move(link));
   return GlmDsaModel::create(std::move(c), std::move(ck), be, std::move(store));
@@ -198,6 +201,15 @@ TEST_P(DeviceStoreFixture, EqualsResidentTokenForToken) {
     const ExpertStoreStats st = m->experts().stats();
     EXPECT_GT(st.misses, 0u);
     EXPECT_GT(st.bytes_to_device, 0u);
+    if (mode.prefetch) {  // guesses were made, scored and (some) copied ahead
+      EXPECT_GT(st.predicted, 0u);
+      EXPECT_GT(st.predicted_actual, 0u);
+      EXPECT_LE(st.predicted_correct, std::min(st.predicted, st.predicted_actual));
+      EXPECT_GT(st.prefetch_reads, 0u);
+      EXPECT_LE(st.prefetch_used, st.prefetch_reads);
+    } else {
+      EXPECT_EQ(st.predicted + st.prefetch_reads, 0u);
+    }
   }
   // An in-memory checkpoint (as `vireo bench --synthetic`): packed slots, copied not read.
   auto m = load_device(dir, *be, make_host_transfer_link(), {1, 0}, true);

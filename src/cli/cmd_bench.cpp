@@ -23,7 +23,6 @@ void check_device_flags(const std::string& device, const StreamingFlags& f) {
   if (!f.gpu_budget.empty() && device != "cuda") fail("--gpu-budget needs --device cuda");
   if (device == "cuda" && !f.budget.empty() && f.gpu_budget.empty())
     fail("--memory-budget with --device cuda bounds the host RAM of experts streamed to the GPU: add --gpu-budget");
-  if (!f.gpu_budget.empty() && f.prefetch == "on") fail("--prefetch on: not supported with --gpu-budget yet");
   if (device == "cuda" && !cuda_compiled_in())
     fail("--device cuda: this vireo was built without CUDA (no nvcc at build time)");
 }

@@ -141,7 +141,6 @@ LoadedModel load_checkpoint(GlmDsaConfig c, std::unique_ptr<Checkpoint> ck, cons
     }
 #ifdef VIREO_HAVE_CUDA
     ExpertStoreOptions o = store_options(f);
-    o.prefetch = false;
     o.slots = g.slots;
     o.staging = g.staging;
     auto s = std::make_unique<DeviceExpertStore>(*ck, expert_store_params(c), o, make_cuda_transfer_link(backend));

@@ -32,7 +32,8 @@ DeviceExpertStore::DeviceExpertStore(const Checkpoint& ck, const ExpertStorePara
       layout_(ck, p, ck.files().empty()),
       dev_layout_(ck, p, true),
       pool_(o.slots, p.n_layers, int(p.moe_layers.size()), p.n_experts,
-            o.layer_floor >= 0 ? o.layer_floor : auto_floor(p, o.slots)) {
+            o.layer_floor >= 0 ? o.layer_floor : auto_floor(p, o.slots)),
+      predictions_(p.n_layers) {
   if (o.slots < 1) fail("the device expert pool needs at least one slot");
   if (pool_.max_per_prepare() < 1)
     fail("device expert pool: ", o.slots, " slots cannot keep a floor of ", pool_.floor(), " slots for each of ",
@@ -141,13 +142,18 @@ void DeviceExpertStore::reset_stats() {
   link_stall_base_ = link_.compute_stall_seconds();
 }
 
+int64_t DeviceExpertStore::free_staging() {
+  // A free buffer, or one whose copy has landed.
+  for (size_t b = 0; b < staging_.size(); ++b) {
+    const Staging& s = staging_[b];
+    if (!s.reading && (s.ticket == 0 || link_.done(s.ticket))) return int64_t(b);
+  }
+  return -1;
+}
+
 int64_t DeviceExpertStore::take_staging() {
   for (;;) {
-    // A free buffer, or one whose copy has landed.
-    for (size_t b = 0; b < staging_.size(); ++b) {
-      Staging& s = staging_[b];
-      if (!s.reading && (s.ticket == 0 || link_.done(s.ticket))) return int64_t(b);
-    }
+    if (const int64_t b = free_staging(); b >= 0) return b;
     // The oldest copy still reading a buffer: wait for it (it is already queued).
     TransferLink::Ticket oldest = 0;
     for (const Staging& s : staging_)
@@ -258,6 +264,7 @@ std::vector<const ExpertWeights*> DeviceExpertStore::prepare_async(int layer, co
          " one prepare can hold");
   pump();
   pool_.unpin_all();
+  predictions_.score(layer, experts, stats_);
   current_.assign(experts.size(), -1);
   // Hits first, pinned before any miss picks a victim.
   for (size_t i = 0; i < experts.size(); ++i) {
@@ -265,6 +272,7 @@ std::vector<const ExpertWeights*> DeviceExpertStore::prepare_async(int layer, co
     const int64_t slot = pool_.find(layer, experts[i]);
     if (slot < 0) continue;
     ++stats_.hits;
+    pool_.count_hit(slot, stats_.prefetch_used);
     pool_.touch(slot);
     pool_.pin(slot);
     current_[i] = slot;
@@ -276,10 +284,7 @@ std::vector<const ExpertWeights*> DeviceExpertStore::prepare_async(int layer, co
     if (current_[i] >= 0) continue;
     ++stats_.misses;
     const int64_t slot = claim(layer, experts[i]);
-    if (!ordered && !weights_[size_t(slot)].gate.w.empty()) {
-      link_.order_after_compute();
-      ordered = true;
-    }
+    order_reuse(slot, ordered);
     pool_.pin(slot);
     start_miss(slot, layer, experts[i]);
     current_[i] = slot;
@@ -288,6 +293,32 @@ std::vector<const ExpertWeights*> DeviceExpertStore::prepare_async(int layer, co
   out.reserve(current_.size());
   for (int64_t slot : current_) out.push_back(&weights_[size_t(slot)]);
   return out;
+}
+
+void DeviceExpertStore::order_reuse(int64_t slot, bool& ordered) {
+  if (ordered || weights_[size_t(slot)].gate.w.empty()) return;
+  link_.order_after_compute();
+  ordered = true;
+}
+
+void DeviceExpertStore::prefetch(int layer, const std::vector<int>& experts) {
+  if (!opts_.prefetch) return;
+  pump();
+  bool ordered = false;
+  for (int e : predictions_.guess(layer, experts, stats_)) {
+    if (pool_.find(layer, e) >= 0) continue;
+    if (!host_copy() && free_staging() < 0) break;  // a guess never waits for a staging buffer
+    // A guess only replaces the target layer's own least recently used slots (or free ones):
+    // exactly what that layer's misses would evict anyway. No waiting: a full pool skips it.
+    bool evicted = false;
+    const int64_t slot = pool_.claim(layer, e, &evicted, true);
+    if (slot < 0) break;
+    stats_.evictions += evicted;
+    ++stats_.prefetch_reads;
+    pool_.tag(slot) = SlotPool::kPrefetched;
+    order_reuse(slot, ordered);
+    start_miss(slot, layer, e);
+  }
 }
 
 bool DeviceExpertStore::ready(size_t i) {

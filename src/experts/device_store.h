@@ -46,6 +46,10 @@ class DeviceExpertStore final : public ExpertStore {
   std::vector<const ExpertWeights*> prepare_async(int layer, const std::vector<int>& experts) override;
   void await(size_t i) override;
   bool ready(size_t i) override;
+  // Starts the copies of the guessed experts of `layer` that are not in slots yet (into free
+  // slots or `layer`'s own least recently used ones), so they overlap the compute before it.
+  void prefetch(int layer, const std::vector<int>& experts) override;
+  bool wants_prefetch() const override { return opts_.prefetch; }
   size_t max_experts_per_prepare() const override { return size_t(pool_.max_per_prepare()); }
   // Device bytes of the slot pool.
   size_t resident_bytes() const override { return arena_bytes_; }
@@ -73,10 +77,14 @@ class DeviceExpertStore final : public ExpertStore {
   };
   void fill_host_copy(const Checkpoint& ck);
   int64_t claim(int layer, int expert);
+  // Before the first copy into a slot that held an expert: order the copies after the compute
+  // queued so far (kernels may still read the old expert). Once per prepare/prefetch.
+  void order_reuse(int64_t slot, bool& ordered);
   void start_miss(int64_t slot, int layer, int expert);
   // Queues the copies of one expert's tensors from its host image to its device slot.
   TransferLink::Ticket copy_expert(int64_t slot, const char* src);
   int64_t take_staging();
+  int64_t free_staging();  // a staging buffer free now, or -1
   // Issues the copies of staging reads that have finished (forward thread).
   void pump();
   void wait_for_a_read();
@@ -99,6 +107,7 @@ class DeviceExpertStore final : public ExpertStore {
   std::vector<std::string> errors_;     // [slot] read error
   std::vector<Staging> staging_;
   std::vector<int64_t> current_;        // slots of the last prepare, in its order
+  PredictionLog predictions_;
   mutable std::mutex mu_;               // staging_[*].read_done / error, disk_*
   std::condition_variable cv_;
   ExpertStoreStats stats_;              // forward thread only

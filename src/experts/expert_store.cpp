@@ -1,5 +1,7 @@
 #include "experts/expert_store.h"
 
+#include <algorithm>
+
 #include "experts/streaming_store.h"
 
 namespace vireo {
@@ -85,6 +87,23 @@ void ResidentExpertStore::upload(Backend& backend) {
       banks_[l].up.push_back(e.up);
       banks_[l].down.push_back(e.down);
     }
+}
+
+const std::vector<int>& PredictionLog::guess(int layer, std::vector<int> experts, ExpertStoreStats& s) {
+  std::sort(experts.begin(), experts.end());
+  experts.erase(std::unique(experts.begin(), experts.end()), experts.end());
+  s.predicted += experts.size();
+  guess_[size_t(layer)] = std::move(experts);
+  return guess_[size_t(layer)];
+}
+
+void PredictionLog::score(int layer, const std::vector<int>& experts, ExpertStoreStats& s) {
+  if (last_layer_ >= 0 && last_layer_ != layer) guess_[size_t(last_layer_)].clear();
+  last_layer_ = layer;
+  const std::vector<int>& g = guess_[size_t(layer)];
+  if (g.empty()) return;
+  s.predicted_actual += experts.size();
+  for (int e : experts) s.predicted_correct += std::binary_search(g.begin(), g.end(), e);
 }
 
 }  // namespace vireo

@@ -48,6 +48,21 @@ struct ExpertStoreStats {
   ExpertStoreStats operator-(const ExpertStoreStats& o) const;
 };
 
+// The next-layer predictor's bookkeeping, shared by the streaming stores: a guess for `layer` is
+// scored (precision/recall counters) against every prepare of that layer, then dropped when the
+// forward pass moves on to another layer.
+class PredictionLog {
+ public:
+  explicit PredictionLog(int n_layers) : guess_(size_t(n_layers)) {}
+  // Records a guess for `layer`; returns it sorted, without repeats.
+  const std::vector<int>& guess(int layer, std::vector<int> experts, ExpertStoreStats& s);
+  void score(int layer, const std::vector<int>& experts, ExpertStoreStats& s);
+
+ private:
+  std::vector<std::vector<int>> guess_;  // [layer] last guess not yet scored
+  int last_layer_ = -1;
+};
+
 class ExpertStore {
  public:
   virtual ~ExpertStore() = default;

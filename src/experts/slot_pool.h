@@ -58,8 +58,16 @@ class SlotPool {
   int layer_of(int64_t slot) const { return slots_[size_t(slot)].layer; }
   int expert_of(int64_t slot) const { return slots_[size_t(slot)].expert; }
   int resident(int layer) const { return per_layer_[size_t(layer)]; }
-  // Per-slot user flag (the stores mark prefetched-not-yet-used slots).
+  // Per-slot user flag: the stores mark prefetched-not-yet-used slots kPrefetched.
+  static constexpr uint8_t kPrefetched = 1;
   uint8_t& tag(int64_t slot) { return slots_[size_t(slot)].tag; }
+  // A hit on `slot`: counts a prefetch as used the first time its expert is requested.
+  void count_hit(int64_t slot, uint64_t& prefetch_used) {
+    if (tag(slot) == kPrefetched) {
+      ++prefetch_used;
+      tag(slot) = 0;
+    }
+  }
 
  private:
   struct Slot {

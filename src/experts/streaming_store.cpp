@@ -16,7 +16,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-constexpr uint8_t kPrefetched = 1;  // slot tag: read ahead, not requested yet
 
 int auto_floor(const ExpertStoreParams& p, int64_t slots) {
   const int64_t n = std::max<int64_t>(int64_t(p.moe_layers.size()), 1);
@@ -37,7 +36,8 @@ StreamingExpertStore::StreamingExpertStore(const Checkpoint& ck, const ExpertSto
     : opts_(o),
       layout_(ck, p),
       pool_(o.slots, p.n_layers, int(p.moe_layers.size()), p.n_experts,
-            o.layer_floor >= 0 ? o.layer_floor : auto_floor(p, o.slots)) {
+            o.layer_floor >= 0 ? o.layer_floor : auto_floor(p, o.slots)),
+      predictions_(p.n_layers) {
   if (o.slots < 1) fail("the expert pool needs at least one slot");
   if (pool_.max_per_prepare() < 1)
     fail("expert pool: ", o.slots, " slots cannot keep a floor of ", pool_.floor(), " slots for each of ",
@@ -56,7 +56,6 @@ StreamingExpertStore::StreamingExpertStore(const Checkpoint& ck, const ExpertSto
   arena_ = map_arena(arena_bytes_);
   weights_.resize(size_t(o.slots));
   errors_.resize(size_t(o.slots));
-  prediction_.resize(size_t(p.n_layers));
   try {
     reader_ = std::make_unique<ExpertReader>(layout_.files(), o.direct, o.io_threads, o.read_chunk);
   } catch (...) {
@@ -118,24 +117,13 @@ void StreamingExpertStore::start_read(int64_t slot, int layer, int expert, bool 
   });
 }
 
-void StreamingExpertStore::account_prediction(int layer, const std::vector<int>& experts) {
-  // A guess for `layer` is scored against every prepare (chunk) of that layer, then dropped when
-  // the forward pass moves on to another layer.
-  if (last_prepare_layer_ >= 0 && last_prepare_layer_ != layer) prediction_[size_t(last_prepare_layer_)].clear();
-  last_prepare_layer_ = layer;
-  const std::vector<int>& guess = prediction_[size_t(layer)];
-  if (guess.empty()) return;
-  stats_.predicted_actual += experts.size();
-  for (int e : experts) stats_.predicted_correct += std::binary_search(guess.begin(), guess.end(), e);
-}
-
 std::vector<const ExpertWeights*> StreamingExpertStore::prepare_async(int layer, const std::vector<int>& experts) {
   std::unique_lock<std::mutex> lock(mu_);
   if (int64_t(experts.size()) > pool_.max_per_prepare())
     fail("internal error: prepare of ", experts.size(), " experts exceeds the ", pool_.max_per_prepare(),
          " one prepare can hold");
   pool_.unpin_all();
-  account_prediction(layer, experts);
+  predictions_.score(layer, experts, stats_);
   current_.assign(experts.size(), -1);
   // Hits first: pin them all before any miss picks a victim, so a miss never evicts an expert
   // this same prepare is about to use.
@@ -144,10 +132,7 @@ std::vector<const ExpertWeights*> StreamingExpertStore::prepare_async(int layer,
     const int64_t slot = pool_.find(layer, experts[i]);
     if (slot < 0) continue;
     ++stats_.hits;
-    if (pool_.tag(slot) == kPrefetched) {
-      ++stats_.prefetch_used;
-      pool_.tag(slot) = 0;
-    }
+    pool_.count_hit(slot, stats_.prefetch_used);
     pool_.touch(slot);
     pool_.pin(slot);
     current_[i] = slot;
@@ -198,12 +183,7 @@ std::vector<const ExpertWeights*> StreamingExpertStore::prepare(int layer, const
 void StreamingExpertStore::prefetch(int layer, const std::vector<int>& experts) {
   if (!opts_.prefetch) return;
   std::unique_lock<std::mutex> lock(mu_);
-  std::vector<int> guess = experts;
-  std::sort(guess.begin(), guess.end());
-  guess.erase(std::unique(guess.begin(), guess.end()), guess.end());
-  stats_.predicted += guess.size();
-  prediction_[size_t(layer)] = guess;
-  for (int e : guess) {
+  for (int e : predictions_.guess(layer, experts, stats_)) {
     if (pool_.find(layer, e) >= 0) continue;
     // A guess only replaces the target layer's own least recently used slots (or free ones):
     // exactly what that layer's misses would evict anyway.
@@ -212,7 +192,7 @@ void StreamingExpertStore::prefetch(int layer, const std::vector<int>& experts) 
     if (slot < 0) break;
     stats_.evictions += evicted;
     ++stats_.prefetch_reads;
-    pool_.tag(slot) = kPrefetched;
+    pool_.tag(slot) = SlotPool::kPrefetched;
     start_read(slot, layer, e, false);
   }
 }

@@ -55,7 +55,6 @@ class StreamingExpertStore final : public ExpertStore {
  private:
   int64_t claim(int layer, int expert, std::unique_lock<std::mutex>& lock);
   void start_read(int64_t slot, int layer, int expert, bool urgent);
-  void account_prediction(int layer, const std::vector<int>& experts);
 
   ExpertStoreOptions opts_;
   ExpertLayout layout_;
@@ -65,8 +64,7 @@ class StreamingExpertStore final : public ExpertStore {
   std::vector<ExpertWeights> weights_;  // [slot]
   std::vector<std::string> errors_;     // [slot] read error, if any
   std::vector<int64_t> current_;        // slots of the last prepare, in its order
-  std::vector<std::vector<int>> prediction_;  // [layer] last prefetch() guess not yet scored
-  int last_prepare_layer_ = -1;
+  PredictionLog predictions_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   ExpertStoreStats stats_;
