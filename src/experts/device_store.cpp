@@ -308,14 +308,11 @@ void DeviceExpertStore::prefetch(int layer, const std::vector<int>& experts) {
   for (int e : predictions_.guess(layer, experts, stats_)) {
     if (pool_.find(layer, e) >= 0) continue;
     if (!host_copy() && free_staging() < 0) break;  // a guess never waits for a staging buffer
-    // A guess only replaces the target layer's own least recently used slots (or free ones):
-    // exactly what that layer's misses would evict anyway. No waiting: a full pool skips it.
     bool evicted = false;
-    const int64_t slot = pool_.claim(layer, e, &evicted, true);
+    const int64_t slot = pool_.claim_guess(layer, e, &evicted);
     if (slot < 0) break;
     stats_.evictions += evicted;
     ++stats_.prefetch_reads;
-    pool_.tag(slot) = SlotPool::kPrefetched;
     order_reuse(slot, ordered);
     start_miss(slot, layer, e);
   }

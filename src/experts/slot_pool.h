@@ -61,6 +61,14 @@ class SlotPool {
   // Per-slot user flag: the stores mark prefetched-not-yet-used slots kPrefetched.
   static constexpr uint8_t kPrefetched = 1;
   uint8_t& tag(int64_t slot) { return slots_[size_t(slot)].tag; }
+  // A slot for a prefetch guess, tagged kPrefetched: a free one or one of `layer`'s own least
+  // recently used (exactly what that layer's misses would evict anyway; a guess must not push
+  // out other layers' experts). -1 when there is none: the guess is dropped, never waited for.
+  int64_t claim_guess(int layer, int expert, bool* evicted) {
+    const int64_t slot = claim(layer, expert, evicted, true);
+    if (slot >= 0) tag(slot) = kPrefetched;
+    return slot;
+  }
   // A hit on `slot`: counts a prefetch as used the first time its expert is requested.
   void count_hit(int64_t slot, uint64_t& prefetch_used) {
     if (tag(slot) == kPrefetched) {

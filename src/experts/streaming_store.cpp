@@ -185,14 +185,11 @@ void StreamingExpertStore::prefetch(int layer, const std::vector<int>& experts) 
   std::unique_lock<std::mutex> lock(mu_);
   for (int e : predictions_.guess(layer, experts, stats_)) {
     if (pool_.find(layer, e) >= 0) continue;
-    // A guess only replaces the target layer's own least recently used slots (or free ones):
-    // exactly what that layer's misses would evict anyway.
     bool evicted = false;
-    const int64_t slot = pool_.claim(layer, e, &evicted, true);
+    const int64_t slot = pool_.claim_guess(layer, e, &evicted);
     if (slot < 0) break;
     stats_.evictions += evicted;
     ++stats_.prefetch_reads;
-    pool_.tag(slot) = SlotPool::kPrefetched;
     start_read(slot, layer, e, false);
   }
 }
