@@ -608,9 +608,12 @@ __global__ void indexer_score_kernel(const float* __restrict__ q, const float* _
 __global__ void __launch_bounds__(256) indexer_score_v4_kernel(const float* __restrict__ q,
                                                                const float* __restrict__ wts,
                                                                const float* __restrict__ keys, int64_t nI, int64_t d,
-                                                               int64_t n_keys, int64_t pos0, int64_t topk, float scale,
-                                                               int64_t t_first, float* __restrict__ scores) {
+                                                               int64_t n_keys, int64_t pos0,
+                                                               const int32_t* __restrict__ pos0_dev, int64_t topk,
+                                                               float scale, int64_t t_first,
+                                                               float* __restrict__ scores) {
   extern __shared__ float4 sm4[];
+  if (pos0_dev) pos0 = *pos0_dev;  // then t_first is 0 and the grid covers the bound's keys
   const int64_t t = t_first + blockIdx.y, n_causal = pos0 + t + 1, u0 = int64_t(blockIdx.x) * 32;
   if (n_causal <= topk || u0 >= n_causal) return;  // whole block: uniform
   const int64_t d4 = d / 4, kp4 = d4 + 1;          // key rows padded by 16 bytes: conflict-free
@@ -860,6 +863,7 @@ void absorb_q(const float* q, int64_t T, int64_t H, int64_t qw, int64_t nope, co
 int decode_splits(int64_t max_keys) { return int(std::max<int64_t>(1, (max_keys + kSplit - 1) / kSplit)); }
 
 void mla_decode(const DecodeAttnArgs& a, cudaStream_t st) {
+  if (a.fast && mla_decode_fast(a, st)) return;
   const size_t smem = size_t(kHG * a.kvw + kChunk * (a.kvw + 1) + kHG * kSplit) * 4 + size_t(kSplit) * 4;
   static bool configured = false;
   if (!configured) {
@@ -943,22 +947,24 @@ void mla_prefill(const PrefillAttnArgs& a, cudaStream_t st) {
 
 void indexer_scores(const float* q, const float* wts, const float* keys, int64_t T, int64_t nI, int64_t d,
                     int64_t n_keys, int64_t pos0, const int32_t* pos0_dev, int64_t topk, float scale, float* scores,
-                    cudaStream_t st) {
+                    cudaStream_t st, bool fast) {
   const bool aligned = reinterpret_cast<uintptr_t>(q) % 16 == 0 && reinterpret_cast<uintptr_t>(keys) % 16 == 0;
   const size_t smem4 = size_t(nI * d + 32 * (d + 4) + 32 * (nI + 1)) * 4;
-  // Run-time positions (a recorded decode step) take the plain kernel below, which reads them.
-  if (!pos0_dev && d % 4 == 0 && aligned && smem4 <= 200 * 1024) {
+  // Run-time positions (a recorded decode step): every row and the bound's key blocks are
+  // launched, rows and blocks past the real causal count exit at once.
+  if ((fast || !pos0_dev) && d % 4 == 0 && aligned && smem4 <= 200 * 1024) {
     static bool configured4 = false;
     if (!configured4) {
       VIREO_CUDA_CHECK(
           cudaFuncSetAttribute(indexer_score_v4_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
       configured4 = true;
     }
-    const int64_t t_first = std::max<int64_t>(0, topk - pos0);  // rows before it take every causal key
+    // Rows before t_first take every causal key (no scores needed).
+    const int64_t t_first = pos0_dev ? 0 : std::max<int64_t>(0, topk - pos0);
     if (t_first >= T) return;
     dim3 grid(unsigned((n_keys + 31) / 32), unsigned(T - t_first));
-    indexer_score_v4_kernel<<<grid, 256, smem4, st>>>(q, wts, keys, nI, d, n_keys, pos0, topk, scale, t_first,
-                                                      scores);
+    indexer_score_v4_kernel<<<grid, 256, smem4, st>>>(q, wts, keys, nI, d, n_keys, pos0, pos0_dev, topk, scale,
+                                                      t_first, scores);
     VIREO_CUDA_LAUNCHED();
     return;
   }
@@ -976,7 +982,8 @@ void indexer_scores(const float* q, const float* wts, const float* keys, int64_t
 }
 
 void indexer_topk(const float* scores, int64_t T, int64_t n_keys, int64_t pos0, const int32_t* pos0_dev, int64_t topk,
-                  int32_t* selected, int32_t* counts, cudaStream_t st) {
+                  int32_t* selected, int32_t* counts, cudaStream_t st, bool fast) {
+  if (fast && indexer_topk_fast(scores, T, n_keys, pos0, pos0_dev, topk, selected, counts, st)) return;
   constexpr int64_t kMaxCached = 12288;  // keys (96 KiB of shared memory)
   static bool configured = false;
   if (!configured) {
