@@ -13,6 +13,7 @@
 #include <functional>
 #include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "backend/backend.h"
@@ -34,14 +35,18 @@ std::vector<float> rnd(size_t n, uint32_t seed, float scale = 1.0f) {
 }
 
 // Median microseconds per op call: the op recorded `reps` times into one graph, replayed.
-double time_recorded(Backend& be, const std::function<void()>& op, int reps = 50, int replays = 7) {
+double time_recorded(Backend& be, const std::function<void()>& op, int reps = 50, int replays = 11) {
   op();  // eager: scratch allocations, kernel attributes
   cuda_synchronize(be);
   be.begin_recording();
   for (int i = 0; i < reps; ++i) op();
   std::unique_ptr<RecordedOps> rec = be.end_recording();
-  rec->replay();
-  cuda_synchronize(be);
+  // ~100 ms of replays first: the clocks ramp up from idle before anything is timed.
+  for (auto t0 = std::chrono::steady_clock::now();
+       std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(100);) {
+    rec->replay();
+    cuda_synchronize(be);
+  }
   std::vector<double> us;
   for (int r = 0; r < replays; ++r) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -57,7 +62,10 @@ double time_recorded(Backend& be, const std::function<void()>& op, int reps = 50
 
 TEST(CudaBench, DecodeAttentionAndIndexer) {
   REQUIRE_CUDA();
-  if (!std::getenv("VIREO_CUDA_BENCH")) GTEST_SKIP() << "set VIREO_CUDA_BENCH=1 to run";
+  const char* env = std::getenv("VIREO_CUDA_BENCH");
+  if (!env) GTEST_SKIP() << "set VIREO_CUDA_BENCH=1 to run";
+  // VIREO_CUDA_BENCH=once: each op launched once per configuration, eagerly (for ncu).
+  const bool once = std::string(env) == "once";
   std::unique_ptr<Backend> be = make_cuda_backend();
   const int64_t H = 64, nope = 192, rope = 64, vd = 256, L = 512, qw = nope + rope, kvw = L + rope, hw = nope + vd;
   const int64_t nI = 32, d = 128, topk = 2048, cap = 4352;
@@ -130,6 +138,12 @@ TEST(CudaBench, DecodeAttentionAndIndexer) {
     ma.out = out;
     for (const Cfg& c : cfgs) {
       cuda_set_fast_decode(*be, c.attn, c.scores, c.topk);
+      if (once) {
+        be->indexer_select(ia);
+        be->mla_attention(ma);
+        cuda_synchronize(*be);
+        continue;
+      }
       const double ti = time_recorded(*be, [&] { be->indexer_select(ia); });
       const double ta = time_recorded(*be, [&] { be->mla_attention(ma); });
       std::printf("[bench] context %5lld  %-17s indexer_select %7.2f us   mla_attention absorbed %7.2f us\n",

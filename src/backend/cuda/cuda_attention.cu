@@ -58,6 +58,9 @@ __global__ void __launch_bounds__(256) absorb_q_vec_kernel(const float* __restri
 #pragma unroll
   for (int j = 0; j < N; ++j) acc[j] = 0.0f;
   if (c0 < L) {
+    // Unrolled so that several rows' 16-byte loads are in flight per thread (one at a time left
+    // the kernel latency-bound: 12.6 MB of W_UK in 8.8 us); the sum order per thread is unchanged.
+#pragma unroll 8
     for (int64_t i = warp; i < nope; i += 8) {
       const int64_t row = h * hw + i;
       const uint4 v = ldg_stream(reinterpret_cast<const uint4*>(static_cast<const char*>(kvb.w) +
@@ -657,7 +660,8 @@ __global__ void __launch_bounds__(256) indexer_score_v4_kernel(const float* __re
   if (threadIdx.x < 32) {
     const int64_t u = u0 + threadIdx.x;
     if (u < n_causal) {
-      float s = 0.0f;
+      float s = 0.0f;  // unrolled: the shared loads issue ahead of the (ordered) adds
+#pragma unroll 8
       for (int64_t jh = 0; jh < nI; ++jh) s = __fadd_rn(s, part[threadIdx.x * (nI + 1) + jh]);
       scores[t * n_keys + u] = s;
     }

@@ -16,6 +16,7 @@
 // row, and fills the chip (128 blocks each at 2048 keys) where one fused kernel would need either
 // 16-key splits (16 MB of partials) or a quarter of the SMs.
 #include <algorithm>
+#include <cstdlib>
 
 #include "backend/cuda/cuda_attention.h"
 #include "backend/cuda/cuda_internal.h"
@@ -47,7 +48,8 @@ __host__ __device__ inline int score_tile_stride(int kvw) { return (kvw + 31) / 
 // of the row, ht = (tid / 8) % 8 the heads ht + 8i, kt = tid % 8 the keys kt + 8j (i, j < 4): the
 // strided sets put a warp's distinct rows on distinct banks. The tiles arrive by cp.async in two
 // column halves, the first half's products overlapping the second half's loads.
-__global__ void __launch_bounds__(256) mla_decode_scores_kernel(
+template <int KQ>
+__global__ void __launch_bounds__(64 * KQ) mla_decode_scores_kernel(
     const float* __restrict__ qlat, const float* __restrict__ q, int H, int qw, int nope, int L,
     const float* __restrict__ kv, int kvw, int64_t pos0, const int32_t* __restrict__ pos0_dev,
     const int32_t* __restrict__ sel, const int32_t* __restrict__ counts, int64_t sel_stride, float scale,
@@ -68,8 +70,9 @@ __global__ void __launch_bounds__(256) mla_decode_scores_kernel(
   if (tid < cnt) us[tid] = sel ? sel[t * sel_stride + k0 + tid] : int(k0 + tid);
   __syncthreads();
   const int C4 = kvw / 4, L4 = L / 4, CA = (C4 / 2) / 4 * 4;  // 16-byte columns; first half
+  constexpr int NT = 64 * KQ, NW = NT / 32;
   auto load = [&](int c4a, int c4b) {
-    for (int r = warp; r < kSH; r += 8) {
+    for (int r = warp; r < kSH; r += NW) {
       const int h = hg0 + r;
       for (int c4 = c4a + lane; c4 < c4b; c4 += 32) {
         float* d = qs + r * P + 4 * c4;
@@ -78,7 +81,7 @@ __global__ void __launch_bounds__(256) mla_decode_scores_kernel(
         else cp_async16(d, q + ((t * H + h) * qw + nope + 4 * (c4 - L4)));
       }
     }
-    for (int r = warp; r < cnt; r += 8) {  // rows past cnt stay stale: their scores are never written
+    for (int r = warp; r < cnt; r += NW) {  // rows past cnt stay stale: their scores are never written
       const float* src = kv + int64_t(us[r]) * kvw;
       for (int c4 = c4a + lane; c4 < c4b; c4 += 32) cp_async16(ks + r * P + 4 * c4, src + 4 * c4);
     }
@@ -93,7 +96,7 @@ __global__ void __launch_bounds__(256) mla_decode_scores_kernel(
 #pragma unroll
     for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
   auto run = [&](int c4a, int c4b) {
-    for (int c4 = c4a + kq; c4 < c4b; c4 += 4) {
+    for (int c4 = c4a + kq; c4 < c4b; c4 += KQ) {
       float4 a[4], b[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) a[i] = *reinterpret_cast<const float4*>(qs + (ht + 8 * i) * P + 4 * c4);
@@ -119,18 +122,18 @@ __global__ void __launch_bounds__(256) mla_decode_scores_kernel(
   __syncthreads();
   run(CA, C4);
   __syncthreads();  // the tiles are dead: the 4 column quarters' sums meet in qs
-  float* red = qs;  // [4][kSH][kSK + 1]
+  float* red = qs;  // [KQ][kSH][kSK + 1]
 #pragma unroll
   for (int i = 0; i < 4; ++i)
 #pragma unroll
     for (int j = 0; j < 4; ++j) red[(kq * kSH + ht + 8 * i) * (kSK + 1) + kt + 8 * j] = acc[i][j];
   __syncthreads();
-  for (int o = tid; o < kSH * kSK; o += 256) {
+  for (int o = tid; o < kSH * kSK; o += NT) {
     const int h = o / kSK, j = o % kSK;
     if (hg0 + h >= H || j >= cnt) continue;
     float s = 0.0f;
 #pragma unroll
-    for (int x = 0; x < 4; ++x) s += red[(x * kSH + h) * (kSK + 1) + j];
+    for (int x = 0; x < KQ; ++x) s += red[(x * kSH + h) * (kSK + 1) + j];
     scores[(t * H + hg0 + h) * sstride + k0 + j] = s * scale;
   }
 }
@@ -141,7 +144,8 @@ __global__ void __launch_bounds__(256) mla_decode_scores_kernel(
 // then o[h, c] = sum_j p[h, j] v[j, c] with thread tile 8 heads (ht + 8i) x 4 columns over every 4th
 // 4-key step (kg = tid / 64), and the 4 key quarters summed through shared memory. Column slice 0
 // also writes each head's (m, l) for the merge.
-__global__ void __launch_bounds__(256) mla_decode_pv_kernel(
+template <int KG>
+__global__ void __launch_bounds__(64 * KG) mla_decode_pv_kernel(
     const float* __restrict__ scores, int64_t sstride, int H, int nhg, int L, const float* __restrict__ kv, int kvw,
     int64_t pos0, const int32_t* __restrict__ pos0_dev, const int32_t* __restrict__ sel,
     const int32_t* __restrict__ counts, int64_t sel_stride, int nks, float* __restrict__ opart,
@@ -150,6 +154,7 @@ __global__ void __launch_bounds__(256) mla_decode_pv_kernel(
   float* ps = sm;                                   // [kPH][kPS]
   float* vs = ps + kPH * kPS;                       // [kPK][kPC]
   int* us = reinterpret_cast<int*>(vs + kPK * kPC);  // [kPK]
+  constexpr int NT = 64 * KG, NW = NT / 32;
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   const int64_t t = blockIdx.z / nhg;
   const int hg0 = int(blockIdx.z % nhg) * kPH, c0 = int(blockIdx.x) * kPC, s = int(blockIdx.y);
@@ -159,35 +164,45 @@ __global__ void __launch_bounds__(256) mla_decode_pv_kernel(
   const int cnt = int(n - i0 < 0 ? 0 : n - i0 > kPK ? kPK : n - i0);
   if (cnt == 0) {  // an empty split: the merge skips it by its max
     if (blockIdx.x == 0)
-      for (int h = tid; h < kPH && hg0 + h < H; h += 256) {
+      for (int h = tid; h < kPH && hg0 + h < H; h += NT) {
         mpart[(t * H + hg0 + h) * nks + s] = -INFINITY;
         lpart[(t * H + hg0 + h) * nks + s] = 0.0f;
       }
     return;
   }
-  const int cntr = (cnt + 15) / 16 * 16;  // the product loop's granularity: 4 quarters x 4 keys
-  for (int j = tid; j < cnt; j += 256) us[j] = sel ? sel[t * sel_stride + i0 + j] : int(i0 + j);
-  __syncthreads();
-  for (int x = tid; x < cnt * (kPC / 4); x += 256) {
+  const int cntr = (cnt + 4 * KG - 1) / (4 * KG) * (4 * KG);  // the product loop's step: KG groups x 4 keys
+  for (int j = tid; j < cnt; j += NT) us[j] = sel ? sel[t * sel_stride + i0 + j] : int(i0 + j);
+  // The scores first (they are needed first), 16 bytes at a time: every load of the block in flight
+  // at once (a warp walking its heads' rows in global memory waited on one round trip per head).
+  // Chunks past cnt read stale scores inside the row (sstride covers them); they are zeroed below.
+  const int c4n = (cnt + 3) / 4;
+  for (int x = tid; x < kPH * c4n; x += NT) {
+    const int hh = x / c4n, c4 = x % c4n;
+    if (hg0 + hh < H) cp_async16(ps + hh * kPS + 4 * c4, scores + (t * H + hg0 + hh) * sstride + i0 + 4 * c4);
+  }
+  cp_async_commit();
+  __syncthreads();  // us
+  for (int x = tid; x < cnt * (kPC / 4); x += NT) {
     const int j = x / (kPC / 4), c4 = x % (kPC / 4);
     cp_async16(vs + j * kPC + 4 * c4, kv + int64_t(us[j]) * kvw + c0 + 4 * c4);
   }
   cp_async_commit();
-  for (int x = cnt * kPC + tid; x < cntr * kPC; x += 256) vs[x] = 0.0f;  // padding keys: p = 0, v = 0
-  for (int hh = warp; hh < kPH; hh += 8) {  // warp hh: one head's scores at a time, 8 per lane
+  for (int x = cnt * kPC + tid; x < cntr * kPC; x += NT) vs[x] = 0.0f;  // padding keys: p = 0, v = 0
+  cp_async_wait<1>();
+  __syncthreads();
+  for (int hh = warp; hh < kPH; hh += NW) {  // warp hh: one head's scores at a time, 8 per lane
     const int h = hg0 + hh;
     float* prow = ps + hh * kPS;
     if (h >= H) {
       for (int j = lane; j < cntr; j += 32) prow[j] = 0.0f;
       continue;
     }
-    const float* srow = scores + (t * H + h) * sstride + i0;
     float sv[kPK / 32];
     float m = -INFINITY;
 #pragma unroll
     for (int r = 0; r < kPK / 32; ++r) {
       const int j = lane + 32 * r;
-      sv[r] = j < cnt ? srow[j] : -INFINITY;
+      sv[r] = j < cnt ? prow[j] : -INFINITY;
       m = fmaxf(m, sv[r]);
     }
     m = warp_max(m);
@@ -207,13 +222,13 @@ __global__ void __launch_bounds__(256) mla_decode_pv_kernel(
   }
   cp_async_wait<0>();
   __syncthreads();
-  const int kg = tid >> 6, ht = (tid >> 3) & 7, ct = tid & 7;
+  const int kg = tid >> 6, ht = (tid >> 3) & 7, ct = tid & 7;  // kg < KG
   float acc[8][4];
 #pragma unroll
   for (int i = 0; i < 8; ++i)
 #pragma unroll
     for (int c = 0; c < 4; ++c) acc[i][c] = 0.0f;
-  for (int j = 4 * kg; j < cntr; j += 16) {
+  for (int j = 4 * kg; j < cntr; j += 4 * KG) {
     float4 v[4];
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) v[jj] = *reinterpret_cast<const float4*>(vs + (j + jj) * kPC + 4 * ct);
@@ -231,18 +246,18 @@ __global__ void __launch_bounds__(256) mla_decode_pv_kernel(
     }
   }
   __syncthreads();  // ps is dead: the 4 key quarters' sums meet there
-  float* red = ps;  // [4][kPH][kPC + 1]
+  float* red = ps;  // [KG][kPH][kPC + 1] (past ps into vs for KG = 8: both are dead)
 #pragma unroll
   for (int i = 0; i < 8; ++i)
 #pragma unroll
     for (int c = 0; c < 4; ++c) red[(kg * kPH + ht + 8 * i) * (kPC + 1) + 4 * ct + c] = acc[i][c];
   __syncthreads();
-  for (int o = tid; o < kPH * kPC; o += 256) {
+  for (int o = tid; o < kPH * kPC; o += NT) {
     const int h = o / kPC, c = o % kPC;
     if (hg0 + h >= H) continue;
     float sum = 0.0f;
 #pragma unroll
-    for (int x = 0; x < 4; ++x) sum += red[(x * kPH + h) * (kPC + 1) + c];
+    for (int x = 0; x < KG; ++x) sum += red[(x * kPH + h) * (kPC + 1) + c];
     opart[((t * H + hg0 + h) * nks + s) * L + c0 + c] = sum;
   }
 }
@@ -261,6 +276,24 @@ __global__ void __launch_bounds__(256) mla_decode_merge_wuv_kernel(
   const int h = int(blockIdx.x);
   const int64_t t = blockIdx.z;
   const int64_t base = (t * H + h) * nks;
+  // This warp's rows, and their first PF 16-byte chunks per lane loaded before the merge (at
+  // bf16 and L = 512 the whole rows), so the weight stream overlaps the merge's dependent loads.
+  constexpr int PF = 2;
+  const int j0 = int(blockIdx.y) * kWR + warp * RPW;
+  const uint4* wr[RPW];
+  const float* srow[RPW];
+  uint4 wpre[PF][RPW];
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) {
+    const int64_t row = int64_t(h) * hw + nope + (j0 + r < vd ? j0 + r : vd - 1);
+    wr[r] = reinterpret_cast<const uint4*>(static_cast<const char*>(kvb.w) + row * L * elem_bytes<DT>());
+    srow[r] = DT == W_FP8 ? kvb.s + (row >> 7) * kvb.s_cols : nullptr;
+  }
+#pragma unroll
+  for (int pf = 0; pf < PF; ++pf)
+#pragma unroll
+    for (int r = 0; r < RPW; ++r)
+      if (lane + 32 * pf < L / N) wpre[pf][r] = ldg_stream(wr[r] + lane + 32 * pf);
   float M = -INFINITY;
   for (int s = 0; s < nks; ++s) M = fmaxf(M, mpart[base + s]);
   float denom = 0.0f;
@@ -277,21 +310,10 @@ __global__ void __launch_bounds__(256) mla_decode_merge_wuv_kernel(
     olat[c] = acc * inv;
   }
   __syncthreads();
-  const int j0 = int(blockIdx.y) * kWR + warp * RPW;
   float acc[RPW];
-  const uint4* wr[RPW];
-  const float* srow[RPW];
 #pragma unroll
-  for (int r = 0; r < RPW; ++r) {
-    acc[r] = 0.0f;
-    const int64_t row = int64_t(h) * hw + nope + (j0 + r < vd ? j0 + r : vd - 1);
-    wr[r] = reinterpret_cast<const uint4*>(static_cast<const char*>(kvb.w) + row * L * elem_bytes<DT>());
-    srow[r] = DT == W_FP8 ? kvb.s + (row >> 7) * kvb.s_cols : nullptr;
-  }
-  for (int v = lane; v < L / N; v += 32) {
-    uint4 w[RPW];
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) w[r] = ldg_stream(wr[r] + v);
+  for (int r = 0; r < RPW; ++r) acc[r] = 0.0f;
+  auto consume = [&](int v, const uint4 (&w)[RPW]) {
     float x[N];
 #pragma unroll
     for (int i = 0; i < N / 4; ++i) {
@@ -311,6 +333,15 @@ __global__ void __launch_bounds__(256) mla_decode_merge_wuv_kernel(
       if constexpr (DT == W_FP8) acc[r] = fmaf(srow[r][(v * N) >> 7], p, acc[r]);
       else acc[r] += p;
     }
+  };
+#pragma unroll
+  for (int pf = 0; pf < PF; ++pf)
+    if (lane + 32 * pf < L / N) consume(lane + 32 * pf, wpre[pf]);
+  for (int v = lane + 32 * PF; v < L / N; v += 32) {
+    uint4 w[RPW];
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) w[r] = ldg_stream(wr[r] + v);
+    consume(v, w);
   }
 #pragma unroll
   for (int r = 0; r < RPW; ++r) {
@@ -383,6 +414,7 @@ __global__ void __launch_bounds__(1024) indexer_topk_reg_kernel(const float* __r
     // their counts first (one shared-memory atomic per distinct bin per warp and register slot).
 #pragma unroll
     for (int r = 0; r < R; ++r) {
+      if (warp * 32 * R + r >= n) break;  // this warp's lowest key in slot r: past the row, for all lanes
       const bool in = u0 + r < n && (key[r] & pmask) == prefix;
       const int bin = in ? int((key[r] >> shift) & 255u) : -1;
       const unsigned same = __match_any_sync(0xffffffffu, bin);
@@ -478,30 +510,52 @@ bool mla_decode_fast(const DecodeAttnArgs& a, cudaStream_t st) {
   auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
   const int P = score_tile_stride(int(kvw));
   // The tiles' space also holds the 4 column quarters' sums at the end.
-  const size_t smem_s = size_t(std::max((kSH + kSK) * P, 4 * kSH * (kSK + 1))) * 4 + kSK * 4;
+  const size_t smem_s = size_t(std::max((kSH + kSK) * P, 8 * kSH * (kSK + 1))) * 4 + kSK * 4;
   const size_t smem_p = size_t(kPH * kPS + kPK * kPC) * 4 + kPK * 4;
   if (!a.scores || a.max_keys <= 0 || L % kPC != 0 || kvw % 4 != 0 || a.qw % 4 != 0 || a.nope % 4 != 0 ||
       !aligned(a.qlat) || !aligned(a.q) || !aligned(a.kv) || !rows_vectorizable(a.kvb, L) ||
       smem_s > size_t(227) * 1024)
     return false;
+  // Experiment switch (threads of the scores and o_lat kernels: 64 x KQ, 64 x KG).
+  static const int variant = [] {
+    const char* e = std::getenv("VIREO_DECODE_VARIANT");
+    return e ? std::atoi(e) : 0;
+  }();
+  const bool s8 = variant & 1, p8 = variant & 2;
   static bool configured = false;
   if (!configured) {
+    VIREO_CUDA_CHECK(cudaFuncSetAttribute(mla_decode_scores_kernel<4>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          227 * 1024));
+    VIREO_CUDA_CHECK(cudaFuncSetAttribute(mla_decode_scores_kernel<8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          227 * 1024));
     VIREO_CUDA_CHECK(
-        cudaFuncSetAttribute(mla_decode_scores_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
+        cudaFuncSetAttribute(mla_decode_pv_kernel<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_p)));
     VIREO_CUDA_CHECK(
-        cudaFuncSetAttribute(mla_decode_pv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_p)));
+        cudaFuncSetAttribute(mla_decode_pv_kernel<8>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_p)));
     configured = true;
   }
   const int64_t sstride = (a.max_keys + kSK - 1) / kSK * kSK;
   const int nks = int((a.max_keys + kPK - 1) / kPK);
   const int H = int(a.H), nhg = int((a.H + kPH - 1) / kPH);
-  mla_decode_scores_kernel<<<dim3(unsigned(sstride / kSK), unsigned((a.H + kSH - 1) / kSH), unsigned(a.T)), 256,
-                             smem_s, st>>>(a.qlat, a.q, H, int(a.qw), int(a.nope), int(L), a.kv, int(kvw), a.pos0,
-                                           a.pos0_dev, a.sel, a.counts, a.sel_stride, a.scale, sstride, a.scores);
+  const dim3 sgrid(unsigned(sstride / kSK), unsigned((a.H + kSH - 1) / kSH), unsigned(a.T));
+  if (s8)
+    mla_decode_scores_kernel<8><<<sgrid, 512, smem_s, st>>>(a.qlat, a.q, H, int(a.qw), int(a.nope), int(L), a.kv,
+                                                            int(kvw), a.pos0, a.pos0_dev, a.sel, a.counts,
+                                                            a.sel_stride, a.scale, sstride, a.scores);
+  else
+    mla_decode_scores_kernel<4><<<sgrid, 256, smem_s, st>>>(a.qlat, a.q, H, int(a.qw), int(a.nope), int(L), a.kv,
+                                                            int(kvw), a.pos0, a.pos0_dev, a.sel, a.counts,
+                                                            a.sel_stride, a.scale, sstride, a.scores);
   VIREO_CUDA_LAUNCHED();
-  mla_decode_pv_kernel<<<dim3(unsigned(L / kPC), unsigned(nks), unsigned(a.T * nhg)), 256, smem_p, st>>>(
-      a.scores, sstride, H, nhg, int(L), a.kv, int(kvw), a.pos0, a.pos0_dev, a.sel, a.counts, a.sel_stride, nks,
-      a.opart, a.mpart, a.lpart);
+  const dim3 pgrid(unsigned(L / kPC), unsigned(nks), unsigned(a.T * nhg));
+  if (p8)
+    mla_decode_pv_kernel<8><<<pgrid, 512, smem_p, st>>>(a.scores, sstride, H, nhg, int(L), a.kv, int(kvw), a.pos0,
+                                                        a.pos0_dev, a.sel, a.counts, a.sel_stride, nks, a.opart,
+                                                        a.mpart, a.lpart);
+  else
+    mla_decode_pv_kernel<4><<<pgrid, 256, smem_p, st>>>(a.scores, sstride, H, nhg, int(L), a.kv, int(kvw), a.pos0,
+                                                        a.pos0_dev, a.sel, a.counts, a.sel_stride, nks, a.opart,
+                                                        a.mpart, a.lpart);
   VIREO_CUDA_LAUNCHED();
   const dim3 grid(unsigned(a.H), unsigned((a.vd + kWR - 1) / kWR), unsigned(a.T));
   const size_t smem_m = size_t(L + nks) * 4;
