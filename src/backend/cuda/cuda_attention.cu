@@ -43,14 +43,17 @@ __global__ void absorb_q_kernel(const float* __restrict__ q, int64_t H, int64_t 
 }
 
 // q_lat[t, h, c] = sum_i q[t, h, i] W_UK(h)[i, c] with 16-byte weight loads: lane l of warp w owns
-// the N columns c0 + l N .. of this block and rows i = w, w + 8, ..; the 8 warps' partial sums are
-// added in a fixed order. Grid (H, ceil(L / (32 N)), T): ~one block per SM for GLM-5 shapes.
+// the N columns c0 + l N .. of this block and rows i = w, w + kAqW, ..; the kAqW warps' partial
+// sums are added in a fixed order. Grid (H, ceil(L / (32 N)), T): ~one block per SM for GLM-5
+// shapes, so the loads in flight per SM are those of one block: 16 warps, each with several rows'
+// loads issued ahead (8 warps, one row at a time: 12.6 MB of W_UK in 8.8 us, ~1.4 TB/s).
+constexpr int kAqW = 16;
 template <int DT>
-__global__ void __launch_bounds__(256) absorb_q_vec_kernel(const float* __restrict__ q, int64_t H, int64_t qw,
+__global__ void __launch_bounds__(kAqW * 32) absorb_q_vec_kernel(const float* __restrict__ q, int64_t H, int64_t qw,
                                                            int64_t nope, DevW kvb, int64_t hw, int64_t L,
                                                            float* __restrict__ qlat) {
   constexpr int N = GemvVec<DT>::n;
-  __shared__ float red[8][32 * N];
+  __shared__ float red[kAqW][32 * N];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t h = blockIdx.x, t = blockIdx.z, c0 = int64_t(blockIdx.y) * 32 * N + lane * N;
   const float* qp = q + (t * H + h) * qw;
@@ -58,10 +61,9 @@ __global__ void __launch_bounds__(256) absorb_q_vec_kernel(const float* __restri
 #pragma unroll
   for (int j = 0; j < N; ++j) acc[j] = 0.0f;
   if (c0 < L) {
-    // Unrolled so that several rows' 16-byte loads are in flight per thread (one at a time left
-    // the kernel latency-bound: 12.6 MB of W_UK in 8.8 us); the sum order per thread is unchanged.
-#pragma unroll 8
-    for (int64_t i = warp; i < nope; i += 8) {
+    // Unrolled so that several rows' 16-byte loads are in flight per thread.
+#pragma unroll 4
+    for (int64_t i = warp; i < nope; i += kAqW) {
       const int64_t row = h * hw + i;
       const uint4 v = ldg_stream(reinterpret_cast<const uint4*>(static_cast<const char*>(kvb.w) +
                                                                 (row * L + c0) * elem_bytes<DT>()));
@@ -81,7 +83,7 @@ __global__ void __launch_bounds__(256) absorb_q_vec_kernel(const float* __restri
     if (c >= L) continue;
     float sum = 0.0f;
 #pragma unroll
-    for (int w = 0; w < 8; ++w) sum += red[w][x];
+    for (int w = 0; w < kAqW; ++w) sum += red[w][x];
     qlat[(t * H + h) * L + c] = sum;
   }
 }
@@ -603,12 +605,15 @@ __global__ void indexer_score_kernel(const float* __restrict__ q, const float* _
 
 // The same scores, bit for bit (each dot product still a sequential unfused multiply-add over x,
 // heads summed in order), blocked for shared-memory bandwidth: lane j owns key u0 + j, warp w
-// heads 4w..4w+3 (+32 per round), and x advances 4 at a time with 16-byte loads (the query rows
-// are broadcast). Per 4 x-steps a warp loads 1 key vector and 4 query vectors for 4 x 32 dot
-// products, against 2 scalar loads per product before. Needs d % 4 == 0. The grid covers only the
-// rows that select (t >= t_first: more causal keys than topk); key blocks past a row's causal
-// keys exit at once.
-__global__ void __launch_bounds__(256) indexer_score_v4_kernel(const float* __restrict__ q,
+// heads kV4H w .. kV4H w + kV4H - 1 (+32 per round), and x advances 4 at a time with 16-byte
+// loads (the query rows are broadcast). Per 4 x-steps a warp loads 1 key vector and kV4H query
+// vectors for kV4H x 32 dot products, against 2 scalar loads per product before. 16 warps of 2
+// heads rather than 8 of 4: a block per SM (4096 keys: 128 blocks), so the warps, not the blocks,
+// hide the load and dependent-add latency (8 warps: 7.9 cycles between a warp's instructions,
+// 12.7 us). Needs d % 4 == 0. The grid covers only the rows that select (t >= t_first: more
+// causal keys than topk); key blocks past a row's causal keys exit at once.
+constexpr int kV4H = 2, kV4Threads = 512;
+__global__ void __launch_bounds__(kV4Threads) indexer_score_v4_kernel(const float* __restrict__ q,
                                                                const float* __restrict__ wts,
                                                                const float* __restrict__ keys, int64_t nI, int64_t d,
                                                                int64_t n_keys, int64_t pos0,
@@ -632,13 +637,13 @@ __global__ void __launch_bounds__(256) indexer_score_v4_kernel(const float* __re
   }
   __syncthreads();
   const int warp = int(threadIdx.x >> 5), j = int(threadIdx.x & 31);
-  for (int64_t h0 = int64_t(warp) * 4; h0 < nI; h0 += 32) {
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int64_t h0 = int64_t(warp) * kV4H; h0 < nI; h0 += (kV4Threads / 32) * kV4H) {
+    float acc[kV4H] = {};
     const float4* kr = ks + j * kp4;
     for (int64_t x = 0; x < d4; ++x) {
       const float4 kv = kr[x];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
+      for (int i = 0; i < kV4H; ++i) {
         if (h0 + i >= nI) break;
         const float4 qv = qs[(h0 + i) * d4 + x];
         float a = acc[i];
@@ -650,7 +655,7 @@ __global__ void __launch_bounds__(256) indexer_score_v4_kernel(const float* __re
       }
     }
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
+    for (int i = 0; i < kV4H; ++i)
       if (h0 + i < nI) {
         const float dd = __fmul_rn(acc[i], scale);
         part[j * (nI + 1) + h0 + i] = __fmul_rn(wts[t * nI + h0 + i], fmaxf(dd, 0.0f));
@@ -853,10 +858,10 @@ void absorb_q(const float* q, int64_t T, int64_t H, int64_t qw, int64_t nope, co
     const int n = 16 / (kvb.dt == W_F32 ? 4 : kvb.dt == W_FP8 ? 1 : 2);
     const dim3 grid(unsigned(H), unsigned((L + 32 * n - 1) / (32 * n)), unsigned(T));
     switch (kvb.dt) {
-      case W_F32: absorb_q_vec_kernel<W_F32><<<grid, 256, 0, st>>>(q, H, qw, nope, kvb, hw, L, qlat); break;
-      case W_BF16: absorb_q_vec_kernel<W_BF16><<<grid, 256, 0, st>>>(q, H, qw, nope, kvb, hw, L, qlat); break;
-      case W_F16: absorb_q_vec_kernel<W_F16><<<grid, 256, 0, st>>>(q, H, qw, nope, kvb, hw, L, qlat); break;
-      default: absorb_q_vec_kernel<W_FP8><<<grid, 256, 0, st>>>(q, H, qw, nope, kvb, hw, L, qlat); break;
+      case W_F32: absorb_q_vec_kernel<W_F32><<<grid, kAqW * 32, 0, st>>>(q, H, qw, nope, kvb, hw, L, qlat); break;
+      case W_BF16: absorb_q_vec_kernel<W_BF16><<<grid, kAqW * 32, 0, st>>>(q, H, qw, nope, kvb, hw, L, qlat); break;
+      case W_F16: absorb_q_vec_kernel<W_F16><<<grid, kAqW * 32, 0, st>>>(q, H, qw, nope, kvb, hw, L, qlat); break;
+      default: absorb_q_vec_kernel<W_FP8><<<grid, kAqW * 32, 0, st>>>(q, H, qw, nope, kvb, hw, L, qlat); break;
     }
   } else {
     absorb_q_kernel<<<dim3(unsigned(H), unsigned(T)), 256, size_t(nope) * 4, st>>>(q, H, qw, nope, kvb, hw, L, qlat);
@@ -967,7 +972,7 @@ void indexer_scores(const float* q, const float* wts, const float* keys, int64_t
     const int64_t t_first = pos0_dev ? 0 : std::max<int64_t>(0, topk - pos0);
     if (t_first >= T) return;
     dim3 grid(unsigned((n_keys + 31) / 32), unsigned(T - t_first));
-    indexer_score_v4_kernel<<<grid, 256, smem4, st>>>(q, wts, keys, nI, d, n_keys, pos0, pos0_dev, topk, scale,
+    indexer_score_v4_kernel<<<grid, kV4Threads, smem4, st>>>(q, wts, keys, nI, d, n_keys, pos0, pos0_dev, topk, scale,
                                                       t_first, scores);
     VIREO_CUDA_LAUNCHED();
     return;
