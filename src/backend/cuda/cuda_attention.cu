@@ -1,10 +1,11 @@
 // MLA attention, the DSA indexer and MoE routing on the GPU.
 //
 // Absorbed (decode) path: W_UK is folded into the query (q_lat = W_UK^T q_nope), attention runs
-// over the cached [latent | k_rope] rows as MQA, split over the key list (flash-decoding: each
-// block does 8 heads x 128 keys and keeps (max, sum, o_lat) partials, so one cache row is read
-// once per 8 heads and long contexts still fill the chip), then a combine kernel merges the splits
-// and applies W_UV.
+// over the cached [latent | k_rope] rows as MQA. By default with every head of a query per block
+// (cuda_decode_attention.cu); the kernels here are the reference and the fallback for shapes those
+// do not take: split over the key list (flash-decoding: each block does 8 heads x 64 keys and keeps
+// (max, sum, o_lat) partials, so one cache row is read once per 8 heads and long contexts still
+// fill the chip), then a combine kernel merges the splits and a third applies W_UV.
 // Reconstructed (prefill) path: kv_b expands the latents into per-head k_nope | v once (a GEMM),
 // then a tiled kernel computes attention under the causal mask and the DSA selection (a bitmask
 // [T, ceil(N/32)]); no T x T matrix is ever stored. Default: tensor cores (mma.sync with bf16
@@ -12,7 +13,8 @@
 // CUDA cores (32 x 32 tiles, online softmax, exact f32 math, ~10x slower).
 // Indexer: scores [T, N] (bit-for-bit the CPU reference's sums, given equal inputs: explicit
 // round-to-nearest multiply and add in its order), then an exact top-k per row by radix select
-// on (score, -position) keys, so ties go to the lower position, written in ascending order.
+// on (score, -position) keys, so ties go to the lower position, written in ascending order (rows
+// of up to 16384 keys take the register-resident top-k of cuda_decode_attention.cu instead).
 #include "backend/cuda/cuda_attention.h"
 #include "backend/cuda/cuda_internal.h"
 
@@ -609,8 +611,8 @@ __global__ void indexer_score_kernel(const float* __restrict__ q, const float* _
 // loads (the query rows are broadcast). Per 4 x-steps a warp loads 1 key vector and kV4H query
 // vectors for kV4H x 32 dot products, against 2 scalar loads per product before. 16 warps of 2
 // heads rather than 8 of 4: a block per SM (4096 keys: 128 blocks), so the warps, not the blocks,
-// hide the load and dependent-add latency (8 warps: 7.9 cycles between a warp's instructions,
-// 12.7 us). Needs d % 4 == 0. The grid covers only the rows that select (t >= t_first: more
+// hide the load and dependent-add latency (8 warps of 4 heads: 7.9 cycles between a warp's
+// instructions, 12.7 us at 4096 keys; 16 of 2: 10.1 us). Needs d % 4 == 0. The grid covers only the rows that select (t >= t_first: more
 // causal keys than topk); key blocks past a row's causal keys exit at once.
 constexpr int kV4H = 2, kV4Threads = 512;
 __global__ void __launch_bounds__(kV4Threads) indexer_score_v4_kernel(const float* __restrict__ q,

@@ -20,7 +20,6 @@
 // row, and fills the chip (128 blocks each at 2048 keys) where one fused kernel would need either
 // 16-key splits (16 MB of partials) or a quarter of the SMs.
 #include <algorithm>
-#include <cstdlib>
 
 #include "backend/cuda/cuda_attention.h"
 #include "backend/cuda/cuda_internal.h"
@@ -48,10 +47,11 @@ __device__ __forceinline__ void cp_async_wait() {
 // 4 (heads) or 8 (keys) distinct rows one warp reads with a 16-byte load sit in distinct banks.
 __host__ __device__ inline int score_tile_stride(int kvw) { return (kvw + 31) / 32 * 32 + 4; }
 
-// Grid (key tiles, head groups of 32, T); 256 threads: kq = tid / 64 takes every 4th 16-byte column
-// of the row, ht = (tid / 8) % 8 the heads ht + 8i, kt = tid % 8 the keys kt + 8j (i, j < 4): the
-// strided sets put a warp's distinct rows on distinct banks. The tiles arrive by cp.async in two
-// column halves, the first half's products overlapping the second half's loads.
+// Grid (key tiles, head groups of 32, T); 64 KQ threads: kq = tid / 64 takes every KQ-th 16-byte
+// column of the row, ht = (tid / 8) % 8 the heads ht + 8i, kt = tid % 8 the keys kt + 8j (i, j < 4):
+// the strided sets put a warp's distinct rows on distinct banks. The tiles arrive by cp.async in
+// two column halves, the first half's products overlapping the second half's loads; the KQ column
+// groups' sums meet in shared memory at the end.
 template <int KQ>
 __global__ void __launch_bounds__(64 * KQ) mla_decode_scores_kernel(
     const float* __restrict__ qlat, const float* __restrict__ q, int H, int qw, int nope, int L,
@@ -142,12 +142,12 @@ __global__ void __launch_bounds__(64 * KQ) mla_decode_scores_kernel(
   }
 }
 
-// Grid (L / 32 column slices, key splits of 256, T x head groups of 64); 256 threads. Each block:
-// its heads' scores for the split -> p = exp(s - m_local) in shared memory ([head][key]), the split's
-// 256 x 32 slice of the latent rows (cp.async, issued first so it lands while the scores are read),
-// then o[h, c] = sum_j p[h, j] v[j, c] with thread tile 8 heads (ht + 8i) x 4 columns over every 4th
-// 4-key step (kg = tid / 64), and the 4 key quarters summed through shared memory. Column slice 0
-// also writes each head's (m, l) for the merge.
+// Grid (L / 32 column slices, key splits of 256, T x head groups of 64); 64 KG threads. Each block:
+// its heads' scores for the split (cp.async) -> p = 2^(s - m_local) in shared memory ([head][key]),
+// the split's 256 x 32 slice of the latent rows (cp.async, landing while the scores are
+// exponentiated), then o[h, c] = sum_j p[h, j] v[j, c] with thread tile 8 heads (ht + 8i) x 4
+// columns over every KG-th 4-key step (kg = tid / 64), the KG key groups summed through shared
+// memory. Column slice 0 also writes each head's (m, l) for the merge.
 template <int KG>
 __global__ void __launch_bounds__(64 * KG) mla_decode_pv_kernel(
     const float* __restrict__ scores, int64_t sstride, int H, int nhg, int L, const float* __restrict__ kv, int kvw,
@@ -521,22 +521,15 @@ bool mla_decode_fast(const DecodeAttnArgs& a, cudaStream_t st) {
       !aligned(a.qlat) || !aligned(a.q) || !aligned(a.kv) || !rows_vectorizable(a.kvb, L) ||
       smem_s > size_t(227) * 1024)
     return false;
-  // Experiment switch (threads of the scores and o_lat kernels: 64 x KQ, 64 x KG).
-  static const int variant = [] {
-    const char* e = std::getenv("VIREO_DECODE_VARIANT");
-    return e ? std::atoi(e) : 3;
-  }();
-  const bool s8 = variant & 1, p8 = variant & 2;
+  // 512 threads (KQ = KG = 8) for both: measured against 256 (KQ = KG = 4) at GLM-5 shapes, 2048
+  // keys, -3.3 us per layer (docs/notes/cuda-decode-attention.md); one block per SM either way.
+  constexpr int KQ = 8, KG = 8;
   static bool configured = false;
   if (!configured) {
-    VIREO_CUDA_CHECK(cudaFuncSetAttribute(mla_decode_scores_kernel<4>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          227 * 1024));
-    VIREO_CUDA_CHECK(cudaFuncSetAttribute(mla_decode_scores_kernel<8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    VIREO_CUDA_CHECK(cudaFuncSetAttribute(mla_decode_scores_kernel<KQ>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           227 * 1024));
     VIREO_CUDA_CHECK(
-        cudaFuncSetAttribute(mla_decode_pv_kernel<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_p)));
-    VIREO_CUDA_CHECK(
-        cudaFuncSetAttribute(mla_decode_pv_kernel<8>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_p)));
+        cudaFuncSetAttribute(mla_decode_pv_kernel<KG>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_p)));
     configured = true;
   }
   const int64_t sstride = (a.max_keys + kSK - 1) / kSK * kSK;
@@ -544,24 +537,14 @@ bool mla_decode_fast(const DecodeAttnArgs& a, cudaStream_t st) {
   const int H = int(a.H), nhg = int((a.H + kPH - 1) / kPH);
   const dim3 sgrid(unsigned(sstride / kSK), unsigned((a.H + kSH - 1) / kSH), unsigned(a.T));
   const float scale2 = float(double(a.scale) * 1.4426950408889634);  // base-2 scores: see the top
-  if (s8)
-    mla_decode_scores_kernel<8><<<sgrid, 512, smem_s, st>>>(a.qlat, a.q, H, int(a.qw), int(a.nope), int(L), a.kv,
-                                                            int(kvw), a.pos0, a.pos0_dev, a.sel, a.counts,
-                                                            a.sel_stride, scale2, sstride, a.scores);
-  else
-    mla_decode_scores_kernel<4><<<sgrid, 256, smem_s, st>>>(a.qlat, a.q, H, int(a.qw), int(a.nope), int(L), a.kv,
-                                                            int(kvw), a.pos0, a.pos0_dev, a.sel, a.counts,
-                                                            a.sel_stride, scale2, sstride, a.scores);
+  mla_decode_scores_kernel<KQ><<<sgrid, 64 * KQ, smem_s, st>>>(a.qlat, a.q, H, int(a.qw), int(a.nope), int(L), a.kv,
+                                                                int(kvw), a.pos0, a.pos0_dev, a.sel, a.counts,
+                                                                a.sel_stride, scale2, sstride, a.scores);
   VIREO_CUDA_LAUNCHED();
   const dim3 pgrid(unsigned(L / kPC), unsigned(nks), unsigned(a.T * nhg));
-  if (p8)
-    mla_decode_pv_kernel<8><<<pgrid, 512, smem_p, st>>>(a.scores, sstride, H, nhg, int(L), a.kv, int(kvw), a.pos0,
-                                                        a.pos0_dev, a.sel, a.counts, a.sel_stride, nks, a.opart,
-                                                        a.mpart, a.lpart);
-  else
-    mla_decode_pv_kernel<4><<<pgrid, 256, smem_p, st>>>(a.scores, sstride, H, nhg, int(L), a.kv, int(kvw), a.pos0,
-                                                        a.pos0_dev, a.sel, a.counts, a.sel_stride, nks, a.opart,
-                                                        a.mpart, a.lpart);
+  mla_decode_pv_kernel<KG><<<pgrid, 64 * KG, smem_p, st>>>(a.scores, sstride, H, nhg, int(L), a.kv, int(kvw),
+                                                            a.pos0, a.pos0_dev, a.sel, a.counts, a.sel_stride, nks,
+                                                            a.opart, a.mpart, a.lpart);
   VIREO_CUDA_LAUNCHED();
   const dim3 grid(unsigned(a.H), unsigned((a.vd + kWR - 1) / kWR), unsigned(a.T));
   const size_t smem_m = size_t(L + nks) * 4;
