@@ -693,3 +693,142 @@ TEST(CudaOps, MatmulManyMatchesCpu) {
     }
   }
 }
+
+#ifdef VIREO_HAVE_CUDA
+// The absorbed decode attention at GLM-5 head shapes (qk 192 + 64, v 256, kv_lora 512) on 2048
+// selected keys of 4200, with host and run-time positions, on the fast kernels (all heads per
+// block: 64 heads, and 80 = a partial group of 32 and of 64) and the reference ones, BF16 and FP8
+// W_UV; output poisoned first, so every element is written.
+TEST(CudaOps, DecodeAttentionGlmShapesFastAndReference) {
+  REQUIRE_CUDA();
+  Pair p;
+  const int64_t nope = 192, rope = 64, vd = 256, L = 512, N = 4200, stride = 2048;
+  const int64_t qw = nope + rope, kvw = L + rope, hw = nope + vd;
+  auto kv = randv(size_t(N * kvw), 90);
+  float* gkv = p.g.up(kv);
+  for (int64_t H : {int64_t(64), int64_t(80)})
+    for (DType dt : {DType::BF16, DType::F8_E4M3}) {
+      if (H == 80 && dt == DType::F8_E4M3) continue;
+      HostWeight kvb = make_weight(dt, H * hw, L, uint32_t(91 + H));
+      Weight gkvb = p.gpu->upload_weight(kvb.w);
+      for (int64_t T : {int64_t(1), int64_t(3)}) {
+        const int64_t pos0 = N - T;
+        auto q = randv(size_t(T * H * qw), uint32_t(92 + T));
+        std::vector<int32_t> keys, counts;
+        random_selection(T, stride, pos0, uint32_t(93 + T), keys, counts);
+        MlaAttentionArgs a;
+        a.T = T;
+        a.n_heads = H;
+        a.qk_nope = nope;
+        a.qk_rope = rope;
+        a.v_dim = vd;
+        a.kv_lora = L;
+        a.n_keys = N;
+        a.pos0 = pos0;
+        a.scale = 1.0f / std::sqrt(float(qw));
+        a.absorbed = true;
+        std::vector<float> want(size_t(T * H * vd));
+        MlaAttentionArgs c = a;
+        c.q = q.data();
+        c.kv = kv.data();
+        c.kv_b = &kvb.w;
+        c.out = want.data();
+        c.selection = KeySelection{keys.data(), counts.data(), stride};
+        p.cpu->mla_attention(c);
+        MlaAttentionArgs g = a;
+        g.q = p.g.up(q);
+        g.kv = gkv;
+        g.kv_b = &gkvb;
+        g.out = p.g.zeros(want.size());
+        g.selection = KeySelection{p.g.up_i(keys), p.g.up_i(counts), stride};
+        int32_t* gpos = p.g.up_i({int32_t(pos0)});
+        for (bool fast : {true, false})
+          for (bool dev_pos : {false, true}) {
+            cuda_set_fast_decode(*p.gpu, fast, true, true);
+            MlaAttentionArgs gg = g;
+            if (dev_pos) {  // as a recorded step: the bound is larger than the real position
+              gg.pos0_dev = gpos;
+              gg.pos0 = N + 100 - T;
+              gg.n_keys = N + 100;
+            }
+            p.gpu->fill(gg.out, NAN, int64_t(want.size()));
+            p.gpu->mla_attention(gg);
+            const double e = nmse(p.g.down(gg.out, want.size()), want);
+            EXPECT_LT(e, 1e-10) << "H " << H << " " << dt_name(dt) << " T " << T << (fast ? " fast" : " reference")
+                                << (dev_pos ? " run-time pos" : "");
+            std::printf("  decode attention H %lld %-8s T %lld %-9s %s NMSE %.3g\n", (long long)H, dt_name(dt),
+                        (long long)T, fast ? "fast" : "reference", dev_pos ? "run-time" : "host    ", e);
+          }
+        cuda_set_fast_decode(*p.gpu, true, true, true);
+      }
+    }
+}
+
+// The indexer's top-k on long rows (the register top-k holds 4, 8 or 16 keys a thread; 20000
+// keys take the reference kernel), with runs of equal scores (repeated keys) and rows of only 3
+// distinct scores, so the threshold falls inside a run of ~N/3 ties: the selection must
+// equal the CPU's (ties to the lower position), with host and run-time positions, fast and reference.
+TEST(CudaOps, IndexerSelectLongRowsIsIdentical) {
+  REQUIRE_CUDA();
+  Pair p;
+  const int64_t nI = 4, d = 32, topk = 2048;
+  for (int64_t N : {int64_t(3000), int64_t(4096), int64_t(5000), int64_t(12000), int64_t(20000)})
+    for (int ties = 0; ties < 2; ++ties) {
+      const int64_t T = 2, pos0 = N - T;
+      auto q = randv(size_t(T * nI * d), uint32_t(41 + N)), w = randv(size_t(T * nI), uint32_t(42 + N), 0.5f);
+      auto keys = randv(size_t(N * d), uint32_t(43 + N));
+      if (ties == 0) {  // runs of 5 equal keys
+        for (int64_t u = 0; u + 1 < N; ++u)
+          if (u % 5 != 4) std::copy(keys.begin() + u * d, keys.begin() + (u + 1) * d, keys.begin() + (u + 1) * d);
+      } else {  // 3 distinct keys (u % 3): ~N/3 equal scores each, so the threshold falls inside a run
+        for (int64_t u = 3; u < N; ++u)
+          std::copy(keys.begin() + (u % 3) * d, keys.begin() + (u % 3 + 1) * d, keys.begin() + u * d);
+      }
+      IndexerArgs a;
+      a.T = T;
+      a.n_heads = nI;
+      a.head_dim = d;
+      a.n_keys = N;
+      a.pos0 = pos0;
+      a.topk = topk;
+      a.scale = 1.0f / std::sqrt(float(d));
+      std::vector<int32_t> sel(size_t(T * topk), -1), cnt(size_t(T), -1);
+      IndexerArgs c = a;
+      c.q = q.data();
+      c.weights = w.data();
+      c.keys = keys.data();
+      c.selected = sel.data();
+      c.counts = cnt.data();
+      p.cpu->indexer_select(c);
+      std::vector<float> kbound(keys);
+      kbound.resize(size_t((N + 64) * d), 0.0f);
+      IndexerArgs g = a;
+      g.q = p.g.up(q);
+      g.weights = p.g.up(w);
+      g.keys = p.g.up(kbound);
+      int32_t* gpos = p.g.up_i({int32_t(pos0)});
+      for (bool fast : {true, false})
+        for (bool dev_pos : {false, true}) {
+          cuda_set_fast_decode(*p.gpu, true, fast, fast);
+          IndexerArgs gg = g;
+          if (dev_pos) {
+            gg.pos0_dev = gpos;
+            gg.pos0 = N + 64 - T;
+            gg.n_keys = N + 64;
+          }
+          gg.selected = p.g.up_i(std::vector<int32_t>(sel.size(), -1));
+          gg.counts = p.g.zeros_i(cnt.size());
+          p.gpu->indexer_select(gg);
+          auto gcnt = p.g.down_i(gg.counts, cnt.size());
+          auto gsel = p.g.down_i(gg.selected, sel.size());
+          const std::string what = "N " + std::to_string(N) + " ties " + std::to_string(ties) +
+                                   (fast ? " fast" : " reference") + (dev_pos ? " run-time pos" : "");
+          ASSERT_EQ(gcnt, cnt) << what;
+          for (int64_t t = 0; t < T; ++t)
+            for (int64_t i = 0; i < cnt[size_t(t)]; ++i)
+              ASSERT_EQ(gsel[size_t(t * topk + i)], sel[size_t(t * topk + i)]) << what << " t " << t << " i " << i;
+        }
+      cuda_set_fast_decode(*p.gpu, true, true, true);
+    }
+}
+#endif

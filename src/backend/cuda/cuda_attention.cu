@@ -1,10 +1,11 @@
 // MLA attention, the DSA indexer and MoE routing on the GPU.
 //
 // Absorbed (decode) path: W_UK is folded into the query (q_lat = W_UK^T q_nope), attention runs
-// over the cached [latent | k_rope] rows as MQA, split over the key list (flash-decoding: each
-// block does 8 heads x 128 keys and keeps (max, sum, o_lat) partials, so one cache row is read
-// once per 8 heads and long contexts still fill the chip), then a combine kernel merges the splits
-// and applies W_UV.
+// over the cached [latent | k_rope] rows as MQA. By default with every head of a query per block
+// (cuda_decode_attention.cu); the kernels here are the reference and the fallback for shapes those
+// do not take: split over the key list (flash-decoding: each block does 8 heads x 64 keys and keeps
+// (max, sum, o_lat) partials, so one cache row is read once per 8 heads and long contexts still
+// fill the chip), then a combine kernel merges the splits and a third applies W_UV.
 // Reconstructed (prefill) path: kv_b expands the latents into per-head k_nope | v once (a GEMM),
 // then a tiled kernel computes attention under the causal mask and the DSA selection (a bitmask
 // [T, ceil(N/32)]); no T x T matrix is ever stored. Default: tensor cores (mma.sync with bf16
@@ -12,7 +13,8 @@
 // CUDA cores (32 x 32 tiles, online softmax, exact f32 math, ~10x slower).
 // Indexer: scores [T, N] (bit-for-bit the CPU reference's sums, given equal inputs: explicit
 // round-to-nearest multiply and add in its order), then an exact top-k per row by radix select
-// on (score, -position) keys, so ties go to the lower position, written in ascending order.
+// on (score, -position) keys, so ties go to the lower position, written in ascending order (rows
+// of up to 16384 keys take the register-resident top-k of cuda_decode_attention.cu instead).
 #include "backend/cuda/cuda_attention.h"
 #include "backend/cuda/cuda_internal.h"
 
@@ -43,14 +45,17 @@ __global__ void absorb_q_kernel(const float* __restrict__ q, int64_t H, int64_t 
 }
 
 // q_lat[t, h, c] = sum_i q[t, h, i] W_UK(h)[i, c] with 16-byte weight loads: lane l of warp w owns
-// the N columns c0 + l N .. of this block and rows i = w, w + 8, ..; the 8 warps' partial sums are
-// added in a fixed order. Grid (H, ceil(L / (32 N)), T): ~one block per SM for GLM-5 shapes.
+// the N columns c0 + l N .. of this block and rows i = w, w + kAqW, ..; the kAqW warps' partial
+// sums are added in a fixed order. Grid (H, ceil(L / (32 N)), T): ~one block per SM for GLM-5
+// shapes, so the loads in flight per SM are those of one block: 16 warps, each with several rows'
+// loads issued ahead (8 warps, one row at a time: 12.6 MB of W_UK in 8.8 us, ~1.4 TB/s).
+constexpr int kAqW = 16;
 template <int DT>
-__global__ void __launch_bounds__(256) absorb_q_vec_kernel(const float* __restrict__ q, int64_t H, int64_t qw,
+__global__ void __launch_bounds__(kAqW * 32) absorb_q_vec_kernel(const float* __restrict__ q, int64_t H, int64_t qw,
                                                            int64_t nope, DevW kvb, int64_t hw, int64_t L,
                                                            float* __restrict__ qlat) {
   constexpr int N = GemvVec<DT>::n;
-  __shared__ float red[8][32 * N];
+  __shared__ float red[kAqW][32 * N];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t h = blockIdx.x, t = blockIdx.z, c0 = int64_t(blockIdx.y) * 32 * N + lane * N;
   const float* qp = q + (t * H + h) * qw;
@@ -58,7 +63,9 @@ __global__ void __launch_bounds__(256) absorb_q_vec_kernel(const float* __restri
 #pragma unroll
   for (int j = 0; j < N; ++j) acc[j] = 0.0f;
   if (c0 < L) {
-    for (int64_t i = warp; i < nope; i += 8) {
+    // Unrolled so that several rows' 16-byte loads are in flight per thread.
+#pragma unroll 4
+    for (int64_t i = warp; i < nope; i += kAqW) {
       const int64_t row = h * hw + i;
       const uint4 v = ldg_stream(reinterpret_cast<const uint4*>(static_cast<const char*>(kvb.w) +
                                                                 (row * L + c0) * elem_bytes<DT>()));
@@ -78,7 +85,7 @@ __global__ void __launch_bounds__(256) absorb_q_vec_kernel(const float* __restri
     if (c >= L) continue;
     float sum = 0.0f;
 #pragma unroll
-    for (int w = 0; w < 8; ++w) sum += red[w][x];
+    for (int w = 0; w < kAqW; ++w) sum += red[w][x];
     qlat[(t * H + h) * L + c] = sum;
   }
 }
@@ -600,17 +607,23 @@ __global__ void indexer_score_kernel(const float* __restrict__ q, const float* _
 
 // The same scores, bit for bit (each dot product still a sequential unfused multiply-add over x,
 // heads summed in order), blocked for shared-memory bandwidth: lane j owns key u0 + j, warp w
-// heads 4w..4w+3 (+32 per round), and x advances 4 at a time with 16-byte loads (the query rows
-// are broadcast). Per 4 x-steps a warp loads 1 key vector and 4 query vectors for 4 x 32 dot
-// products, against 2 scalar loads per product before. Needs d % 4 == 0. The grid covers only the
-// rows that select (t >= t_first: more causal keys than topk); key blocks past a row's causal
-// keys exit at once.
-__global__ void __launch_bounds__(256) indexer_score_v4_kernel(const float* __restrict__ q,
+// heads kV4H w .. kV4H w + kV4H - 1 (+32 per round), and x advances 4 at a time with 16-byte
+// loads (the query rows are broadcast). Per 4 x-steps a warp loads 1 key vector and kV4H query
+// vectors for kV4H x 32 dot products, against 2 scalar loads per product before. 16 warps of 2
+// heads rather than 8 of 4: a block per SM (4096 keys: 128 blocks), so the warps, not the blocks,
+// hide the load and dependent-add latency (8 warps of 4 heads: 7.9 cycles between a warp's
+// instructions, 12.7 us at 4096 keys; 16 of 2: 10.1 us). Needs d % 4 == 0. The grid covers only the rows that select (t >= t_first: more
+// causal keys than topk); key blocks past a row's causal keys exit at once.
+constexpr int kV4H = 2, kV4Threads = 512;
+__global__ void __launch_bounds__(kV4Threads) indexer_score_v4_kernel(const float* __restrict__ q,
                                                                const float* __restrict__ wts,
                                                                const float* __restrict__ keys, int64_t nI, int64_t d,
-                                                               int64_t n_keys, int64_t pos0, int64_t topk, float scale,
-                                                               int64_t t_first, float* __restrict__ scores) {
+                                                               int64_t n_keys, int64_t pos0,
+                                                               const int32_t* __restrict__ pos0_dev, int64_t topk,
+                                                               float scale, int64_t t_first,
+                                                               float* __restrict__ scores) {
   extern __shared__ float4 sm4[];
+  if (pos0_dev) pos0 = *pos0_dev;  // then t_first is 0 and the grid covers the bound's keys
   const int64_t t = t_first + blockIdx.y, n_causal = pos0 + t + 1, u0 = int64_t(blockIdx.x) * 32;
   if (n_causal <= topk || u0 >= n_causal) return;  // whole block: uniform
   const int64_t d4 = d / 4, kp4 = d4 + 1;          // key rows padded by 16 bytes: conflict-free
@@ -626,13 +639,13 @@ __global__ void __launch_bounds__(256) indexer_score_v4_kernel(const float* __re
   }
   __syncthreads();
   const int warp = int(threadIdx.x >> 5), j = int(threadIdx.x & 31);
-  for (int64_t h0 = int64_t(warp) * 4; h0 < nI; h0 += 32) {
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int64_t h0 = int64_t(warp) * kV4H; h0 < nI; h0 += (kV4Threads / 32) * kV4H) {
+    float acc[kV4H] = {};
     const float4* kr = ks + j * kp4;
     for (int64_t x = 0; x < d4; ++x) {
       const float4 kv = kr[x];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
+      for (int i = 0; i < kV4H; ++i) {
         if (h0 + i >= nI) break;
         const float4 qv = qs[(h0 + i) * d4 + x];
         float a = acc[i];
@@ -644,7 +657,7 @@ __global__ void __launch_bounds__(256) indexer_score_v4_kernel(const float* __re
       }
     }
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
+    for (int i = 0; i < kV4H; ++i)
       if (h0 + i < nI) {
         const float dd = __fmul_rn(acc[i], scale);
         part[j * (nI + 1) + h0 + i] = __fmul_rn(wts[t * nI + h0 + i], fmaxf(dd, 0.0f));
@@ -654,7 +667,8 @@ __global__ void __launch_bounds__(256) indexer_score_v4_kernel(const float* __re
   if (threadIdx.x < 32) {
     const int64_t u = u0 + threadIdx.x;
     if (u < n_causal) {
-      float s = 0.0f;
+      float s = 0.0f;  // unrolled: the shared loads issue ahead of the (ordered) adds
+#pragma unroll 8
       for (int64_t jh = 0; jh < nI; ++jh) s = __fadd_rn(s, part[threadIdx.x * (nI + 1) + jh]);
       scores[t * n_keys + u] = s;
     }
@@ -846,10 +860,10 @@ void absorb_q(const float* q, int64_t T, int64_t H, int64_t qw, int64_t nope, co
     const int n = 16 / (kvb.dt == W_F32 ? 4 : kvb.dt == W_FP8 ? 1 : 2);
     const dim3 grid(unsigned(H), unsigned((L + 32 * n - 1) / (32 * n)), unsigned(T));
     switch (kvb.dt) {
-      case W_F32: absorb_q_vec_kernel<W_F32><<<grid, 256, 0, st>>>(q, H, qw, nope, kvb, hw, L, qlat); break;
-      case W_BF16: absorb_q_vec_kernel<W_BF16><<<grid, 256, 0, st>>>(q, H, qw, nope, kvb, hw, L, qlat); break;
-      case W_F16: absorb_q_vec_kernel<W_F16><<<grid, 256, 0, st>>>(q, H, qw, nope, kvb, hw, L, qlat); break;
-      default: absorb_q_vec_kernel<W_FP8><<<grid, 256, 0, st>>>(q, H, qw, nope, kvb, hw, L, qlat); break;
+      case W_F32: absorb_q_vec_kernel<W_F32><<<grid, kAqW * 32, 0, st>>>(q, H, qw, nope, kvb, hw, L, qlat); break;
+      case W_BF16: absorb_q_vec_kernel<W_BF16><<<grid, kAqW * 32, 0, st>>>(q, H, qw, nope, kvb, hw, L, qlat); break;
+      case W_F16: absorb_q_vec_kernel<W_F16><<<grid, kAqW * 32, 0, st>>>(q, H, qw, nope, kvb, hw, L, qlat); break;
+      default: absorb_q_vec_kernel<W_FP8><<<grid, kAqW * 32, 0, st>>>(q, H, qw, nope, kvb, hw, L, qlat); break;
     }
   } else {
     absorb_q_kernel<<<dim3(unsigned(H), unsigned(T)), 256, size_t(nope) * 4, st>>>(q, H, qw, nope, kvb, hw, L, qlat);
@@ -860,6 +874,7 @@ void absorb_q(const float* q, int64_t T, int64_t H, int64_t qw, int64_t nope, co
 int decode_splits(int64_t max_keys) { return int(std::max<int64_t>(1, (max_keys + kSplit - 1) / kSplit)); }
 
 void mla_decode(const DecodeAttnArgs& a, cudaStream_t st) {
+  if (a.fast && mla_decode_fast(a, st)) return;
   const size_t smem = size_t(kHG * a.kvw + kChunk * (a.kvw + 1) + kHG * kSplit) * 4 + size_t(kSplit) * 4;
   static bool configured = false;
   if (!configured) {
@@ -943,22 +958,24 @@ void mla_prefill(const PrefillAttnArgs& a, cudaStream_t st) {
 
 void indexer_scores(const float* q, const float* wts, const float* keys, int64_t T, int64_t nI, int64_t d,
                     int64_t n_keys, int64_t pos0, const int32_t* pos0_dev, int64_t topk, float scale, float* scores,
-                    cudaStream_t st) {
+                    cudaStream_t st, bool fast) {
   const bool aligned = reinterpret_cast<uintptr_t>(q) % 16 == 0 && reinterpret_cast<uintptr_t>(keys) % 16 == 0;
   const size_t smem4 = size_t(nI * d + 32 * (d + 4) + 32 * (nI + 1)) * 4;
-  // Run-time positions (a recorded decode step) take the plain kernel below, which reads them.
-  if (!pos0_dev && d % 4 == 0 && aligned && smem4 <= 200 * 1024) {
+  // Run-time positions (a recorded decode step): every row and the bound's key blocks are
+  // launched, rows and blocks past the real causal count exit at once.
+  if ((fast || !pos0_dev) && d % 4 == 0 && aligned && smem4 <= 200 * 1024) {
     static bool configured4 = false;
     if (!configured4) {
       VIREO_CUDA_CHECK(
           cudaFuncSetAttribute(indexer_score_v4_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
       configured4 = true;
     }
-    const int64_t t_first = std::max<int64_t>(0, topk - pos0);  // rows before it take every causal key
+    // Rows before t_first take every causal key (no scores needed).
+    const int64_t t_first = pos0_dev ? 0 : std::max<int64_t>(0, topk - pos0);
     if (t_first >= T) return;
     dim3 grid(unsigned((n_keys + 31) / 32), unsigned(T - t_first));
-    indexer_score_v4_kernel<<<grid, 256, smem4, st>>>(q, wts, keys, nI, d, n_keys, pos0, topk, scale, t_first,
-                                                      scores);
+    indexer_score_v4_kernel<<<grid, kV4Threads, smem4, st>>>(q, wts, keys, nI, d, n_keys, pos0, pos0_dev, topk, scale,
+                                                      t_first, scores);
     VIREO_CUDA_LAUNCHED();
     return;
   }
@@ -976,7 +993,8 @@ void indexer_scores(const float* q, const float* wts, const float* keys, int64_t
 }
 
 void indexer_topk(const float* scores, int64_t T, int64_t n_keys, int64_t pos0, const int32_t* pos0_dev, int64_t topk,
-                  int32_t* selected, int32_t* counts, cudaStream_t st) {
+                  int32_t* selected, int32_t* counts, cudaStream_t st, bool fast) {
+  if (fast && indexer_topk_fast(scores, T, n_keys, pos0, pos0_dev, topk, selected, counts, st)) return;
   constexpr int64_t kMaxCached = 12288;  // keys (96 KiB of shared memory)
   static bool configured = false;
   if (!configured) {

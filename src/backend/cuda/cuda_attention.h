@@ -29,10 +29,19 @@ struct DecodeAttnArgs {
   DevW kvb;
   float* out = nullptr;    // [T, H, vd]
   const int32_t* pos0_dev = nullptr;  // run-time pos0 (then pos0 above is a bound)
+  // The fast kernels (cuda_decode_attention.cu): max_keys bounds every query's key count, scores
+  // holds [T, H, max_keys rounded up to 32] floats. fast = false: the reference kernels.
+  int64_t max_keys = 0;
+  float* scores = nullptr;
+  bool fast = true;
 };
-// Splits of the decode kernel for a key list of at most `max_keys`.
+// Splits of the decode kernels for a key list of at most `max_keys` (sizes the partials: both
+// kernel sets fit in T x H x decode_splits(max_keys) x (L + 2) floats).
 int decode_splits(int64_t max_keys);
 void mla_decode(const DecodeAttnArgs& a, cudaStream_t st);
+// All heads of a query per block (scores, then o_lat partials, then merge + W_UV). False (nothing
+// launched) when the shapes or alignments do not fit those kernels.
+bool mla_decode_fast(const DecodeAttnArgs& a, cudaStream_t st);
 
 // mask[t, u / 32] bit u % 32 set for every selected key u of query t.
 void build_mask(const int32_t* sel, const int32_t* counts, int64_t T, int64_t stride, int64_t mwords, uint32_t* mask,
@@ -56,13 +65,18 @@ void mla_prefill(const PrefillAttnArgs& a, cudaStream_t st);
 // the head dims do not fit the kernel (qk > 256 or v > 256).
 bool mla_prefill_tc(const PrefillAttnArgs& a, cudaStream_t st);
 
-// scores[t, u] for u < pos0 + t + 1, rows with more causal keys than topk only.
+// scores[t, u] for u < pos0 + t + 1, rows with more causal keys than topk only. fast = false: run-time
+// positions take the plain kernel (the reference; both give the same bits).
 // pos0_dev: run-time pos0 (then pos0 and n_keys are bounds; n_keys is the row stride of scores).
 void indexer_scores(const float* q, const float* wts, const float* keys, int64_t T, int64_t nI, int64_t d,
                     int64_t n_keys, int64_t pos0, const int32_t* pos0_dev, int64_t topk, float scale, float* scores,
-                    cudaStream_t st);
+                    cudaStream_t st, bool fast = true);
+// fast: the register-resident 1024-thread kernel where every row fits it (n_keys <= 16384).
 void indexer_topk(const float* scores, int64_t T, int64_t n_keys, int64_t pos0, const int32_t* pos0_dev, int64_t topk,
-                  int32_t* selected, int32_t* counts, cudaStream_t st);
+                  int32_t* selected, int32_t* counts, cudaStream_t st, bool fast = true);
+// False (nothing launched) when a row could have more keys than the kernel holds.
+bool indexer_topk_fast(const float* scores, int64_t T, int64_t n_keys, int64_t pos0, const int32_t* pos0_dev,
+                       int64_t topk, int32_t* selected, int32_t* counts, cudaStream_t st);
 
 void moe_route(const float* logits, int64_t T, int E, int G, int topk_group, int K, const float* bias, bool norm,
                float rsf, int32_t* ids, float* weights, cudaStream_t st);

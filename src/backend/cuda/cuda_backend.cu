@@ -309,6 +309,11 @@ class CudaBackend final : public Backend {
   cudaStream_t stream() const { return stream_; }
   uint64_t weight_bytes() const { return weight_bytes_; }
   void set_gemm_mode(CudaGemmMode m) { mode_ = m; }
+  void set_fast_decode(bool attention, bool scores, bool topk) {
+    fast_attention_ = attention;
+    fast_scores_ = scores;
+    fast_topk_ = topk;
+  }
   void set_fp8_chunk_bytes(int64_t b) { fp8_chunk_bytes_ = b; }
   OpProfiler& profiler() { return prof_; }
   cublasLtHandle_t lt() const { return lt_; }
@@ -540,10 +545,10 @@ class CudaBackend final : public Backend {
           if (a.pos0 + t + 1 > a.topk) pairs += double(a.pos0 + t + 1);
       ProfScope ps(prof_, stream_, [] { return std::string("scores"); }, 2.0 * pairs * double(a.n_heads * a.head_dim));
       indexer_scores(a.q, a.weights, a.keys, a.T, a.n_heads, a.head_dim, a.n_keys, a.pos0, a.pos0_dev, a.topk,
-                     a.scale, scores, stream_);
+                     a.scale, scores, stream_, fast_scores_);
     }
     ProfScope ps(prof_, stream_, [] { return std::string("topk"); }, 0.0);
-    indexer_topk(scores, a.T, a.n_keys, a.pos0, a.pos0_dev, a.topk, a.selected, a.counts, stream_);
+    indexer_topk(scores, a.T, a.n_keys, a.pos0, a.pos0_dev, a.topk, a.selected, a.counts, stream_, fast_topk_);
   }
 
   void moe_route(const float* x, int64_t T, const RouterArgs& a, int32_t* ids, float* weights) override {
@@ -769,6 +774,9 @@ class CudaBackend final : public Backend {
     d.kvb = kvb;
     d.out = a.out;
     d.pos0_dev = a.pos0_dev;
+    d.max_keys = max_keys;
+    d.scores = dscores_.get<float>(size_t(a.T * H * ((max_keys + 31) / 32 * 32)));
+    d.fast = fast_attention_;
     VIREO_PROF("decode kernels");
     mla_decode(d, stream_);
   }
@@ -820,12 +828,13 @@ class CudaBackend final : public Backend {
   size_t lt_ws_bytes_ = 0;
   int sms_ = 132;
   CudaGemmMode mode_ = CudaGemmMode::Split;
+  bool fast_attention_ = true, fast_scores_ = true, fast_topk_ = true;
   int64_t fp8_chunk_bytes_ = int64_t(256) << 20;
   OpProfiler prof_;
   std::vector<std::shared_ptr<char>> owned_;
   uint64_t weight_bytes_ = 0;  // bytes of weights uploaded (owned_)
   std::unordered_map<const void*, Weight> uploaded_;
-  Scratch flag_, scores_, route_, xbf16_, wbf16_, qlat_, part_, latent_, kvx_, mask_, moe_h_;
+  Scratch flag_, scores_, dscores_, route_, xbf16_, wbf16_, qlat_, part_, latent_, kvx_, mask_, moe_h_;
   std::unordered_map<const ExpertBank*, DeviceBank> banks_;
 };
 
@@ -865,6 +874,9 @@ uint64_t cuda_weight_bytes(Backend& b) { return as_cuda(b).weight_bytes(); }
 void cuda_synchronize(Backend& b) { VIREO_CUDA_CHECK(cudaStreamSynchronize(as_cuda(b).stream())); }
 
 void cuda_set_gemm_mode(Backend& b, CudaGemmMode mode) { as_cuda(b).set_gemm_mode(mode); }
+void cuda_set_fast_decode(Backend& b, bool attention, bool indexer_scores, bool indexer_topk) {
+  as_cuda(b).set_fast_decode(attention, indexer_scores, indexer_topk);
+}
 
 void cuda_set_fp8_chunk_bytes(Backend& b, size_t bytes) { as_cuda(b).set_fp8_chunk_bytes(int64_t(bytes)); }
 

@@ -39,6 +39,11 @@ uint64_t cuda_weight_bytes(Backend& cuda);
 // math, slow).
 enum class CudaGemmMode { Split, Bf16, Simt };
 void cuda_set_gemm_mode(Backend& cuda, CudaGemmMode mode);
+// Decode attention (absorbed path) and indexer kernels, each on (default) or off: the absorbed
+// attention with all heads of a query per block, the indexer scores' blocked kernel with run-time
+// positions, the register-resident top-k (cuda_decode_attention.cu); off: the kernels they
+// replaced (kept as the fallback for shapes the fast ones do not take; tests run both).
+void cuda_set_fast_decode(Backend& cuda, bool attention, bool indexer_scores, bool indexer_topk);
 // Scratch bytes for an FP8 weight's bf16 hi + lo copy (prefill GEMMs dequantize in row chunks
 // of this size, multiples of 128 rows; default 256 MiB). Tests set it small to cover chunking.
 void cuda_set_fp8_chunk_bytes(Backend& cuda, size_t bytes);

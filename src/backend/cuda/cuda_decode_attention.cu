@@ -1,0 +1,590 @@
+// Absorbed (decode) MLA attention with every head of a query in one block, and the indexer's top-k
+// on one 1024-thread block with the keys in registers. See docs/notes/cuda-decode-attention.md for
+// the bounds these were designed against.
+//
+// Attention, three kernels (f32 FMA throughout: the op-parity tolerance is f32-level):
+//  1. scores S[h, i] = scale log2(e) (q_lat_h . latent(u_i) + q_rope_h . k_rope(u_i)) for the selected keys
+//     u_i: blocks of 32 heads x 32 keys, both tiles in shared memory, each thread 4 heads x 4 keys
+//     over a quarter of the row. A cache row is read once per 32 heads (not once per 8 as in
+//     mla_decode_partial_kernel), the scores go to a small [T, H, keys] buffer.
+//  2. o_lat partials: blocks of 64 heads x 32 latent columns x 256 keys exponentiate their scores
+//     against a local max and multiply them into their 256 x 32 slice of the rows (every latent
+//     byte is read by exactly one block), writing (max, sum, o) per 256-key split.
+//  3. merge + W_UV: a block per (head, 32 output rows) merges its head's splits into shared memory
+//     and runs the W_UV rows against it (the merge no longer has its own launch).
+// Scores are kept in base 2 (the softmax's e^(s - m) = 2^(s log2 e - m log2 e)): kernels 2 and 3 then
+// exponentiate with exp2f (the MUFU.EX2 instruction, 2 ulp) instead of the libm-accurate expf's
+// ~20 instructions; kernel 2 exponentiates each score once per 32-column slice (16 times at L =
+// 512), and the accurate expf made up a third of its instructions.
+// Splitting scores from the weighted sum keeps both GEMM-shaped with all heads sharing each loaded
+// row, and fills the chip (128 blocks each at 2048 keys) where one fused kernel would need either
+// 16-key splits (16 MB of partials) or a quarter of the SMs.
+#include <algorithm>
+
+#include "backend/cuda/cuda_attention.h"
+#include "backend/cuda/cuda_internal.h"
+
+namespace vireo::cuda {
+
+namespace {
+
+constexpr int kSH = 32, kSK = 32;               // scores block: heads x keys
+constexpr int kPH = 64, kPC = 32, kPK = 256;    // o_lat block: heads x latent columns x keys
+constexpr int kPS = kPK + 4;                    // probability row stride (words): 4 mod 32
+constexpr int kWR = 32;                         // W_UV rows per merge block (4 per warp)
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Row stride of the scores kernel's tiles in words: >= kvw, 16-byte aligned and 4 mod 32, so the
+// 4 (heads) or 8 (keys) distinct rows one warp reads with a 16-byte load sit in distinct banks.
+__host__ __device__ inline int score_tile_stride(int kvw) { return (kvw + 31) / 32 * 32 + 4; }
+
+// Grid (key tiles, head groups of 32, T); 64 KQ threads: kq = tid / 64 takes every KQ-th 16-byte
+// column of the row, ht = (tid / 8) % 8 the heads ht + 8i, kt = tid % 8 the keys kt + 8j (i, j < 4):
+// the strided sets put a warp's distinct rows on distinct banks. The tiles arrive by cp.async in
+// two column halves, the first half's products overlapping the second half's loads; the KQ column
+// groups' sums meet in shared memory at the end.
+template <int KQ>
+__global__ void __launch_bounds__(64 * KQ) mla_decode_scores_kernel(
+    const float* __restrict__ qlat, const float* __restrict__ q, int H, int qw, int nope, int L,
+    const float* __restrict__ kv, int kvw, int64_t pos0, const int32_t* __restrict__ pos0_dev,
+    const int32_t* __restrict__ sel, const int32_t* __restrict__ counts, int64_t sel_stride, float scale,
+    int64_t sstride, float* __restrict__ scores) {
+  extern __shared__ __align__(16) float sm[];
+  const int P = score_tile_stride(kvw);
+  float* qs = sm;                                        // [kSH][P]: q_lat | q_rope
+  float* ks = qs + kSH * P;                              // [kSK][P]: the keys' cache rows
+  int* us = reinterpret_cast<int*>(ks + kSK * P);        // [kSK]
+  const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  const int64_t t = blockIdx.z;
+  const int64_t k0 = int64_t(blockIdx.x) * kSK;
+  const int hg0 = int(blockIdx.y) * kSH;
+  if (pos0_dev) pos0 = *pos0_dev;
+  const int64_t n = sel ? int64_t(counts[t]) : pos0 + t + 1;
+  const int cnt = int(n - k0 < 0 ? 0 : n - k0 > kSK ? kSK : n - k0);
+  if (cnt == 0) return;  // uniform over the block
+  if (tid < cnt) us[tid] = sel ? sel[t * sel_stride + k0 + tid] : int(k0 + tid);
+  __syncthreads();
+  const int C4 = kvw / 4, L4 = L / 4, CA = (C4 / 2) / 4 * 4;  // 16-byte columns; first half
+  constexpr int NT = 64 * KQ, NW = NT / 32;
+  auto load = [&](int c4a, int c4b) {
+    for (int r = warp; r < kSH; r += NW) {
+      const int h = hg0 + r;
+      for (int c4 = c4a + lane; c4 < c4b; c4 += 32) {
+        float* d = qs + r * P + 4 * c4;
+        if (h >= H) *reinterpret_cast<float4*>(d) = make_float4(0.f, 0.f, 0.f, 0.f);
+        else if (c4 < L4) cp_async16(d, qlat + ((t * H + h) * L + 4 * c4));
+        else cp_async16(d, q + ((t * H + h) * qw + nope + 4 * (c4 - L4)));
+      }
+    }
+    for (int r = warp; r < cnt; r += NW) {  // rows past cnt stay stale: their scores are never written
+      const float* src = kv + int64_t(us[r]) * kvw;
+      for (int c4 = c4a + lane; c4 < c4b; c4 += 32) cp_async16(ks + r * P + 4 * c4, src + 4 * c4);
+    }
+    cp_async_commit();
+  };
+  load(0, CA);
+  load(CA, C4);
+  const int kq = tid >> 6, ht = (tid >> 3) & 7, kt = tid & 7;
+  float acc[4][4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+  auto run = [&](int c4a, int c4b) {
+    for (int c4 = c4a + kq; c4 < c4b; c4 += KQ) {
+      float4 a[4], b[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a[i] = *reinterpret_cast<const float4*>(qs + (ht + 8 * i) * P + 4 * c4);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) b[j] = *reinterpret_cast<const float4*>(ks + (kt + 8 * j) * P + 4 * c4);
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          float s = acc[i][j];
+          s = fmaf(a[i].x, b[j].x, s);
+          s = fmaf(a[i].y, b[j].y, s);
+          s = fmaf(a[i].z, b[j].z, s);
+          s = fmaf(a[i].w, b[j].w, s);
+          acc[i][j] = s;
+        }
+    }
+  };
+  cp_async_wait<1>();
+  __syncthreads();
+  run(0, CA);
+  cp_async_wait<0>();
+  __syncthreads();
+  run(CA, C4);
+  __syncthreads();  // the tiles are dead: the 4 column quarters' sums meet in qs
+  float* red = qs;  // [KQ][kSH][kSK + 1]
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) red[(kq * kSH + ht + 8 * i) * (kSK + 1) + kt + 8 * j] = acc[i][j];
+  __syncthreads();
+  for (int o = tid; o < kSH * kSK; o += NT) {
+    const int h = o / kSK, j = o % kSK;
+    if (hg0 + h >= H || j >= cnt) continue;
+    float s = 0.0f;
+#pragma unroll
+    for (int x = 0; x < KQ; ++x) s += red[(x * kSH + h) * (kSK + 1) + j];
+    scores[(t * H + hg0 + h) * sstride + k0 + j] = s * scale;
+  }
+}
+
+// Grid (L / 32 column slices, key splits of 256, T x head groups of 64); 64 KG threads. Each block:
+// its heads' scores for the split (cp.async) -> p = 2^(s - m_local) in shared memory ([head][key]),
+// the split's 256 x 32 slice of the latent rows (cp.async, landing while the scores are
+// exponentiated), then o[h, c] = sum_j p[h, j] v[j, c] with thread tile 8 heads (ht + 8i) x 4
+// columns over every KG-th 4-key step (kg = tid / 64), the KG key groups summed through shared
+// memory. Column slice 0 also writes each head's (m, l) for the merge.
+template <int KG>
+__global__ void __launch_bounds__(64 * KG) mla_decode_pv_kernel(
+    const float* __restrict__ scores, int64_t sstride, int H, int nhg, int L, const float* __restrict__ kv, int kvw,
+    int64_t pos0, const int32_t* __restrict__ pos0_dev, const int32_t* __restrict__ sel,
+    const int32_t* __restrict__ counts, int64_t sel_stride, int nks, float* __restrict__ opart,
+    float* __restrict__ mpart, float* __restrict__ lpart) {
+  extern __shared__ __align__(16) float sm[];
+  float* ps = sm;                                   // [kPH][kPS]
+  float* vs = ps + kPH * kPS;                       // [kPK][kPC]
+  int* us = reinterpret_cast<int*>(vs + kPK * kPC);  // [kPK]
+  constexpr int NT = 64 * KG, NW = NT / 32;
+  const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  const int64_t t = blockIdx.z / nhg;
+  const int hg0 = int(blockIdx.z % nhg) * kPH, c0 = int(blockIdx.x) * kPC, s = int(blockIdx.y);
+  const int64_t i0 = int64_t(s) * kPK;
+  if (pos0_dev) pos0 = *pos0_dev;
+  const int64_t n = sel ? int64_t(counts[t]) : pos0 + t + 1;
+  const int cnt = int(n - i0 < 0 ? 0 : n - i0 > kPK ? kPK : n - i0);
+  if (cnt == 0) {  // an empty split: the merge skips it by its max
+    if (blockIdx.x == 0)
+      for (int h = tid; h < kPH && hg0 + h < H; h += NT) {
+        mpart[(t * H + hg0 + h) * nks + s] = -INFINITY;
+        lpart[(t * H + hg0 + h) * nks + s] = 0.0f;
+      }
+    return;
+  }
+  const int cntr = (cnt + 4 * KG - 1) / (4 * KG) * (4 * KG);  // the product loop's step: KG groups x 4 keys
+  for (int j = tid; j < cnt; j += NT) us[j] = sel ? sel[t * sel_stride + i0 + j] : int(i0 + j);
+  // The scores first (they are needed first), 16 bytes at a time: every load of the block in flight
+  // at once (a warp walking its heads' rows in global memory waited on one round trip per head).
+  // Chunks past cnt read stale scores inside the row (sstride covers them); they are zeroed below.
+  const int c4n = (cnt + 3) / 4;
+  for (int x = tid; x < kPH * c4n; x += NT) {
+    const int hh = x / c4n, c4 = x % c4n;
+    if (hg0 + hh < H) cp_async16(ps + hh * kPS + 4 * c4, scores + (t * H + hg0 + hh) * sstride + i0 + 4 * c4);
+  }
+  cp_async_commit();
+  __syncthreads();  // us
+  for (int x = tid; x < cnt * (kPC / 4); x += NT) {
+    const int j = x / (kPC / 4), c4 = x % (kPC / 4);
+    cp_async16(vs + j * kPC + 4 * c4, kv + int64_t(us[j]) * kvw + c0 + 4 * c4);
+  }
+  cp_async_commit();
+  for (int x = cnt * kPC + tid; x < cntr * kPC; x += NT) vs[x] = 0.0f;  // padding keys: p = 0, v = 0
+  cp_async_wait<1>();
+  __syncthreads();
+  for (int hh = warp; hh < kPH; hh += NW) {  // warp hh: one head's scores at a time, 8 per lane
+    const int h = hg0 + hh;
+    float* prow = ps + hh * kPS;
+    if (h >= H) {
+      for (int j = lane; j < cntr; j += 32) prow[j] = 0.0f;
+      continue;
+    }
+    float sv[kPK / 32];
+    float m = -INFINITY;
+#pragma unroll
+    for (int r = 0; r < kPK / 32; ++r) {
+      const int j = lane + 32 * r;
+      sv[r] = j < cnt ? prow[j] : -INFINITY;
+      m = fmaxf(m, sv[r]);
+    }
+    m = warp_max(m);
+    float l = 0.0f;
+#pragma unroll
+    for (int r = 0; r < kPK / 32; ++r) {
+      const int j = lane + 32 * r;
+      const float p = j < cnt ? exp2f(sv[r] - m) : 0.0f;
+      if (j < cntr) prow[j] = p;
+      l += p;
+    }
+    l = warp_sum(l);
+    if (blockIdx.x == 0 && lane == 0) {
+      mpart[(t * H + h) * nks + s] = m;
+      lpart[(t * H + h) * nks + s] = l;
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  const int kg = tid >> 6, ht = (tid >> 3) & 7, ct = tid & 7;  // kg < KG
+  float acc[8][4];
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[i][c] = 0.0f;
+  for (int j = 4 * kg; j < cntr; j += 4 * KG) {
+    float4 v[4];
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) v[jj] = *reinterpret_cast<const float4*>(vs + (j + jj) * kPC + 4 * ct);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float4 p = *reinterpret_cast<const float4*>(ps + (ht + 8 * i) * kPS + j);
+      const float pj[4] = {p.x, p.y, p.z, p.w};
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        acc[i][0] = fmaf(pj[jj], v[jj].x, acc[i][0]);
+        acc[i][1] = fmaf(pj[jj], v[jj].y, acc[i][1]);
+        acc[i][2] = fmaf(pj[jj], v[jj].z, acc[i][2]);
+        acc[i][3] = fmaf(pj[jj], v[jj].w, acc[i][3]);
+      }
+    }
+  }
+  __syncthreads();  // ps is dead: the 4 key quarters' sums meet there
+  float* red = ps;  // [KG][kPH][kPC + 1] (past ps into vs for KG = 8: both are dead)
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) red[(kg * kPH + ht + 8 * i) * (kPC + 1) + 4 * ct + c] = acc[i][c];
+  __syncthreads();
+  for (int o = tid; o < kPH * kPC; o += NT) {
+    const int h = o / kPC, c = o % kPC;
+    if (hg0 + h >= H) continue;
+    float sum = 0.0f;
+#pragma unroll
+    for (int x = 0; x < KG; ++x) sum += red[(x * kPH + h) * (kPC + 1) + c];
+    opart[((t * H + hg0 + h) * nks + s) * L + c0 + c] = sum;
+  }
+}
+
+// Grid (H, ceil(vd / kWR), T); 256 threads. o_lat[h] = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s
+// into shared memory, then out[t, h, j] = W_UV(h)[j, :] . o_lat[h] for this block's kWR rows: a
+// warp per 4 rows, 16-byte weight loads (the 4 rows' loads issued together).
+template <int DT>
+__global__ void __launch_bounds__(256) mla_decode_merge_wuv_kernel(
+    const float* __restrict__ opart, const float* __restrict__ mpart, const float* __restrict__ lpart, int nks,
+    int H, int L, DevW kvb, int hw, int nope, int vd, float* __restrict__ out) {
+  extern __shared__ __align__(16) float olat[];  // [L], then [nks] split weights
+  constexpr int N = GemvVec<DT>::n;
+  constexpr int RPW = kWR / 8;
+  const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  const int h = int(blockIdx.x);
+  const int64_t t = blockIdx.z;
+  const int64_t base = (t * H + h) * nks;
+  // This warp's rows, and their first PF 16-byte chunks per lane loaded before the merge (at
+  // bf16 and L = 512 the whole rows), so the weight stream overlaps the merge's dependent loads.
+  constexpr int PF = 2;
+  const int j0 = int(blockIdx.y) * kWR + warp * RPW;
+  const uint4* wr[RPW];
+  const float* srow[RPW];
+  uint4 wpre[PF][RPW];
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) {
+    const int64_t row = int64_t(h) * hw + nope + (j0 + r < vd ? j0 + r : vd - 1);
+    wr[r] = reinterpret_cast<const uint4*>(static_cast<const char*>(kvb.w) + row * L * elem_bytes<DT>());
+    srow[r] = DT == W_FP8 ? kvb.s + (row >> 7) * kvb.s_cols : nullptr;
+  }
+#pragma unroll
+  for (int pf = 0; pf < PF; ++pf)
+#pragma unroll
+    for (int r = 0; r < RPW; ++r)
+      if (lane + 32 * pf < L / N) wpre[pf][r] = ldg_stream(wr[r] + lane + 32 * pf);
+  float M = -INFINITY;
+  for (int s = 0; s < nks; ++s) M = fmaxf(M, mpart[base + s]);
+  float denom = 0.0f;
+  for (int s = 0; s < nks; ++s)
+    if (mpart[base + s] > -INFINITY) denom += exp2f(mpart[base + s] - M) * lpart[base + s];
+  const float inv = 1.0f / denom;
+  float* wsplit = olat + L;  // [nks]: each split's weight (maxima in base 2), one exp2f per split
+  for (int s = tid; s < nks; s += 256) wsplit[s] = mpart[base + s] > -INFINITY ? exp2f(mpart[base + s] - M) : 0.0f;
+  __syncthreads();
+  for (int c = tid; c < L; c += 256) {
+    float acc = 0.0f;
+    for (int s = 0; s < nks; ++s)
+      if (wsplit[s] != 0.0f) acc += wsplit[s] * opart[(base + s) * L + c];
+    olat[c] = acc * inv;
+  }
+  __syncthreads();
+  float acc[RPW];
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) acc[r] = 0.0f;
+  auto consume = [&](int v, const uint4 (&w)[RPW]) {
+    float x[N];
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+      const float4 xv = *reinterpret_cast<const float4*>(olat + v * N + 4 * i);
+      x[4 * i] = xv.x;
+      x[4 * i + 1] = xv.y;
+      x[4 * i + 2] = xv.z;
+      x[4 * i + 3] = xv.w;
+    }
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+      float wf[N];
+      unpack16<DT>(w[r], wf);
+      float p = 0.0f;
+#pragma unroll
+      for (int i = 0; i < N; ++i) p = fmaf(wf[i], x[i], p);
+      if constexpr (DT == W_FP8) acc[r] = fmaf(srow[r][(v * N) >> 7], p, acc[r]);
+      else acc[r] += p;
+    }
+  };
+#pragma unroll
+  for (int pf = 0; pf < PF; ++pf)
+    if (lane + 32 * pf < L / N) consume(lane + 32 * pf, wpre[pf]);
+  for (int v = lane + 32 * PF; v < L / N; v += 32) {
+    uint4 w[RPW];
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) w[r] = ldg_stream(wr[r] + v);
+    consume(v, w);
+  }
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) {
+    const float sum = warp_sum(acc[r]);
+    if (lane == 0 && j0 + r < vd) out[(t * H + h) * vd + j0 + r] = sum;
+  }
+}
+
+// --- Indexer top-k ---------------------------------------------------------------------------
+
+// Scores as unsigned keys in the order of the floats (-0 and +0 equal, as floats compare).
+__device__ __forceinline__ uint32_t score_key(float s) {
+  const uint32_t b = __float_as_uint(s + 0.0f);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// The top `topk` of a row's n causal scores, exactly the CPU's choice (higher score first, equal
+// scores by lower position), written in ascending position order. One 1024-thread block per row;
+// thread i holds keys i R .. i R + R - 1 in registers (n <= 1024 R). A radix select over the 32
+// score bits (4 passes of 8 bits, 2 barriers each) finds the threshold key K and how many keys
+// equal to K are taken (`need`); the position tie-break then needs no passes of its own: the
+// selection is every key above K plus the first `need` keys equal to K in position order, placed
+// by one block-wide scan of (above, equal) counts.
+template <int R>
+__global__ void __launch_bounds__(1024) indexer_topk_reg_kernel(const float* __restrict__ scores, int64_t n_keys,
+                                                                int64_t pos0, const int32_t* __restrict__ pos0_dev,
+                                                                int topk, int32_t* __restrict__ selected,
+                                                                int32_t* __restrict__ counts) {
+  static_assert(R % 4 == 0 && 1024 * R < 65536, "16-bit packed counts");
+  __shared__ unsigned hist[2][256];
+  __shared__ int s_bin, s_rem;
+  __shared__ unsigned warp_tot[32];
+  if (pos0_dev) pos0 = *pos0_dev;
+  const int64_t t = blockIdx.x;
+  const int n = int(pos0 + t + 1);
+  const int tid = int(threadIdx.x), lane = tid & 31, warp = tid >> 5;
+  int32_t* sel = selected + t * topk;
+  if (n <= topk) {  // every causal key: sparse equals dense
+    for (int u = tid; u < n; u += 1024) sel[u] = u;
+    if (tid == 0) counts[t] = n;
+    return;
+  }
+  const float* sr = scores + t * n_keys;
+  const bool vec = (n_keys & 3) == 0 && (reinterpret_cast<uintptr_t>(scores) & 15) == 0;
+  const int u0 = tid * R;
+  uint32_t key[R];
+#pragma unroll
+  for (int r4 = 0; r4 < R; r4 += 4) {
+    const int u = u0 + r4;
+    float s[4];
+    if (vec && u + 3 < n) {
+      const float4 v = *reinterpret_cast<const float4*>(sr + u);
+      s[0] = v.x, s[1] = v.y, s[2] = v.z, s[3] = v.w;
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[i] = u + i < n ? sr[u + i] : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) key[r4 + i] = score_key(s[i]);
+  }
+  if (tid < 256) hist[0][tid] = 0;
+  __syncthreads();
+  uint32_t prefix = 0, pmask = 0;
+  int rem = topk;
+#pragma unroll 1
+  for (int pass = 0; pass < 4; ++pass) {
+    const int shift = 24 - 8 * pass;
+    unsigned* cur = hist[pass & 1];
+    // Keys agree on their top bits, so most land in a few bins: lanes with the same bin combine
+    // their counts first (one shared-memory atomic per distinct bin per warp and register slot).
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (warp * 32 * R + r >= n) break;  // this warp's lowest key in slot r: past the row, for all lanes
+      const bool in = u0 + r < n && (key[r] & pmask) == prefix;
+      if (__ballot_sync(0xffffffffu, in) == 0u) continue;  // later passes: most warps hold no candidate
+      const int bin = in ? int((key[r] >> shift) & 255u) : -1;
+      const unsigned same = __match_any_sync(0xffffffffu, bin);
+      if (in && lane == __ffs(same) - 1) atomicAdd(&cur[bin], unsigned(__popc(same)));
+    }
+    if (tid < 256) hist[(pass + 1) & 1][tid] = 0;  // last read by the previous pass's scan
+    __syncthreads();
+    // The bin holding the rem-th largest key, counting from bin 255 down: warp 0, lane l owns
+    // bins 255 - 8l .. 248 - 8l; a scan over lanes finds the lane, the lane walks its 8 bins.
+    if (warp == 0) {
+      unsigned c[8], tot = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        c[i] = cur[255 - (lane * 8 + i)];
+        tot += c[i];
+      }
+      unsigned inc = tot;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const unsigned v = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += v;
+      }
+      const unsigned reach = __ballot_sync(0xffffffffu, int(inc) >= rem);
+      if (lane == __ffs(reach) - 1) {  // the matching keys number >= rem, so some lane reaches it
+        int cum = int(inc - tot);
+        int b = 255 - lane * 8;
+        for (int i = 0; i < 8; ++i) {
+          b = 255 - (lane * 8 + i);
+          if (b == 0 || cum + int(c[i]) >= rem) break;
+          cum += int(c[i]);
+        }
+        s_bin = b;
+        s_rem = rem - cum;
+      }
+    }
+    __syncthreads();
+    prefix |= uint32_t(s_bin) << shift;
+    pmask |= 255u << shift;
+    rem = s_rem;
+  }
+  // prefix is the topk-th largest key K; rem keys equal to K are taken, the lowest positions first.
+  const uint32_t K = prefix;
+  const int need = rem;
+  unsigned mine = 0;  // (above K) << 16 | (equal to K), this thread's keys
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    if (u0 + r < n) mine += key[r] > K ? 0x10000u : key[r] == K ? 1u : 0u;
+  unsigned inc = mine;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const unsigned v = __shfl_up_sync(0xffffffffu, inc, o);
+    if (lane >= o) inc += v;
+  }
+  if (lane == 31) warp_tot[warp] = inc;
+  __syncthreads();
+  if (warp == 0) {
+    const unsigned w = warp_tot[lane];
+    unsigned wi = w;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const unsigned v = __shfl_up_sync(0xffffffffu, wi, o);
+      if (lane >= o) wi += v;
+    }
+    warp_tot[lane] = wi - w;  // exclusive
+  }
+  __syncthreads();
+  const unsigned before = warp_tot[warp] + inc - mine;
+  int G = int(before >> 16), E = int(before & 0xffffu);
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if (u0 + r >= n) continue;
+    if (key[r] > K) {
+      sel[G + (E < need ? E : need)] = u0 + r;
+      ++G;
+    } else if (key[r] == K) {
+      if (E < need) sel[G + E] = u0 + r;
+      ++E;
+    }
+  }
+  if (tid == 0) counts[t] = topk;
+}
+
+// 16-byte loads along kv_b rows of length L need L a multiple of the vector and an aligned base.
+bool rows_vectorizable(const DevW& w, int64_t L) {
+  const int n = 16 / (w.dt == W_F32 ? 4 : w.dt == W_FP8 ? 1 : 2);
+  return L % n == 0 && reinterpret_cast<uintptr_t>(w.w) % 16 == 0;
+}
+
+}  // namespace
+
+bool mla_decode_fast(const DecodeAttnArgs& a, cudaStream_t st) {
+  const int64_t kvw = a.kvw, L = a.L;
+  auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
+  const int P = score_tile_stride(int(kvw));
+  // The tiles' space also holds the 4 column quarters' sums at the end.
+  const size_t smem_s = size_t(std::max((kSH + kSK) * P, 8 * kSH * (kSK + 1))) * 4 + kSK * 4;
+  const size_t smem_p = size_t(kPH * kPS + kPK * kPC) * 4 + kPK * 4;
+  if (!a.scores || a.max_keys <= 0 || L % kPC != 0 || kvw % 4 != 0 || a.qw % 4 != 0 || a.nope % 4 != 0 ||
+      !aligned(a.qlat) || !aligned(a.q) || !aligned(a.kv) || !rows_vectorizable(a.kvb, L) ||
+      smem_s > size_t(227) * 1024)
+    return false;
+  // 512 threads (KQ = KG = 8) for both: measured against 256 (KQ = KG = 4) at GLM-5 shapes, 2048
+  // keys, -3.3 us per layer (docs/notes/cuda-decode-attention.md); one block per SM either way.
+  constexpr int KQ = 8, KG = 8;
+  static bool configured = false;
+  if (!configured) {
+    VIREO_CUDA_CHECK(cudaFuncSetAttribute(mla_decode_scores_kernel<KQ>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          227 * 1024));
+    VIREO_CUDA_CHECK(
+        cudaFuncSetAttribute(mla_decode_pv_kernel<KG>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_p)));
+    configured = true;
+  }
+  const int64_t sstride = (a.max_keys + kSK - 1) / kSK * kSK;
+  const int nks = int((a.max_keys + kPK - 1) / kPK);
+  const int H = int(a.H), nhg = int((a.H + kPH - 1) / kPH);
+  const dim3 sgrid(unsigned(sstride / kSK), unsigned((a.H + kSH - 1) / kSH), unsigned(a.T));
+  const float scale2 = float(double(a.scale) * 1.4426950408889634);  // base-2 scores: see the top
+  mla_decode_scores_kernel<KQ><<<sgrid, 64 * KQ, smem_s, st>>>(a.qlat, a.q, H, int(a.qw), int(a.nope), int(L), a.kv,
+                                                                int(kvw), a.pos0, a.pos0_dev, a.sel, a.counts,
+                                                                a.sel_stride, scale2, sstride, a.scores);
+  VIREO_CUDA_LAUNCHED();
+  const dim3 pgrid(unsigned(L / kPC), unsigned(nks), unsigned(a.T * nhg));
+  mla_decode_pv_kernel<KG><<<pgrid, 64 * KG, smem_p, st>>>(a.scores, sstride, H, nhg, int(L), a.kv, int(kvw),
+                                                            a.pos0, a.pos0_dev, a.sel, a.counts, a.sel_stride, nks,
+                                                            a.opart, a.mpart, a.lpart);
+  VIREO_CUDA_LAUNCHED();
+  const dim3 grid(unsigned(a.H), unsigned((a.vd + kWR - 1) / kWR), unsigned(a.T));
+  const size_t smem_m = size_t(L + nks) * 4;
+  const int hw = int(a.hw), nope = int(a.nope), vd = int(a.vd);
+  switch (a.kvb.dt) {
+    case W_F32:
+      mla_decode_merge_wuv_kernel<W_F32><<<grid, 256, smem_m, st>>>(a.opart, a.mpart, a.lpart, nks, H, int(L), a.kvb,
+                                                                    hw, nope, vd, a.out);
+      break;
+    case W_BF16:
+      mla_decode_merge_wuv_kernel<W_BF16><<<grid, 256, smem_m, st>>>(a.opart, a.mpart, a.lpart, nks, H, int(L),
+                                                                     a.kvb, hw, nope, vd, a.out);
+      break;
+    case W_F16:
+      mla_decode_merge_wuv_kernel<W_F16><<<grid, 256, smem_m, st>>>(a.opart, a.mpart, a.lpart, nks, H, int(L), a.kvb,
+                                                                    hw, nope, vd, a.out);
+      break;
+    default:
+      mla_decode_merge_wuv_kernel<W_FP8><<<grid, 256, smem_m, st>>>(a.opart, a.mpart, a.lpart, nks, H, int(L), a.kvb,
+                                                                    hw, nope, vd, a.out);
+      break;
+  }
+  VIREO_CUDA_LAUNCHED();
+  return true;
+}
+
+bool indexer_topk_fast(const float* scores, int64_t T, int64_t n_keys, int64_t pos0, const int32_t* pos0_dev,
+                       int64_t topk, int32_t* selected, int32_t* counts, cudaStream_t st) {
+  // n_keys bounds every row's causal count (pos0 + T with host positions, the bound with run-time ones).
+  const int64_t bound = std::max(n_keys, pos0 + T);
+  if (topk < 1) return false;
+  if (bound <= 1024 * 4) indexer_topk_reg_kernel<4><<<unsigned(T), 1024, 0, st>>>(scores, n_keys, pos0, pos0_dev,
+                                                                                  int(topk), selected, counts);
+  else if (bound <= 1024 * 8) indexer_topk_reg_kernel<8><<<unsigned(T), 1024, 0, st>>>(scores, n_keys, pos0, pos0_dev,
+                                                                                      int(topk), selected, counts);
+  else if (bound <= 1024 * 16) indexer_topk_reg_kernel<16><<<unsigned(T), 1024, 0, st>>>(
+      scores, n_keys, pos0, pos0_dev, int(topk), selected, counts);
+  else return false;
+  VIREO_CUDA_LAUNCHED();
+  return true;
+}
+
+}  // namespace vireo::cuda

@@ -1,0 +1,155 @@
+// Micro-benchmark of one decode layer's attention-side ops at GLM-5 shapes on the CUDA backend:
+// the absorbed attention (absorb_q + the decode kernels) and the DSA indexer (scores + top-k), at
+// 4096 cached tokens and at a short context, fast and reference kernels (cuda_set_fast_decode).
+// Each op is recorded into a CUDA graph 50 times, as a decode step replays it (run-time positions),
+// and the replay timed. Skipped unless VIREO_CUDA_BENCH=1: it measures, it checks nothing.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/cuda/cuda_backend.h"
+#include "core/dtype.h"
+#include "cuda_test_util.h"
+
+using namespace vireo;
+
+#ifdef VIREO_HAVE_CUDA
+namespace {
+
+std::vector<float> rnd(size_t n, uint32_t seed, float scale = 1.0f) {
+  std::mt19937 g(seed);
+  std::uniform_real_distribution<float> d(-1.0f, 1.0f);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(g) * scale;
+  return v;
+}
+
+// Median microseconds per op call: the op recorded `reps` times into one graph, replayed.
+double time_recorded(Backend& be, const std::function<void()>& op, int reps = 50, int replays = 11) {
+  op();  // eager: scratch allocations, kernel attributes
+  cuda_synchronize(be);
+  be.begin_recording();
+  for (int i = 0; i < reps; ++i) op();
+  std::unique_ptr<RecordedOps> rec = be.end_recording();
+  // ~100 ms of replays first: the clocks ramp up from idle before anything is timed.
+  for (auto t0 = std::chrono::steady_clock::now();
+       std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(100);) {
+    rec->replay();
+    cuda_synchronize(be);
+  }
+  std::vector<double> us;
+  for (int r = 0; r < replays; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    rec->replay();
+    cuda_synchronize(be);
+    us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / reps);
+  }
+  std::sort(us.begin(), us.end());
+  return us[us.size() / 2];
+}
+
+}  // namespace
+
+TEST(CudaBench, DecodeAttentionAndIndexer) {
+  REQUIRE_CUDA();
+  const char* env = std::getenv("VIREO_CUDA_BENCH");
+  if (!env) GTEST_SKIP() << "set VIREO_CUDA_BENCH=1 to run";
+  // VIREO_CUDA_BENCH=once: each op launched once per configuration, eagerly (for ncu).
+  const bool once = std::string(env) == "once";
+  std::unique_ptr<Backend> be = make_cuda_backend();
+  const int64_t H = 64, nope = 192, rope = 64, vd = 256, L = 512, qw = nope + rope, kvw = L + rope, hw = nope + vd;
+  const int64_t nI = 32, d = 128, topk = 2048, cap = 4352;
+  std::vector<std::shared_ptr<float>> keep;
+  std::vector<std::shared_ptr<int32_t>> keep_i;
+  auto up = [&](const std::vector<float>& h) {
+    auto b = be->alloc_f32(h.size());
+    be->copy_from_host(b.get(), h.data(), h.size());
+    keep.push_back(b);
+    return b.get();
+  };
+  auto up_i = [&](const std::vector<int32_t>& h) {
+    auto b = be->alloc_i32(h.size());
+    be->copy_from_host_i32(b.get(), h.data(), h.size());
+    keep_i.push_back(b);
+    return b.get();
+  };
+  std::vector<float> wv = rnd(size_t(H * hw * L), 1, 0.05f);
+  std::vector<uint16_t> wb(wv.size());
+  for (size_t i = 0; i < wv.size(); ++i) wb[i] = f32_to_bf16(wv[i]);
+  Weight host_kvb;
+  host_kvb.w = Tensor(wb.data(), DType::BF16, {H * hw, L});
+  Weight kvb = be->upload_weight(host_kvb);
+  float* kv = up(rnd(size_t(cap * kvw), 2));
+  float* q = up(rnd(size_t(H * qw), 3));
+  float* out = up(std::vector<float>(size_t(H * vd), 0.0f));
+  float* iq = up(rnd(size_t(nI * d), 4));
+  float* iw = up(rnd(size_t(nI), 5, 0.2f));
+  float* ikeys = up(rnd(size_t(cap * d), 6));
+  int32_t* sel = up_i(std::vector<int32_t>(size_t(topk), 0));
+  int32_t* cnt = up_i({0});
+
+  struct Cfg { bool attn, scores, topk; const char* name; };
+  const Cfg cfgs[] = {{false, false, false, "reference"},
+                      {true, true, true, "fast"},
+                      {false, true, false, "fast scores only"},
+                      {false, false, true, "fast top-k only"}};
+  for (int64_t pos : {int64_t(4096), int64_t(100)}) {
+    int32_t* gpos = up_i({int32_t(pos)});
+    IndexerArgs ia;
+    ia.q = iq;
+    ia.weights = iw;
+    ia.keys = ikeys;
+    ia.T = 1;
+    ia.n_heads = nI;
+    ia.head_dim = d;
+    ia.pos0 = cap - 1;  // the bound, as a recorded step
+    ia.n_keys = cap;
+    ia.pos0_dev = gpos;
+    ia.topk = topk;
+    ia.scale = 1.0f / std::sqrt(float(d));
+    ia.selected = sel;
+    ia.counts = cnt;
+    MlaAttentionArgs ma;
+    ma.q = q;
+    ma.T = 1;
+    ma.n_heads = H;
+    ma.qk_nope = nope;
+    ma.qk_rope = rope;
+    ma.v_dim = vd;
+    ma.kv_lora = L;
+    ma.kv = kv;
+    ma.pos0 = cap - 1;
+    ma.n_keys = cap;
+    ma.pos0_dev = gpos;
+    ma.kv_b = &kvb;
+    ma.scale = 1.0f / std::sqrt(float(qw));
+    ma.selection = KeySelection{sel, cnt, topk};
+    ma.absorbed = true;
+    ma.out = out;
+    for (const Cfg& c : cfgs) {
+      cuda_set_fast_decode(*be, c.attn, c.scores, c.topk);
+      if (once) {
+        be->indexer_select(ia);
+        be->mla_attention(ma);
+        cuda_synchronize(*be);
+        continue;
+      }
+      const double ti = time_recorded(*be, [&] { be->indexer_select(ia); });
+      const double ta = time_recorded(*be, [&] { be->mla_attention(ma); });
+      std::printf("[bench] context %5lld  %-17s indexer_select %7.2f us   mla_attention absorbed %7.2f us\n",
+                  (long long)pos, c.name, ti, ta);
+    }
+  }
+  cuda_set_fast_decode(*be, true, true, true);
+}
+#endif
