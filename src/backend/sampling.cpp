@@ -68,7 +68,7 @@ int32_t sample_row(const float* logits, int64_t vocab, const SampleRowArgs& a, S
       }
   }
   if (keep != n) {
-    L = sum_levels(keep);
+    L = resize_levels(L, keep);
     build_levels(ws.prob.data(), ws.sums.data(), L);
   }
   // The draw: the first candidate whose running mass exceeds uniform * the kept mass.

@@ -57,6 +57,20 @@ VIREO_HD inline SumLevels sum_levels(int64_t n) {
   return L;
 }
 
+// The levels over the first m <= L.size[0] values, kept at L's offsets. Every entry but the last
+// of each level covers the same values as before (so it holds the same sum); a GPU recomputes
+// only the last ones.
+VIREO_HD inline SumLevels resize_levels(const SumLevels& L, int64_t m) {
+  SumLevels R = L;
+  R.size[0] = m;
+  R.count = 0;
+  do {
+    ++R.count;
+    R.size[R.count] = (R.size[R.count - 1] + kSumBlock - 1) / kSumBlock;
+  } while (R.size[R.count] > 1);
+  return R;
+}
+
 // Entry j of level l (l = 0: the value itself, widened).
 VIREO_HD inline double level_entry(const float* values, const double* sums, const SumLevels& L, int l, int64_t j) {
   return l == 0 ? double(values[j]) : sums[L.offset[l] + j];

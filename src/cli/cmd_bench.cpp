@@ -178,6 +178,30 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
     pre.push_back({T, runs[1], mm_flops_per_token * double(T) + lm_head_flops + prefill_attention_flops(c, T)});
     if (T == 4096) decode_from(cache, T, Pick::Greedy);
   }
+  // The sampling step alone, on the last logits of the host-sampled run: sample_rows on the
+  // device (with its 4-byte copy back) against the logits' copy to the host plus Sampler::sample.
+  double device_sample_us = 0, copy_us = 0, host_sample_us = 0;
+  if (sampled) {
+    auto dev_logits = backend->alloc_f32(size_t(V));
+    auto dev_token = backend->alloc_i32(1);
+    backend->copy_from_host(dev_logits.get(), logits.data(), size_t(V));
+    Sampler sampler(sampling);
+    int32_t token = 0;
+    const int runs = 50;
+    auto time_us = [&](auto&& body) {
+      body();  // untimed: buffers grow on the first call
+      auto a = clock::now();
+      for (int i = 0; i < runs; ++i) body();
+      return 1e6 * secs(a, clock::now()) / runs;
+    };
+    device_sample_us = time_us([&] {
+      const SampleRowArgs args = sampler.next_row_args();
+      backend->sample_rows(dev_logits.get(), 1, V, &args, dev_token.get());
+      backend->copy_to_host_i32(&token, dev_token.get(), 1);
+    });
+    copy_us = time_us([&] { backend->copy_to_host(logits.data(), dev_logits.get(), size_t(V)); });
+    host_sample_us = time_us([&] { token = sampler.sample(logits.data(), V); });
+  }
   std::string profiles;
   if (profile) {  // after the timed runs: the profile's syncs would distort them
     model->set_recording(false);  // op by op: each op timed on its own
@@ -222,6 +246,10 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
     std::printf("prefill %-6lld     %8.1f tok/s  %.4f s  %7.1f TFLOP/s  = %5.1f%% of bf16 GEMM peak (median of 3)\n",
                 (long long)p.T,
                 double(p.T) / p.s, p.s, p.flops / p.s / 1e12, 100.0 * p.flops / p.s / 1e12 / gemm_tflops);
+  if (sampled)
+    std::printf("sampling alone     device: %.1f us (sample_rows, token copied back); host: %.1f us (logits copied "
+                "back) + %.1f us (Sampler::sample), vocab %lld\n",
+                device_sample_us, copy_us, host_sample_us, (long long)V);
   std::fputs(profiles.c_str(), stdout);
   return 0;
 #endif

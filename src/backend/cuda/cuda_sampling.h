@@ -28,7 +28,10 @@ class SampleRowsOp {
     size_t bytes = 0;
     void* get(size_t need);
   };
-  Buffer keys_, keys_sorted_, ids_, ids_sorted_, prob_, sums_, args_, sort_temp_;
+  Buffer keys_, keys_sorted_, ids_, ids_sorted_, weight_, prob_, sums_, args_, sort_temp_;
+  void* args_host_ = nullptr;  // pinned staging for args
+  size_t args_host_rows_ = 0;
+  cudaEvent_t args_copied_ = nullptr;  // the last copy out of args_host_ has run
 };
 
 }  // namespace vireo::cuda
