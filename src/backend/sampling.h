@@ -131,11 +131,17 @@ VIREO_HD inline float sample_weight(float x, float x0, float inv_t) {
 
 // Reusable host buffers for sample_row.
 struct SampleWorkspace {
-  std::vector<uint64_t> keys;  // (sample_order_key << 32) | id
-  std::vector<int32_t> ids;    // candidates, best first
-  std::vector<float> prob;     // their probabilities
-  std::vector<double> sums;    // SumLevels storage
+  std::vector<uint64_t> keys;                  // (sample_order_key << 32) | id (partial sorts)
+  std::vector<uint32_t> radix_keys[2];         // sample_order_key (radix sort passes)
+  std::vector<int32_t> radix_ids[2];
+  std::vector<int32_t> ids;                    // candidates, best first
+  std::vector<float> prob;                     // their probabilities
+  std::vector<double> sums;                    // SumLevels storage
 };
+
+// ws.ids = the first n (1 <= n <= vocab) candidates of logits[0..vocab) in candidate order:
+// ascending sample_order_key, ties by ascending id (the order of sorting key << 32 | id).
+void sample_candidate_order(const float* logits, int64_t vocab, int64_t n, SampleWorkspace& ws);
 
 // The reference: the token sampled from logits[0..vocab) (host memory).
 int32_t sample_row(const float* logits, int64_t vocab, const SampleRowArgs& a, SampleWorkspace& ws);
