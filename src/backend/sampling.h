@@ -43,7 +43,7 @@ struct SumLevels {
   int64_t doubles = 0;  // total array length
 };
 
-VIREO_HD inline SumLevels sum_levels(int64_t n) {
+static VIREO_HD inline SumLevels sum_levels(int64_t n) {
   SumLevels L;
   L.size[0] = n;
   int64_t at = 0;
@@ -60,7 +60,7 @@ VIREO_HD inline SumLevels sum_levels(int64_t n) {
 // The levels over the first m <= L.size[0] values, kept at L's offsets. Every entry but the last
 // of each level covers the same values as before (so it holds the same sum); a GPU recomputes
 // only the last ones.
-VIREO_HD inline SumLevels resize_levels(const SumLevels& L, int64_t m) {
+static VIREO_HD inline SumLevels resize_levels(const SumLevels& L, int64_t m) {
   SumLevels R = L;
   R.size[0] = m;
   R.count = 0;
@@ -72,12 +72,12 @@ VIREO_HD inline SumLevels resize_levels(const SumLevels& L, int64_t m) {
 }
 
 // Entry j of level l (l = 0: the value itself, widened).
-VIREO_HD inline double level_entry(const float* values, const double* sums, const SumLevels& L, int l, int64_t j) {
+static VIREO_HD inline double level_entry(const float* values, const double* sums, const SumLevels& L, int l, int64_t j) {
   return l == 0 ? double(values[j]) : sums[L.offset[l] + j];
 }
 
 // Entry j of level l >= 1: the sequential sum of its kSumBlock children at level l - 1.
-VIREO_HD inline double level_block_sum(const float* values, const double* sums, const SumLevels& L, int l,
+static VIREO_HD inline double level_block_sum(const float* values, const double* sums, const SumLevels& L, int l,
                                        int64_t j) {
   const int64_t a = j * kSumBlock, b = a + kSumBlock < L.size[l - 1] ? a + kSumBlock : L.size[l - 1];
   double s = 0.0;
@@ -91,7 +91,7 @@ VIREO_HD inline double level_block_sum(const float* values, const double* sums, 
 // below the threshold, and descend into the first child that reaches it (or the last child, when
 // none does, which makes the result n - 1 when the total falls short). At most kSumBlock steps
 // per level; the same additions on every backend.
-VIREO_HD inline int64_t level_search(const float* values, const double* sums, const SumLevels& L, double threshold,
+static VIREO_HD inline int64_t level_search(const float* values, const double* sums, const SumLevels& L, double threshold,
                                      bool strict) {
   double c = 0.0;
   int64_t j = 0;
@@ -112,20 +112,20 @@ VIREO_HD inline int64_t level_search(const float* values, const double* sums, co
 
 // Sort key of a logit for candidate order: ascending key = descending logit (-0 and +0 equal;
 // NaNs sort as the bit patterns say, so the order stays total and identical everywhere).
-VIREO_HD inline uint32_t sample_order_key(float x) {
+static VIREO_HD inline uint32_t sample_order_key(float x) {
   uint32_t b = x == 0.0f ? 0u : pm::float_bits(x);
   b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);  // ascending with x
   return ~b;
 }
 
 // The number of candidates after top-k.
-VIREO_HD inline int64_t sample_candidates(const SampleRowArgs& a, int64_t vocab) {
+static VIREO_HD inline int64_t sample_candidates(const SampleRowArgs& a, int64_t vocab) {
   return a.top_k > 0 && a.top_k < vocab ? int64_t(a.top_k) : vocab;
 }
 
 // The unnormalized weight of the candidate with logit x, the best candidate's logit being x0:
 // exp(x / T - x0 / T), with 1 / T rounded to float once.
-VIREO_HD inline float sample_weight(float x, float x0, float inv_t) {
+static VIREO_HD inline float sample_weight(float x, float x0, float inv_t) {
   return pm::exp(pm::sub(pm::mul(x, inv_t), pm::mul(x0, inv_t)));
 }
 

@@ -3,6 +3,9 @@
 // computation written once with these helpers gives bit-identical results on both: every step is
 // one IEEE round-to-nearest operation, with fused multiply-adds only where written (fma).
 //
+// The functions have internal linkage (static): each translation unit keeps the copy compiled with
+// its own flags, so the linker cannot pick a copy from a unit that contracts.
+//
 // Why helpers rather than operators: nvcc contracts a * b + c into an fma by default, and a host
 // compiler may too (-ffp-contract=fast with FMA instructions enabled). On the device the __*_rn
 // intrinsics are never contracted; on the host the translation units that run these computations
@@ -20,63 +23,63 @@
 
 namespace vireo::pm {
 
-VIREO_HD inline float add(float a, float b) {
+static VIREO_HD inline float add(float a, float b) {
 #ifdef __CUDA_ARCH__
   return __fadd_rn(a, b);
 #else
   return a + b;
 #endif
 }
-VIREO_HD inline float sub(float a, float b) {
+static VIREO_HD inline float sub(float a, float b) {
 #ifdef __CUDA_ARCH__
   return __fsub_rn(a, b);
 #else
   return a - b;
 #endif
 }
-VIREO_HD inline float mul(float a, float b) {
+static VIREO_HD inline float mul(float a, float b) {
 #ifdef __CUDA_ARCH__
   return __fmul_rn(a, b);
 #else
   return a * b;
 #endif
 }
-VIREO_HD inline float div(float a, float b) {
+static VIREO_HD inline float div(float a, float b) {
 #ifdef __CUDA_ARCH__
   return __fdiv_rn(a, b);
 #else
   return a / b;
 #endif
 }
-VIREO_HD inline float fma(float a, float b, float c) {
+static VIREO_HD inline float fma(float a, float b, float c) {
 #ifdef __CUDA_ARCH__
   return __fmaf_rn(a, b, c);
 #else
   return std::fma(a, b, c);
 #endif
 }
-VIREO_HD inline double add(double a, double b) {
+static VIREO_HD inline double add(double a, double b) {
 #ifdef __CUDA_ARCH__
   return __dadd_rn(a, b);
 #else
   return a + b;
 #endif
 }
-VIREO_HD inline double mul(double a, double b) {
+static VIREO_HD inline double mul(double a, double b) {
 #ifdef __CUDA_ARCH__
   return __dmul_rn(a, b);
 #else
   return a * b;
 #endif
 }
-VIREO_HD inline double div(double a, double b) {
+static VIREO_HD inline double div(double a, double b) {
 #ifdef __CUDA_ARCH__
   return __ddiv_rn(a, b);
 #else
   return a / b;
 #endif
 }
-VIREO_HD inline float to_float(double x) {
+static VIREO_HD inline float to_float(double x) {
 #ifdef __CUDA_ARCH__
   return __double2float_rn(x);
 #else
@@ -84,7 +87,7 @@ VIREO_HD inline float to_float(double x) {
 #endif
 }
 
-VIREO_HD inline uint32_t float_bits(float x) {
+static VIREO_HD inline uint32_t float_bits(float x) {
 #ifdef __CUDA_ARCH__
   return uint32_t(__float_as_uint(x));
 #else
@@ -93,7 +96,7 @@ VIREO_HD inline uint32_t float_bits(float x) {
   return b;
 #endif
 }
-VIREO_HD inline float bits_float(uint32_t b) {
+static VIREO_HD inline float bits_float(uint32_t b) {
 #ifdef __CUDA_ARCH__
   return __uint_as_float(b);
 #else
@@ -107,7 +110,7 @@ VIREO_HD inline float bits_float(uint32_t b) {
 // against std::exp in tests/test_sampling.cpp). Cody-Waite reduction x = k ln2 + r, |r| <= ln2/2,
 // then the degree-7 Taylor polynomial of e^r (truncation error < 6e-9, below an ulp) by Horner
 // with fmas, then the exact scaling by 2^k (a subnormal result rounds once, in the last multiply).
-VIREO_HD inline float exp(float x) {
+static VIREO_HD inline float exp(float x) {
   if (x != x) return x;                      // NaN
   if (x < -104.0f) return 0.0f;              // below half the smallest subnormal (e^-103.97)
   if (x > 88.8f) return INFINITY;            // above the largest float (e^88.72)
