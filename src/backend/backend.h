@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "backend/cpu/matmul.h"
+#include "backend/sampling.h"
 #include "core/error.h"
 #include "core/tensor.h"
 
@@ -163,6 +164,10 @@ class Backend {
   virtual bool prefers_moe_experts(int64_t N) const { return false; }
   // out[r] = index of the largest x[r, :] (ties: the lowest index).  x [rows, n], out [rows]
   virtual void argmax_rows(const float* x, int64_t rows, int64_t n, int32_t* out) = 0;
+  // out[r] = the token sample_row (backend/sampling.h, the reference) draws from x[r, :] with
+  // args[r]: the same token on every backend. args in host memory (checked here), x and out in
+  // backend memory.                                                 x [rows, n], out [rows]
+  virtual void sample_rows(const float* x, int64_t rows, int64_t n, const SampleRowArgs* args, int32_t* out) = 0;
 
   // Recording: between begin_recording() and end_recording() ops are recorded, not run; replay()
   // then runs them. Nothing recorded may allocate, copy from or to the host, or wait for results.

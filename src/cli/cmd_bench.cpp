@@ -12,6 +12,7 @@
 #include "core/thread_pool.h"
 #include "model/glm_dsa/model.h"
 #include "model/glm_dsa/synthetic.h"
+#include "runtime/sampler.h"
 
 namespace vireo::cli {
 
@@ -77,7 +78,7 @@ double decode_cache_bytes(const GlmDsaConfig& c, int64_t ctx) {
 // `vireo bench --device cuda`: B=1 decode at context 0 and 4096, prefill of 512 and 4096 tokens,
 // against a device-to-device copy and a cuBLASLt bf16 GEMM measured in the same run.
 int bench_cuda(const std::string& dir, const std::string& synthetic, const std::string& dtype, int layers,
-               int experts, int64_t n_decode, bool record, bool profile) {
+               int experts, int64_t n_decode, bool record, bool profile, const SamplingParams& sampling) {
 #ifndef VIREO_HAVE_CUDA
   fail("--device cuda: this vireo was built without CUDA (no nvcc at build time)");
 #else
@@ -127,24 +128,39 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
     model->forward(&ids[64], 1, warm, 0, logits.data(), false, AttentionPath::Absorbed);
   }
   auto secs = [](clock::time_point a, clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
-  struct Decode { int64_t ctx; double tps, bytes; };
+  // How a decode step picks its token: greedy (argmax on the device), sampled on the device
+  // (sample_rows: only the token comes back) or sampled on the host (the logits copied back,
+  // Sampler::sample), the last two with --temp etc.
+  enum class Pick { Greedy, SampleDevice, SampleHost };
+  struct Decode { int64_t ctx; double tps, bytes; Pick pick; };
   struct Prefill { int64_t T; double s, flops; };
   std::vector<Decode> dec;
   std::vector<Prefill> pre;
-  // Greedy decode steps as `vireo run` takes them (the token chosen on the device). The first
-  // two steps of a cache are untimed: the first runs eagerly, the second records the graph.
-  auto decode_from = [&](MlaCache& cache, int64_t ctx) {
-    for (int64_t i = 0; i < 2; ++i) model->forward_greedy(&ids[size_t(ctx + i)], 1, cache, 0, AttentionPath::Absorbed);
+  // Decode steps as `vireo run` takes them. The first two steps of a cache are untimed: the
+  // first runs eagerly, the second records the graph.
+  auto decode_from = [&](MlaCache& cache, int64_t ctx, Pick pick) {
+    Sampler sampler(sampling);
+    auto step = [&](const int32_t* token) {
+      if (pick == Pick::SampleHost) {
+        model->forward(token, 1, cache, 0, logits.data(), false, AttentionPath::Absorbed);
+        return sampler.sample(logits.data(), V);
+      }
+      const SampleRowArgs a = sampler.next_row_args();
+      return model->forward_next(token, 1, cache, 0, pick == Pick::Greedy ? nullptr : &a, AttentionPath::Absorbed);
+    };
+    for (int64_t i = 0; i < 2; ++i) step(&ids[size_t(ctx + i)]);
     ctx += 2;
     auto a = clock::now();
-    for (int64_t i = 0; i < n_decode; ++i) model->forward_greedy(&ids[size_t(ctx + i)], 1, cache, 0, AttentionPath::Absorbed);
+    for (int64_t i = 0; i < n_decode; ++i) step(&ids[size_t(ctx + i)]);
     const double s = secs(a, clock::now());
     const double bytes = weights + decode_cache_bytes(c, ctx + n_decode / 2);
-    dec.push_back({ctx - 2, double(n_decode) / s, bytes});
+    dec.push_back({ctx - 2, double(n_decode) / s, bytes, pick});
   };
-  {
+  const bool sampled = sampling.temperature != 0.0f;
+  for (Pick pick : sampled ? std::vector<Pick>{Pick::Greedy, Pick::SampleDevice, Pick::SampleHost}
+                           : std::vector<Pick>{Pick::Greedy}) {
     MlaCache cache(*backend, model->cache_shape(), 1, n_decode + 8);
-    decode_from(cache, 0);
+    decode_from(cache, 0, pick);
   }
   // Prefill: one untimed run at the length first (the backend's scratch buffers grow to it, and
   // cuBLASLt picks algorithms for its shapes), then the median of 3 timed runs.
@@ -159,7 +175,31 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
     }
     std::sort(runs.begin(), runs.end());
     pre.push_back({T, runs[1], mm_flops_per_token * double(T) + lm_head_flops + prefill_attention_flops(c, T)});
-    if (T == 4096) decode_from(cache, T);
+    if (T == 4096) decode_from(cache, T, Pick::Greedy);
+  }
+  // The sampling step alone, on the last logits of the host-sampled run: sample_rows on the
+  // device (with its 4-byte copy back) against the logits' copy to the host plus Sampler::sample.
+  double device_sample_us = 0, copy_us = 0, host_sample_us = 0;
+  if (sampled) {
+    auto dev_logits = backend->alloc_f32(size_t(V));
+    auto dev_token = backend->alloc_i32(1);
+    backend->copy_from_host(dev_logits.get(), logits.data(), size_t(V));
+    Sampler sampler(sampling);
+    int32_t token = 0;
+    const int runs = 50;
+    auto time_us = [&](auto&& body) {
+      body();  // untimed: buffers grow on the first call
+      auto a = clock::now();
+      for (int i = 0; i < runs; ++i) body();
+      return 1e6 * secs(a, clock::now()) / runs;
+    };
+    device_sample_us = time_us([&] {
+      const SampleRowArgs args = sampler.next_row_args();
+      backend->sample_rows(dev_logits.get(), 1, V, &args, dev_token.get());
+      backend->copy_to_host_i32(&token, dev_token.get(), 1);
+    });
+    copy_us = time_us([&] { backend->copy_to_host(logits.data(), dev_logits.get(), size_t(V)); });
+    host_sample_us = time_us([&] { token = sampler.sample(logits.data(), V); });
   }
   std::string profiles;
   if (profile) {  // after the timed runs: the profile's syncs would distort them
@@ -191,15 +231,24 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
   std::printf("copy bandwidth     %.0f GB/s (device-to-device, read + write, measured now)\n", copy_gbs);
   std::printf("bf16 GEMM peak     %.0f TFLOP/s (cuBLASLt 8192^3, measured now)\n", gemm_tflops);
   std::printf("active weights     %.3f GB per decoded token\n", weights / 1e9);
-  std::printf("decode steps       %s\n", record ? "replayed from a recorded CUDA graph (greedy token chosen on the device)"
+  std::printf("decode steps       %s\n", record ? "replayed from a recorded CUDA graph (token chosen after the replay)"
                                                  : "launched op by op (--no-graph)");
+  if (sampled)
+    std::printf("sampling           temperature %g, top-k %d, top-p %g, min-p %g, seed %llu\n", sampling.temperature,
+                sampling.top_k, sampling.top_p, sampling.min_p, (unsigned long long)sampling.seed);
   for (const Decode& d : dec)
-    std::printf("decode ctx %-6lld  %8.2f tok/s  %.3f GB/token (weights + cache)  %7.0f GB/s  = %5.1f%% of copy bandwidth\n",
-                (long long)d.ctx, d.tps, d.bytes / 1e9, d.bytes * d.tps / 1e9, 100.0 * d.bytes * d.tps / 1e9 / copy_gbs);
+    std::printf("decode ctx %-6lld  %-14s %8.2f tok/s  %.3f GB/token (weights + cache)  %7.0f GB/s  = %5.1f%% of copy bandwidth\n",
+                (long long)d.ctx,
+                d.pick == Pick::Greedy ? "greedy/device" : d.pick == Pick::SampleDevice ? "sample/device" : "sample/host",
+                d.tps, d.bytes / 1e9, d.bytes * d.tps / 1e9, 100.0 * d.bytes * d.tps / 1e9 / copy_gbs);
   for (const Prefill& p : pre)
     std::printf("prefill %-6lld     %8.1f tok/s  %.4f s  %7.1f TFLOP/s  = %5.1f%% of bf16 GEMM peak (median of 3)\n",
                 (long long)p.T,
                 double(p.T) / p.s, p.s, p.flops / p.s / 1e12, 100.0 * p.flops / p.s / 1e12 / gemm_tflops);
+  if (sampled)
+    std::printf("sampling alone     device: %.1f us (sample_rows, token copied back); host: %.1f us (logits copied "
+                "back) + %.1f us (Sampler::sample), vocab %lld\n",
+                device_sample_us, copy_us, host_sample_us, (long long)V);
   std::fputs(profiles.c_str(), stdout);
   return 0;
 #endif
@@ -305,6 +354,7 @@ Action add_bench(CLI::App& app) {
     StreamingFlags sf;
     std::string device = "cpu";
     bool profile = false;
+    SamplingParams s;
   };
   auto o = std::make_shared<Opts>();
   auto* m = app.add_option("--model,-m", o->model, "Model directory");
@@ -327,15 +377,26 @@ Action add_bench(CLI::App& app) {
   app.add_flag("--profile", o->profile,
                "CUDA: after the timed runs, an op-level GPU profile (time per op and matmul shape) of prefill 512 "
                "and 4096 and of decode");
+  app.add_option("--temp", o->s.temperature,
+                 "Decode steps sample at this temperature (0: greedy); CUDA: timed sampling on the device and on "
+                 "the host, beside greedy");
+  app.add_option("--top-k", o->s.top_k, "Sampled decode: keep the k most likely tokens (0: off)");
+  app.add_option("--top-p", o->s.top_p, "Sampled decode: nucleus mass (1: off)");
+  app.add_option("--min-p", o->s.min_p, "Sampled decode: drop tokens below min_p x the top probability (0: off)");
+  app.add_option("--seed", o->s.seed, "Sampled decode: seed");
   return [o]() {
     using clock = std::chrono::steady_clock;
     if (o->model.empty() && o->synthetic.empty()) fail("bench needs --model DIR or --synthetic glm5");
+    validate_sampling(o->s);
     check_device_flags(o->device, o->sf);
     if (o->profile && o->device != "cuda") fail("--profile needs --device cuda");
+    if (o->device == "cuda" && !o->sf.gpu_budget.empty() && o->s.temperature != 0.0f)
+      fail("--temp: sampled decode steps are not measured with --gpu-budget (drop one of them)");
     if (o->device == "cuda" && !o->sf.gpu_budget.empty())
       return bench_cuda_streaming(o->model, o->synthetic, o->dtype, o->layers, o->experts, o->prompt, o->decode, o->sf);
     if (o->device == "cuda")
-      return bench_cuda(o->model, o->synthetic, o->dtype, o->layers, o->experts, o->decode, !o->no_graph, o->profile);
+      return bench_cuda(o->model, o->synthetic, o->dtype, o->layers, o->experts, o->decode, !o->no_graph, o->profile,
+                        o->s);
     ThreadPool& pool = ThreadPool::global();
     auto backend = make_cpu_backend();
     std::unique_ptr<GlmDsaModel> model;
@@ -379,8 +440,12 @@ Action add_bench(CLI::App& app) {
     model->forward(&ids[size_t(C)], o->prompt, cache, 0, logits.data(), false, path);
     auto t2 = clock::now();
     const ExpertStoreStats after_prefill = model->experts().stats();
-    for (int64_t i = 0; i < o->decode; ++i)
-      model->forward(&ids[size_t(C + o->prompt + i)], 1, cache, 0, logits.data(), false, AttentionPath::Absorbed);
+    Sampler sampler(o->s);  // with --temp: the token sampled (on the host: this is the CPU backend)
+    for (int64_t i = 0; i < o->decode; ++i) {
+      const SampleRowArgs a = sampler.next_row_args();
+      model->forward_next(&ids[size_t(C + o->prompt + i)], 1, cache, 0, o->s.temperature != 0.0f ? &a : nullptr,
+                          AttentionPath::Absorbed);
+    }
     auto t3 = clock::now();
     const double prefill_s = std::chrono::duration<double>(t2 - t1).count();
     const double decode_s = std::chrono::duration<double>(t3 - t2).count();
@@ -396,8 +461,9 @@ Action add_bench(CLI::App& app) {
     std::printf("prefill            %lld tokens in %.3f s: %.1f tok/s (%s attention)\n", (long long)o->prompt, prefill_s,
                 double(o->prompt) / prefill_s,
                 path == AttentionPath::Absorbed ? "absorbed" : "reconstructed");
-    std::printf("decode             %lld tokens in %.3f s: %.2f tok/s, %.1f GB/s of weights = %.0f%% of bandwidth\n",
-                (long long)o->decode, decode_s, dec_tps, dec_gbs, 100.0 * dec_gbs / bw);
+    std::printf("decode             %lld tokens in %.3f s: %.2f tok/s, %.1f GB/s of weights = %.0f%% of bandwidth (%s)\n",
+                (long long)o->decode, decode_s, dec_tps, dec_gbs, 100.0 * dec_gbs / bw,
+                o->s.temperature != 0.0f ? "tokens sampled" : "greedy tokens");
     if (lm.streaming) {
       const ExpertStoreStats d = model->experts().stats() - after_prefill;
       const double hit = d.hit_rate();

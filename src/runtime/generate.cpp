@@ -13,20 +13,19 @@ GenerateResult generate(GlmDsaModel& model, MlaCache& cache, int row, const std:
   GenerateResult r;
   r.prompt_tokens = int64_t(prompt.size());
   Sampler sampler(opt.sampling);
-  // Greedy decoding picks the token on the backend (no logits copied back); sampling reads them.
+  // The backend chooses each token (argmax, or sample_rows with the sampler's next uniform): no
+  // logits are copied back, and the tokens equal Sampler::sample's on the same logits.
   const bool greedy = opt.sampling.temperature == 0.0f;
-  std::vector<float> logits(greedy ? 0 : size_t(c.vocab_size));
-  int32_t best = -1;
+  int32_t next = -1;
   auto step = [&](const int32_t* tokens, int64_t T, AttentionPath path) {
-    if (greedy) best = model.forward_greedy(tokens, T, cache, row, path);
-    else model.forward(tokens, T, cache, row, logits.data(), false, path);
+    const SampleRowArgs args = sampler.next_row_args();
+    next = model.forward_next(tokens, T, cache, row, greedy ? nullptr : &args, path);
   };
   auto t0 = clock::now();
   step(prompt.data(), int64_t(prompt.size()), AttentionPath::Auto);
   auto t1 = clock::now();
   r.prefill_seconds = std::chrono::duration<double>(t1 - t0).count();
   for (int64_t i = 0; i < opt.max_new_tokens; ++i) {
-    const int32_t next = greedy ? best : sampler.sample(logits.data(), c.vocab_size);
     r.tokens.push_back(next);
     const bool keep_going = on_token ? on_token(next) : true;
     if (opt.stop_at_eos && c.eos_ids.count(next)) {
@@ -34,7 +33,8 @@ GenerateResult generate(GlmDsaModel& model, MlaCache& cache, int row, const std:
       break;
     }
     if (!keep_going || i + 1 == opt.max_new_tokens) break;
-    step(&next, 1, AttentionPath::Absorbed);
+    const int32_t input = next;
+    step(&input, 1, AttentionPath::Absorbed);
   }
   r.decode_seconds = std::chrono::duration<double>(clock::now() - t1).count();
   return r;

@@ -1,8 +1,6 @@
 #include "runtime/sampler.h"
 
-#include <algorithm>
 #include <cmath>
-#include <numeric>
 
 #include "core/error.h"
 
@@ -35,52 +33,19 @@ double Sampler::next_uniform() {
   return double(z >> 11) * (1.0 / 9007199254740992.0);
 }
 
+SampleRowArgs Sampler::next_row_args() {
+  SampleRowArgs a;
+  a.temperature = params_.temperature;
+  a.top_k = params_.top_k;
+  a.top_p = params_.top_p;
+  a.min_p = params_.min_p;
+  a.uniform = params_.temperature == 0.0f ? 0.0 : next_uniform();
+  return a;
+}
+
 int32_t Sampler::sample(const float* logits, int64_t vocab) {
-  const SamplingParams& p = params_;
-  if (p.temperature == 0.0f) return argmax(logits, vocab);
-  idx_.resize(size_t(vocab));
-  std::iota(idx_.begin(), idx_.end(), 0);
-  // Candidates by descending logit (ties: lower id), truncated by top-k.
-  int64_t n = vocab;
-  auto by_logit = [&](int32_t a, int32_t b) { return logits[a] != logits[b] ? logits[a] > logits[b] : a < b; };
-  if (p.top_k > 0 && p.top_k < vocab) {
-    n = p.top_k;
-    std::partial_sort(idx_.begin(), idx_.begin() + n, idx_.end(), by_logit);
-  } else {
-    std::sort(idx_.begin(), idx_.end(), by_logit);
-  }
-  prob_.resize(size_t(n));
-  const float inv_t = 1.0f / p.temperature;
-  const float m = logits[idx_[0]] * inv_t;
-  double sum = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    prob_[size_t(i)] = std::exp(logits[idx_[size_t(i)]] * inv_t - m);
-    sum += prob_[size_t(i)];
-  }
-  for (int64_t i = 0; i < n; ++i) prob_[size_t(i)] = float(prob_[size_t(i)] / sum);
-  if (p.top_p < 1.0f) {  // smallest prefix whose mass reaches top_p (always at least one token)
-    double cum = 0;
-    int64_t keep = n;
-    for (int64_t i = 0; i < n; ++i) {
-      cum += prob_[size_t(i)];
-      if (cum >= p.top_p) { keep = i + 1; break; }
-    }
-    n = keep;
-  }
-  if (p.min_p > 0.0f) {
-    const float floor = p.min_p * prob_[0];
-    int64_t keep = 1;
-    while (keep < n && prob_[size_t(keep)] >= floor) ++keep;
-    n = keep;
-  }
-  double total = 0;
-  for (int64_t i = 0; i < n; ++i) total += prob_[size_t(i)];
-  double r = next_uniform() * total;
-  for (int64_t i = 0; i < n; ++i) {
-    r -= prob_[size_t(i)];
-    if (r < 0) return idx_[size_t(i)];
-  }
-  return idx_[size_t(n - 1)];
+  if (params_.temperature == 0.0f) return argmax(logits, vocab);
+  return sample_row(logits, vocab, next_row_args(), ws_);
 }
 
 }  // namespace vireo

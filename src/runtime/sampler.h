@@ -3,7 +3,8 @@
 // transformers applies its warpers in), with a seeded generator whose stream is identical on
 // every platform.
 #include <cstdint>
-#include <vector>
+
+#include "backend/sampling.h"
 
 namespace vireo {
 
@@ -24,15 +25,20 @@ int32_t argmax(const float* logits, int64_t n);
 class Sampler {
  public:
   explicit Sampler(const SamplingParams& p);
+  // The next token from a row of host logits: argmax when greedy, else the reference
+  // sample_row (backend/sampling.h) with the stream's next uniform.
   int32_t sample(const float* logits, int64_t vocab);
+  // The same draw for a backend to make (Backend::sample_rows): the parameters and the stream's
+  // next uniform. Greedy takes no uniform (as sample() does not), so the two calls can be mixed
+  // and the stream stays the same.
+  SampleRowArgs next_row_args();
   const SamplingParams& params() const { return params_; }
 
  private:
   double next_uniform();  // [0, 1)
   SamplingParams params_;
   uint64_t state_;
-  std::vector<int32_t> idx_;
-  std::vector<float> prob_;
+  SampleWorkspace ws_;
 };
 
 }  // namespace vireo

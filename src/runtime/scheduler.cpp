@@ -125,7 +125,7 @@ void Scheduler::finish(Running& r, SchedEvent ev) {
 void Scheduler::emit_token(Running& r, const float* logits) {
   SchedEvent ev;
   ev.kind = SchedEvent::Kind::Token;
-  ev.token = logits ? r.sampler->sample(logits, vocab_) : r.greedy;
+  ev.token = logits ? r.sampler->sample(logits, vocab_) : r.chosen;
   if (logits && (r.req.logprobs || r.req.top_logprobs > 0)) {
     // log-softmax of the raw logits: what the model assigns, independent of the sampling warpers.
     float mx = logits[0];
@@ -159,6 +159,20 @@ void Scheduler::emit_token(Running& r, const float* logits) {
     f.kind = SchedEvent::Kind::Finish;
     f.reason = FinishReason::Length;
     finish(r, std::move(f));
+  }
+}
+
+void Scheduler::request_output(Running& r, BatchItem& it, bool emits) {
+  if (!emits) return;
+  if (r.needs_logits()) {
+    it.logits = logits_[size_t(r.row)].data();
+    return;
+  }
+  it.token = &r.chosen;
+  if (r.req.sampling.temperature != 0.0f) {
+    // Drawn now, in the order tokens are emitted: the stream Sampler::sample would use.
+    r.sample = r.sampler->next_row_args();
+    it.sample = &r.sample;
   }
 }
 
@@ -222,8 +236,7 @@ bool Scheduler::step() {
     it.row = r.row;
     it.tokens = &r.last;
     it.T = 1;
-    if (r.needs_logits()) it.logits = logits_[size_t(r.row)].data();
-    else it.argmax = &r.greedy;
+    request_output(r, it, true);
     items.push_back(it);
     owner.push_back(i);
   }
@@ -240,8 +253,7 @@ bool Scheduler::step() {
     it.row = r.row;
     it.tokens = r.req.prompt.data() + r.prefilled;
     it.T = T;
-    if (r.needs_logits()) it.logits = logits_[size_t(r.row)].data();
-    else it.argmax = &r.greedy;
+    request_output(r, it, T == left);
     items.push_back(it);
     owner.push_back(i);
   }

@@ -133,14 +133,18 @@ class Scheduler {
     int64_t generated = 0;   // tokens emitted
     int32_t last = -1;       // the last emitted token: the next decode input
     size_t reserved = 0;     // admission bytes
-    int32_t greedy = -1;     // this step's token chosen on the backend (greedy, no logprobs)
-    // Greedy requests that want no logprobs need no logits on the host: the backend picks the
-    // token (on a GPU: 4 bytes copied back instead of the vocabulary's logits).
-    bool needs_logits() const { return req.sampling.temperature != 0.0f || req.logprobs || req.top_logprobs > 0; }
+    int32_t chosen = -1;      // this step's token chosen on the backend (no logprobs)
+    SampleRowArgs sample;     // this step's draw, when sampling on the backend
+    // Requests that want no logprobs need no logits on the host: the backend picks the token
+    // (argmax or sample_rows; on a GPU: 4 bytes copied back instead of the vocabulary's logits).
+    bool needs_logits() const { return req.logprobs || req.top_logprobs > 0; }
   };
+  // Asks the step for what r needs from its item: nothing for a prompt chunk that is not the last,
+  // else the logits (logprobs) or the token chosen on the backend.
+  void request_output(Running& r, BatchItem& it, bool emits);
   void engine_loop();
   void finish(Running& r, SchedEvent ev);  // pushes ev, frees the row
-  // Emits the next token: sampled from `logits` (the row's last position), or r.greedy when null.
+  // Emits the next token: sampled from `logits` (the row's last position), or r.chosen when null.
   void emit_token(Running& r, const float* logits);
 
   GlmDsaModel& model_;

@@ -178,6 +178,11 @@ class CpuBackend final : public Backend {
     }
   }
 
+  void sample_rows(const float* x, int64_t rows, int64_t n, const SampleRowArgs* args, int32_t* out) override {
+    for (int64_t r = 0; r < rows; ++r) validate_sample_row_args(args[r], r);
+    for (int64_t r = 0; r < rows; ++r) out[r] = sample_row(x + r * n, n, args[r], sample_ws_);
+  }
+
   void indexer_select(const IndexerArgs& args) override {
     IndexerArgs a = args;
     if (a.pos0_dev) {
@@ -295,6 +300,8 @@ class CpuBackend final : public Backend {
   }
 
  private:
+  SampleWorkspace sample_ws_;  // sample_rows' buffers, reused across calls
+
   // Keys query t attends to: the selection, or every causal key.
   static int64_t keys_for(const MlaAttentionArgs& a, int64_t t, const int32_t** list) {
     if (a.selection.keys) {

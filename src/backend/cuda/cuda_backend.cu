@@ -17,6 +17,7 @@
 #include "backend/cuda/cuda_decode.h"
 #include "backend/cuda/cuda_internal.h"
 #include "backend/cuda/cuda_profile.h"
+#include "backend/cuda/cuda_sampling.h"
 
 namespace vireo {
 
@@ -522,6 +523,12 @@ class CudaBackend final : public Backend {
     cuda::argmax_rows(x, rows, n, out, stream_);
   }
 
+  void sample_rows(const float* x, int64_t rows, int64_t n, const SampleRowArgs* args, int32_t* out) override {
+    VIREO_PROF("sample_rows");
+    for (int64_t r = 0; r < rows; ++r) validate_sample_row_args(args[r], r);
+    sample_op_.run(x, rows, n, args, out, stream_);
+  }
+
   // Not while profiling: the profile waits on the stream around every op, which a recording can't.
   bool can_record() const override { return !prof_.on(); }
   void begin_recording() override {
@@ -836,6 +843,7 @@ class CudaBackend final : public Backend {
   std::unordered_map<const void*, Weight> uploaded_;
   Scratch flag_, scores_, dscores_, route_, xbf16_, wbf16_, qlat_, part_, latent_, kvx_, mask_, moe_h_;
   std::unordered_map<const ExpertBank*, DeviceBank> banks_;
+  SampleRowsOp sample_op_;
 };
 
 CudaBackend& as_cuda(Backend& b) {

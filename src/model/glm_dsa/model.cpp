@@ -245,13 +245,15 @@ void GlmDsaModel::forward(const int32_t* tokens, int64_t T, MlaCache& cache, int
   forward_batch({item}, cache, path);
 }
 
-int32_t GlmDsaModel::forward_greedy(const int32_t* tokens, int64_t T, MlaCache& cache, int row, AttentionPath path) {
+int32_t GlmDsaModel::forward_next(const int32_t* tokens, int64_t T, MlaCache& cache, int row,
+                                  const SampleRowArgs* sample, AttentionPath path) {
   BatchItem item;
   item.row = row;
   item.tokens = tokens;
   item.T = T;
   int32_t next = -1;
-  item.argmax = &next;
+  item.token = &next;
+  item.sample = sample;
   forward_batch({item}, cache, path);
   return next;
 }
@@ -274,6 +276,8 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
     for (int64_t t = 0; t < it.T; ++t)
       if (it.tokens[t] < 0 || it.tokens[t] >= V)
         fail("token id ", it.tokens[t], " is out of range (vocab size ", V, ")");
+    if (it.sample)
+      for (int64_t k = 0; k < (it.all_logits ? it.T : 1); ++k) validate_sample_row_args(it.sample[k], k);
     AttentionPath p = path;
     if (p == AttentionPath::Auto) p = choose_path(it.T, pos0);
     Segment s{it.row, N, it.T, pos0, p};
@@ -295,9 +299,9 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
   cos_sin_ = scratch(4, size_t(N * half * 2));
   backend_.copy_from_host(cos_sin_, cs_host.data(), cs_host.size());
   float* lg = scratch(3, size_t(n_out * V));
-  bool any_argmax = false;
-  for (const BatchItem& it : items) any_argmax = any_argmax || it.argmax;
-  int32_t* best = any_argmax ? scratch_i32(8, size_t(n_out)) : nullptr;  // before a recording is checked
+  bool any_token = false;
+  for (const BatchItem& it : items) any_token = any_token || it.token;
+  int32_t* chosen = any_token ? scratch_i32(8, size_t(n_out)) : nullptr;  // before a recording is checked
   for (const Segment& s : segs) cache.set_length(s.row, s.pos0 + s.T);  // entries written layer by layer
 
   if (can_record_step(segs, N)) run_recorded(segs, N, cache, ids, lg);
@@ -307,9 +311,10 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
   for (const BatchItem& it : items) {
     const int64_t n = it.all_logits ? it.T : 1;
     if (it.logits) backend_.copy_to_host(it.logits, lg + r * V, size_t(n * V));
-    if (it.argmax) {
-      backend_.argmax_rows(lg + r * V, n, V, best + r);
-      backend_.copy_to_host_i32(it.argmax, best + r, size_t(n));
+    if (it.token) {
+      if (it.sample) backend_.sample_rows(lg + r * V, n, V, it.sample, chosen + r);
+      else backend_.argmax_rows(lg + r * V, n, V, chosen + r);
+      backend_.copy_to_host_i32(it.token, chosen + r, size_t(n));
     }
     r += n;
   }

@@ -30,7 +30,10 @@ struct BatchItem {
   int64_t T = 0;
   float* logits = nullptr;          // host: [T, vocab] if all_logits, else [1, vocab] (last token); may be null
   bool all_logits = false;
-  int32_t* argmax = nullptr;        // host, same rows as logits: the greedy tokens, chosen on the backend
+  // Host, same rows as logits: tokens chosen on the backend, so no logits need copying back: the
+  // argmax of each row, or with `sample` (host, one per row) Backend::sample_rows' draws.
+  int32_t* token = nullptr;
+  const SampleRowArgs* sample = nullptr;
 };
 
 class GlmDsaModel {
@@ -62,9 +65,14 @@ class GlmDsaModel {
   // items with T == 1 and the reconstructed path otherwise.
   void forward_batch(const std::vector<BatchItem>& items, MlaCache& cache, AttentionPath path = AttentionPath::Auto);
 
-  // As forward(), returning the greedy next token (chosen on the backend: no logits copied).
+  // As forward(), returning the next token chosen on the backend (no logits copied): the argmax
+  // when `sample` is null, else the draw Backend::sample_rows makes with *sample.
+  int32_t forward_next(const int32_t* tokens, int64_t T, MlaCache& cache, int row, const SampleRowArgs* sample,
+                       AttentionPath path = AttentionPath::Auto);
   int32_t forward_greedy(const int32_t* tokens, int64_t T, MlaCache& cache, int row,
-                         AttentionPath path = AttentionPath::Auto);
+                         AttentionPath path = AttentionPath::Auto) {
+    return forward_next(tokens, T, cache, row, nullptr, path);
+  }
 
   // Decode steps (every item one token) on a backend that can record ops run from a recording
   // (a CUDA graph) made once per batch of cache rows: one launch per step instead of hundreds.

@@ -1,0 +1,437 @@
+// The sampling reference (backend/sampling.h) and Backend::sample_rows: the portable exp against
+// std::exp, the levels and their searches against plain double loops, the whole draw against a
+// double-precision oracle (an inverse-CDF grid of uniforms gives each token's mass exactly), the
+// CPU backend against Sampler, the CUDA backend against the CPU token for token, and generation
+// (generate, the scheduler, `vireo run`) on the backend path against the host path.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <numeric>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/cuda/cuda_backend.h"
+#include "backend/sampling.h"
+#include "core/error.h"
+#include "core/portable_math.h"
+#include "cuda_test_util.h"
+#include "io/json_file.h"
+#include "model/glm_dsa/model.h"
+#include "runtime/generate.h"
+#include "runtime/sampler.h"
+#include "runtime/scheduler.h"
+#include "test_helpers.h"
+
+using namespace vireo;
+
+namespace {
+
+const std::string kFixture = std::string(VIREO_FIXTURES_DIR) + "/glm_dsa_full_f32";
+const std::string kDemo = std::string(VIREO_SOURCE_DIR) + "/models/vireo-demo";
+
+// The distance from `got` to the exact value `want` in units of the float spacing at `want`.
+double ulps(float got, double want) {
+  const double a = std::fabs(want);
+  const double spacing = a < 0x1p-126 ? 0x1p-149 : std::ldexp(1.0, std::ilogb(a) - 23);
+  return std::fabs(double(got) - want) / spacing;
+}
+
+// Straightforward double-precision sampling distribution: P(token) after temperature, top-k,
+// top-p and min-p. `margin` gets the smallest distance of a cutoff decision from its threshold
+// (a reference in float may decide such a near tie the other way).
+std::vector<double> oracle(const std::vector<float>& l, double T, int top_k, double top_p, double min_p,
+                           double* margin) {
+  const int64_t V = int64_t(l.size());
+  std::vector<int32_t> order(static_cast<size_t>(V));
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return l[size_t(a)] > l[size_t(b)]; });
+  int64_t n = top_k > 0 && top_k < V ? top_k : V;
+  std::vector<double> p(static_cast<size_t>(n));
+  double sum = 0;
+  for (int64_t i = 0; i < n; ++i) sum += p[size_t(i)] = std::exp((double(l[size_t(order[size_t(i)])]) - l[size_t(order[0])]) / T);
+  for (double& x : p) x /= sum;
+  *margin = 1;
+  if (top_p < 1) {
+    double cum = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      cum += p[size_t(i)];
+      *margin = std::min(*margin, std::fabs(cum - top_p));
+      if (cum >= top_p) {
+        n = i + 1;
+        break;
+      }
+    }
+  }
+  if (min_p > 0) {
+    int64_t keep = 1;
+    while (keep < n && p[size_t(keep)] >= min_p * p[0]) ++keep;
+    for (int64_t i = 1; i < n; ++i) *margin = std::min(*margin, std::fabs(p[size_t(i)] - min_p * p[0]));
+    n = keep;
+  }
+  double kept = 0;
+  for (int64_t i = 0; i < n; ++i) kept += p[size_t(i)];
+  std::vector<double> out(static_cast<size_t>(V), 0.0);
+  for (int64_t i = 0; i < n; ++i) out[size_t(order[size_t(i)])] = p[size_t(i)] / kept;
+  return out;
+}
+
+std::vector<float> normal_logits(int64_t n, uint32_t seed, float scale) {
+  std::mt19937 g(seed);
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& x : v) x = d(g);
+  return v;
+}
+
+SampleRowArgs row_args(float t, int k, float p, float m, double u) {
+  SampleRowArgs a;
+  a.temperature = t;
+  a.top_k = k;
+  a.top_p = p;
+  a.min_p = m;
+  a.uniform = u;
+  return a;
+}
+
+}  // namespace
+
+TEST(PortableMath, ExpIsWithinOneUlpOfTheTrueValue) {
+  // Every 97th float from -104 to 89 (about 15 million), plus the special values.
+  double worst = 0;
+  float worst_at = 0;
+  auto check = [&](float x) {
+    const float got = pm::exp(x);
+    const double want = std::exp(double(x));
+    if (want > double(std::numeric_limits<float>::max())) {
+      EXPECT_TRUE(std::isinf(got)) << x;
+      return;
+    }
+    const double e = ulps(got, want);
+    if (e > worst) {
+      worst = e;
+      worst_at = x;
+    }
+  };
+  for (uint32_t b = pm::float_bits(-104.0f); b > 0x80000000u; b -= 97) check(pm::bits_float(b));
+  for (uint32_t b = 0; b < pm::float_bits(89.0f); b += 97) check(pm::bits_float(b));
+  for (float x : {0.0f, -0.0f, 1.0f, -1.0f, 88.72f, -87.3f, -100.0f, -103.9f, 1e-30f, -1e-30f}) check(x);
+  std::printf("  portable exp: worst error %.3f ulp at x = %a\n", worst, worst_at);
+  EXPECT_LE(worst, 1.0);
+  EXPECT_EQ(pm::exp(0.0f), 1.0f);
+  EXPECT_EQ(pm::exp(-INFINITY), 0.0f);
+  EXPECT_EQ(pm::exp(-200.0f), 0.0f);
+  EXPECT_TRUE(std::isinf(pm::exp(100.0f)));
+  EXPECT_TRUE(std::isnan(pm::exp(NAN)));
+}
+
+TEST(SamplingReference, LevelsSumAndSearchLikePlainLoops) {
+  std::mt19937 g(5);
+  std::uniform_real_distribution<float> d(0.0f, 1.0f);
+  for (int64_t n : {1, 2, 31, 32, 33, 1024, 1025, 40000}) {
+    std::vector<float> v(static_cast<size_t>(n));
+    for (float& x : v) x = d(g);
+    const SumLevels L = sum_levels(n);
+    EXPECT_EQ(L.size[L.count], 1);
+    std::vector<double> sums(static_cast<size_t>(L.doubles));
+    for (int l = 1; l <= L.count; ++l)
+      for (int64_t j = 0; j < L.size[l]; ++j) sums[size_t(L.offset[l] + j)] = level_block_sum(v.data(), sums.data(), L, l, j);
+    std::vector<double> prefix(static_cast<size_t>(n));  // sequential long double, the exact-enough truth
+    long double c = 0;
+    for (int64_t i = 0; i < n; ++i) prefix[size_t(i)] = double(c += v[size_t(i)]);
+    const double total = sums[size_t(L.offset[L.count])];
+    EXPECT_NEAR(total, prefix.back(), 1e-12 * prefix.back()) << n;
+    for (int q = 0; q < 200; ++q) {
+      const double t = double(d(g)) * total;
+      const int64_t want = std::upper_bound(prefix.begin(), prefix.end(), t) - prefix.begin();  // first > t
+      const int64_t got = level_search(v.data(), sums.data(), L, t, true);
+      // Only a threshold within rounding of a prefix sum may land one index off.
+      const bool near = (want < n && std::fabs(prefix[size_t(want)] - t) < 1e-9) ||
+                        (want > 0 && std::fabs(prefix[size_t(want - 1)] - t) < 1e-9);
+      if (!near) {
+        EXPECT_EQ(got, std::min(want, n - 1)) << "n " << n << " threshold " << t;
+      }
+    }
+    EXPECT_EQ(level_search(v.data(), sums.data(), L, 2 * total, false), n - 1);  // never reached
+    EXPECT_EQ(level_search(v.data(), sums.data(), L, 0.0, false), 0);
+  }
+}
+
+TEST(SamplingReference, CandidateOrderIsDescendingLogitThenId) {
+  SampleWorkspace ws;
+  for (int64_t V : {int64_t(5), int64_t(100), int64_t(5000), int64_t(154880)}) {
+    std::vector<std::vector<float>> rows;
+    rows.push_back(normal_logits(V, uint32_t(V), 3.0f));
+    std::vector<float> ties = normal_logits(V, uint32_t(V) + 1, 2.0f);
+    for (size_t i = 0; i < ties.size(); ++i) ties[i] = i % 5 == 0 ? (i % 2 ? -0.0f : 0.0f) : std::round(ties[i] * 4) / 4;
+    ties[0] = INFINITY;
+    ties[size_t(V - 1)] = -INFINITY;
+    rows.push_back(ties);
+    rows.push_back(std::vector<float>(static_cast<size_t>(V), -1.5f));
+    for (const auto& l : rows) {
+      std::vector<int32_t> want(static_cast<size_t>(V));
+      std::iota(want.begin(), want.end(), 0);
+      std::stable_sort(want.begin(), want.end(), [&](int32_t a, int32_t b) { return l[size_t(a)] > l[size_t(b)]; });
+      for (int64_t n : {int64_t(1), int64_t(7), V / 16, V / 16 + 1, V}) {
+        if (n < 1 || n > V) continue;
+        sample_candidate_order(l.data(), V, n, ws);
+        ASSERT_EQ(ws.ids, std::vector<int32_t>(want.begin(), want.begin() + n)) << "vocab " << V << " n " << n;
+      }
+    }
+  }
+}
+
+TEST(SamplingReference, DrawsFollowTheDoubleOracle) {
+  // Uniforms on a grid (j + 1/2) / N: the draw is an inverse CDF, so each token is drawn
+  // N * P(token) times within 1 (each cutoff and its mass rounded, far below 1/N).
+  const int N = 4000;
+  int checked = 0;
+  SampleWorkspace ws;
+  for (uint32_t seed : {1u, 2u}) {
+    const std::vector<float> l = normal_logits(300, seed, 2.0f);
+    for (float T : {0.5f, 1.0f, 2.0f})
+      for (int k : {0, 1, 5, 50})
+        for (float tp : {1.0f, 0.9f, 0.5f})
+          for (float mp : {0.0f, 0.05f, 0.2f}) {
+            double margin = 1;
+            const std::vector<double> want = oracle(l, T, k, tp, mp, &margin);
+            if (margin < 1e-5) continue;  // a cutoff within float rounding of its threshold
+            std::vector<int> count(l.size(), 0);
+            for (int j = 0; j < N; ++j) ++count[size_t(sample_row(l.data(), 300, row_args(T, k, tp, mp, (j + 0.5) / N), ws))];
+            for (size_t i = 0; i < l.size(); ++i)
+              ASSERT_NEAR(double(count[i]) / N, want[i], 1.01 / N)
+                  << "token " << i << " T " << T << " top_k " << k << " top_p " << tp << " min_p " << mp;
+            ++checked;
+          }
+  }
+  EXPECT_GE(checked, 150);  // of 216: few cases sit on a cutoff
+}
+
+TEST(SamplingReference, TiesEdgesAndGreedy) {
+  SampleWorkspace ws;
+  // Exact ties (and -0 == +0) are ordered by id: top-k 2 keeps ids 1 and 3 of the three 2.0s.
+  const std::vector<float> l = {0.0f, 2.0f, -1.0f, 2.0f, 2.0f, -0.0f};
+  EXPECT_EQ(sample_row(l.data(), 6, row_args(0.0f, 0, 1, 0, 0.5), ws), 1);
+  EXPECT_EQ(sample_row(l.data(), 6, row_args(1.0f, 1, 1, 0, 0.99), ws), 1);
+  std::map<int32_t, int> seen;
+  for (int j = 0; j < 100; ++j) seen[sample_row(l.data(), 6, row_args(1.0f, 2, 1, 0, j / 100.0), ws)]++;
+  EXPECT_EQ(seen.size(), 2u);
+  EXPECT_EQ(seen[1], 50);
+  EXPECT_EQ(seen[3], 50);
+  // Uniform 0 draws the first candidate; the largest uniform below 1 the last kept one.
+  const std::vector<float> m = {1.0f, 3.0f, 2.0f, -INFINITY, 0.5f};
+  EXPECT_EQ(sample_row(m.data(), 5, row_args(1.0f, 0, 1, 0, 0.0), ws), 1);
+  EXPECT_EQ(sample_row(m.data(), 5, row_args(1.0f, 0, 1, 0, 1.0 - 0x1p-53), ws), 4);  // -inf never drawn
+  EXPECT_EQ(sample_row(m.data(), 5, row_args(1.0f, 3, 1, 0, 1.0 - 0x1p-53), ws), 0);
+  // top_p tiny keeps the best alone.
+  EXPECT_EQ(sample_row(m.data(), 5, row_args(1.0f, 0, 1e-6f, 0, 1.0 - 0x1p-53), ws), 1);
+}
+
+TEST(SamplingReference, CpuBackendEqualsSamplerRowByRow) {
+  auto be = make_cpu_backend();
+  const int64_t V = 5000, R = 6;
+  std::vector<float> x = normal_logits(R * V, 9, 3.0f);
+  for (int64_t i = 0; i < V; i += 7) x[size_t(V + i)] = 1.0f;  // row 1: many exact ties
+  SamplingParams p;
+  p.temperature = 0.8f;
+  p.top_k = 0;
+  p.top_p = 0.9f;
+  p.min_p = 0.02f;
+  p.seed = 3;
+  for (int top_k : {0, 40}) {
+    p.top_k = top_k;
+    Sampler host(p), dev(p);
+    for (int step = 0; step < 20; ++step) {
+      std::vector<SampleRowArgs> args;
+      for (int64_t r = 0; r < R; ++r) args.push_back(dev.next_row_args());
+      std::vector<int32_t> got(static_cast<size_t>(R));
+      be->sample_rows(x.data(), R, V, args.data(), got.data());
+      for (int64_t r = 0; r < R; ++r) EXPECT_EQ(got[size_t(r)], host.sample(x.data() + r * V, V)) << "row " << r;
+    }
+  }
+  SampleRowArgs bad = row_args(1.0f, 0, 0.0f, 0, 0.5);
+  int32_t out = 0;
+  try {
+    be->sample_rows(x.data(), 1, V, &bad, &out);
+    ADD_FAILURE() << "top_p 0 accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("top_p"), std::string::npos) << e.what();
+  }
+  bad = row_args(1.0f, 0, 1.0f, 0, 1.0);
+  EXPECT_THROW(be->sample_rows(x.data(), 1, V, &bad, &out), Error);
+}
+
+// Generation on the backend path (the token chosen by sample_rows) equals the host path: the
+// logits of every step copied back and drawn by Sampler::sample.
+TEST(SamplingReference, GenerateOnTheBackendEqualsTheHostPath) {
+  auto be = make_cpu_backend();
+  auto m = GlmDsaModel::load(kFixture, *be);
+  const Json e = read_json_file(kFixture + "/expected.json");
+  const auto prompt = e["greedy_prompt"].get<std::vector<int32_t>>();
+  const int64_t n = 24, V = m->config().vocab_size;
+  SamplingParams p;
+  p.temperature = 0.7f;
+  p.top_p = 0.9f;
+  p.seed = 1;
+  MlaCache c1(*be, m->cache_shape(), 1, int64_t(prompt.size()) + n);
+  GenerateOptions opt;
+  opt.max_new_tokens = n;
+  opt.sampling = p;
+  opt.stop_at_eos = false;
+  const GenerateResult got = generate(*m, c1, 0, prompt, opt);
+
+  MlaCache c2(*be, m->cache_shape(), 1, int64_t(prompt.size()) + n);
+  Sampler s(p);
+  std::vector<float> logits(static_cast<size_t>(V));
+  std::vector<int32_t> want;
+  m->forward(prompt.data(), int64_t(prompt.size()), c2, 0, logits.data());
+  for (int64_t i = 0; i < n; ++i) {
+    want.push_back(s.sample(logits.data(), V));
+    if (i + 1 < n) m->forward(&want.back(), 1, c2, 0, logits.data(), false, AttentionPath::Absorbed);
+  }
+  EXPECT_EQ(got.tokens, want);
+  EXPECT_GT(std::set<int32_t>(want.begin(), want.end()).size(), 3u);  // really sampled
+}
+
+// The scheduler samples on the backend for requests without logprobs and on the host for those
+// with: the same seed gives the same tokens either way, in a batch with other requests.
+TEST(SamplingReference, SchedulerBackendAndHostSamplingAgree) {
+  auto be = make_cpu_backend();
+  auto m = GlmDsaModel::load(kFixture, *be);
+  const Json e = read_json_file(kFixture + "/expected.json");
+  const auto toks = e["tokens"].get<std::vector<int32_t>>();
+  SchedulerOptions o;
+  o.max_batch = 4;
+  o.context = 128;
+  o.prefill_chunk = 8;  // the 20-token prompts span three steps
+  o.start_thread = false;
+  Scheduler sch(*m, *be, o);
+  std::vector<std::shared_ptr<RequestHandle>> hs;
+  for (int i = 0; i < 4; ++i) {
+    SchedRequest r;
+    r.prompt.assign(toks.begin() + i % 2, toks.begin() + 20 + i % 2);
+    r.max_tokens = 16;
+    r.stop_at_eos = false;
+    r.sampling.temperature = 0.9f;
+    r.sampling.top_k = 50;
+    r.sampling.seed = 11;
+    r.logprobs = i >= 2;  // requests 2 and 3 are requests 0 and 1 drawn on the host
+    hs.push_back(sch.submit(r));
+  }
+  while (sch.step()) {}
+  std::vector<std::vector<int32_t>> ids(4);
+  for (int i = 0; i < 4; ++i) {
+    SchedEvent ev;
+    while (hs[size_t(i)]->next(ev, std::chrono::milliseconds(0)))
+      if (ev.kind == SchedEvent::Kind::Token) ids[size_t(i)].push_back(ev.token);
+    EXPECT_EQ(ids[size_t(i)].size(), 16u);
+  }
+  EXPECT_EQ(ids[0], ids[2]);
+  EXPECT_EQ(ids[1], ids[3]);
+  EXPECT_GT(std::set<int32_t>(ids[0].begin(), ids[0].end()).size(), 3u);
+}
+
+// --- the CUDA backend --------------------------------------------------------------------
+
+#ifdef VIREO_HAVE_CUDA
+namespace {
+
+// Rows that stress the order and the sums: random, exact ties, one very peaked, all equal
+// (flat), -inf entries.
+std::vector<std::vector<float>> test_rows(int64_t V, uint32_t seed) {
+  std::vector<std::vector<float>> rows;
+  rows.push_back(normal_logits(V, seed, 3.0f));
+  std::vector<float> ties = normal_logits(V, seed + 1, 2.0f);
+  for (float& x : ties) x = std::round(x * 4.0f) / 4.0f;  // few distinct values, many ties
+  rows.push_back(ties);
+  std::vector<float> peaked = normal_logits(V, seed + 2, 1.0f);
+  peaked[size_t(V / 3)] = 40.0f;
+  rows.push_back(peaked);
+  rows.push_back(std::vector<float>(size_t(V), 0.5f));
+  std::vector<float> holes = normal_logits(V, seed + 3, 1.5f);
+  for (int64_t i = 1; i < V; i += 3) holes[size_t(i)] = -INFINITY;
+  rows.push_back(holes);
+  return rows;
+}
+
+}  // namespace
+#endif
+
+TEST(CudaOps, SampleRowsMatchesCpu) {
+  REQUIRE_CUDA();
+#ifdef VIREO_HAVE_CUDA
+  auto cpu = make_cpu_backend();
+  auto gpu = make_cuda_backend();
+  std::mt19937_64 g(17);
+  std::uniform_real_distribution<double> ud(0.0, 1.0);
+  int64_t cases = 0, mismatches = 0;
+  for (int64_t V : {int64_t(1), int64_t(2), int64_t(7), int64_t(33), int64_t(1000), int64_t(1025), int64_t(154880)}) {
+    const auto rows = test_rows(V, uint32_t(V));
+    // Every (row, parameters, uniform) case as one row of a batch.
+    std::vector<float> x;
+    std::vector<SampleRowArgs> args;
+    auto flush = [&] {
+      if (args.empty()) return;
+      const int64_t R = int64_t(args.size());
+      std::vector<int32_t> want(static_cast<size_t>(R)), got(static_cast<size_t>(R));
+      cpu->sample_rows(x.data(), R, V, args.data(), want.data());
+      auto dx = gpu->alloc_f32(x.size());
+      auto dout = gpu->alloc_i32(size_t(R));
+      gpu->copy_from_host(dx.get(), x.data(), x.size());
+      gpu->sample_rows(dx.get(), R, V, args.data(), dout.get());
+      gpu->copy_to_host_i32(got.data(), dout.get(), size_t(R));
+      for (int64_t r = 0; r < R; ++r) {
+        ++cases;
+        if (got[size_t(r)] != want[size_t(r)]) {
+          ++mismatches;
+          const SampleRowArgs& a = args[size_t(r)];
+          ADD_FAILURE() << "vocab " << V << ": cpu " << want[size_t(r)] << " cuda " << got[size_t(r)] << " (T "
+                        << a.temperature << " top_k " << a.top_k << " top_p " << a.top_p << " min_p " << a.min_p
+                        << " u " << a.uniform << ")";
+        }
+      }
+      x.clear();
+      args.clear();
+    };
+    const bool big = V > 50000;
+    for (size_t ri = 0; ri < rows.size(); ++ri)
+      for (float T : big ? std::vector<float>{0.7f, 1.3f} : std::vector<float>{0.0f, 0.3f, 0.7f, 1.0f, 1.5f})
+        for (int k : {0, 1, 5, 50, 4096})
+          for (float tp : {1.0f, 0.9f, 0.5f, 1e-6f})
+            for (float mp : {0.0f, 0.05f}) {
+              std::vector<double> us = {0.0, 1.0 - 0x1p-53, ud(g)};
+              if (!big) us.push_back(ud(g));
+              for (double u : us) {
+                x.insert(x.end(), rows[ri].begin(), rows[ri].end());
+                args.push_back(row_args(T, k, tp, mp, u));
+                if (int64_t(args.size()) * V >= (int64_t(1) << 24)) flush();
+              }
+            }
+    flush();
+  }
+  std::printf("  sample_rows: %lld cases, %lld mismatches\n", (long long)cases, (long long)mismatches);
+  EXPECT_GT(cases, 10000);
+#endif
+}
+
+// `vireo run` with sampling draws the same tokens on the GPU as on the CPU (the logits of the two
+// backends differ in their last bits; the tokens must not).
+TEST(CudaOps, RunSamplesTheSameTokensAsTheCpu) {
+  REQUIRE_CUDA();
+  for (const std::string& model : {kFixture, kDemo}) {
+    const std::string args =
+        "run --model " + model + " --prompt-ids 1,2,3,4,5,6,7,8 -n 32 --ignore-eos --temp 0.7 --top-p 0.9 --seed 1";
+    const test::RunResult cpu = test::run_vireo(args + " --device cpu");
+    const test::RunResult gpu = test::run_vireo(args + " --device cuda");
+    ASSERT_EQ(cpu.exit_code, 0) << cpu.err;
+    ASSERT_EQ(gpu.exit_code, 0) << gpu.err;
+    EXPECT_EQ(gpu.out, cpu.out) << model;
+    std::printf("  %s: %s", model.c_str(), cpu.out.c_str());
+  }
+}
