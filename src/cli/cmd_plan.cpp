@@ -202,6 +202,13 @@ uint64_t status_bytes(const char* field) {
 
 uint64_t peak_rss_bytes() { return status_bytes("VmHWM:"); }
 
+bool reset_peak_rss() {
+  std::ofstream f("/proc/self/clear_refs");
+  f << "5";
+  f.flush();
+  return bool(f);
+}
+
 uint64_t mem_available_bytes() {
   std::ifstream in("/proc/meminfo");
   std::string line;

@@ -60,6 +60,8 @@ MemoryPlan plan_for(const Checkpoint& ck, const GlmDsaConfig& c, uint64_t budget
                     uint64_t gpu_budget = 0);
 std::string stats_line(const ExpertStoreStats& s);
 uint64_t peak_rss_bytes();     // VmHWM of this process
+// Starts VmHWM again from the current RSS (Linux /proc/self/clear_refs, "5"); false if refused.
+bool reset_peak_rss();
 uint64_t current_rss_bytes();  // VmRSS of this process
 uint64_t mem_available_bytes(); // MemAvailable of /proc/meminfo (0 if unknown)
 
