@@ -312,6 +312,23 @@ void random_selection(int64_t T, int64_t stride, int64_t pos0, uint32_t seed, st
     counts[size_t(t)] = int32_t(k);
   }
 }
+
+// The shape part of MLA attention arguments (pointers left for the caller).
+MlaAttentionArgs mla_shape(int64_t T, int64_t H, int64_t nope, int64_t rope, int64_t vd, int64_t L, int64_t N,
+                           int64_t pos0, float scale, bool absorbed) {
+  MlaAttentionArgs a;
+  a.T = T;
+  a.n_heads = H;
+  a.qk_nope = nope;
+  a.qk_rope = rope;
+  a.v_dim = vd;
+  a.kv_lora = L;
+  a.n_keys = N;
+  a.pos0 = pos0;
+  a.scale = scale;
+  a.absorbed = absorbed;
+  return a;
+}
 }  // namespace
 
 TEST(CudaOps, MlaAttentionBothPathsWithAndWithoutSelection) {
@@ -331,17 +348,7 @@ TEST(CudaOps, MlaAttentionBothPathsWithAndWithoutSelection) {
           auto q = randv(size_t(T * H * qw), uint32_t(23 + T));
           std::vector<int32_t> keys, counts;
           random_selection(T, stride, pos0, uint32_t(24 + T), keys, counts);
-          MlaAttentionArgs a;
-          a.T = T;
-          a.n_heads = H;
-          a.qk_nope = nope;
-          a.qk_rope = rope;
-          a.v_dim = vd;
-          a.kv_lora = L;
-          a.n_keys = N;
-          a.pos0 = pos0;
-          a.scale = 0.17f;
-          a.absorbed = absorbed;
+          MlaAttentionArgs a = mla_shape(T, H, nope, rope, vd, L, N, pos0, 0.17f, absorbed);
           std::vector<float> want(size_t(T * H * vd));
           MlaAttentionArgs c = a;
           c.q = q.data();
@@ -397,16 +404,7 @@ TEST(CudaOps, PrefillAttentionGlmShapes) {
           counts[size_t(t)] = c;
         }
       }
-      MlaAttentionArgs a;
-      a.T = T;
-      a.n_heads = H;
-      a.qk_nope = nope;
-      a.qk_rope = rope;
-      a.v_dim = vd;
-      a.kv_lora = L;
-      a.n_keys = N;
-      a.pos0 = pos0;
-      a.scale = 1.0f / std::sqrt(float(qw));
+      MlaAttentionArgs a = mla_shape(T, H, nope, rope, vd, L, N, pos0, 1.0f / std::sqrt(float(qw)), false);
       std::vector<float> want(size_t(T * H * vd));
       MlaAttentionArgs c = a;
       c.q = q.data();
@@ -435,6 +433,55 @@ TEST(CudaOps, PrefillAttentionGlmShapes) {
 }
 #endif
 
+namespace {
+
+// The indexer's selection of T queries over N keys: counts [T] and selected [T, topk].
+struct Selection {
+  std::vector<int32_t> selected, counts;
+};
+
+IndexerArgs indexer_shape(int64_t T, int64_t nI, int64_t d, int64_t N, int64_t pos0, int64_t topk) {
+  IndexerArgs a;
+  a.T = T;
+  a.n_heads = nI;
+  a.head_dim = d;
+  a.n_keys = N;
+  a.pos0 = pos0;
+  a.topk = topk;
+  a.scale = 1.0f / std::sqrt(float(d));
+  return a;
+}
+
+Selection cpu_select(Pair& p, IndexerArgs a, const std::vector<float>& q, const std::vector<float>& w,
+                     const std::vector<float>& keys) {
+  Selection s{std::vector<int32_t>(size_t(a.T * a.topk), -1), std::vector<int32_t>(size_t(a.T), -1)};
+  a.q = q.data();
+  a.weights = w.data();
+  a.keys = keys.data();
+  a.selected = s.selected.data();
+  a.counts = s.counts.data();
+  p.cpu->indexer_select(a);
+  return s;
+}
+
+// `a` with its inputs on the device.
+Selection gpu_select(Pair& p, IndexerArgs a) {
+  a.selected = p.g.up_i(std::vector<int32_t>(size_t(a.T * a.topk), -1));
+  a.counts = p.g.zeros_i(size_t(a.T));
+  p.gpu->indexer_select(a);
+  return {p.g.down_i(a.selected, size_t(a.T * a.topk)), p.g.down_i(a.counts, size_t(a.T))};
+}
+
+void expect_same_selection(const Selection& want, const Selection& got, int64_t topk, const std::string& what) {
+  ASSERT_EQ(got.counts, want.counts) << what;
+  for (size_t t = 0; t < want.counts.size(); ++t)
+    for (int64_t i = 0; i < want.counts[t]; ++i)
+      ASSERT_EQ(got.selected[t * size_t(topk) + size_t(i)], want.selected[t * size_t(topk) + size_t(i)])
+          << what << " t " << t << " i " << i;
+}
+
+}  // namespace
+
 TEST(CudaOps, IndexerSelectIsIdentical) {
   REQUIRE_CUDA();
   Pair p;
@@ -446,35 +493,12 @@ TEST(CudaOps, IndexerSelectIsIdentical) {
     // Ties: repeated keys give equal scores; the lower position must win.
     for (int64_t u = 0; u + 1 < N; u += 7)
       std::copy(keys.begin() + u * d, keys.begin() + (u + 1) * d, keys.begin() + (u + 1) * d);
-    IndexerArgs a;
-    a.T = T;
-    a.n_heads = nI;
-    a.head_dim = d;
-    a.n_keys = N;
-    a.pos0 = pos0;
-    a.topk = topk;
-    a.scale = 1.0f / std::sqrt(float(d));
-    std::vector<int32_t> sel(size_t(T * topk), -1), cnt(size_t(T), -1);
-    IndexerArgs c = a;
-    c.q = q.data();
-    c.weights = w.data();
-    c.keys = keys.data();
-    c.selected = sel.data();
-    c.counts = cnt.data();
-    p.cpu->indexer_select(c);
+    const IndexerArgs a = indexer_shape(T, nI, d, N, pos0, topk);
     IndexerArgs g = a;
     g.q = p.g.up(q);
     g.weights = p.g.up(w);
     g.keys = p.g.up(keys);
-    g.selected = p.g.up_i(std::vector<int32_t>(sel.size(), -1));
-    g.counts = p.g.zeros_i(cnt.size());
-    p.gpu->indexer_select(g);
-    auto gcnt = p.g.down_i(g.counts, cnt.size());
-    auto gsel = p.g.down_i(g.selected, sel.size());
-    ASSERT_EQ(gcnt, cnt) << "T " << T;
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t i = 0; i < cnt[size_t(t)]; ++i)
-        ASSERT_EQ(gsel[size_t(t * topk + i)], sel[size_t(t * topk + i)]) << "T " << T << " t " << t << " i " << i;
+    expect_same_selection(cpu_select(p, a, q, w, keys), gpu_select(p, g), topk, "T " + std::to_string(T));
   }
 }
 
@@ -716,17 +740,7 @@ TEST(CudaOps, DecodeAttentionGlmShapesFastAndReference) {
         auto q = randv(size_t(T * H * qw), uint32_t(92 + T));
         std::vector<int32_t> keys, counts;
         random_selection(T, stride, pos0, uint32_t(93 + T), keys, counts);
-        MlaAttentionArgs a;
-        a.T = T;
-        a.n_heads = H;
-        a.qk_nope = nope;
-        a.qk_rope = rope;
-        a.v_dim = vd;
-        a.kv_lora = L;
-        a.n_keys = N;
-        a.pos0 = pos0;
-        a.scale = 1.0f / std::sqrt(float(qw));
-        a.absorbed = true;
+        MlaAttentionArgs a = mla_shape(T, H, nope, rope, vd, L, N, pos0, 1.0f / std::sqrt(float(qw)), true);
         std::vector<float> want(size_t(T * H * vd));
         MlaAttentionArgs c = a;
         c.q = q.data();
@@ -784,22 +798,8 @@ TEST(CudaOps, IndexerSelectLongRowsIsIdentical) {
         for (int64_t u = 3; u < N; ++u)
           std::copy(keys.begin() + (u % 3) * d, keys.begin() + (u % 3 + 1) * d, keys.begin() + u * d);
       }
-      IndexerArgs a;
-      a.T = T;
-      a.n_heads = nI;
-      a.head_dim = d;
-      a.n_keys = N;
-      a.pos0 = pos0;
-      a.topk = topk;
-      a.scale = 1.0f / std::sqrt(float(d));
-      std::vector<int32_t> sel(size_t(T * topk), -1), cnt(size_t(T), -1);
-      IndexerArgs c = a;
-      c.q = q.data();
-      c.weights = w.data();
-      c.keys = keys.data();
-      c.selected = sel.data();
-      c.counts = cnt.data();
-      p.cpu->indexer_select(c);
+      const IndexerArgs a = indexer_shape(T, nI, d, N, pos0, topk);
+      const Selection want = cpu_select(p, a, q, w, keys);
       std::vector<float> kbound(keys);
       kbound.resize(size_t((N + 64) * d), 0.0f);
       IndexerArgs g = a;
@@ -816,17 +816,9 @@ TEST(CudaOps, IndexerSelectLongRowsIsIdentical) {
             gg.pos0 = N + 64 - T;
             gg.n_keys = N + 64;
           }
-          gg.selected = p.g.up_i(std::vector<int32_t>(sel.size(), -1));
-          gg.counts = p.g.zeros_i(cnt.size());
-          p.gpu->indexer_select(gg);
-          auto gcnt = p.g.down_i(gg.counts, cnt.size());
-          auto gsel = p.g.down_i(gg.selected, sel.size());
-          const std::string what = "N " + std::to_string(N) + " ties " + std::to_string(ties) +
-                                   (fast ? " fast" : " reference") + (dev_pos ? " run-time pos" : "");
-          ASSERT_EQ(gcnt, cnt) << what;
-          for (int64_t t = 0; t < T; ++t)
-            for (int64_t i = 0; i < cnt[size_t(t)]; ++i)
-              ASSERT_EQ(gsel[size_t(t * topk + i)], sel[size_t(t * topk + i)]) << what << " t " << t << " i " << i;
+          expect_same_selection(want, gpu_select(p, gg), topk,
+                                "N " + std::to_string(N) + " ties " + std::to_string(ties) +
+                                    (fast ? " fast" : " reference") + (dev_pos ? " run-time pos" : ""));
         }
       cuda_set_fast_decode(*p.gpu, true, true, true);
     }
