@@ -724,7 +724,35 @@ __global__ void __launch_bounds__(512) indexer_topk_kernel(const float* __restri
       if (bin >= 0 && (threadIdx.x & 31) == __ffs(same) - 1) atomicAdd(&hist[bin], unsigned(__popc(same)));
     }
     __syncthreads();
-    if (threadIdx.x < 32) radix_find_bin(hist, int(threadIdx.x), rem, &s_bin, &s_rem);
+    // The bin holding the rem-th largest key, counting from bin 255 down: warp 0, lane l owns
+    // bins 255 - 8l .. 248 - 8l; a scan over lanes finds the lane, the lane walks its 8 bins.
+    if (threadIdx.x < 32) {
+      const int lane = int(threadIdx.x);
+      unsigned c[8], tot = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        c[i] = hist[255 - (lane * 8 + i)];
+        tot += c[i];
+      }
+      unsigned inc = tot;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const unsigned v = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += v;
+      }
+      const unsigned reach = __ballot_sync(0xffffffffu, (long long)inc >= rem);
+      if (lane == __ffs(reach) - 1) {  // the matching keys number >= rem, so some lane reaches it
+        long long cum = (long long)(inc - tot);
+        int b = 255 - lane * 8;
+        for (int i = 0; i < 8; ++i) {
+          b = 255 - (lane * 8 + i);
+          if (b == 0 || cum + (long long)c[i] >= rem) break;
+          cum += c[i];
+        }
+        s_bin = b;
+        s_rem = rem - cum;
+      }
+    }
     __syncthreads();
     prefix |= uint64_t(s_bin) << shift;
     pmask |= uint64_t(255) << shift;

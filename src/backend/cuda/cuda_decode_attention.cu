@@ -427,7 +427,34 @@ __global__ void __launch_bounds__(1024) indexer_topk_reg_kernel(const float* __r
     }
     if (tid < 256) hist[(pass + 1) & 1][tid] = 0;  // last read by the previous pass's scan
     __syncthreads();
-    if (warp == 0) radix_find_bin(cur, lane, rem, &s_bin, &s_rem);
+    // The bin holding the rem-th largest key, counting from bin 255 down: warp 0, lane l owns
+    // bins 255 - 8l .. 248 - 8l; a scan over lanes finds the lane, the lane walks its 8 bins.
+    if (warp == 0) {
+      unsigned c[8], tot = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        c[i] = cur[255 - (lane * 8 + i)];
+        tot += c[i];
+      }
+      unsigned inc = tot;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const unsigned v = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += v;
+      }
+      const unsigned reach = __ballot_sync(0xffffffffu, int(inc) >= rem);
+      if (lane == __ffs(reach) - 1) {  // the matching keys number >= rem, so some lane reaches it
+        int cum = int(inc - tot);
+        int b = 255 - lane * 8;
+        for (int i = 0; i < 8; ++i) {
+          b = 255 - (lane * 8 + i);
+          if (b == 0 || cum + int(c[i]) >= rem) break;
+          cum += int(c[i]);
+        }
+        s_bin = b;
+        s_rem = rem - cum;
+      }
+    }
     __syncthreads();
     prefix |= uint32_t(s_bin) << shift;
     pmask |= 255u << shift;

@@ -51,38 +51,6 @@ __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
-// One step of a radix select over 256 bins, by warp 0 (all 32 lanes call it): the bin holding
-// the rem-th largest key counting from bin 255 down, and how many keys of that bin are still to
-// be taken, written to *bin and *rem_in_bin by the one lane that finds them. Lane l owns bins
-// 255 - 8l .. 248 - 8l; a scan over lanes finds the lane, which walks its 8 bins.
-template <typename Rem>
-__device__ __forceinline__ void radix_find_bin(const unsigned* hist, int lane, Rem rem, int* bin, Rem* rem_in_bin) {
-  unsigned c[8], tot = 0;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    c[i] = hist[255 - (lane * 8 + i)];
-    tot += c[i];
-  }
-  unsigned inc = tot;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const unsigned v = __shfl_up_sync(0xffffffffu, inc, o);
-    if (lane >= o) inc += v;
-  }
-  const unsigned reach = __ballot_sync(0xffffffffu, Rem(inc) >= rem);
-  if (lane == __ffs(reach) - 1) {  // the matching keys number >= rem, so some lane reaches it
-    Rem cum = Rem(inc - tot);
-    int b = 255 - lane * 8;
-    for (int i = 0; i < 8; ++i) {
-      b = 255 - (lane * 8 + i);
-      if (b == 0 || cum + Rem(c[i]) >= rem) break;
-      cum += Rem(c[i]);
-    }
-    *bin = b;
-    *rem_in_bin = rem - cum;
-  }
-}
-
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
