@@ -33,15 +33,15 @@ const std::string kFixtures = VIREO_FIXTURES_DIR;
 
 struct Mode {
   int per_layer;          // device slots per MoE layer
-  int64_t staging;        // 0: pinned host copy; N: staging ring of N buffers
+  int64_t staging;        // 0: pinned host copy; N: host tier of N slots fed from disk
   bool prefetch = false;  // next-layer guesses copied ahead of need
 };
 std::string mode_name(const Mode& m) {
   return std::to_string(m.per_layer) + " slots per layer, " +
-         (m.staging ? "staging ring of " + std::to_string(m.staging) : std::string("host copy")) +
+         (m.staging ? "host tier of " + std::to_string(m.staging) : std::string("host copy")) +
          (m.prefetch ? ", prefetch" : "");
 }
-const Mode kModes[] = {{1, 0}, {2, 0}, {1, 1}, {2, 3}, {2, 0, true}, {2, 3, true}};
+const Mode kModes[] = {{1, 0}, {2, 0}, {1, 1}, {2, 3}, {1, 1000}, {2, 0, true}, {2, 3, true}};
 
 std::unique_ptr<Checkpoint> in_memory_copy(const Checkpoint& ck) {
   auto m = Checkpoint::in_memory("copy of " + ck.dir());
@@ -105,8 +105,10 @@ TEST(DeviceStore, CountersAreExact) {
   GlmDsaConfig c = load_glm_dsa_config(dir);
   auto ck = Checkpoint::open(dir);
   ExpertStoreParams p = expert_store_params(c);  // MoE layers 1, 2, 3; 8 experts, top 2
-  for (int64_t staging : {int64_t(0), int64_t(2)}) {
-    SCOPED_TRACE(staging ? "staging ring" : "host copy");
+  // staging 2: a ring (every device miss read from disk); 24: a host tier holding all 3 x 8
+  // experts (a device miss on an expert read before is a copy, not a read).
+  for (int64_t staging : {int64_t(0), int64_t(2), int64_t(24)}) {
+    SCOPED_TRACE(staging ? "host tier of " + std::to_string(staging) : std::string("host copy"));
     ExpertStoreOptions o;
     o.slots = 4;
     o.layer_floor = 1;
@@ -127,7 +129,7 @@ TEST(DeviceStore, CountersAreExact) {
         {1, {1}, 0},
         {1, {0}, 1},     // was evicted
     };
-    uint64_t misses = 0, requests = 0;
+    uint64_t misses = 0, requests = 0, disk_before = 0;
     for (size_t i = 0; i < script.size(); ++i) {
       s.prepare(script[i].layer, script[i].experts);
       misses += uint64_t(script[i].misses);
@@ -138,11 +140,21 @@ TEST(DeviceStore, CountersAreExact) {
       EXPECT_EQ(st.hits, requests - misses) << "step " << i;
       EXPECT_EQ(st.bytes_read, misses * e) << "step " << i;
       EXPECT_EQ(st.bytes_to_device, misses * moved) << "step " << i;
+      // The last step's miss, (1, 0), was read at step 0: still in a 24-slot host tier, long
+      // gone from a 2-buffer ring.
+      const bool host_hit = staging == 24 && i + 1 == script.size();
+      EXPECT_EQ(st.host_hits, host_hit ? 1u : 0u) << "step " << i;
       if (staging) {
-        EXPECT_GE(st.bytes_transferred, st.bytes_read) << "step " << i;
+        EXPECT_GE(st.bytes_transferred, st.bytes_read - st.host_hits * e) << "step " << i;
+        if (script[i].misses && !host_hit) {
+          EXPECT_GT(st.bytes_transferred, disk_before) << "step " << i;
+        } else {
+          EXPECT_EQ(st.bytes_transferred, disk_before) << "step " << i;  // no disk read
+        }
       } else {
         EXPECT_EQ(st.bytes_transferred, 0u) << "step " << i;  // no disk reads after startup
       }
+      disk_before = st.bytes_transferred;
     }
     EXPECT_EQ(s.slot_of(2, 3), -1);
     EXPECT_GE(s.slot_of(2, 4), 0);
@@ -201,6 +213,14 @@ TEST_P(DeviceStoreFixture, EqualsResidentTokenForToken) {
     const ExpertStoreStats st = m->experts().stats();
     EXPECT_GT(st.misses, 0u);
     EXPECT_GT(st.bytes_to_device, 0u);
+    // One device slot per layer evicts experts that come back: a host tier holding every expert
+    // serves those without a second disk read; a pinned copy or a small ring never counts one.
+    if (mode.staging >= 1000 && mode.per_layer == 1) {
+      EXPECT_GT(st.host_hits, 0u);
+    }
+    if (mode.staging == 0) {
+      EXPECT_EQ(st.host_hits, 0u);
+    }
     if (mode.prefetch) {  // guesses were made, scored and (some) copied ahead
       EXPECT_GT(st.predicted, 0u);
       EXPECT_GT(st.predicted_actual, 0u);
@@ -272,25 +292,37 @@ TEST(MemoryPlan, GpuColumnArithmetic) {
   EXPECT_EQ(make_memory_plan(in).g.slots, 256);
 }
 
-TEST(MemoryPlan, GpuHostSideIsACopyOrAStagingRing) {
+TEST(MemoryPlan, GpuHostSideIsACopyOrAHostTier) {
   MemoryPlanInputs in = gpu_inputs();
   const uint64_t all = 256 * in.slot_bytes;  // 9.5 GiB
   in.host_available = uint64_t(64) << 30;
   EXPECT_TRUE(make_memory_plan(in).g.host_copy);
-  in.host_available = uint64_t(8) << 30;  // less than the experts: stream from disk
+  in.host_available = uint64_t(8) << 30;  // less than the experts: a host tier fed from disk
   MemoryPlan p = make_memory_plan(in);
   EXPECT_FALSE(p.g.host_copy);
-  EXPECT_EQ(p.g.staging, 16);
-  EXPECT_EQ(p.g.pinned_bytes, 16 * in.slot_bytes);
+  // As many host slots as 90% of what is available holds besides the spine and the reserve.
+  const uint64_t ram = in.host_available / 10 * 9;
+  EXPECT_GT(p.g.staging, 2 * in.top_k);
+  EXPECT_LT(p.g.staging, 256);
+  EXPECT_EQ(p.g.pinned_bytes, uint64_t(p.g.staging) * in.slot_bytes);
+  EXPECT_LE(p.g.host_total, ram);
+  EXPECT_GT(p.g.host_total + in.slot_bytes, ram);  // one slot more would not fit
+  EXPECT_NE(p.table().find("host tier of " + std::to_string(p.g.staging) + " pinned slots"), std::string::npos)
+      << p.table();
+  // Nothing known about RAM and no budget: a pinned copy (the caller checks what it can pin).
+  in.host_available = 0;
+  EXPECT_TRUE(make_memory_plan(in).g.host_copy);
+  in.host_available = uint64_t(8) << 30;
   // A RAM budget decides instead of what is available.
   in.budget = in.dense_bytes + all + (uint64_t(1) << 30);
   EXPECT_TRUE(make_memory_plan(in).g.host_copy);
-  in.budget = in.dense_bytes + (uint64_t(400) << 20);  // room for a few staging buffers only
+  in.budget = in.dense_bytes + (uint64_t(400) << 20);  // room for a few host slots only
   p = make_memory_plan(in);
   EXPECT_FALSE(p.g.host_copy);
   EXPECT_GE(p.g.staging, 1);
   EXPECT_LT(p.g.staging, 16);
   EXPECT_LE(p.g.host_total, in.budget);
+  EXPECT_GT(p.g.host_total + in.slot_bytes, in.budget);
   EXPECT_TRUE(p.g.fits);
   in.budget = in.dense_bytes;  // not even one buffer
   EXPECT_FALSE(make_memory_plan(in).g.fits);

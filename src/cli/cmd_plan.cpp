@@ -180,6 +180,10 @@ std::string stats_line(const ExpertStoreStats& s) {
     std::snprintf(buf, sizeof buf, ", to device %.3f GB", double(s.bytes_to_device) / 1e9);
     out += buf;
   }
+  if (s.host_hits) {
+    std::snprintf(buf, sizeof buf, ", host tier hits %llu", (unsigned long long)s.host_hits);
+    out += buf;
+  }
   if (s.predicted) {
     std::snprintf(buf, sizeof buf, ", predictor precision %.1f%% recall %.1f%%",
                   100.0 * double(s.predicted_correct) / double(s.predicted),

@@ -61,6 +61,7 @@ DeviceExpertStore::DeviceExpertStore(const Checkpoint& ck, const ExpertStorePara
     pinned_bytes_ = uint64_t(o.staging) * sb;
     pinned_ = link_.alloc_pinned(pinned_bytes_);
     staging_.resize(size_t(o.staging));
+    host_slot_of_.assign(p.moe_layers.size() * size_t(p.n_experts), -1);
   }
 }
 
@@ -142,13 +143,28 @@ void DeviceExpertStore::reset_stats() {
   link_stall_base_ = link_.compute_stall_seconds();
 }
 
+size_t DeviceExpertStore::host_key(int layer, int expert) const {
+  return size_t(moe_index_[size_t(layer)]) * size_t(layout_.params().n_experts) + size_t(expert);
+}
+
+void DeviceExpertStore::forget_host_slot(int64_t b) {
+  Staging& s = staging_[size_t(b)];
+  if (s.layer >= 0 && host_slot_of_[host_key(s.layer, s.expert)] == b) host_slot_of_[host_key(s.layer, s.expert)] = -1;
+  s.layer = s.expert = -1;
+  s.valid = false;
+}
+
 int64_t DeviceExpertStore::free_staging() {
-  // A free buffer, or one whose copy has landed.
+  // A host slot not being read into and with its last copy landed: an empty one first, else the
+  // least recently used.
+  int64_t best = -1;
   for (size_t b = 0; b < staging_.size(); ++b) {
     const Staging& s = staging_[b];
-    if (!s.reading && (s.ticket == 0 || link_.done(s.ticket))) return int64_t(b);
+    if (s.reading || (s.ticket != 0 && !link_.done(s.ticket))) continue;
+    if (!s.valid) return int64_t(b);
+    if (best < 0 || s.last_use < staging_[size_t(best)].last_use) best = int64_t(b);
   }
-  return -1;
+  return best;
 }
 
 int64_t DeviceExpertStore::take_staging() {
@@ -192,8 +208,10 @@ void DeviceExpertStore::pump() {
     if (!s.error.empty()) {
       errors_[size_t(slot)] = s.error;
       s.error.clear();
+      forget_host_slot(b);
       continue;
     }
+    s.valid = true;
     s.ticket = ticket_[size_t(slot)] = copy_expert(slot, pinned_.get() + size_t(b) * size_t(layout_.slot_bytes()));
   }
 }
@@ -238,8 +256,24 @@ void DeviceExpertStore::start_miss(int64_t slot, int layer, int expert) {
     ticket_[size_t(slot)] = copy_expert(slot, host_image(layer, expert));
     return;
   }
+  char* const host = pinned_.get();
+  const size_t hb = size_t(layout_.slot_bytes());
+  if (const int64_t kept = host_slot_of_[host_key(layer, expert)]; kept >= 0 && staging_[size_t(kept)].valid) {
+    // Still in the host tier: copy it again, no disk read. The slot stays taken until this copy
+    // lands (its ticket is the newest on the link's one stream).
+    Staging& s = staging_[size_t(kept)];
+    s.last_use = ++host_clock_;
+    ++stats_.host_hits;
+    s.ticket = ticket_[size_t(slot)] = copy_expert(slot, host + size_t(kept) * hb);
+    return;
+  }
   const int64_t b = take_staging();
   Staging& s = staging_[size_t(b)];
+  forget_host_slot(b);
+  s.layer = layer;
+  s.expert = expert;
+  s.last_use = ++host_clock_;
+  host_slot_of_[host_key(layer, expert)] = b;
   s.slot = slot;
   s.reading = true;
   s.read_done = false;
@@ -247,7 +281,7 @@ void DeviceExpertStore::start_miss(int64_t slot, int layer, int expert) {
   staging_of_[size_t(slot)] = b;
   ticket_[size_t(slot)] = 0;
   pool_.set_busy(slot, true);
-  char* buf = pinned_.get() + size_t(b) * size_t(layout_.slot_bytes());
+  char* buf = host + size_t(b) * hb;
   reader_->read(r.extents, buf, true, [this, b](const std::string& err, uint64_t bytes, double secs) {
     std::lock_guard<std::mutex> lock(mu_);
     staging_[size_t(b)].read_done = true;

@@ -10,9 +10,12 @@
 // Where the host bytes come from:
 //   host copy (staging == 0): every expert, read once at startup into pinned host memory (disk
 //       checkpoints with the ExpertReader, in-memory ones by memcpy); a miss is one copy.
-//   staging ring (staging > 0, disk checkpoints): `staging` pinned buffers; a miss is read from
-//       disk into a free buffer on the reader's threads, then copied to its slot. For models
-//       whose experts do not fit in host RAM.
+//   host tier (staging > 0, disk checkpoints): `staging` pinned host slots, for models whose
+//       experts do not fit in host RAM. A miss whose expert is still in a host slot is one copy
+//       (a host-tier hit); otherwise it is read from disk into the least recently used free host
+//       slot on the reader's threads, then copied to its device slot. With few host slots this
+//       is a staging ring; with most of RAM it keeps the experts read last, so only misses of
+//       both tiers go to disk.
 //
 // Slot policy and pinning are the SlotPool's, as in the host StreamingExpertStore: LRU over one
 // global pool with a per-layer floor; what a prepare returns stays pinned until the next one; a
@@ -73,7 +76,10 @@ class DeviceExpertStore final : public ExpertStore {
     int64_t slot = -1;               // device slot being filled, or -1
     bool reading = false, read_done = false;
     std::string error;
-    TransferLink::Ticket ticket = 0; // copy out of this buffer (reuse after it lands)
+    TransferLink::Ticket ticket = 0; // last copy out of this buffer (reuse after it lands)
+    int layer = -1, expert = -1;     // whose bytes it holds (or is reading); -1: none
+    bool valid = false;              // the read finished without error: the bytes can be copied
+    uint64_t last_use = 0;
   };
   void fill_host_copy(const Checkpoint& ck);
   int64_t claim(int layer, int expert);
@@ -84,6 +90,9 @@ class DeviceExpertStore final : public ExpertStore {
   // Queues the copies of one expert's tensors from its host image to its device slot.
   TransferLink::Ticket copy_expert(int64_t slot, const char* src);
   int64_t take_staging();
+  // The host slot holding (layer, expert)'s bytes, or -1; and its index in host_slot_of_.
+  size_t host_key(int layer, int expert) const;
+  void forget_host_slot(int64_t b);
   int64_t free_staging();  // a staging buffer free now, or -1
   // Issues the copies of staging reads that have finished (forward thread).
   void pump();
@@ -106,6 +115,8 @@ class DeviceExpertStore final : public ExpertStore {
   std::vector<int64_t> staging_of_;     // [slot] staging buffer being read for it, or -1
   std::vector<std::string> errors_;     // [slot] read error
   std::vector<Staging> staging_;
+  std::vector<int64_t> host_slot_of_;   // [moe layer index x n_experts + expert] -> host slot, or -1
+  uint64_t host_clock_ = 0;             // LRU clock of the host slots
   std::vector<int64_t> current_;        // slots of the last prepare, in its order
   PredictionLog predictions_;
   mutable std::mutex mu_;               // staging_[*].read_done / error, disk_*

@@ -15,6 +15,7 @@ ExpertStoreStats ExpertStoreStats::operator-(const ExpertStoreStats& o) const {
   d.bytes_transferred = bytes_transferred - o.bytes_transferred;
   d.evictions = evictions - o.evictions;
   d.bytes_to_device = bytes_to_device - o.bytes_to_device;
+  d.host_hits = host_hits - o.host_hits;
   d.prefetch_reads = prefetch_reads - o.prefetch_reads;
   d.prefetch_used = prefetch_used - o.prefetch_used;
   d.predicted = predicted - o.predicted;

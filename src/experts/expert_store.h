@@ -34,6 +34,8 @@ struct ExpertStoreStats {
   uint64_t bytes_transferred = 0;  // bytes the reads really moved (block-aligned extents)
   uint64_t evictions = 0;
   uint64_t bytes_to_device = 0;    // device stores: bytes copied host -> device
+  uint64_t host_hits = 0;          // device stores fed from disk: misses whose bytes were still in
+                                   // the pinned host tier (copied, not read again)
   uint64_t prefetch_reads = 0;     // experts read ahead of need
   uint64_t prefetch_used = 0;      // ... and later requested before being evicted
   // Next-layer predictor: experts predicted, predicted and then requested, requested where a

@@ -29,7 +29,9 @@ void plan_gpu(MemoryPlan& p) {
   g.total = fixed + g.pool_bytes;
   g.fits = in.gpu_budget >= g.minimum && g.slots >= std::max(in.top_k, 1);
   // Host side. Every expert pinned in RAM when it fits (the RAM budget, else 90% of what is
-  // available); else a ring of staging buffers: 2 x top_k, or fewer if the RAM budget says so.
+  // available); else as many pinned host slots as that RAM holds: a tier between disk and GPU
+  // that keeps the experts read last (LRU), so a device miss whose expert is still there is a
+  // copy, not a disk read. With nothing known about RAM, 2 x top_k slots (a staging ring).
   const uint64_t all = uint64_t(p.total_experts()) * in.slot_bytes;
   const uint64_t ram_reserve = reserve_for(in.budget);
   if (in.in_memory) g.host_copy = true;
@@ -41,11 +43,12 @@ void plan_gpu(MemoryPlan& p) {
     g.pinned_bytes = all;
   } else {
     g.staging = std::max(2 * in.top_k, 2);
-    if (in.budget) {
+    const uint64_t ram = in.budget ? in.budget : in.host_available / 10 * 9;
+    if (ram) {
       const uint64_t fixed_ram = in.dense_bytes + ram_reserve;
-      const int64_t room = in.budget > fixed_ram ? int64_t((in.budget - fixed_ram) / std::max<uint64_t>(in.slot_bytes, 1)) : 0;
-      g.staging = std::min<int64_t>(g.staging, room);
-      if (g.staging < 1) g.fits = false;  // not even one staging buffer fits the RAM budget
+      const int64_t room = ram > fixed_ram ? int64_t((ram - fixed_ram) / std::max<uint64_t>(in.slot_bytes, 1)) : 0;
+      g.staging = std::min<int64_t>(room, p.total_experts());
+      if (g.staging < 1) g.fits = false;  // not even one host slot fits the RAM budget
     }
     g.staging = std::max<int64_t>(g.staging, 0);
     g.pinned_bytes = uint64_t(g.staging) * in.slot_bytes;
@@ -139,7 +142,9 @@ std::string MemoryPlan::table() const {
                   total_experts() ? 100.0 * double(g.slots) / double(total_experts()) : 0.0,
                   (long long)total_experts(),
                   g.host_copy ? "pinned copy of every expert"
-                              : str("ring of ", g.staging, " pinned staging buffers fed from disk").c_str());
+                              : str("host tier of ", g.staging, " pinned slots (",
+                                    int(100.0 * double(g.staging) / double(std::max<int64_t>(total_experts(), 1))),
+                                    "% of experts, LRU) fed from disk").c_str());
     row("expert pool", format_bytes(g.pinned_bytes), format_bytes(g.pool_bytes), note);
     row("MLA cache", none, format_bytes(in.cache_bytes), str(in.context, " tokens x ", in.batch, " sequences"));
     row("scratch", none, format_bytes(in.scratch_bytes), "activations of one step");

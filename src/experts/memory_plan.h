@@ -6,7 +6,8 @@
 // With a GPU budget (--gpu-budget, --device cuda) the plan has a second column: on the device
 // the dense spine, a pool of expert slots, the MLA cache, scratch and a reserve (CUDA context,
 // cuBLASLt workspace); in RAM a pinned copy of every routed expert, or, where that does not fit
-// the RAM budget (or the memory available), a ring of pinned staging buffers fed by disk reads.
+// the RAM budget (or the memory available), a host tier: as many pinned expert slots as fit,
+// fed by disk reads and kept LRU, so a device miss on an expert still there is only a copy.
 #include <cstdint>
 #include <string>
 
@@ -35,7 +36,8 @@ struct GpuPlan {
   uint64_t total = 0;
   uint64_t minimum = 0;      // smallest GPU budget that runs: top_k slots
   bool fits = true;
-  // Host side: a pinned copy of every expert, or `staging` pinned buffers fed from disk.
+  // Host side: a pinned copy of every expert, or a host tier of `staging` pinned slots fed from
+  // disk (LRU; also the staging buffers of the copies to the device).
   bool host_copy = true;
   int64_t staging = 0;
   uint64_t pinned_bytes = 0;
