@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "backend/backend.h"
+#include "cuda_test_util.h"
 #include "io/json_file.h"
 #include "io/npy.h"
 #include "model/glm_dsa/model.h"
@@ -74,6 +75,38 @@ TEST(DemoModel, HeldOutPerplexityWithinOnePercent) {
   EXPECT_NEAR(got, want, 0.01 * want) << r.out;
   EXPECT_NE(r.out.find("tokens " + std::to_string(e["heldout"]["tokens"].get<int>())), std::string::npos) << r.out;
   EXPECT_NE(r.err.find("perplexity so far"), std::string::npos);  // the progress line
+}
+
+// The text commands take the model-running flags of `run`: experts streamed under a RAM budget
+// (the demo's 80 experts do not fit in 72 MiB with a 4096-token window) give the resident run's
+// numbers to the last digit.
+TEST(DemoModel, PerplexityAndChatUnderAMemoryBudgetEqualResident) {
+  const std::string ppl = "perplexity --model " + kModel + " --file " + kExpected + "/heldout.txt";
+  RunResult resident = run_vireo(ppl), streamed = run_vireo(ppl + " --memory-budget 72M");
+  ASSERT_EQ(resident.exit_code, 0) << resident.err;
+  ASSERT_EQ(streamed.exit_code, 0) << streamed.err;
+  EXPECT_EQ(streamed.out, resident.out);
+  RunResult low = run_vireo(ppl + " --memory-budget 8M");
+  EXPECT_NE(low.exit_code, 0);
+  EXPECT_NE(low.err.find("--memory-budget 8.00 MiB is below the minimum"), std::string::npos) << low.err;
+  const std::string chat = "chat --model " + kModel + " -n 12";
+  RunResult c0 = run_vireo(chat, "Hello\n"), c1 = run_vireo(chat + " --memory-budget 72M", "Hello\n");
+  ASSERT_EQ(c1.exit_code, 0) << c1.err;
+  EXPECT_GT(c0.out.size(), 1u);
+  EXPECT_EQ(c1.out, c0.out);
+}
+
+// The same commands on the GPU: perplexity within 1e-4 of the CPU's, the greedy reply equal.
+TEST(DemoModel, PerplexityAndChatOnCudaMatchTheCpu) {
+  REQUIRE_CUDA();
+  const std::string ppl = "perplexity --model " + kModel + " --file " + kExpected + "/heldout.txt";
+  RunResult cpu = run_vireo(ppl + " --device cpu"), gpu = run_vireo(ppl + " --device cuda");
+  ASSERT_EQ(cpu.exit_code, 0) << cpu.err;
+  ASSERT_EQ(gpu.exit_code, 0) << gpu.err;
+  const auto value = [](const std::string& out) { return std::stod(out.substr(out.rfind("perplexity ") + 11)); };
+  EXPECT_NEAR(value(gpu.out), value(cpu.out), 1e-4 * value(cpu.out)) << gpu.out;
+  const std::string chat = "chat --model " + kModel + " -n 12";
+  EXPECT_EQ(run_vireo(chat + " --device cuda", "Hello\n").out, run_vireo(chat + " --device cpu", "Hello\n").out);
 }
 
 TEST(DemoModel, RunStreamsTheGreedyText) {

@@ -6,6 +6,7 @@
 #include <iostream>
 #include <memory>
 
+#include "backend/cuda/cuda_backend.h"
 #include "cli/commands.h"
 #include "cli/text_model.h"
 #include "io/json_file.h"
@@ -83,6 +84,8 @@ Action add_chat(CLI::App& app) {
     std::string model, system;
     int64_t n = 512, context = 4096;
     SamplingParams s;
+    StreamingFlags sf;
+    std::string device = "cpu";
   };
   auto o = std::make_shared<Opts>();
   app.add_option("--model,-m", o->model, "Model directory")->required();
@@ -94,11 +97,14 @@ Action add_chat(CLI::App& app) {
   app.add_option("--top-p", o->s.top_p, "Nucleus sampling mass (1: off)");
   app.add_option("--min-p", o->s.min_p, "Drop tokens below min_p x the top probability (0: off)");
   app.add_option("--seed", o->s.seed, "Sampling seed");
+  add_streaming_flags(app, o->sf);
+  add_device_flag(app, o->device);
   return [o]() {
     validate_sampling(o->s);
+    check_device_flags(o->device, o->sf);
     TextModel tm = TextModel::load(o->model, true);
-    auto backend = make_cpu_backend();
-    auto model = GlmDsaModel::load(o->model, *backend);
+    auto backend = make_backend(o->device);
+    auto model = load_model(o->model, *backend, o->sf, o->context).model;
     MlaCache cache(*backend, model->cache_shape(), 1, o->context);
     const bool tty = ::isatty(0);
     nlohmann::ordered_json messages = nlohmann::ordered_json::array();
@@ -167,21 +173,27 @@ Action add_perplexity(CLI::App& app) {
   struct Opts {
     std::string model, file;
     int64_t context = 0, chunk = 256;
+    StreamingFlags sf;
+    std::string device = "cpu";
   };
   auto o = std::make_shared<Opts>();
   app.add_option("--model,-m", o->model, "Model directory")->required();
   app.add_option("--file,-f", o->file, "Text file to score")->required();
   app.add_option("--context", o->context, "Window length in tokens (default: max_position_embeddings, at most 4096)")
       ->check(CLI::Range(int64_t(2), int64_t(1) << 22));
+  add_streaming_flags(app, o->sf);
+  add_device_flag(app, o->device);
   return [o]() {
     if (!file_exists(o->file)) fail("--file: cannot open ", o->file);
+    check_device_flags(o->device, o->sf);
     TextModel tm = TextModel::load(o->model);
     const std::vector<int32_t> ids = to_i32(tm.tokenizer.encode(read_text_file(o->file), false));
     if (ids.size() < 2) fail(o->file, ": fewer than 2 tokens, nothing to score");
-    auto backend = make_cpu_backend();
-    auto model = GlmDsaModel::load(o->model, *backend);
+    const int64_t window =
+        o->context ? o->context : std::min<int64_t>(load_glm_dsa_config(o->model).max_position_embeddings, 4096);
+    auto backend = make_backend(o->device);
+    auto model = load_model(o->model, *backend, o->sf, window).model;
     const int64_t V = model->config().vocab_size;
-    const int64_t window = o->context ? o->context : std::min<int64_t>(model->config().max_position_embeddings, 4096);
     // Non-overlapping windows, each scored from its own start: token t of a window is predicted
     // from tokens before it in that window.
     const int64_t n = int64_t(ids.size()), n_windows = (n + window - 1) / window;
