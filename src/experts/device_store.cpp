@@ -293,24 +293,10 @@ void DeviceExpertStore::start_miss(int64_t slot, int layer, int expert) {
 }
 
 std::vector<const ExpertWeights*> DeviceExpertStore::prepare_async(int layer, const std::vector<int>& experts) {
-  if (int64_t(experts.size()) > pool_.max_per_prepare())
-    fail("internal error: prepare of ", experts.size(), " experts exceeds the ", pool_.max_per_prepare(),
-         " one prepare can hold");
   pump();
-  pool_.unpin_all();
   predictions_.score(layer, experts, stats_);
-  current_.assign(experts.size(), -1);
-  // Hits first, pinned before any miss picks a victim.
-  for (size_t i = 0; i < experts.size(); ++i) {
-    ++stats_.requests;
-    const int64_t slot = pool_.find(layer, experts[i]);
-    if (slot < 0) continue;
-    ++stats_.hits;
-    pool_.count_hit(slot, stats_.prefetch_used);
-    pool_.touch(slot);
-    pool_.pin(slot);
-    current_[i] = slot;
-  }
+  stats_.requests += experts.size();
+  stats_.hits += uint64_t(pool_.pin_hits(layer, experts, current_, stats_.prefetch_used));
   // Misses. A slot that held an expert may still be read by kernels queued before now: the
   // first copy into such a slot (and every later one: one stream) waits for them.
   bool ordered = false;

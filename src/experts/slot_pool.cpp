@@ -59,6 +59,29 @@ void SlotPool::pin(int64_t slot) {
   slots_[size_t(slot)].pinned = true;
 }
 
+int64_t SlotPool::pin_hits(int layer, const std::vector<int>& experts, std::vector<int64_t>& slots,
+                           uint64_t& prefetch_used) {
+  if (int64_t(experts.size()) > max_per_prepare())
+    fail("internal error: prepare of ", experts.size(), " experts exceeds the ", max_per_prepare(),
+         " one prepare can hold");
+  unpin_all();
+  slots.assign(experts.size(), -1);
+  int64_t hits = 0;
+  for (size_t i = 0; i < experts.size(); ++i) {
+    const int64_t slot = find(layer, experts[i]);
+    if (slot < 0) continue;
+    ++hits;
+    if (tag(slot) == kPrefetched) {
+      ++prefetch_used;
+      tag(slot) = 0;
+    }
+    touch(slot);
+    pin(slot);
+    slots[i] = slot;
+  }
+  return hits;
+}
+
 void SlotPool::unpin_all() {
   for (int64_t s : pinned_) slots_[size_t(s)].pinned = false;
   pinned_.clear();

@@ -69,13 +69,11 @@ class SlotPool {
     if (slot >= 0) tag(slot) = kPrefetched;
     return slot;
   }
-  // A hit on `slot`: counts a prefetch as used the first time its expert is requested.
-  void count_hit(int64_t slot, uint64_t& prefetch_used) {
-    if (tag(slot) == kPrefetched) {
-      ++prefetch_used;
-      tag(slot) = 0;
-    }
-  }
+  // The start of a prepare of `experts` of `layer`: unpins the previous prepare's slots, then
+  // finds and pins the experts already in slots, all before any miss picks a victim, so a miss
+  // never evicts an expert this same prepare is about to use. slots[i] = experts[i]'s slot, or
+  // -1 for a miss. Returns the hits; counts a prefetched slot as used on its first request.
+  int64_t pin_hits(int layer, const std::vector<int>& experts, std::vector<int64_t>& slots, uint64_t& prefetch_used);
 
  private:
   struct Slot {

@@ -119,24 +119,9 @@ void StreamingExpertStore::start_read(int64_t slot, int layer, int expert, bool 
 
 std::vector<const ExpertWeights*> StreamingExpertStore::prepare_async(int layer, const std::vector<int>& experts) {
   std::unique_lock<std::mutex> lock(mu_);
-  if (int64_t(experts.size()) > pool_.max_per_prepare())
-    fail("internal error: prepare of ", experts.size(), " experts exceeds the ", pool_.max_per_prepare(),
-         " one prepare can hold");
-  pool_.unpin_all();
   predictions_.score(layer, experts, stats_);
-  current_.assign(experts.size(), -1);
-  // Hits first: pin them all before any miss picks a victim, so a miss never evicts an expert
-  // this same prepare is about to use.
-  for (size_t i = 0; i < experts.size(); ++i) {
-    ++stats_.requests;
-    const int64_t slot = pool_.find(layer, experts[i]);
-    if (slot < 0) continue;
-    ++stats_.hits;
-    pool_.count_hit(slot, stats_.prefetch_used);
-    pool_.touch(slot);
-    pool_.pin(slot);
-    current_[i] = slot;
-  }
+  stats_.requests += experts.size();
+  stats_.hits += uint64_t(pool_.pin_hits(layer, experts, current_, stats_.prefetch_used));
   for (size_t i = 0; i < experts.size(); ++i) {
     if (current_[i] >= 0) continue;
     ++stats_.misses;
