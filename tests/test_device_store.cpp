@@ -18,6 +18,7 @@
 #include "backend/cuda/cuda_backend.h"
 #include "backend/transfer_link.h"
 #include "cuda_test_util.h"
+#include "expert_test_util.h"
 #include "experts/device_store.h"
 #include "experts/memory_plan.h"
 #include "io/json_file.h"
@@ -26,6 +27,9 @@
 #include "test_helpers.h"
 
 using namespace vireo;
+using vireo::test::greedy;
+using vireo::test::payload_bytes;
+using vireo::test::prefill_logits;
 
 namespace {
 
@@ -61,31 +65,6 @@ std::unique_ptr<GlmDsaModel> load_device(const std::string& dir, Backend& be, st
   o.read_chunk = 4096;  // several reads per expert
   auto store = std::make_unique<DeviceExpertStore>(*ck, expert_store_params(c), o, std::move(link));
   return GlmDsaModel::create(std::move(c), std::move(ck), be, std::move(store));
-}
-
-std::vector<float> prefill_logits(GlmDsaModel& m, Backend& be, const std::vector<int32_t>& ids) {
-  const int64_t T = int64_t(ids.size()), V = m.config().vocab_size;
-  MlaCache cache(be, m.cache_shape(), 1, T);
-  std::vector<float> out(size_t(T * V));
-  m.forward(ids.data(), T, cache, 0, out.data(), true, AttentionPath::Reconstructed);
-  return out;
-}
-
-std::vector<int32_t> greedy(GlmDsaModel& m, Backend& be, const std::vector<int32_t>& prompt, int64_t n) {
-  MlaCache cache(be, m.cache_shape(), 1, int64_t(prompt.size()) + n);
-  GenerateOptions opt;
-  opt.max_new_tokens = n;
-  opt.stop_at_eos = false;
-  return generate(m, cache, 0, prompt, opt).tokens;
-}
-
-uint64_t payload_bytes(const Checkpoint& ck, int layer, int expert) {
-  uint64_t n = 0;
-  const std::string x = "model.layers." + std::to_string(layer) + ".mlp.experts." + std::to_string(expert) + ".";
-  for (const char* t : {"gate_proj", "up_proj", "down_proj"})
-    for (const char* s : {".weight", ".weight_scale_inv"})
-      if (const TensorInfo* i = ck.find(x + t + s)) n += i->nbytes;
-  return n;
 }
 
 bool same_bytes(const ExpertWeights& a, const ExpertWeights& b) {

@@ -1,0 +1,43 @@
+#pragma once
+// Helpers shared by the expert-store suites (test_experts.cpp, test_device_store.cpp): a model's
+// prefill logits and greedy continuation, and an expert's payload bytes in a checkpoint.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "cache/mla_cache.h"
+#include "model/glm_dsa/model.h"
+#include "runtime/generate.h"
+
+namespace vireo::test {
+
+// Logits of every position of `ids` from an empty cache, reconstructed attention.   [T, vocab]
+inline std::vector<float> prefill_logits(GlmDsaModel& m, Backend& be, const std::vector<int32_t>& ids) {
+  const int64_t T = int64_t(ids.size()), V = m.config().vocab_size;
+  MlaCache cache(be, m.cache_shape(), 1, T);
+  std::vector<float> out(size_t(T * V));
+  m.forward(ids.data(), T, cache, 0, out.data(), true, AttentionPath::Reconstructed);
+  return out;
+}
+
+// n greedy tokens after `prompt` (end-of-sequence tokens do not stop it).
+inline std::vector<int32_t> greedy(GlmDsaModel& m, Backend& be, const std::vector<int32_t>& prompt, int64_t n) {
+  MlaCache cache(be, m.cache_shape(), 1, int64_t(prompt.size()) + n);
+  GenerateOptions opt;
+  opt.max_new_tokens = n;
+  opt.stop_at_eos = false;
+  return generate(m, cache, 0, prompt, opt).tokens;
+}
+
+// Bytes of routed expert `expert` of `layer` in the checkpoint: its three weights and scales.
+inline uint64_t payload_bytes(const Checkpoint& ck, int layer, int expert) {
+  uint64_t n = 0;
+  const std::string x = "model.layers." + std::to_string(layer) + ".mlp.experts." + std::to_string(expert) + ".";
+  for (const char* t : {"gate_proj", "up_proj", "down_proj"})
+    for (const char* s : {".weight", ".weight_scale_inv"})
+      if (const TensorInfo* i = ck.find(x + t + s)) n += i->nbytes;
+  return n;
+}
+
+}  // namespace vireo::test
