@@ -824,3 +824,64 @@ TEST(CudaOps, IndexerSelectLongRowsIsIdentical) {
     }
 }
 #endif
+
+// A streaming store's bank changes between steps: entries repointed at other weights (experts
+// moved to other device slots) must be what the next launch reads, even with several launches
+// queued and nothing read back in between (the table is patched from a pinned mirror on the
+// stream). FP8 and BF16, the shared expert in the bank.
+TEST(CudaOps, MoeExpertsSeesBankEntriesChangedBetweenCalls) {
+  REQUIRE_CUDA();
+  Pair p;
+  const int64_t D = 256, I = 128, N = 2;
+  const int K = 2, E = 6, kSources = 10, kRounds = 5;
+  for (DType dt : {DType::BF16, DType::F8_E4M3}) {
+    std::vector<HostWeight> hw;  // kSources experts' gate, up, down
+    std::vector<Weight> gw;
+    for (int i = 0; i < 3 * kSources; ++i) {
+      const bool down = i % 3 == 2;
+      hw.push_back(make_weight(dt, down ? D : I, down ? I : D, uint32_t(900 + i)));
+    }
+    for (const HostWeight& h : hw) gw.push_back(p.gpu->upload_weight(h.w));
+    ExpertBank cb, gb;
+    cb.n_shared = gb.n_shared = 1;
+    for (ExpertBank* b : {&cb, &gb}) {
+      b->gate.resize(E + 1);
+      b->up.resize(E + 1);
+      b->down.resize(E + 1);
+    }
+    auto point = [&](int e, int src) {  // bank entry e := source expert src
+      for (int m = 0; m < 3; ++m) {
+        std::vector<Weight>& c = m == 0 ? cb.gate : m == 1 ? cb.up : cb.down;
+        std::vector<Weight>& g = m == 0 ? gb.gate : m == 1 ? gb.up : gb.down;
+        c[size_t(e)] = hw[size_t(3 * src + m)].w;
+        g[size_t(e)] = gw[size_t(3 * src + m)];
+      }
+    };
+    for (int e = 0; e <= E; ++e) point(e, e);
+    const std::vector<int32_t> ids = {1, 4, 0, 4};
+    auto x = randv(size_t(N * D), 63, 2.0f), w = randv(ids.size(), 64);
+    int32_t* gids = p.g.up_i(ids);
+    float* gx = p.g.up(x);
+    float* gw8 = p.g.up(w);
+    std::vector<std::vector<float>> want(kRounds, std::vector<float>(size_t(N * D)));
+    std::vector<float*> gout(kRounds);
+    for (int r = 0; r < kRounds; ++r) {
+      if (r > 0) {  // experts 1 and 4 move; in round 3 the shared expert and expert 0 too
+        point(1, (E + r) % kSources);
+        point(4, (2 * r + 3) % kSources);
+        if (r == 3) {
+          point(0, 9);
+          point(E, 8);
+        }
+      }
+      p.cpu->moe_experts(x.data(), N, ids.data(), w.data(), K, cb, want[size_t(r)].data());
+      gout[size_t(r)] = p.g.up(std::vector<float>(size_t(N * D), NAN));
+      p.gpu->moe_experts(gx, N, gids, gw8, K, gb, gout[size_t(r)]);  // queued, not read yet
+    }
+    for (int r = 0; r < kRounds; ++r) {
+      EXPECT_LT(nmse(p.g.down(gout[size_t(r)], size_t(N * D)), want[size_t(r)]), 1e-10)
+          << dtype_name(dt) << " round " << r;
+      if (r > 0) EXPECT_GT(nmse(want[size_t(r)], want[size_t(r - 1)]), 1e-3) << "round " << r << " changed nothing";
+    }
+  }
+}

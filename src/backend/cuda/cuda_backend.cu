@@ -644,53 +644,97 @@ class CudaBackend final : public Backend {
 
   // A bank's device table of expert matrices, made on first use (so never while recording: the
   // eager step before a recording makes it) and kept for the bank's lifetime (its store's).
+  // A streaming store's bank changes between steps (its entries point at whichever device slots
+  // hold the experts now): the entries that changed are rewritten in a pinned mirror and the
+  // table is copied on the stream, ordered before the kernels that read it.
   struct DeviceBank {
     std::shared_ptr<DevExpert> table;
-    std::vector<const void*> sources;  // the bank's weight addresses the table was made from
+    std::shared_ptr<DevExpert> mirror;     // pinned host copy of `table`
+    std::shared_ptr<CUevent_st> copied;    // the last mirror -> table copy (rewrite after it)
+    std::vector<const void*> sources;      // the bank's weight addresses the table was made from
     int64_t D = 0, I = 0;
     int dtype = W_F32;
     bool vec = false;  // rows 16-byte aligned: vector loads
   };
   static std::vector<const void*> bank_sources(const ExpertBank& bank) {
     std::vector<const void*> v;
-    for (const std::vector<Weight>* ws : {&bank.gate, &bank.up, &bank.down})
-      for (const Weight& w : *ws) v.push_back(w.w.data);
+    v.reserve(3 * bank.gate.size());
+    for (size_t e = 0; e < bank.gate.size(); ++e)
+      for (const std::vector<Weight>* ws : {&bank.gate, &bank.up, &bank.down})
+        v.push_back(e < ws->size() ? (*ws)[e].w.data : nullptr);
     return v;
+  }
+  DevExpert dev_expert(const ExpertBank& bank, size_t e, const DeviceBank& d) {
+    DevExpert x;
+    x.gate = devw(bank.gate[e]);
+    x.up = devw(bank.up[e]);
+    x.down = devw(bank.down[e]);
+    for (const DevW* w : {&x.gate, &x.up, &x.down}) {
+      const bool down = w == &x.down;
+      if (w->dt != d.dtype || w->out != (down ? d.D : d.I) || w->in != (down ? d.I : d.D))
+        fail("moe_experts: expert ", e, " differs in dtype or shape from the bank's (expected gate/up [", d.I, ", ",
+             d.D, "], down [", d.D, ", ", d.I, "])");
+    }
+    return x;
   }
   const DeviceBank& device_bank(const ExpertBank& bank) {
     // Keyed by the bank's address, checked against its contents: a new bank (a new model on the
     // same backend) may live where a destroyed one did.
     std::vector<const void*> sources = bank_sources(bank);
-    auto it = banks_.find(&bank);
-    if (it != banks_.end()) {
-      if (it->second.sources == sources) return it->second;
-      banks_.erase(it);
-    }
     const size_t E = bank.gate.size();
     if (E == 0 || bank.up.size() != E || bank.down.size() != E) fail("moe_experts: empty or ragged expert bank");
-    std::vector<DevExpert> host(E);
-    for (size_t e = 0; e < E; ++e) {
-      host[e].gate = devw(bank.gate[e]);
-      host[e].up = devw(bank.up[e]);
-      host[e].down = devw(bank.down[e]);
+    auto it = banks_.find(&bank);
+    if (it != banks_.end()) {
+      DeviceBank& d = it->second;
+      if (d.sources == sources) return d;
+      if (d.sources.size() == sources.size()) {
+        patch_bank(bank, sources, d);
+        return d;
+      }
+      banks_.erase(it);
     }
     DeviceBank d;
-    d.I = host[0].gate.out;
-    d.D = host[0].gate.in;
-    d.dtype = host[0].gate.dt;
-    for (const DevExpert& x : host)
-      for (const DevW* w : {&x.gate, &x.up, &x.down}) {
-        const bool down = w == &x.down;
-        if (w->dt != d.dtype || w->out != (down ? d.D : d.I) || w->in != (down ? d.I : d.D))
-          fail("moe_experts: experts differ in dtype or shape (expected gate/up [", d.I, ", ", d.D, "], down [", d.D,
-               ", ", d.I, "])");
-      }
+    d.I = bank.gate[0].out();
+    d.D = bank.gate[0].in();
+    d.dtype = dtype_code(bank.gate[0].w.dtype);
     const int n = 16 / (d.dtype == W_F32 ? 4 : d.dtype == W_FP8 ? 1 : 2);
     d.vec = d.D % n == 0 && d.I % n == 0;
+    std::vector<DevExpert> host(E);
+    for (size_t e = 0; e < E; ++e) host[e] = dev_expert(bank, e, d);
     d.sources = std::move(sources);
     d.table = device_alloc<DevExpert>(E);
     VIREO_CUDA_CHECK(cudaMemcpy(d.table.get(), host.data(), E * sizeof(DevExpert), cudaMemcpyHostToDevice));
     return banks_.emplace(&bank, d).first->second;
+  }
+  // Rewrites the entries of `d` whose weights moved and copies the changed range of the table.
+  void patch_bank(const ExpertBank& bank, std::vector<const void*>& sources, DeviceBank& d) {
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    VIREO_CUDA_CHECK(cudaStreamIsCapturing(stream_, &cs));
+    if (cs != cudaStreamCaptureStatusNone) fail("moe_experts: an expert bank changed while recording");
+    const size_t E = bank.gate.size();
+    if (!d.mirror) {
+      DevExpert* p = nullptr;
+      VIREO_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&p), E * sizeof(DevExpert)));
+      d.mirror = std::shared_ptr<DevExpert>(p, [](DevExpert* q) { cudaFreeHost(q); });
+      VIREO_CUDA_CHECK(cudaMemcpy(p, d.table.get(), E * sizeof(DevExpert), cudaMemcpyDeviceToHost));
+      cudaEvent_t ev = nullptr;
+      VIREO_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+      d.copied = std::shared_ptr<CUevent_st>(ev, [](cudaEvent_t q) { cudaEventDestroy(q); });
+    } else {
+      VIREO_CUDA_CHECK(cudaEventSynchronize(d.copied.get()));  // the previous copy has read the mirror
+    }
+    size_t lo = E, hi = 0;
+    for (size_t e = 0; e < E; ++e) {
+      if (std::equal(sources.begin() + long(3 * e), sources.begin() + long(3 * e + 3), d.sources.begin() + long(3 * e)))
+        continue;
+      d.mirror.get()[e] = dev_expert(bank, e, d);
+      lo = std::min(lo, e);
+      hi = e + 1;
+    }
+    VIREO_CUDA_CHECK(cudaMemcpyAsync(d.table.get() + lo, d.mirror.get() + lo, (hi - lo) * sizeof(DevExpert),
+                                     cudaMemcpyHostToDevice, stream_));
+    VIREO_CUDA_CHECK(cudaEventRecord(d.copied.get(), stream_));
+    d.sources = std::move(sources);
   }
 
   bool lt_bf16(const float* x, int64_t T, const DevW& w, float* y) {

@@ -82,27 +82,30 @@ std::unique_ptr<GlmDsaModel> GlmDsaModel::create(GlmDsaConfig config, std::uniqu
   return m;
 }
 
-// A resident store's bank of a layer plus the layer's shared expert, when it has a routed
+// Appends the layer's shared expert to a bank of its routed experts when it has a routed
 // expert's shape and dtype: moe_experts then runs it in the same launches (weight 1, summed last,
 // where `out += shared(x)` would add it).
+static void add_shared_expert(const LayerWeights& L, ExpertBank& bank) {
+  auto same = [](const Weight& a, const Weight& b) {
+    return a.w.dtype == b.w.dtype && a.out() == b.out() && a.in() == b.in();
+  };
+  if (L.has_shared && same(L.shared.gate, bank.gate[0]) && same(L.shared.up, bank.up[0]) &&
+      same(L.shared.down, bank.down[0])) {
+    bank.gate.push_back(L.shared.gate);
+    bank.up.push_back(L.shared.up);
+    bank.down.push_back(L.shared.down);
+    bank.n_shared = 1;
+  }
+}
+
+// A resident store's bank of a layer plus the layer's shared expert (add_shared_expert).
 void GlmDsaModel::make_fused_banks() {
   fused_banks_.assign(size_t(config_.num_layers), ExpertBank{});
   for (int l = 0; l < config_.num_layers; ++l) {
     const ExpertBank* bank = experts_->bank(l);
     if (!bank) continue;
-    ExpertBank& f = fused_banks_[size_t(l)];
-    f = *bank;
-    const LayerWeights& L = weights_.layers[size_t(l)];
-    auto same = [](const Weight& a, const Weight& b) {
-      return a.w.dtype == b.w.dtype && a.out() == b.out() && a.in() == b.in();
-    };
-    if (L.has_shared && same(L.shared.gate, bank->gate[0]) && same(L.shared.up, bank->up[0]) &&
-        same(L.shared.down, bank->down[0])) {
-      f.gate.push_back(L.shared.gate);
-      f.up.push_back(L.shared.up);
-      f.down.push_back(L.shared.down);
-      f.n_shared = 1;
-    }
+    fused_banks_[size_t(l)] = *bank;
+    add_shared_expert(weights_.layers[size_t(l)], fused_banks_[size_t(l)]);
   }
 }
 
@@ -554,23 +557,72 @@ RouterArgs GlmDsaModel::router_args(const LayerWeights& L) const {
 void GlmDsaModel::moe(int layer, const float* xn, int64_t N, float* out) {
   const GlmDsaConfig& c = config_;
   const LayerWeights& L = weights_.layers[size_t(layer)];
-  const int64_t D = c.hidden_size, K = c.experts_per_token;
+  const int64_t K = c.experts_per_token;
   int32_t* ids_dev = scratch_i32(2, size_t(N * K));
   float* wts_dev = scratch(27, size_t(N * K));
   backend_.moe_route(xn, N, router_args(L), ids_dev, wts_dev);
   if (experts_->bank(layer) && backend_.prefers_moe_experts(N)) {
     // Few tokens, every expert resident: run them by id on the backend, nothing read back (the
     // shared expert too, when it fits the bank).
-    const ExpertBank& bank = fused_banks_[size_t(layer)];
-    backend_.moe_experts(xn, N, ids_dev, wts_dev, int(K), bank, out);
-    if (L.has_shared && bank.n_shared == 0) {
-      float* s = scratch(26, size_t(N * D));
-      mlp(L.shared, xn, N, s);
-      backend_.add(out, s, N * D);
-    }
+    moe_bank(layer, xn, N, ids_dev, wts_dev, fused_banks_[size_t(layer)], out);
     return;
   }
+  if (!experts_->bank(layer) && backend_.prefers_moe_experts(N) &&
+      moe_streamed_fused(layer, xn, N, ids_dev, wts_dev, out))
+    return;
   moe_grouped(layer, xn, N, ids_dev, wts_dev, out);  // the shared expert included
+}
+
+// Why not moe_grouped: it runs ~7 ops per expert, each launched by the host after the expert's
+// copy, so with most experts in slots the host's launches set the pace (H200, 4 layers x 64 FP8
+// experts, all in slots: 5.06 ms a token against ~1.5 ms resident). Here the step's experts are
+// in two fused launches, as in the resident step; what is given up is running hits while misses
+// are still copying (the compute stream waits for this layer's last copy first), which only
+// matters where the link already dominates.
+bool GlmDsaModel::moe_streamed_fused(int layer, const float* xn, int64_t N, const int32_t* ids_dev,
+                                     const float* wts_dev, float* out) {
+  const GlmDsaConfig& c = config_;
+  const LayerWeights& L = weights_.layers[size_t(layer)];
+  const int64_t K = c.experts_per_token;
+  std::vector<int32_t> ids(static_cast<size_t>(N * K));
+  backend_.copy_to_host_i32(ids.data(), ids_dev, ids.size());
+  std::vector<int> used(ids.begin(), ids.end());
+  std::sort(used.begin(), used.end());
+  used.erase(std::unique(used.begin(), used.end()), used.end());
+  if (used.size() > experts_->max_experts_per_prepare()) return false;
+  const std::vector<const ExpertWeights*> ew = experts_->prepare_async(layer, used);
+  for (size_t i = 0; i < ew.size(); ++i) experts_->await(i);  // the compute stream waits, not the host
+
+  if (streamed_banks_.empty()) streamed_banks_.resize(size_t(c.num_layers));
+  ExpertBank& bank = streamed_banks_[size_t(layer)];
+  if (bank.gate.empty()) {
+    // Every entry must be a valid expert of the bank's shape: start them all at the first one.
+    const ExpertWeights& first = *ew[0];
+    bank.gate.assign(size_t(c.n_routed_experts), first.gate);
+    bank.up.assign(size_t(c.n_routed_experts), first.up);
+    bank.down.assign(size_t(c.n_routed_experts), first.down);
+    add_shared_expert(L, bank);
+  }
+  for (size_t i = 0; i < used.size(); ++i) {
+    bank.gate[size_t(used[i])] = ew[i]->gate;
+    bank.up[size_t(used[i])] = ew[i]->up;
+    bank.down[size_t(used[i])] = ew[i]->down;
+  }
+  moe_bank(layer, xn, N, ids_dev, wts_dev, bank, out);
+  return true;
+}
+
+// The routed experts by id from `bank`, then the shared expert when the bank does not hold it.
+void GlmDsaModel::moe_bank(int layer, const float* xn, int64_t N, const int32_t* ids_dev, const float* wts_dev,
+                           const ExpertBank& bank, float* out) {
+  const LayerWeights& L = weights_.layers[size_t(layer)];
+  const int64_t D = config_.hidden_size;
+  backend_.moe_experts(xn, N, ids_dev, wts_dev, config_.experts_per_token, bank, out);
+  if (L.has_shared && bank.n_shared == 0) {
+    float* s = scratch(26, size_t(N * D));
+    mlp(L.shared, xn, N, s);
+    backend_.add(out, s, N * D);
+  }
 }
 
 void GlmDsaModel::moe_grouped(int layer, const float* xn, int64_t N, const int32_t* ids_dev, const float* wts_dev,

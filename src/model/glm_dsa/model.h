@@ -117,6 +117,13 @@ class GlmDsaModel {
   // Routed experts grouped by expert (the union of the step's experts, one product each), then
   // the shared expert; with a streaming store, compute overlaps the experts' transfers.
   void moe_grouped(int layer, const float* xn, int64_t N, const int32_t* ids, const float* weights, float* out);
+  // Few tokens, a streaming store: the step's experts are made ready in device slots, then run
+  // by id in the backend's fused launches from a bank that points at those slots (as resident
+  // experts run). False (nothing done) when the store cannot hold the step's experts at once.
+  bool moe_streamed_fused(int layer, const float* xn, int64_t N, const int32_t* ids, const float* weights,
+                          float* out);
+  void moe_bank(int layer, const float* xn, int64_t N, const int32_t* ids, const float* weights,
+                const ExpertBank& bank, float* out);
   RouterArgs router_args(const LayerWeights& L) const;
   void prefetch_next(int layer, const float* h, int64_t N);  // next layer's router -> experts_->prefetch
   void mlp(const MlpWeights& w, const float* x, int64_t T, float* out);
@@ -132,6 +139,9 @@ class GlmDsaModel {
   GlmDsaWeights weights_;
   std::unique_ptr<ExpertStore> experts_;
   std::vector<ExpertBank> fused_banks_;  // [layer]: the store's bank (+ the shared expert), see moe()
+  // [layer]: with a streaming store, the bank moe_streamed_fused last ran: entries of the experts
+  // it used point at their slots; the others are stale (never read: no id selects them).
+  std::vector<ExpertBank> streamed_banks_;
   std::vector<float> inv_freq_;  // [rope/2]
   float* cos_sin_ = nullptr;     // backend copy of this step's rope table [N, rope/2, 2]
   std::vector<std::shared_ptr<float>> scratch_;
