@@ -881,7 +881,9 @@ TEST(CudaOps, MoeExpertsSeesBankEntriesChangedBetweenCalls) {
     for (int r = 0; r < kRounds; ++r) {
       EXPECT_LT(nmse(p.g.down(gout[size_t(r)], size_t(N * D)), want[size_t(r)]), 1e-10)
           << dtype_name(dt) << " round " << r;
-      if (r > 0) EXPECT_GT(nmse(want[size_t(r)], want[size_t(r - 1)]), 1e-3) << "round " << r << " changed nothing";
+      if (r > 0) {
+        EXPECT_GT(nmse(want[size_t(r)], want[size_t(r - 1)]), 1e-3) << "round " << r << " changed nothing";
+      }
     }
   }
 }

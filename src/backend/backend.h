@@ -159,6 +159,9 @@ class Backend {
   // ids, weights in backend memory.           x, out [N, D]; ids, weights [N, top_k]
   virtual void moe_experts(const float* x, int64_t N, const int32_t* ids, const float* weights, int top_k,
                            const ExpertBank& bank, float* out) = 0;
+  // Brings the backend's copy of `bank` up to date with its entries (weights that moved), before
+  // the ops queued next: recorded moe_experts launches with this bank then read the new entries.
+  virtual void update_bank(const ExpertBank& bank) {}
   // True when moe_experts is the faster way to run N tokens' experts on this backend (else the
   // forward groups tokens by expert: moe_group + one product per expert).
   virtual bool prefers_moe_experts(int64_t N) const { return false; }

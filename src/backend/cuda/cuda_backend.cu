@@ -516,6 +516,7 @@ class CudaBackend final : public Backend {
     cuda::moe_experts(x, N, b.D, b.I, top_k, bank.n_shared, int(bank.gate.size()) - bank.n_shared, ids, weights,
                       b.table.get(), b.dtype, b.vec, h, out, stream_);
   }
+  void update_bank(const ExpertBank& bank) override { device_bank(bank); }
   bool prefers_moe_experts(int64_t N) const override { return N <= 8; }
 
   void argmax_rows(const float* x, int64_t rows, int64_t n, int32_t* out) override {
@@ -687,7 +688,9 @@ class CudaBackend final : public Backend {
     if (it != banks_.end()) {
       DeviceBank& d = it->second;
       if (d.sources == sources) return d;
-      if (d.sources.size() == sources.size()) {
+      const Weight& g0 = bank.gate[0];
+      if (d.sources.size() == sources.size() && dtype_code(g0.w.dtype) == d.dtype && g0.out() == d.I &&
+          g0.in() == d.D) {  // the same bank, experts moved (else a new bank where an old one was)
         patch_bank(bank, sources, d);
         return d;
       }

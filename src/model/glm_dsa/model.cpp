@@ -328,11 +328,28 @@ bool GlmDsaModel::can_record_step(const std::vector<Segment>& segs, int64_t N) c
   for (const Segment& s : segs)
     if (s.T != 1 || s.path != AttentionPath::Absorbed) return false;
   // Every MoE layer must run its experts by id on the backend: grouping them on the host would
-  // need a round trip in the middle of the step.
+  // need a round trip per expert in the middle of the step. A streaming store's layers need one
+  // round trip each (their expert ids): the recording is split there.
   if (!backend_.prefers_moe_experts(N)) return false;
   for (int l = 0; l < config_.num_layers; ++l)
-    if (!config_.layer_dense[size_t(l)] && !experts_->bank(l)) return false;
+    if (!config_.layer_dense[size_t(l)] && !experts_->bank(l) && !streams_fused(l, N)) return false;
   return true;
+}
+
+bool GlmDsaModel::streams_fused(int layer, int64_t N) const {
+  // Every id of the step may be a distinct expert: the store must be able to hold them all.
+  return !experts_->bank(layer) && backend_.prefers_moe_experts(N) &&
+         experts_->max_experts_per_prepare() >= size_t(N * config_.experts_per_token);
+}
+
+void GlmDsaModel::replay(RecordedStep& r, int64_t N) {
+  for (size_t i = 0; i < r.pieces.size(); ++i) {
+    r.pieces[i]->replay();
+    if (i < r.stage_layers.size() &&
+        !stream_stage(r.stage_layers[i], N, scratch_i32(2, size_t(N * config_.experts_per_token))))
+      fail("internal error: a recorded step's experts no longer fit the store");
+  }
+  ++recorded_runs_;
 }
 
 // Recorded steps read their positions from backend memory (pos0 of each sequence); everything
@@ -354,13 +371,13 @@ void GlmDsaModel::run_recorded(std::vector<Segment>& segs, int64_t N, MlaCache& 
   RecordedStep& r = recorded_[{cache.id(), rows}];
   r.last_use = ++step_clock_;
   const bool same_buffers = r.model_gen == scratch_gen_ && r.backend_gen == backend_.scratch_generation();
-  if (r.ops && same_buffers) {
-    r.ops->replay();
-    ++recorded_runs_;
+  if (!r.pieces.empty() && same_buffers) {
+    replay(r, N);
     return;
   }
   if (!r.warmed || !same_buffers) {
-    r.ops.reset();
+    r.pieces.clear();
+    r.stage_layers.clear();
     run_step(segs, N, cache, ids, logits);
     r.warmed = true;
     r.model_gen = scratch_gen_;
@@ -370,28 +387,33 @@ void GlmDsaModel::run_recorded(std::vector<Segment>& segs, int64_t N, MlaCache& 
   // Bound the number of recordings kept (each holds device resources): drop the least recent.
   const size_t kMaxRecordings = 8;
   size_t n_ops = 0;
-  for (const auto& [k, v] : recorded_) n_ops += v.ops ? 1 : 0;
+  for (const auto& [k, v] : recorded_) n_ops += v.pieces.empty() ? 0 : 1;
   if (n_ops >= kMaxRecordings) {
     auto oldest = recorded_.end();
     for (auto it = recorded_.begin(); it != recorded_.end(); ++it)
-      if (it->second.ops && (oldest == recorded_.end() || it->second.last_use < oldest->second.last_use)) oldest = it;
+      if (!it->second.pieces.empty() && (oldest == recorded_.end() || it->second.last_use < oldest->second.last_use))
+        oldest = it;
     if (oldest != recorded_.end()) recorded_.erase(oldest);
   }
   RecordedStep& rec = recorded_[{cache.id(), rows}];
   recording_ = true;
+  recording_into_ = &rec;
   backend_.begin_recording();
   try {
     run_step(segs, N, cache, ids, logits);
   } catch (...) {
     recording_ = false;
+    recording_into_ = nullptr;
     backend_.end_recording();
+    rec.pieces.clear();
+    rec.stage_layers.clear();
     throw;
   }
   recording_ = false;
-  rec.ops = backend_.end_recording();
+  recording_into_ = nullptr;
+  rec.pieces.push_back(backend_.end_recording());
   VIREO_ASSERT(rec.model_gen == scratch_gen_ && rec.backend_gen == backend_.scratch_generation());
-  rec.ops->replay();
-  ++recorded_runs_;
+  replay(rec, N);
 }
 
 void GlmDsaModel::run_step(const std::vector<Segment>& segs, int64_t N, MlaCache& cache, const int32_t* ids,
@@ -567,24 +589,35 @@ void GlmDsaModel::moe(int layer, const float* xn, int64_t N, float* out) {
     moe_bank(layer, xn, N, ids_dev, wts_dev, fused_banks_[size_t(layer)], out);
     return;
   }
-  if (!experts_->bank(layer) && backend_.prefers_moe_experts(N) &&
-      moe_streamed_fused(layer, xn, N, ids_dev, wts_dev, out))
-    return;
+  if (streams_fused(layer, N) && moe_streamed_fused(layer, xn, N, ids_dev, wts_dev, out)) return;
   moe_grouped(layer, xn, N, ids_dev, wts_dev, out);  // the shared expert included
 }
 
 // Why not moe_grouped: it runs ~7 ops per expert, each launched by the host after the expert's
 // copy, so with most experts in slots the host's launches set the pace (H200, 4 layers x 64 FP8
 // experts, all in slots: 5.06 ms a token against ~1.5 ms resident). Here the step's experts are
-// in two fused launches, as in the resident step; what is given up is running hits while misses
-// are still copying (the compute stream waits for this layer's last copy first), which only
-// matters where the link already dominates.
+// in two fused launches, as in the resident step, and the rest of the step can be recorded (the
+// recording split at each stage). What is given up is running hits while misses are still
+// copying (the compute stream waits for this layer's last copy first), which only matters where
+// the link dominates anyway.
 bool GlmDsaModel::moe_streamed_fused(int layer, const float* xn, int64_t N, const int32_t* ids_dev,
                                      const float* wts_dev, float* out) {
+  if (recording_) {
+    // The stage cannot run inside a recording (it reads the ids back): end the piece here; the
+    // replay runs the stage between this piece and the next.
+    recording_into_->pieces.push_back(backend_.end_recording());
+    recording_into_->stage_layers.push_back(layer);
+    backend_.begin_recording();
+  } else if (!stream_stage(layer, N, ids_dev)) {
+    return false;
+  }
+  moe_bank(layer, xn, N, ids_dev, wts_dev, streamed_banks_[size_t(layer)], out);
+  return true;
+}
+
+bool GlmDsaModel::stream_stage(int layer, int64_t N, const int32_t* ids_dev) {
   const GlmDsaConfig& c = config_;
-  const LayerWeights& L = weights_.layers[size_t(layer)];
-  const int64_t K = c.experts_per_token;
-  std::vector<int32_t> ids(static_cast<size_t>(N * K));
+  std::vector<int32_t> ids(static_cast<size_t>(N * c.experts_per_token));
   backend_.copy_to_host_i32(ids.data(), ids_dev, ids.size());
   std::vector<int> used(ids.begin(), ids.end());
   std::sort(used.begin(), used.end());
@@ -601,14 +634,14 @@ bool GlmDsaModel::moe_streamed_fused(int layer, const float* xn, int64_t N, cons
     bank.gate.assign(size_t(c.n_routed_experts), first.gate);
     bank.up.assign(size_t(c.n_routed_experts), first.up);
     bank.down.assign(size_t(c.n_routed_experts), first.down);
-    add_shared_expert(L, bank);
+    add_shared_expert(weights_.layers[size_t(layer)], bank);
   }
   for (size_t i = 0; i < used.size(); ++i) {
     bank.gate[size_t(used[i])] = ew[i]->gate;
     bank.up[size_t(used[i])] = ew[i]->up;
     bank.down[size_t(used[i])] = ew[i]->down;
   }
-  moe_bank(layer, xn, N, ids_dev, wts_dev, bank, out);
+  backend_.update_bank(bank);
   return true;
 }
 

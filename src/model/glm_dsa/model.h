@@ -100,8 +100,13 @@ class GlmDsaModel {
   };
   // A recorded decode step for one batch of cache rows, valid while no scratch buffer (ours or
   // the backend's) has been reallocated since it was recorded.
+  // With a streaming store the recording is in pieces, split where each MoE layer's expert ids
+  // must come back to the host: replay runs pieces[0], stream_stage(stage_layers[0]),
+  // pieces[1], ... (the experts' launches at the start of the next piece read the bank's device
+  // table, which the stage brings up to date).
   struct RecordedStep {
-    std::unique_ptr<RecordedOps> ops;
+    std::vector<std::unique_ptr<RecordedOps>> pieces;
+    std::vector<int> stage_layers;
     uint64_t model_gen = 0, backend_gen = 0;
     bool warmed = false;  // an eager run at these sizes has allocated every buffer
     uint64_t last_use = 0;
@@ -122,6 +127,12 @@ class GlmDsaModel {
   // experts run). False (nothing done) when the store cannot hold the step's experts at once.
   bool moe_streamed_fused(int layer, const float* xn, int64_t N, const int32_t* ids, const float* weights,
                           float* out);
+  // The host's part of moe_streamed_fused: reads the layer's expert ids [N, top_k] back, makes
+  // those experts ready (the compute stream waits for their copies) and points the layer's
+  // streamed bank at their slots. False when the store cannot hold them at once.
+  bool stream_stage(int layer, int64_t N, const int32_t* ids);
+  bool streams_fused(int layer, int64_t N) const;  // moe() of `layer` takes moe_streamed_fused
+  void replay(RecordedStep& r, int64_t N);
   void moe_bank(int layer, const float* xn, int64_t N, const int32_t* ids, const float* weights,
                 const ExpertBank& bank, float* out);
   RouterArgs router_args(const LayerWeights& L) const;
@@ -151,6 +162,7 @@ class GlmDsaModel {
   std::map<const void*, std::shared_ptr<float>> vectors_;  // host norm vector -> backend copy
   uint64_t scratch_gen_ = 0;   // bumped whenever a scratch buffer is reallocated
   bool recording_ = false;     // ops are being recorded: scratch must not grow
+  RecordedStep* recording_into_ = nullptr;  // where moe() puts the pieces while recording
   bool recording_enabled_ = true;
   std::map<std::pair<uint64_t, std::vector<int>>, RecordedStep> recorded_;  // (cache id, rows) ->
   uint64_t step_clock_ = 0;
