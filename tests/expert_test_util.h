@@ -21,6 +21,18 @@ inline std::vector<float> prefill_logits(GlmDsaModel& m, Backend& be, const std:
   return out;
 }
 
+// Logits of `n` single-token decode steps after `prompt` (the steps feed the prompt's tokens
+// again, in order): the decode path's bits, step by step.                          [n, vocab]
+inline std::vector<float> decode_logits(GlmDsaModel& m, Backend& be, const std::vector<int32_t>& prompt, int64_t n) {
+  const int64_t V = m.config().vocab_size;
+  MlaCache cache(be, m.cache_shape(), 1, int64_t(prompt.size()) + n);
+  std::vector<float> out(size_t(n * V));
+  m.forward(prompt.data(), int64_t(prompt.size()), cache, 0, out.data());
+  for (int64_t i = 0; i < n; ++i)
+    m.forward(&prompt[size_t(i) % prompt.size()], 1, cache, 0, out.data() + i * V);
+  return out;
+}
+
 // n greedy tokens after `prompt` (end-of-sequence tokens do not stop it).
 inline std::vector<int32_t> greedy(GlmDsaModel& m, Backend& be, const std::vector<int32_t>& prompt, int64_t n) {
   MlaCache cache(be, m.cache_shape(), 1, int64_t(prompt.size()) + n);

@@ -27,6 +27,7 @@
 #include "test_helpers.h"
 
 using namespace vireo;
+using vireo::test::decode_logits;
 using vireo::test::greedy;
 using vireo::test::payload_bytes;
 using vireo::test::prefill_logits;
@@ -173,6 +174,26 @@ TEST(DeviceStore, SlotsHoldTheCheckpointBytesOnlyAfterAwait) {
 }
 
 class DeviceStoreFixture : public ::testing::TestWithParam<std::string> {};
+
+// Decode as the CUDA backend runs it (experts by id, moe_experts), here on the CPU backend with
+// the host link: a layer whose experts are all in slots runs them from the streamed bank, one
+// with copies in flight runs the grouped path. Either way every decode step's logits equal the
+// resident run's (which runs them by id from the store's bank) bit for bit, and greedy tokens.
+TEST_P(DeviceStoreFixture, DecodeByIdEqualsResident) {
+  const std::string dir = kFixtures + "/" + GetParam();
+  if (!std::filesystem::exists(dir)) GTEST_SKIP() << "fixture " << GetParam() << " not present";
+  auto prompt = read_json_file(dir + "/expected.json")["greedy_prompt"].get<std::vector<int32_t>>();
+  auto be = make_cpu_backend(8);
+  auto resident = GlmDsaModel::load(dir, *be);
+  const auto want_logits = decode_logits(*resident, *be, prompt, 12);
+  const auto want_tokens = greedy(*resident, *be, prompt, 12);
+  for (const Mode& mode : kModes) {
+    SCOPED_TRACE(mode_name(mode));
+    auto m = load_device(dir, *be, make_host_transfer_link(), mode);
+    EXPECT_EQ(decode_logits(*m, *be, prompt, 12), want_logits);
+    EXPECT_EQ(greedy(*m, *be, prompt, 12), want_tokens);
+  }
+}
 
 TEST_P(DeviceStoreFixture, EqualsResidentTokenForToken) {
   const std::string dir = kFixtures + "/" + GetParam();

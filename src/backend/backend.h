@@ -65,7 +65,9 @@ struct RouterArgs {
 
 // Every routed expert of one MoE layer, resident in the backend's memory: gate/up [I, D] and
 // down [D, I] per expert, one dtype and shape throughout. The forward pass can then run experts
-// by id from backend memory, with no host round trip (Backend::moe_experts).
+// by id from backend memory, with no host round trip (Backend::moe_experts). A streaming store's
+// bank is repointed between steps at the slots its experts occupy now: moe_experts must run
+// with the entries the bank holds when it is called (a backend caching a copy updates it).
 struct ExpertBank {
   std::vector<Weight> gate, up, down;  // [n_routed + n_shared]
   // The last n_shared entries are shared experts: they run for every token with weight 1, after
@@ -159,9 +161,6 @@ class Backend {
   // ids, weights in backend memory.           x, out [N, D]; ids, weights [N, top_k]
   virtual void moe_experts(const float* x, int64_t N, const int32_t* ids, const float* weights, int top_k,
                            const ExpertBank& bank, float* out) = 0;
-  // Brings the backend's copy of `bank` up to date with its entries (weights that moved), before
-  // the ops queued next: recorded moe_experts launches with this bank then read the new entries.
-  virtual void update_bank(const ExpertBank& bank) {}
   // True when moe_experts is the faster way to run N tokens' experts on this backend (else the
   // forward groups tokens by expert: moe_group + one product per expert).
   virtual bool prefers_moe_experts(int64_t N) const { return false; }
@@ -188,7 +187,10 @@ class Backend {
                                 int64_t n) = 0;
 };
 
-// The CPU reference backend, running on `threads` threads (0: the global pool's).
-std::unique_ptr<Backend> make_cpu_backend();
+// The CPU reference backend, on the global thread pool. It groups tokens by expert
+// (prefers_moe_experts is false) unless moe_experts_max_tokens > 0: then steps of up to that
+// many tokens run their experts by id, as the CUDA backend's decode does (tests use this to run
+// the GPU's decode paths, streamed ones included, on the CPU).
+std::unique_ptr<Backend> make_cpu_backend(int64_t moe_experts_max_tokens = 0);
 
 }  // namespace vireo

@@ -24,6 +24,7 @@ inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 
 class CpuBackend final : public Backend {
  public:
+  explicit CpuBackend(int64_t moe_experts_max_tokens) : moe_experts_max_tokens_(moe_experts_max_tokens) {}
   const char* name() const override { return "cpu"; }
   ThreadPool& pool() { return ThreadPool::global(); }
 
@@ -168,6 +169,8 @@ class CpuBackend final : public Backend {
       }
   }
 
+  bool prefers_moe_experts(int64_t N) const override { return N <= moe_experts_max_tokens_; }
+
   void argmax_rows(const float* x, int64_t rows, int64_t n, int32_t* out) override {
     for (int64_t r = 0; r < rows; ++r) {
       const float* xr = x + r * n;
@@ -301,6 +304,7 @@ class CpuBackend final : public Backend {
 
  private:
   SampleWorkspace sample_ws_;  // sample_rows' buffers, reused across calls
+  int64_t moe_experts_max_tokens_ = 0;
 
   // Keys query t attends to: the selection, or every causal key.
   static int64_t keys_for(const MlaAttentionArgs& a, int64_t t, const int32_t** list) {
@@ -404,6 +408,8 @@ class CpuBackend final : public Backend {
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cpu_backend() { return std::make_unique<CpuBackend>(); }
+std::unique_ptr<Backend> make_cpu_backend(int64_t moe_experts_max_tokens) {
+  return std::make_unique<CpuBackend>(moe_experts_max_tokens);
+}
 
 }  // namespace vireo

@@ -516,7 +516,6 @@ class CudaBackend final : public Backend {
     cuda::moe_experts(x, N, b.D, b.I, top_k, bank.n_shared, int(bank.gate.size()) - bank.n_shared, ids, weights,
                       b.table.get(), b.dtype, b.vec, h, out, stream_);
   }
-  void update_bank(const ExpertBank& bank) override { device_bank(bank); }
   bool prefers_moe_experts(int64_t N) const override { return N <= 8; }
 
   void argmax_rows(const float* x, int64_t rows, int64_t n, int32_t* out) override {

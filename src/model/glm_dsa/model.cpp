@@ -345,9 +345,10 @@ bool GlmDsaModel::streams_fused(int layer, int64_t N) const {
 void GlmDsaModel::replay(RecordedStep& r, int64_t N) {
   for (size_t i = 0; i < r.pieces.size(); ++i) {
     r.pieces[i]->replay();
-    if (i < r.stage_layers.size() &&
-        !stream_stage(r.stage_layers[i], N, scratch_i32(2, size_t(N * config_.experts_per_token))))
-      fail("internal error: a recorded step's experts no longer fit the store");
+    if (i < r.stages.size()) {
+      const StreamStage& st = r.stages[i];
+      moe_streamed(st.layer, st.xn, N, st.ids, st.weights, st.out);
+    }
   }
   ++recorded_runs_;
 }
@@ -377,7 +378,7 @@ void GlmDsaModel::run_recorded(std::vector<Segment>& segs, int64_t N, MlaCache& 
   }
   if (!r.warmed || !same_buffers) {
     r.pieces.clear();
-    r.stage_layers.clear();
+    r.stages.clear();
     run_step(segs, N, cache, ids, logits);
     r.warmed = true;
     r.model_gen = scratch_gen_;
@@ -406,7 +407,7 @@ void GlmDsaModel::run_recorded(std::vector<Segment>& segs, int64_t N, MlaCache& 
     recording_into_ = nullptr;
     backend_.end_recording();
     rec.pieces.clear();
-    rec.stage_layers.clear();
+    rec.stages.clear();
     throw;
   }
   recording_ = false;
@@ -589,42 +590,44 @@ void GlmDsaModel::moe(int layer, const float* xn, int64_t N, float* out) {
     moe_bank(layer, xn, N, ids_dev, wts_dev, fused_banks_[size_t(layer)], out);
     return;
   }
-  if (streams_fused(layer, N) && moe_streamed_fused(layer, xn, N, ids_dev, wts_dev, out)) return;
+  if (streams_fused(layer, N)) {
+    if (recording_) {
+      // The stage reads the ids back, which a recording cannot: end the piece here; the replay
+      // runs the stage between this piece and the next.
+      recording_into_->pieces.push_back(backend_.end_recording());
+      recording_into_->stages.push_back({layer, xn, ids_dev, wts_dev, out});
+      backend_.begin_recording();
+    } else {
+      moe_streamed(layer, xn, N, ids_dev, wts_dev, out);
+    }
+    return;
+  }
   moe_grouped(layer, xn, N, ids_dev, wts_dev, out);  // the shared expert included
 }
 
-// Why not moe_grouped: it runs ~7 ops per expert, each launched by the host after the expert's
-// copy, so with most experts in slots the host's launches set the pace (H200, 4 layers x 64 FP8
-// experts, all in slots: 5.06 ms a token against ~1.5 ms resident). Here the step's experts are
-// in two fused launches, as in the resident step, and the rest of the step can be recorded (the
-// recording split at each stage). What is given up is running hits while misses are still
-// copying (the compute stream waits for this layer's last copy first), which only matters where
-// the link dominates anyway.
-bool GlmDsaModel::moe_streamed_fused(int layer, const float* xn, int64_t N, const int32_t* ids_dev,
-                                     const float* wts_dev, float* out) {
-  if (recording_) {
-    // The stage cannot run inside a recording (it reads the ids back): end the piece here; the
-    // replay runs the stage between this piece and the next.
-    recording_into_->pieces.push_back(backend_.end_recording());
-    recording_into_->stage_layers.push_back(layer);
-    backend_.begin_recording();
-  } else if (!stream_stage(layer, N, ids_dev)) {
-    return false;
-  }
-  moe_bank(layer, xn, N, ids_dev, wts_dev, streamed_banks_[size_t(layer)], out);
-  return true;
-}
-
-bool GlmDsaModel::stream_stage(int layer, int64_t N, const int32_t* ids_dev) {
+// Why the fused launches when every expert is in a slot: moe_grouped runs ~7 ops per expert,
+// each launched by the host, and with most experts in slots the host's launches set the pace
+// (H200, 4 layers x 64 FP8 experts, all in slots: 5.06 ms a token against ~1.5 ms resident).
+// Why moe_grouped while copies are in flight: it runs the experts already in slots and the
+// shared expert while the misses are still copying, where the fused launches would wait for the
+// last copy first.
+void GlmDsaModel::moe_streamed(int layer, const float* xn, int64_t N, const int32_t* ids_dev, const float* wts_dev,
+                               float* out) {
   const GlmDsaConfig& c = config_;
   std::vector<int32_t> ids(static_cast<size_t>(N * c.experts_per_token));
   backend_.copy_to_host_i32(ids.data(), ids_dev, ids.size());
   std::vector<int> used(ids.begin(), ids.end());
   std::sort(used.begin(), used.end());
   used.erase(std::unique(used.begin(), used.end()), used.end());
-  if (used.size() > experts_->max_experts_per_prepare()) return false;
+  VIREO_ASSERT(used.size() <= experts_->max_experts_per_prepare());  // streams_fused
   const std::vector<const ExpertWeights*> ew = experts_->prepare_async(layer, used);
-  for (size_t i = 0; i < ew.size(); ++i) experts_->await(i);  // the compute stream waits, not the host
+  bool all_ready = true;
+  for (size_t i = 0; i < ew.size(); ++i) all_ready = all_ready && experts_->ready(i);
+  if (!all_ready) {
+    moe_grouped(layer, xn, N, ids_dev, wts_dev, out, &ew);
+    return;
+  }
+  for (size_t i = 0; i < ew.size(); ++i) experts_->await(i);
 
   if (streamed_banks_.empty()) streamed_banks_.resize(size_t(c.num_layers));
   ExpertBank& bank = streamed_banks_[size_t(layer)];
@@ -641,8 +644,7 @@ bool GlmDsaModel::stream_stage(int layer, int64_t N, const int32_t* ids_dev) {
     bank.up[size_t(used[i])] = ew[i]->up;
     bank.down[size_t(used[i])] = ew[i]->down;
   }
-  backend_.update_bank(bank);
-  return true;
+  moe_bank(layer, xn, N, ids_dev, wts_dev, bank, out);
 }
 
 // The routed experts by id from `bank`, then the shared expert when the bank does not hold it.
@@ -659,7 +661,7 @@ void GlmDsaModel::moe_bank(int layer, const float* xn, int64_t N, const int32_t*
 }
 
 void GlmDsaModel::moe_grouped(int layer, const float* xn, int64_t N, const int32_t* ids_dev, const float* wts_dev,
-                              float* out) {
+                              float* out, const std::vector<const ExpertWeights*>* prepared) {
   const GlmDsaConfig& c = config_;
   const LayerWeights& L = weights_.layers[size_t(layer)];
   const int64_t D = c.hidden_size, K = c.experts_per_token, I = c.moe_intermediate_size;
@@ -705,8 +707,11 @@ void GlmDsaModel::moe_grouped(int layer, const float* xn, int64_t N, const int32
   float* early = nullptr;
   for (size_t c0 = 0; c0 < used.size(); c0 += chunk) {
     const size_t n = std::min(chunk, used.size() - c0);
+    // `prepared`: the caller has already asked for the whole union (one chunk).
+    VIREO_ASSERT(!prepared || (c0 == 0 && n == used.size() && prepared->size() == n));
     const std::vector<const ExpertWeights*> ew =
-        experts_->prepare_async(layer, std::vector<int>(used.begin() + long(c0), used.begin() + long(c0 + n)));
+        prepared ? *prepared
+                 : experts_->prepare_async(layer, std::vector<int>(used.begin() + long(c0), used.begin() + long(c0 + n)));
     if (c0 == 0 && shared) mlp(L.shared, xn, N, shared);
     std::vector<float*> rows(n, nullptr);
     int64_t early_rows = 0;

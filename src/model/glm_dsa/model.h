@@ -100,13 +100,19 @@ class GlmDsaModel {
   };
   // A recorded decode step for one batch of cache rows, valid while no scratch buffer (ours or
   // the backend's) has been reallocated since it was recorded.
-  // With a streaming store the recording is in pieces, split where each MoE layer's expert ids
-  // must come back to the host: replay runs pieces[0], stream_stage(stage_layers[0]),
-  // pieces[1], ... (the experts' launches at the start of the next piece read the bank's device
-  // table, which the stage brings up to date).
+  // A streamed MoE layer of a recorded step, run between two recorded pieces (moe_streamed).
+  struct StreamStage {
+    int layer;
+    const float* xn;
+    const int32_t* ids;
+    const float* weights;
+    float* out;
+  };
+  // With a streaming store the recording is in pieces, split after each MoE layer's router:
+  // replay runs pieces[0], stages[0], pieces[1], ...
   struct RecordedStep {
     std::vector<std::unique_ptr<RecordedOps>> pieces;
-    std::vector<int> stage_layers;
+    std::vector<StreamStage> stages;
     uint64_t model_gen = 0, backend_gen = 0;
     bool warmed = false;  // an eager run at these sizes has allocated every buffer
     uint64_t last_use = 0;
@@ -121,17 +127,15 @@ class GlmDsaModel {
   void moe(int layer, const float* xn, int64_t N, float* out);
   // Routed experts grouped by expert (the union of the step's experts, one product each), then
   // the shared expert; with a streaming store, compute overlaps the experts' transfers.
-  void moe_grouped(int layer, const float* xn, int64_t N, const int32_t* ids, const float* weights, float* out);
-  // Few tokens, a streaming store: the step's experts are made ready in device slots, then run
-  // by id in the backend's fused launches from a bank that points at those slots (as resident
-  // experts run). False (nothing done) when the store cannot hold the step's experts at once.
-  bool moe_streamed_fused(int layer, const float* xn, int64_t N, const int32_t* ids, const float* weights,
-                          float* out);
-  // The host's part of moe_streamed_fused: reads the layer's expert ids [N, top_k] back, makes
-  // those experts ready (the compute stream waits for their copies) and points the layer's
-  // streamed bank at their slots. False when the store cannot hold them at once.
-  bool stream_stage(int layer, int64_t N, const int32_t* ids);
-  bool streams_fused(int layer, int64_t N) const;  // moe() of `layer` takes moe_streamed_fused
+  // `prepared`: the step's expert union (ascending), already asked of the store by the caller.
+  void moe_grouped(int layer, const float* xn, int64_t N, const int32_t* ids, const float* weights, float* out,
+                   const std::vector<const ExpertWeights*>* prepared = nullptr);
+  // Few tokens, a streaming store (streams_fused): the expert ids come back to the host and the
+  // store makes those experts ready; when all are already in slots they run by id in the
+  // backend's fused launches from a bank pointing at their slots (as resident experts run), else
+  // moe_grouped runs what is ready while the rest is copied.
+  void moe_streamed(int layer, const float* xn, int64_t N, const int32_t* ids, const float* weights, float* out);
+  bool streams_fused(int layer, int64_t N) const;  // moe() of `layer` takes moe_streamed
   void replay(RecordedStep& r, int64_t N);
   void moe_bank(int layer, const float* xn, int64_t N, const int32_t* ids, const float* weights,
                 const ExpertBank& bank, float* out);
@@ -150,7 +154,7 @@ class GlmDsaModel {
   GlmDsaWeights weights_;
   std::unique_ptr<ExpertStore> experts_;
   std::vector<ExpertBank> fused_banks_;  // [layer]: the store's bank (+ the shared expert), see moe()
-  // [layer]: with a streaming store, the bank moe_streamed_fused last ran: entries of the experts
+  // [layer]: with a streaming store, the bank moe_streamed last ran: entries of the experts
   // it used point at their slots; the others are stale (never read: no id selects them).
   std::vector<ExpertBank> streamed_banks_;
   std::vector<float> inv_freq_;  // [rope/2]
