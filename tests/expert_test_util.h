@@ -33,6 +33,30 @@ inline std::vector<float> decode_logits(GlmDsaModel& m, Backend& be, const std::
   return out;
 }
 
+// Two sequences decoded together: row 0 after `prompt`, row 1 after its first half, then `n`
+// batched steps of one token each (the prompt's tokens again). Logits [n, 2, vocab].
+inline std::vector<float> batched_decode_logits(GlmDsaModel& m, Backend& be, const std::vector<int32_t>& prompt,
+                                                int64_t n) {
+  const int64_t V = m.config().vocab_size, P = int64_t(prompt.size());
+  MlaCache cache(be, m.cache_shape(), 2, P + n);
+  std::vector<float> out(size_t(n * 2 * V));
+  m.forward(prompt.data(), P, cache, 0, out.data());
+  m.forward(prompt.data(), std::max<int64_t>(1, P / 2), cache, 1, out.data());
+  for (int64_t i = 0; i < n; ++i) {
+    BatchItem a, b;
+    a.row = 0;
+    a.tokens = &prompt[size_t(i) % prompt.size()];
+    a.T = 1;
+    a.logits = out.data() + (2 * i) * V;
+    b.row = 1;
+    b.tokens = &prompt[size_t(i + 1) % prompt.size()];
+    b.T = 1;
+    b.logits = out.data() + (2 * i + 1) * V;
+    m.forward_batch({a, b}, cache);
+  }
+  return out;
+}
+
 // n greedy tokens after `prompt` (end-of-sequence tokens do not stop it).
 inline std::vector<int32_t> greedy(GlmDsaModel& m, Backend& be, const std::vector<int32_t>& prompt, int64_t n) {
   MlaCache cache(be, m.cache_shape(), 1, int64_t(prompt.size()) + n);

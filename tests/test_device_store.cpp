@@ -10,6 +10,7 @@
 // the device memory really allocated.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <regex>
@@ -19,6 +20,7 @@
 #include "backend/transfer_link.h"
 #include "cuda_test_util.h"
 #include "expert_test_util.h"
+#include "fixture_util.h"
 #include "experts/device_store.h"
 #include "experts/memory_plan.h"
 #include "io/json_file.h"
@@ -27,8 +29,10 @@
 #include "test_helpers.h"
 
 using namespace vireo;
+using vireo::test::batched_decode_logits;
 using vireo::test::decode_logits;
 using vireo::test::greedy;
+using vireo::test::max_row_rel_l2;
 using vireo::test::payload_bytes;
 using vireo::test::prefill_logits;
 
@@ -175,10 +179,23 @@ TEST(DeviceStore, SlotsHoldTheCheckpointBytesOnlyAfterAwait) {
 
 class DeviceStoreFixture : public ::testing::TestWithParam<std::string> {};
 
+// Rows of logits [rows, V]: the same argmax per row, and within f32 rounding of each other.
+static void expect_same_choices(const std::vector<float>& got, const std::vector<float>& want, int64_t V) {
+  ASSERT_EQ(got.size(), want.size());
+  for (int64_t r = 0; r < int64_t(got.size()) / V; ++r) {
+    const float* g = got.data() + r * V;
+    const float* w = want.data() + r * V;
+    EXPECT_EQ(std::max_element(g, g + V) - g, std::max_element(w, w + V) - w) << "row " << r;
+    EXPECT_LE(max_row_rel_l2(g, w, 1, V), 1e-5) << "row " << r;
+  }
+}
+
 // Decode as the CUDA backend runs it (experts by id, moe_experts), here on the CPU backend with
 // the host link: a layer whose experts are all in slots runs them from the streamed bank, one
-// with copies in flight runs the grouped path. Either way every decode step's logits equal the
-// resident run's (which runs them by id from the store's bank) bit for bit, and greedy tokens.
+// with copies in flight runs the grouped path. Single-row steps equal the resident run's (which
+// runs experts by id from the store's bank) bit for bit: one-row products are the same
+// computation either way. Two-row steps: the grouped path's products over 2 rows and its separate
+// shared expert round differently, so the same greedy choice per row, logits within 1e-5.
 TEST_P(DeviceStoreFixture, DecodeByIdEqualsResident) {
   const std::string dir = kFixtures + "/" + GetParam();
   if (!std::filesystem::exists(dir)) GTEST_SKIP() << "fixture " << GetParam() << " not present";
@@ -187,11 +204,13 @@ TEST_P(DeviceStoreFixture, DecodeByIdEqualsResident) {
   auto resident = GlmDsaModel::load(dir, *be);
   const auto want_logits = decode_logits(*resident, *be, prompt, 12);
   const auto want_tokens = greedy(*resident, *be, prompt, 12);
+  const auto want_batched = batched_decode_logits(*resident, *be, prompt, 6);
   for (const Mode& mode : kModes) {
     SCOPED_TRACE(mode_name(mode));
     auto m = load_device(dir, *be, make_host_transfer_link(), mode);
     EXPECT_EQ(decode_logits(*m, *be, prompt, 12), want_logits);
     EXPECT_EQ(greedy(*m, *be, prompt, 12), want_tokens);
+    expect_same_choices(batched_decode_logits(*m, *be, prompt, 6), want_batched, m->config().vocab_size);
   }
 }
 
@@ -412,6 +431,7 @@ TEST_P(CudaDeviceStoreFixture, EqualsResidentCudaTokenForToken) {
   auto resident = GlmDsaModel::load(dir, *be);
   const auto want_logits = prefill_logits(*resident, *be, ids);
   const auto want_tokens = greedy(*resident, *be, prompt, 24);
+  const auto want_batched = batched_decode_logits(*resident, *be, prompt, 6);
   for (const Mode& mode : kModes) {
     SCOPED_TRACE(mode_name(mode));
     auto m = load_device(dir, *be, make_cuda_transfer_link(*be), mode);
@@ -419,10 +439,19 @@ TEST_P(CudaDeviceStoreFixture, EqualsResidentCudaTokenForToken) {
     EXPECT_EQ(greedy(*m, *be, prompt, 24), want_tokens);
     // Where the store holds a step's top_k experts at once, decode runs them in the fused
     // launches and replays recorded pieces between the stages (else the grouped path).
-    if (!mode.prefetch && m->experts().max_experts_per_prepare() >= size_t(m->config().experts_per_token)) {
+    const size_t K = size_t(m->config().experts_per_token);
+    if (!mode.prefetch && m->experts().max_experts_per_prepare() >= K) {
       EXPECT_GT(m->recorded_steps_run(), 0);
     } else {
       EXPECT_EQ(m->recorded_steps_run(), 0);
+    }
+    // Two rows per step (recorded too where the store holds 2 x top_k experts): the same greedy
+    // choice per row as resident, logits within f32 rounding (the grouped path, taken while
+    // copies are in flight, sums each product in another order than the fused launches).
+    const int64_t before = m->recorded_steps_run();
+    expect_same_choices(batched_decode_logits(*m, *be, prompt, 6), want_batched, m->config().vocab_size);
+    if (!mode.prefetch && m->experts().max_experts_per_prepare() >= 2 * K) {
+      EXPECT_GT(m->recorded_steps_run(), before);
     }
     const ExpertStoreStats st = m->experts().stats();
     EXPECT_GT(st.misses, 0u);
