@@ -79,6 +79,7 @@ HostWeight make_weight(DType dt, int64_t out, int64_t in, uint32_t seed) {
 
 // Host vectors <-> a backend's buffers.
 struct Dev {
+  explicit Dev(Backend& b) : be(b) {}
   Backend& be;
   std::vector<std::shared_ptr<float>> keep;
   std::vector<std::shared_ptr<int32_t>> keep_i;

@@ -41,6 +41,21 @@ std::unique_ptr<GlmDsaModel> load(const std::string& dir, Backend& be, int64_t s
 
 }  // namespace
 
+// The default floor keeps room for one token's experts in any prepare, and never exceeds top_k.
+TEST(SlotPool, AutoFloorLeavesRoomForTopK) {
+  for (int layers : {1, 3, 75})
+    for (int top_k : {1, 2, 8})
+      for (int64_t slots = top_k; slots <= int64_t(top_k) * layers * 3; slots += std::max(1, layers / 4)) {
+        const int f = SlotPool::auto_floor(slots, layers, top_k);
+        EXPECT_GE(f, 0);
+        EXPECT_LE(f, top_k);
+        EXPECT_GE(SlotPool(slots, layers, layers, 256, f).max_per_prepare(), top_k)
+            << slots << " slots, " << layers << " layers, top_k " << top_k;
+      }
+  EXPECT_EQ(SlotPool::auto_floor(8 + 75 * 8, 75, 8), 8);  // a full floor once every layer fits top_k
+  EXPECT_EQ(SlotPool::auto_floor(8 + 75 * 3, 75, 8), 3);
+}
+
 TEST(SlotPool, LruWithPerLayerFloor) {
   // 4 slots, layers 0..1 both MoE, floor 1.
   SlotPool p(4, 2, 2, 8, 1);

@@ -30,9 +30,11 @@ void check_device_flags(const std::string& device, const StreamingFlags& f) {
 
 namespace {
 
+// (The bench's FLOP and byte counts below are used by the CUDA bench only.)
+
 // Matrix-product FLOPs of one token through one layer (2 per weight), excluding kv_b, which the
 // prefill path applies per key (counted with attention).
-double layer_matmul_flops(const GlmDsaConfig& c, int l) {
+[[maybe_unused]] double layer_matmul_flops(const GlmDsaConfig& c, int l) {
   const double D = double(c.hidden_size), H = c.n_heads, qw = double(c.qk_head_dim()), L = double(c.kv_lora_rank);
   double p = 0;
   p += c.q_lora_rank > 0 ? D * double(c.q_lora_rank) + double(c.q_lora_rank) * H * qw : D * H * qw;
@@ -48,7 +50,7 @@ double layer_matmul_flops(const GlmDsaConfig& c, int l) {
 
 // Attention FLOPs of a T-token prefill from an empty cache: kv_b expansion of every key, scores
 // and weighted values over each query's keys (DSA: at most index_topk), and the indexer scores.
-double prefill_attention_flops(const GlmDsaConfig& c, int64_t T) {
+[[maybe_unused]] double prefill_attention_flops(const GlmDsaConfig& c, int64_t T) {
   const double H = c.n_heads, hw = double(c.qk_nope_dim + c.v_head_dim), qw = double(c.qk_head_dim());
   double f = 0;
   for (int l = 0; l < c.num_layers; ++l) {
@@ -64,7 +66,7 @@ double prefill_attention_flops(const GlmDsaConfig& c, int64_t T) {
 }
 
 // Bytes of MLA cache (and indexer keys) one decode step at context `ctx` reads.
-double decode_cache_bytes(const GlmDsaConfig& c, int64_t ctx) {
+[[maybe_unused]] double decode_cache_bytes(const GlmDsaConfig& c, int64_t ctx) {
   double b = 0;
   for (int l = 0; l < c.num_layers; ++l) {
     const int64_t n = ctx + 1;

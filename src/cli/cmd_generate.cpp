@@ -49,6 +49,14 @@ std::vector<int32_t> parse_id_list(const std::string& s, const std::string& flag
   return ids;
 }
 
+void add_sampling_flags(CLI::App& app, SamplingParams& s) {
+  app.add_option("--temp", s.temperature, "Sampling temperature (0: greedy)");
+  app.add_option("--top-k", s.top_k, "Keep the k most likely tokens (0: off)");
+  app.add_option("--top-p", s.top_p, "Nucleus sampling mass (1: off)");
+  app.add_option("--min-p", s.min_p, "Drop tokens below min_p x the top probability (0: off)");
+  app.add_option("--seed", s.seed, "Sampling seed");
+}
+
 Action add_run(CLI::App& app) {
   struct Opts {
     std::string model, prompt_ids, prompt, prompt_file;
@@ -67,11 +75,7 @@ Action add_run(CLI::App& app) {
   text_opt->excludes(file_opt);
   app.add_flag("--chat", o->chat, "Apply the model's chat template to the prompt as one user message");
   app.add_option("-n,--max-tokens", o->n, "Tokens to generate at most")->check(CLI::Range(int64_t(1), int64_t(1) << 30));
-  app.add_option("--temp", o->s.temperature, "Sampling temperature (0: greedy)");
-  app.add_option("--top-k", o->s.top_k, "Keep the k most likely tokens (0: off)");
-  app.add_option("--top-p", o->s.top_p, "Nucleus sampling mass (1: off)");
-  app.add_option("--min-p", o->s.min_p, "Drop tokens below min_p x the top probability (0: off)");
-  app.add_option("--seed", o->s.seed, "Sampling seed");
+  add_sampling_flags(app, o->s);
   app.add_flag("--ignore-eos", o->ignore_eos, "Do not stop at end-of-sequence tokens");
   add_streaming_flags(app, o->sf);
   add_device_flag(app, o->device);

@@ -92,11 +92,7 @@ Action add_chat(CLI::App& app) {
   app.add_option("--system", o->system, "System message");
   app.add_option("-n,--max-tokens", o->n, "Tokens per reply at most")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
   app.add_option("--context", o->context, "Context length in tokens")->check(CLI::Range(int64_t(16), int64_t(1) << 22));
-  app.add_option("--temp", o->s.temperature, "Sampling temperature (0: greedy)");
-  app.add_option("--top-k", o->s.top_k, "Keep the k most likely tokens (0: off)");
-  app.add_option("--top-p", o->s.top_p, "Nucleus sampling mass (1: off)");
-  app.add_option("--min-p", o->s.min_p, "Drop tokens below min_p x the top probability (0: off)");
-  app.add_option("--seed", o->s.seed, "Sampling seed");
+  add_sampling_flags(app, o->s);
   add_streaming_flags(app, o->sf);
   add_device_flag(app, o->device);
   return [o]() {

@@ -11,6 +11,7 @@
 #include "experts/device_store.h"
 #include "experts/streaming_store.h"
 #include "model/glm_dsa/model.h"
+#include "runtime/sampler.h"
 
 namespace vireo::cli {
 
@@ -64,6 +65,9 @@ uint64_t peak_rss_bytes();     // VmHWM of this process
 bool reset_peak_rss();
 uint64_t current_rss_bytes();  // VmRSS of this process
 uint64_t mem_available_bytes(); // MemAvailable of /proc/meminfo (0 if unknown)
+
+// --temp, --top-k, --top-p, --min-p, --seed (cmd_generate.cpp): run and chat sample alike.
+void add_sampling_flags(CLI::App& app, SamplingParams& s);
 
 // --device cpu|cuda (cmd_bench.cpp), and the combinations a device does not support yet.
 void add_device_flag(CLI::App& app, std::string& device);

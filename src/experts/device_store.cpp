@@ -1,22 +1,14 @@
 #include "experts/device_store.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cstring>
 
+#include "core/clock.h"
 #include "core/thread_pool.h"
 
 namespace vireo {
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
-
-int auto_floor(const ExpertStoreParams& p, int64_t slots) {
-  const int64_t n = std::max<int64_t>(int64_t(p.moe_layers.size()), 1);
-  return int(std::clamp<int64_t>((slots - p.top_k) / n, 0, p.top_k));
-}
 
 void on_device(Tensor& t, Device d) {
   if (t.ndim) t.device = d;
@@ -32,7 +24,7 @@ DeviceExpertStore::DeviceExpertStore(const Checkpoint& ck, const ExpertStorePara
       layout_(ck, p, ck.files().empty()),
       dev_layout_(ck, p, true),
       pool_(o.slots, p.n_layers, int(p.moe_layers.size()), p.n_experts,
-            o.layer_floor >= 0 ? o.layer_floor : auto_floor(p, o.slots)),
+            o.layer_floor >= 0 ? o.layer_floor : SlotPool::auto_floor(o.slots, int(p.moe_layers.size()), p.top_k)),
       predictions_(p.n_layers) {
   if (o.slots < 1) fail("the device expert pool needs at least one slot");
   if (pool_.max_per_prepare() < 1)

@@ -14,6 +14,10 @@ SlotPool::SlotPool(int64_t n_slots, int n_layers, int n_moe_layers, int n_expert
       n_moe_layers_(n_moe_layers),
       floor_(std::max(floor, 0)) {}
 
+int SlotPool::auto_floor(int64_t n_slots, int n_moe_layers, int top_k) {
+  return int(std::clamp<int64_t>((n_slots - top_k) / std::max(n_moe_layers, 1), 0, top_k));
+}
+
 int64_t SlotPool::max_per_prepare() const {
   return std::max<int64_t>(0, size() - int64_t(std::max(n_moe_layers_ - 1, 0)) * floor_);
 }

@@ -20,6 +20,9 @@ class SlotPool {
   // layers: index range of layer ids (0 .. n_layers-1); n_moe_layers: how many of them can hold
   // slots (for the capacity arithmetic).
   SlotPool(int64_t n_slots, int n_layers, int n_moe_layers, int n_experts, int floor);
+  // The floor when none is asked for (-1): min(top_k, (n_slots - top_k) / n_moe_layers), so one
+  // prepare can always hold top_k experts while every layer keeps as much as the pool allows.
+  static int auto_floor(int64_t n_slots, int n_moe_layers, int top_k);
 
   int64_t size() const { return int64_t(slots_.size()); }
   int floor() const { return floor_; }

@@ -5,22 +5,14 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstring>
 #include <random>
+
+#include "core/clock.h"
 
 namespace vireo {
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
-
-
-int auto_floor(const ExpertStoreParams& p, int64_t slots) {
-  const int64_t n = std::max<int64_t>(int64_t(p.moe_layers.size()), 1);
-  return int(std::clamp<int64_t>((slots - p.top_k) / n, 0, p.top_k));
-}
 
 char* map_arena(size_t bytes) {
   if (bytes == 0) return nullptr;
@@ -36,7 +28,7 @@ StreamingExpertStore::StreamingExpertStore(const Checkpoint& ck, const ExpertSto
     : opts_(o),
       layout_(ck, p),
       pool_(o.slots, p.n_layers, int(p.moe_layers.size()), p.n_experts,
-            o.layer_floor >= 0 ? o.layer_floor : auto_floor(p, o.slots)),
+            o.layer_floor >= 0 ? o.layer_floor : SlotPool::auto_floor(o.slots, int(p.moe_layers.size()), p.top_k)),
       predictions_(p.n_layers) {
   if (o.slots < 1) fail("the expert pool needs at least one slot");
   if (pool_.max_per_prepare() < 1)
