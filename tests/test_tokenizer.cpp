@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <functional>
+#include <random>
 #include <filesystem>
 #include <thread>
 #include <fstream>
@@ -298,3 +300,76 @@ TEST(TokenizerComponents, MetaspaceDigitsPrependStrip) {
 }
 
 }  // namespace
+
+// Structural and byte-level mutations of a real tokenizer.json (the demo model's byte-level BPE)
+// must load or be refused with a vireo::Error naming the origin; a tokenizer that loads must
+// encode and decode without crashing (or refuse with a vireo::Error). Deterministic, bounded.
+TEST(TokenizerFile, FuzzMutationsLoadOrFailCleanly) {
+  const std::string path = std::string(VIREO_SOURCE_DIR) + "/models/vireo-demo/tokenizer.json";
+  std::ifstream in(path, std::ios::binary);
+  ASSERT_TRUE(in) << path;
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const json base = json::parse(text);
+  // Mutation targets: every node outside the vocab and merges, plus a sample of those.
+  std::vector<json::json_pointer> targets;
+  std::mt19937 rng(4242);
+  std::function<void(const json&, const json::json_pointer&)> walk = [&](const json& j, const json::json_pointer& p) {
+    const std::string s = p.to_string();
+    const bool big = s == "/model/vocab" || s == "/model/merges";
+    if (!p.empty()) targets.push_back(p);
+    if (j.is_object()) {
+      for (auto it = j.begin(); it != j.end(); ++it)
+        if (!big || rng() % 400 == 0) walk(it.value(), p / it.key());
+    } else if (j.is_array()) {
+      for (size_t i = 0; i < j.size(); ++i)
+        if (!big || rng() % 400 == 0) walk(j[i], p / i);
+    }
+  };
+  walk(base, json::json_pointer());
+  ASSERT_GT(targets.size(), 100u);
+  const std::vector<json> values = {nullptr, -1, 0, 7, int64_t(1) << 40, 1.5, "", "x", "Ġ", "a b c", "(", "[^", true,
+                                    json::array(), json::object(), json::array({1, 2}), json::object({{"type", "Nope"}})};
+  int loaded = 0, refused = 0;
+  for (int iter = 0; iter < 300; ++iter) {
+    std::string mutated;
+    if (iter % 8 == 7) {  // bytes: cut short, or a stray byte
+      mutated = text;
+      const size_t pos = rng() % mutated.size();
+      if (rng() % 2) mutated.resize(pos);
+      else mutated[pos] = static_cast<char>(rng() % 256);
+    } else {
+      json j = base;
+      for (int e = 0, edits = 1 + int(rng() % 3); e < edits; ++e) {
+        const json::json_pointer& p = targets[rng() % targets.size()];
+        if (!j.contains(p)) continue;
+        if (rng() % 3 == 0) {
+          json& parent = j.at(p.parent_pointer());
+          if (parent.is_object()) parent.erase(p.back());
+          else if (parent.is_array()) parent.erase(parent.begin() + long(std::stoul(p.back())));
+        } else {
+          j.at(p) = values[rng() % values.size()];
+        }
+      }
+      mutated = j.dump();
+    }
+    try {
+      Tokenizer t = Tokenizer::from_json(mutated, "fuzzed tokenizer.json");
+      ++loaded;
+      try {
+        const auto ids = t.encode("Hello, world! 123 \xc3\xa9\xc3\xa0 \xf0\x9f\x8e\x89\n\tx");
+        (void)t.decode(ids);
+      } catch (const vireo::Error&) {
+      }
+    } catch (const vireo::Error& e) {
+      ++refused;
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("fuzzed tokenizer.json"), std::string::npos) << msg;
+      // A value of the wrong type is named by its path (JSON_DIAGNOSTICS), e.g. "(/added_tokens/3/special)".
+      if (msg.find("type_error") != std::string::npos) {
+        EXPECT_NE(msg.find("(/"), std::string::npos) << msg;
+      }
+    }
+  }
+  EXPECT_GT(loaded, 0);
+  EXPECT_GT(refused, 0);
+}

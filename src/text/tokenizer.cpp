@@ -336,7 +336,7 @@ void TokenizerImpl::parse_post(const json& j, const json& added_json) {
   auto id_of = [&](const json& pair, const char* field) {
     // Roberta/Bert store [token, id].
     if (!pair.is_array() || pair.size() != 2) fail(where, " ", t, ": \"", field, "\" must be [token, id]");
-    return pair[1].get<uint32_t>();
+    return token_id(pair[1], where, t + " " + field + " id");
   };
   if (t == "Sequence") {
     for (const auto& sub : j.at("processors")) parse_post(sub, added_json);
@@ -355,7 +355,8 @@ void TokenizerImpl::parse_post(const json& j, const json& added_json) {
         std::string name = item["SpecialToken"].at("id").get<std::string>();
         if (!specials.contains(name))
           fail(where, " TemplateProcessing: special token \"", name, "\" not in special_tokens");
-        for (const auto& id : specials[name].at("ids")) (seen_seq ? pt.after : pt.before).push_back(id.get<uint32_t>());
+        for (const auto& id : specials[name].at("ids"))
+          (seen_seq ? pt.after : pt.before).push_back(token_id(id, where, "special token \"" + name + "\" id"));
       } else {
         fail(where, " TemplateProcessing: unknown template item ", item.dump());
       }
@@ -430,14 +431,17 @@ Tokenizer Tokenizer::from_json(std::string_view text, const std::string& origin)
     if (j.contains("pre_tokenizer")) impl->parse_pretokenizer(j["pre_tokenizer"]);
     bool byte_level = !impl->pretokenizers.empty() && impl->pretokenizers.back().kind == PreKind::ByteLevel;
     impl->model = std::make_unique<BpeModel>(model, byte_level, origin);
-    json added_json = j.value("added_tokens", json::array());
+    // By reference, not a copy: JSON errors then name the value's full path (/added_tokens/3/...).
+    const json no_added = json::array();
+    const json& added_json = j.contains("added_tokens") ? j.at("added_tokens") : no_added;
+    if (!added_json.is_array()) fail(origin, ": added_tokens must be an array");
     if (j.contains("post_processor")) impl->parse_post(j["post_processor"], added_json);
     if (j.contains("decoder")) impl->parse_decoder(j["decoder"]);
 
     // Id tables: model vocabulary first, added tokens override (as tokenizers' id_to_token).
     uint32_t max_id = 0;
     for (const auto& [tok, id] : impl->model->vocab()) max_id = std::max(max_id, id + 1);
-    for (const auto& a : added_json) max_id = std::max(max_id, a.at("id").get<uint32_t>() + 1);
+    for (const auto& a : added_json) max_id = std::max(max_id, token_id(a.at("id"), origin, "added_tokens id") + 1);
     impl->id_to_token.resize(max_id);
     impl->has_token.assign(max_id, 0);
     impl->special.assign(max_id, 0);
@@ -448,7 +452,7 @@ Tokenizer Tokenizer::from_json(std::string_view text, const std::string& origin)
     }
     for (const auto& a : added_json) {
       AddedToken t;
-      t.id = a.at("id").get<uint32_t>();
+      t.id = token_id(a.at("id"), origin, "added_tokens id");
       t.content = a.at("content").get<std::string>();
       t.special = get_bool(a, "special", false);
       t.lstrip = get_bool(a, "lstrip", false);

@@ -88,6 +88,12 @@ void MergeMap::insert(uint32_t a, uint32_t b, Value v) {
   }
 }
 
+uint32_t token_id(const nlohmann::json& v, const std::string& where, const std::string& what) {
+  if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= int64_t(kMaxTokenId))
+    fail(where, ": ", what, " must be a token id in [0, ", kMaxTokenId, "), got ", v.dump());
+  return uint32_t(v.get<int64_t>());
+}
+
 BpeModel::BpeModel(const nlohmann::json& model, bool byte_level, const std::string& where)
     : byte_level_(byte_level) {
   if (model.contains("dropout") && !model["dropout"].is_null() && model["dropout"].get<double>() != 0.0)
@@ -95,7 +101,8 @@ BpeModel::BpeModel(const nlohmann::json& model, bool byte_level, const std::stri
   const auto& vocab = model.at("vocab");
   if (!vocab.is_object()) fail(where, ": model.vocab must be an object");
   vocab_.reserve(vocab.size());
-  for (auto it = vocab.begin(); it != vocab.end(); ++it) vocab_.emplace(it.key(), it.value().get<uint32_t>());
+  for (auto it = vocab.begin(); it != vocab.end(); ++it)
+    vocab_.emplace(it.key(), token_id(it.value(), where, "model.vocab[\"" + it.key() + "\"]"));
 
   fuse_unk_ = opt_bool(model, "fuse_unk");
   byte_fallback_ = opt_bool(model, "byte_fallback");

@@ -51,6 +51,13 @@ class MergeMap {
   int shift_ = 64;
 };
 
+// Token ids above this are refused (the id tables are sized by the largest id; real
+// vocabularies stay under 2^19).
+constexpr uint32_t kMaxTokenId = 1u << 22;
+// A token id field of tokenizer.json: an integer in [0, kMaxTokenId), else fail naming `where`
+// and `what`.
+uint32_t token_id(const nlohmann::json& v, const std::string& where, const std::string& what);
+
 class BpeModel {
  public:
   // `byte_level`: the pre-tokenizer ends with ByteLevel, so words arrive as raw bytes and the
