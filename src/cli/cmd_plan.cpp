@@ -23,13 +23,14 @@ namespace {
 
 // Activations of one step of T tokens (the model's scratch buffers), f32.
 uint64_t estimate_scratch_bytes(const GlmDsaConfig& c, int64_t T, int64_t out_rows) {
-  const int64_t qw = c.qk_head_dim(), inter = std::max(c.intermediate_size, c.moe_intermediate_size * c.n_shared_experts);
+  const int64_t qw = c.qk_head_dim(), shared_inter = c.moe_intermediate_size * c.n_shared_experts;
   // (8 hidden-wide rows: residual, norm, output, gather, expert output, shared, prefetch norm, and
-  // the rows of experts run early while others stream in.)
+  // the rows of experts run early while others stream in; gate and up pairs of the dense MLP, the
+  // routed experts and the shared expert, each its own.)
   const int64_t per_token = 8 * c.hidden_size + c.n_heads * qw + 2 * c.q_lora_rank + c.kv_cache_dim() +
                             int64_t(c.index_n_heads) * c.index_head_dim + c.index_head_dim + c.index_n_heads +
-                            c.n_heads * c.v_head_dim + 2 * inter + 2 * c.moe_intermediate_size + c.qk_rope_dim +
-                            int64_t(c.index_topk) + 4 * c.experts_per_token;
+                            c.n_heads * c.v_head_dim + 2 * c.intermediate_size + 2 * c.moe_intermediate_size +
+                            2 * shared_inter + c.qk_rope_dim + int64_t(c.index_topk) + 4 * c.experts_per_token;
   return uint64_t(T * per_token + out_rows * c.vocab_size) * 4;
 }
 

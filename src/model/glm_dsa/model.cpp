@@ -342,6 +342,11 @@ bool GlmDsaModel::streams_fused(int layer, int64_t N) const {
          experts_->max_experts_per_prepare() >= size_t(N * config_.experts_per_token);
 }
 
+// A stage may grow scratch its path has not used at this N yet (the fused launches after grouped
+// ones, say). That is safe for the pieces still to replay: the MoE paths' scratch is theirs alone
+// (model slots 22-28, 40 and kMoeMlpSlot's pair; in the backend, moe_experts' buffer, and at
+// N <= 8 the grouped path's products are GEMVs with no scratch). The next step sees the new
+// generation and records again.
 void GlmDsaModel::replay(RecordedStep& r, int64_t N) {
   for (size_t i = 0; i < r.pieces.size(); ++i) {
     r.pieces[i]->replay();
@@ -553,10 +558,10 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
   backend_.matmul(o, N, a.o_proj, out);
 }
 
-void GlmDsaModel::mlp(const MlpWeights& w, const float* x, int64_t T, float* out) {
+void GlmDsaModel::mlp(const MlpWeights& w, const float* x, int64_t T, float* out, int scratch_slot) {
   const int64_t I = w.gate.out();
-  float* g = scratch(20, size_t(T * I));
-  float* u = scratch(21, size_t(T * I));
+  float* g = scratch(scratch_slot, size_t(T * I));
+  float* u = scratch(scratch_slot + 1, size_t(T * I));
   backend_.matmul(x, T, w.gate, g);
   backend_.matmul(x, T, w.up, u);
   backend_.swiglu(g, u, g, T * I);
@@ -655,7 +660,7 @@ void GlmDsaModel::moe_bank(int layer, const float* xn, int64_t N, const int32_t*
   backend_.moe_experts(xn, N, ids_dev, wts_dev, config_.experts_per_token, bank, out);
   if (L.has_shared && bank.n_shared == 0) {
     float* s = scratch(26, size_t(N * D));
-    mlp(L.shared, xn, N, s);
+    mlp(L.shared, xn, N, s, kMoeMlpSlot);
     backend_.add(out, s, N * D);
   }
 }
@@ -712,7 +717,7 @@ void GlmDsaModel::moe_grouped(int layer, const float* xn, int64_t N, const int32
     const std::vector<const ExpertWeights*> ew =
         prepared ? *prepared
                  : experts_->prepare_async(layer, std::vector<int>(used.begin() + long(c0), used.begin() + long(c0 + n)));
-    if (c0 == 0 && shared) mlp(L.shared, xn, N, shared);
+    if (c0 == 0 && shared) mlp(L.shared, xn, N, shared, kMoeMlpSlot);
     std::vector<float*> rows(n, nullptr);
     int64_t early_rows = 0;
     bool behind_a_miss = false;
@@ -742,7 +747,7 @@ void GlmDsaModel::moe_grouped(int layer, const float* xn, int64_t N, const int32
     }
   }
   if (shared) {
-    if (used.empty()) mlp(L.shared, xn, N, shared);
+    if (used.empty()) mlp(L.shared, xn, N, shared, kMoeMlpSlot);
     backend_.add(out, shared, N * D);
   }
 }

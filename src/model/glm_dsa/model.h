@@ -141,7 +141,10 @@ class GlmDsaModel {
                 const ExpertBank& bank, float* out);
   RouterArgs router_args(const LayerWeights& L) const;
   void prefetch_next(int layer, const float* h, int64_t N);  // next layer's router -> experts_->prefetch
-  void mlp(const MlpWeights& w, const float* x, int64_t T, float* out);
+  // Scratch slots scratch_slot and scratch_slot + 1 hold the gate and up products. The MoE paths'
+  // shared expert uses its own pair (kMoeMlpSlot), apart from the dense layers' (see replay()).
+  static constexpr int kMoeMlpSlot = 41;
+  void mlp(const MlpWeights& w, const float* x, int64_t T, float* out, int scratch_slot = 20);
   float* scratch(int slot, size_t n);
   int32_t* scratch_i32(int slot, size_t n);
   void upload_weights();
