@@ -2,6 +2,8 @@
 // Error naming the file, never a crash.
 #include <gtest/gtest.h>
 
+#include <random>
+
 #include <cstring>
 
 #include "core/error.h"
@@ -159,4 +161,45 @@ TEST(Npy, RoundTrip) {
   EXPECT_EQ(a.shape, (std::vector<int64_t>{2, 3}));
   EXPECT_EQ(a.data, v);
   EXPECT_EQ(read_file(d / "x.npy").size() % 64, 24u % 64);  // header padded to 64 bytes, then 24 data bytes
+}
+
+// Malformed .npy files (the fixtures' expected outputs) are refused with a message naming the
+// file: bad shape entries, a shape larger than the data, a header running past the end, and
+// random truncations and byte flips of a valid file never crash or allocate what the file lacks.
+TEST(Npy, MalformedFilesFailCleanly) {
+  TempDir d("npy");
+  std::vector<float> v(12, 1.0f);
+  write_npy_f32(d / "ok.npy", v.data(), {3, 4});
+  const std::string ok = read_file(d / "ok.npy");
+  auto error_of = [&](const std::string& bytes) {
+    write_file(d / "x.npy", bytes);
+    try {
+      read_npy_f32(d / "x.npy");
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  auto with_shape = [&](const std::string& shape) {
+    std::string s = ok;
+    const size_t at = s.find("(3, 4)");
+    return s.replace(at, 6, shape);
+  };
+  EXPECT_NE(error_of(with_shape("(3, x)")).find("shape entry"), std::string::npos);
+  EXPECT_NE(error_of(with_shape("(-3,4)")).find("shape entry"), std::string::npos);
+  EXPECT_NE(error_of(with_shape("(9999999999999,9999999999)")).find("truncated data"), std::string::npos);
+  EXPECT_NE(error_of(with_shape("(4, 4)")).find("truncated data"), std::string::npos);
+  EXPECT_EQ(error_of(with_shape("(0, 4)")), "");  // an empty array is valid
+  std::string long_header = ok;
+  long_header[8] = '\xff';
+  long_header[9] = '\x7f';
+  EXPECT_NE(error_of(long_header).find("runs past the end"), std::string::npos);
+  std::mt19937 rng(7);
+  for (int i = 0; i < 300; ++i) {
+    std::string s = ok;
+    if (i % 2) s.resize(rng() % s.size());
+    else s[rng() % s.size()] = char(rng() % 256);
+    const std::string err = error_of(s);
+    if (!err.empty()) EXPECT_NE(err.find("x.npy"), std::string::npos) << err;
+  }
 }
