@@ -2,9 +2,8 @@
 // Error naming the file, never a crash.
 #include <gtest/gtest.h>
 
-#include <random>
-
 #include <cstring>
+#include <random>
 
 #include "core/error.h"
 #include "io/json_file.h"
