@@ -92,6 +92,23 @@ TEST(CliErrors, UnknownModelType) {
   expect_clean_error(run_vireo(logits_cmd(m.dir.str())), "unknown model_type 'llama'");
 }
 
+// A malformed tokenizer.json: one error line naming the file and the value (its JSON path, or
+// the field and what a token id must be).
+TEST(CliErrors, MalformedTokenizerJson) {
+  TempDir d{"tok"};
+  const std::string demo = std::string(VIREO_SOURCE_DIR) + "/models/vireo-demo/tokenizer.json";
+  Json tok = read_json_file(demo);
+  tok["added_tokens"][3]["special"] = "yes";
+  write_file(d / "tokenizer.json", tok.dump());
+  expect_clean_error(run_vireo("tokenize -m " + d.str() + " hi"), "(/added_tokens/3/special) type must be boolean");
+  EXPECT_NE(run_vireo("tokenize -m " + d.str() + " hi").err.find(d.str() + "/tokenizer.json"), std::string::npos);
+  tok = read_json_file(demo);
+  tok["model"]["vocab"]["hello"] = -5;
+  write_file(d / "tokenizer.json", tok.dump());
+  expect_clean_error(run_vireo("tokenize -m " + d.str() + " hi"),
+                     "model.vocab[\"hello\"] must be a token id in [0, 4194304), got -5");
+}
+
 TEST(CliErrors, TokenIdBeyondVocab) {
   expect_clean_error(run_vireo("run --model " + kFixture + " --prompt-ids 1,99999999 -n 2"),
                      "token id 99999999 is out of range");
