@@ -71,6 +71,11 @@ bool mla_prefill_tc(const PrefillAttnArgs& a, cudaStream_t st);
 void indexer_scores(const float* q, const float* wts, const float* keys, int64_t T, int64_t nI, int64_t d,
                     int64_t n_keys, int64_t pos0, const int32_t* pos0_dev, int64_t topk, float scale, float* scores,
                     cudaStream_t st, bool fast = true);
+// --math fast prefill (cuda_indexer_fast.cu): the same scores with q and k rounded to bf16 once,
+// on tensor cores (f32 accumulation; not bit-identical to the CPU, so near-ties may select
+// differently). Host-known pos0 only. False (nothing launched) for shapes it does not take.
+bool indexer_scores_bf16(const float* q, const float* wts, const float* keys, int64_t T, int64_t nI, int64_t d,
+                         int64_t n_keys, int64_t pos0, int64_t topk, float scale, float* scores, cudaStream_t st);
 // fast: the register-resident 1024-thread kernel where every row fits it (n_keys <= 16384).
 void indexer_topk(const float* scores, int64_t T, int64_t n_keys, int64_t pos0, const int32_t* pos0_dev, int64_t topk,
                   int32_t* selected, int32_t* counts, cudaStream_t st, bool fast = true);

@@ -449,7 +449,10 @@ class CudaBackend final : public Backend {
       one = m.w[i].dt == m.w[0].dt && m.w[i].in == m.w[0].in && m.w[i].in % vec == 0 &&
             reinterpret_cast<uintptr_t>(m.w[i].w) % 16 == 0;
     }
-    if (!one) return Backend::matmul_many(x, T, ws, ys, n);
+    if (!one) {
+      if (lt_bf16_many(x, T, ws, ys, n)) return;
+      return Backend::matmul_many(x, T, ws, ys, n);
+    }
     VIREO_PROF("matmul_many");
     gemv_many(x, m, stream_);
   }
@@ -551,8 +554,13 @@ class CudaBackend final : public Backend {
         for (int64_t t = 0; t < a.T; ++t)
           if (a.pos0 + t + 1 > a.topk) pairs += double(a.pos0 + t + 1);
       ProfScope ps(prof_, stream_, [] { return std::string("scores"); }, 2.0 * pairs * double(a.n_heads * a.head_dim));
-      indexer_scores(a.q, a.weights, a.keys, a.T, a.n_heads, a.head_dim, a.n_keys, a.pos0, a.pos0_dev, a.topk,
-                     a.scale, scores, stream_, fast_scores_);
+      // --math fast rounds the indexer's q and k too, in prefill (more than 8 rows, host positions).
+      const bool bf16 = mode_ == CudaGemmMode::Bf16 && a.T > 8 && !a.pos0_dev &&
+                        indexer_scores_bf16(a.q, a.weights, a.keys, a.T, a.n_heads, a.head_dim, a.n_keys, a.pos0,
+                                            a.topk, a.scale, scores, stream_);
+      if (!bf16)
+        indexer_scores(a.q, a.weights, a.keys, a.T, a.n_heads, a.head_dim, a.n_keys, a.pos0, a.pos0_dev, a.topk,
+                       a.scale, scores, stream_, fast_scores_);
     }
     ProfScope ps(prof_, stream_, [] { return std::string("topk"); }, 0.0);
     indexer_topk(scores, a.T, a.n_keys, a.pos0, a.pos0_dev, a.topk, a.selected, a.counts, stream_, fast_topk_);
@@ -739,22 +747,52 @@ class CudaBackend final : public Backend {
     d.sources = std::move(sources);
   }
 
-  bool lt_bf16(const float* x, int64_t T, const DevW& w, float* y) {
-    if (w.in % 8 != 0 || w.out % 4 != 0 || reinterpret_cast<uintptr_t>(y) % 16 != 0) return false;
+  // x [n] f32 -> bf16 hi (and lo = bf16(x - hi) in exact mode) in the xbf16_ scratch; returns
+  // {hi, lo} (lo null in fast mode).
+  std::pair<void*, void*> convert_x(const float* x, int64_t n) {
     const bool split = mode_ == CudaGemmMode::Split;
-    char* buf = xbf16_.get<char>(size_t(T * w.in) * 2 * (split ? 2 : 1));
-    void* hi = buf;
-    void* lo = split ? buf + size_t(T * w.in) * 2 : nullptr;
-    {
-      ProfScope ps(prof_, stream_, [] { return std::string("split x"); }, 0.0);
-      split_bf16(x, T * w.in, hi, lo, stream_);
-    }
-    bool ok = lt_matmul(lt_, lt_ws_.get(), lt_ws_bytes_, stream_, w.out, T, w.in, w.w, CUDA_R_16BF, hi, CUDA_R_16BF,
-                        y, CUDA_R_32F, 1.0f, 0.0f);
-    if (ok && split)
-      ok = lt_matmul(lt_, lt_ws_.get(), lt_ws_bytes_, stream_, w.out, T, w.in, w.w, CUDA_R_16BF, lo, CUDA_R_16BF, y,
-                     CUDA_R_32F, 1.0f, 1.0f);
+    char* buf = xbf16_.get<char>(size_t(n) * 2 * (split ? 2 : 1));
+    void* lo = split ? buf + size_t(n) * 2 : nullptr;
+    ProfScope ps(prof_, stream_, [] { return std::string("split x"); }, 0.0);
+    split_bf16(x, n, buf, lo, stream_);
+    return {buf, lo};
+  }
+  static bool lt_bf16_fits(const DevW& w, const float* y) {
+    return w.dt == W_BF16 && w.in % 8 == 0 && w.out % 4 == 0 && reinterpret_cast<uintptr_t>(y) % 16 == 0;
+  }
+  // y = W x_hi (+ W x_lo): one pass in fast mode, two in exact mode.
+  bool lt_bf16_converted(std::pair<void*, void*> x, int64_t T, const DevW& w, float* y) {
+    bool ok = lt_matmul(lt_, lt_ws_.get(), lt_ws_bytes_, stream_, w.out, T, w.in, w.w, CUDA_R_16BF, x.first,
+                        CUDA_R_16BF, y, CUDA_R_32F, 1.0f, 0.0f);
+    if (ok && x.second)
+      ok = lt_matmul(lt_, lt_ws_.get(), lt_ws_bytes_, stream_, w.out, T, w.in, w.w, CUDA_R_16BF, x.second,
+                     CUDA_R_16BF, y, CUDA_R_32F, 1.0f, 1.0f);
     return ok;
+  }
+  bool lt_bf16(const float* x, int64_t T, const DevW& w, float* y) {
+    if (!lt_bf16_fits(w, y)) return false;
+    return lt_bf16_converted(convert_x(x, T * w.in), T, w, y);
+  }
+  // Prefill products of BF16 weights sharing one input (an expert's gate and up; an attention
+  // layer's input products): x converted once for all of them. False (nothing run) unless every
+  // weight takes the tensor-core path.
+  bool lt_bf16_many(const float* x, int64_t T, const Weight* const* ws, float* const* ys, int n) {
+    if (T <= 8 || mode_ == CudaGemmMode::Simt || n <= 0) return false;
+    std::vector<DevW> w(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) {
+      w[size_t(i)] = devw(*ws[i]);
+      if (!lt_bf16_fits(w[size_t(i)], ys[i]) || w[size_t(i)].in != w[0].in) return false;
+    }
+    const auto xc = convert_x(x, T * w[0].in);
+    for (int i = 0; i < n; ++i) {
+      ProfScope ps(
+          prof_, stream_,
+          [&] { return "matmul bf16 " + std::to_string(w[size_t(i)].out) + "x" + std::to_string(w[size_t(i)].in) +
+                       " lt (x shared)"; },
+          2.0 * double(T) * double(w[size_t(i)].out) * double(w[size_t(i)].in));
+      if (!lt_bf16_converted(xc, T, w[size_t(i)], ys[i])) matmul_simt(x, T, w[size_t(i)], ys[i], stream_);
+    }
+    return true;
   }
 
   // FP8 weights on tensor cores: x = x_hi + x_lo and W = w * scale = W_hi + W_lo (all bf16, W
