@@ -310,6 +310,7 @@ class CudaBackend final : public Backend {
   cudaStream_t stream() const { return stream_; }
   uint64_t weight_bytes() const { return weight_bytes_; }
   void set_gemm_mode(CudaGemmMode m) { mode_ = m; }
+  const char* last_prefill_kernel() const { return last_prefill_; }
   void set_fast_decode(bool attention, bool scores, bool topk) {
     fast_attention_ = attention;
     fast_scores_ = scores;
@@ -868,11 +869,32 @@ class CudaBackend final : public Backend {
     double causal = 0;
     if (prof_.on())
       for (int64_t t = 0; t < a.T; ++t) causal += double(std::min(N, a.pos0 + t + 1));
+    const double flops = 2.0 * causal * double(H * (qw + vd));
+    // Fast mode: K and V rounded to bf16 once (into kvbf16_), one tensor-core pass.
+    if (mode_ == CudaGemmMode::Bf16 && mla_prefill_fast_supported(p)) {
+      ProfScope ps(prof_, stream_, [] { return std::string("prefill kernel (bf16 one pass)"); }, flops);
+      void* kvbf = kvbf16_.get<char>(mla_prefill_fast_scratch_bytes(p));
+      {
+        VIREO_PROF("convert k, v to bf16");
+        mla_prefill_fast_convert(p, kvbf, stream_);
+      }
+      {
+        ProfScope pa(prof_, stream_, [] { return std::string("attention"); }, flops);
+        mla_prefill_fast(p, kvbf, stream_);
+      }
+      last_prefill_ = "bf16 one pass";
+      return;
+    }
     const bool tc = mode_ != CudaGemmMode::Simt;
     ProfScope ps(
         prof_, stream_, [tc] { return std::string(tc ? "prefill kernel (tensor cores)" : "prefill kernel (f32)"); },
-        2.0 * causal * double(H * (qw + vd)));
-    if (!(tc && mla_prefill_tc(p, stream_))) mla_prefill(p, stream_);
+        flops);
+    if (tc && mla_prefill_tc(p, stream_)) {
+      last_prefill_ = "tensor cores";
+    } else {
+      mla_prefill(p, stream_);
+      last_prefill_ = "f32";
+    }
   }
 
   cudaStream_t stream_ = nullptr;
@@ -887,7 +909,8 @@ class CudaBackend final : public Backend {
   std::vector<std::shared_ptr<char>> owned_;
   uint64_t weight_bytes_ = 0;  // bytes of weights uploaded (owned_)
   std::unordered_map<const void*, Weight> uploaded_;
-  Scratch flag_, scores_, dscores_, route_, xbf16_, wbf16_, qlat_, part_, latent_, kvx_, mask_, moe_h_;
+  Scratch flag_, scores_, dscores_, route_, xbf16_, wbf16_, qlat_, part_, latent_, kvx_, mask_, moe_h_, kvbf16_;
+  const char* last_prefill_ = "";  // the kernel the last reconstructed (prefill) attention ran
   std::unordered_map<const ExpertBank*, DeviceBank> banks_;
   SampleRowsOp sample_op_;
 };
@@ -931,6 +954,8 @@ void cuda_set_gemm_mode(Backend& b, CudaGemmMode mode) { as_cuda(b).set_gemm_mod
 void cuda_set_fast_decode(Backend& b, bool attention, bool indexer_scores, bool indexer_topk) {
   as_cuda(b).set_fast_decode(attention, indexer_scores, indexer_topk);
 }
+
+std::string cuda_last_prefill_attention(Backend& b) { return as_cuda(b).last_prefill_kernel(); }
 
 void cuda_set_fp8_chunk_bytes(Backend& b, size_t bytes) { as_cuda(b).set_fp8_chunk_bytes(int64_t(bytes)); }
 
