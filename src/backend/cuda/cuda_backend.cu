@@ -740,7 +740,8 @@ class CudaBackend final : public Backend {
     d.sources = std::move(sources);
   }
 
-  bool lt_bf16(const float* x, int64_t T, const DevW& w, float* y) {
+  // yt: the output's type, f32 or (fast mode's attention, matmul_to_bf16) bf16.
+  bool lt_bf16(const float* x, int64_t T, const DevW& w, void* y, cudaDataType_t yt = CUDA_R_32F) {
     if (w.in % 8 != 0 || w.out % 4 != 0 || reinterpret_cast<uintptr_t>(y) % 16 != 0) return false;
     const bool split = mode_ == CudaGemmMode::Split;
     char* buf = xbf16_.get<char>(size_t(T * w.in) * 2 * (split ? 2 : 1));
@@ -751,10 +752,10 @@ class CudaBackend final : public Backend {
       split_bf16(x, T * w.in, hi, lo, stream_);
     }
     bool ok = lt_matmul(lt_, lt_ws_.get(), lt_ws_bytes_, stream_, w.out, T, w.in, w.w, CUDA_R_16BF, hi, CUDA_R_16BF,
-                        y, CUDA_R_32F, 1.0f, 0.0f);
+                        y, yt, 1.0f, 0.0f);
     if (ok && split)
       ok = lt_matmul(lt_, lt_ws_.get(), lt_ws_bytes_, stream_, w.out, T, w.in, w.w, CUDA_R_16BF, lo, CUDA_R_16BF, y,
-                     CUDA_R_32F, 1.0f, 1.0f);
+                     yt, 1.0f, 1.0f);
     return ok;
   }
 
@@ -763,7 +764,7 @@ class CudaBackend final : public Backend {
   // y = W_hi x_hi + W_hi x_lo + W_lo x_hi, f32 accumulation. Error per product: the dropped
   // W_lo x_lo (<= 2^-16 |W x| per term) plus the lo parts' own rounding (<= 2^-17 each): the same
   // f32-level accuracy as the bf16 split. Bf16 mode: one pass, W_hi x_hi.
-  bool lt_fp8(const float* x, int64_t T, const DevW& w, float* y) {
+  bool lt_fp8(const float* x, int64_t T, const DevW& w, void* y, cudaDataType_t yt = CUDA_R_32F) {
     if (w.in % 8 != 0 || w.out % 4 != 0 || reinterpret_cast<uintptr_t>(y) % 16 != 0) return false;
     const bool split = mode_ == CudaGemmMode::Split;
     char* xb = xbf16_.get<char>(size_t(T * w.in) * 2 * (split ? 2 : 1));
@@ -785,7 +786,7 @@ class CudaBackend final : public Backend {
       }
       auto pass = [&](const void* A, const void* B, float beta) {
         return lt_matmul(lt_, lt_ws_.get(), lt_ws_bytes_, stream_, m, T, w.in, A, CUDA_R_16BF, B, CUDA_R_16BF,
-                         y + o0, CUDA_R_32F, 1.0f, beta, w.out);
+                         static_cast<char*>(y) + size_t(o0) * (yt == CUDA_R_16BF ? 2 : 4), yt, 1.0f, beta, w.out);
       };
       if (!pass(wh, xh, 0.0f)) return false;
       if (split && !(pass(wh, xl, 1.0f) && pass(wl, xh, 1.0f))) return false;
@@ -835,13 +836,26 @@ class CudaBackend final : public Backend {
     mla_decode(d, stream_);
   }
 
+  // Fast mode's kv_b expansion: y [T, w.out] written as bf16 by the GEMM itself (one bf16 pass,
+  // f32 accumulation, rounded once on output). False where the tensor-core path does not take it.
+  bool matmul_to_bf16(const float* x, int64_t T, const Weight& wt, void* y) {
+    const DevW w = devw(wt);
+    if (T <= 8 || mode_ != CudaGemmMode::Bf16 || (w.dt != W_BF16 && w.dt != W_FP8)) return false;
+    ProfScope ps(
+        prof_, stream_,
+        [&] {
+          return std::string("matmul ") + (w.dt == W_BF16 ? "bf16 " : "fp8 ") + std::to_string(w.out) + "x" +
+                 std::to_string(w.in) + " lt, bf16 out";
+        },
+        2.0 * double(T) * double(w.out) * double(w.in));
+    return w.dt == W_BF16 ? lt_bf16(x, T, w, y, CUDA_R_16BF) : lt_fp8(x, T, w, y, CUDA_R_16BF);
+  }
+
   void attention_reconstructed(const MlaAttentionArgs& a) {
     const int64_t H = a.n_heads, nope = a.qk_nope, rope = a.qk_rope, vd = a.v_dim, L = a.kv_lora;
     const int64_t N = a.n_keys, kvw = L + rope, qw = nope + rope, hw = nope + vd;
     float* latent = latent_.get<float>(size_t(N * L));
     copy_rows(latent, L, a.kv, kvw, N, L);
-    float* kvx = kvx_.get<float>(size_t(N * H * hw));
-    matmul(latent, N, *a.kv_b, kvx);
     PrefillAttnArgs p;
     p.q = a.q;
     p.T = a.T;
@@ -852,12 +866,31 @@ class CudaBackend final : public Backend {
     p.L = L;
     p.kv = a.kv;
     p.kvw = kvw;
-    p.kvx = kvx;
     p.hw = hw;
     p.n_keys = N;
     p.pos0 = a.pos0;
     p.scale = a.scale;
     p.out = a.out;
+    // Fast mode: kv_b's k_nope | v rows go to bf16 (kvbf16_: [N, H, hw], then k_rope [N, rope])
+    // straight from the GEMM, where its tensor-core path takes the weight (else f32, then rounded),
+    // and the one-pass kernel reads them there: no f32 copy of the expansion is made or read.
+    const bool fast = mode_ == CudaGemmMode::Bf16 && mla_prefill_fast_supported(p);
+    char* kvxb = nullptr;
+    char* ropeb = nullptr;
+    if (fast) {
+      const size_t n = size_t(N * H * hw), nb = (n * 2 + 15) / 16 * 16;
+      kvxb = kvbf16_.get<char>(nb + size_t(N * rope) * 2);
+      ropeb = kvxb + nb;
+      if (!matmul_to_bf16(latent, N, *a.kv_b, kvxb)) {
+        float* kvx = kvx_.get<float>(n);
+        matmul(latent, N, *a.kv_b, kvx);
+        split_bf16(kvx, int64_t(n), kvxb, nullptr, stream_);
+      }
+    } else {
+      float* kvx = kvx_.get<float>(size_t(N * H * hw));
+      matmul(latent, N, *a.kv_b, kvx);
+      p.kvx = kvx;
+    }
     if (a.selection.keys) {
       VIREO_PROF("build_mask");
       p.mwords = (N + 31) / 32;
@@ -870,18 +903,10 @@ class CudaBackend final : public Backend {
     if (prof_.on())
       for (int64_t t = 0; t < a.T; ++t) causal += double(std::min(N, a.pos0 + t + 1));
     const double flops = 2.0 * causal * double(H * (qw + vd));
-    // Fast mode: K and V rounded to bf16 once (into kvbf16_), one tensor-core pass.
-    if (mode_ == CudaGemmMode::Bf16 && mla_prefill_fast_supported(p)) {
+    if (fast) {
       ProfScope ps(prof_, stream_, [] { return std::string("prefill kernel (bf16 one pass)"); }, flops);
-      void* kvbf = kvbf16_.get<char>(mla_prefill_fast_scratch_bytes(p));
-      {
-        VIREO_PROF("convert k, v to bf16");
-        mla_prefill_fast_convert(p, kvbf, stream_);
-      }
-      {
-        ProfScope pa(prof_, stream_, [] { return std::string("attention"); }, flops);
-        mla_prefill_fast(p, kvbf, stream_);
-      }
+      mla_prefill_fast_rope(p, ropeb, stream_);
+      mla_prefill_fast(p, kvxb, ropeb, stream_);
       last_prefill_ = "bf16 one pass";
       return;
     }

@@ -6,13 +6,16 @@
 // each operand is rounded to bf16 once (as most engines do; ~2^-9 relative per operand, NMSE
 // ~1e-5), products accumulate in f32 and the softmax runs online in f32 (FlashAttention-2).
 //
-// 1. A pre-pass (prefill_fast_convert_kernel) writes K = [k_nope | k_rope] and V as bf16, head
-//    major: K [H][Np][D], V [H][Np][D] (Np: keys rounded up to the 64-key tile, D: max(qw, vd)
-//    rounded up to 64/128/256; zeros beyond qw / vd and beyond n_keys, so padded products add 0
-//    and no garbage (NaN) can reach P V). One tile of one head is then a contiguous 64 x D block,
-//    fetched with 16-byte cp.async. k_rope is shared by all heads; it is replicated per head so
-//    the main loop has one uniform operand layout (64 x 64 x 2 B more per key, cheap).
-//    Cost at GLM-5 T = 4096: reads kvx (470 MB f32) and writes 268 MB, ~0.25 ms per layer.
+// 1. No conversion pass over K and V: in this mode the backend's kv_b GEMM writes its k_nope | v
+//    rows ([N, H, hw]) as bf16 directly (cuBLASLt, f32 accumulation, bf16 output), and k_rope
+//    (shared by all heads) is rounded into a small [N, rope] array (prefill_fast_rope_kernel).
+//    The main kernel gathers a tile's K row (k_nope | k_rope | 0 up to D) and V row (v | 0) per key
+//    with 16-byte cp.async pieces (zero-filled beyond qw / vd and for keys >= n_keys, so padded
+//    products add 0 and P V never meets garbage); each key row of a head is 384 + 512 contiguous
+//    bytes at GLM-5 shapes, so the gather costs no DRAM efficiency. (A first version converted
+//    the f32 expansion into head-major bf16 K / V arrays: 0.2 ms per layer at T = 4096, reading
+//    470 MB and writing 268 MB, 7% of the total; writing bf16 from the GEMM also halves its
+//    output traffic and the scratch.) D: max(qw, vd) rounded up to 64 / 128 / 256.
 // 2. The main kernel (prefill_fast_kernel): a block owns 128 queries of one head (8 warps x 16
 //    rows); Q is converted from f32 into shared memory once. It walks 64-key tiles; the next
 //    needed tile's K and V are fetched with cp.async into the other half of a double buffer while
@@ -36,7 +39,10 @@
 //    per tile, 16 rows of A per B fragment): 8 warps x 72 KB per 8.4 MFLOP tile at 128 B/clock
 //    is ~4600 clocks vs ~3100 of mma.sync issue: ~1800 FLOP/clock/SM, ~470 TFLOP/s on 132 SMs
 //    at 1.98 GHz. Expected ~50-60% of that with the softmax and barriers: ~250 TFLOP/s, i.e. for
-//    1.1e12 FLOP (2 layers, T = 4096, causal) ~4.4 ms plus ~0.5 ms of pre-pass.
+//    1.1e12 FLOP (2 layers, T = 4096, causal) ~4.4 ms. Measured on an H200 (first version, with
+//    the conversion pass): 2.53 ms per layer, 217 TFLOP/s counting causal keys (the exact split
+//    kernel: 14.7 ms); past this design's bound only wgmma (operands read from shared memory once
+//    per warpgroup of 64 rows) cuts the per-FLOP shared-memory traffic.
 //  - Grid: (query tiles, heads) with the longest (last) query tiles first and all tiles of a head
 //    adjacent, so the blocks on the chip at once share a few heads' K/V in L2.
 // Tiles no query of the block selected (DSA) are skipped when choosing the next tile to fetch; a
@@ -60,12 +66,12 @@ int fast_dim(const PrefillAttnArgs& a) {
   const int64_t m = std::max(a.qw, a.vd);
   return m <= 64 ? 64 : m <= 128 ? 128 : m <= 256 ? 256 : 0;
 }
-int64_t fast_keys_padded(int64_t n) { return (n + kFBK - 1) / kFBK * kFBK; }
 template <int D> constexpr size_t fast_smem_bytes() { return size_t(kFBQ + 4 * kFBK) * (D + 8) * 2; }
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+// src_bytes 0: 16 zero bytes (nothing is read; src must still be a valid address).
+__device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, bool copy) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(copy ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
@@ -93,40 +99,18 @@ __device__ __forceinline__ uint32_t pack_bf16(float x, float y) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// Block u: key u of every head. K[h][u][d] = k_nope (kvx[u, h, d]) | k_rope (kv[u, L + d - nope],
-// the same for all heads) | 0; V[h][u][c] = kvx[u, h, nope + c] | 0; keys >= n_keys all 0.
-template <int D>
-__global__ void __launch_bounds__(256) prefill_fast_convert_kernel(const float* __restrict__ kv, int64_t kvw,
-                                                                   int64_t L, const float* __restrict__ kvx,
-                                                                   int64_t H, int64_t hw, int64_t nope, int64_t qw,
-                                                                   int64_t vd, int64_t n_keys, int64_t Np,
-                                                                   __nv_bfloat162* __restrict__ K,
-                                                                   __nv_bfloat162* __restrict__ V) {
-  constexpr int P = D / 2;  // bf16 pairs per row
-  const int64_t u = blockIdx.x;
-  const bool in = u < n_keys;
-  for (int64_t i = threadIdx.x; i < H * P; i += blockDim.x) {
-    const int64_t h = i / P, d = 2 * (i % P);
-    float k0 = 0.0f, k1 = 0.0f, v0 = 0.0f, v1 = 0.0f;
-    if (in) {
-      const float* x = kvx + (u * H + h) * hw;
-      const float* r = kv + u * kvw + L - nope;  // r[d] = k_rope[d - nope]
-      k0 = d < nope ? x[d] : d < qw ? r[d] : 0.0f;
-      k1 = d + 1 < nope ? x[d + 1] : d + 1 < qw ? r[d + 1] : 0.0f;
-      v0 = d < vd ? x[nope + d] : 0.0f;
-      v1 = d + 1 < vd ? x[nope + d + 1] : 0.0f;
-    }
-    const int64_t o = (h * Np + u) * P + (i % P);
-    K[o] = __floats2bfloat162_rn(k0, k1);
-    V[o] = __floats2bfloat162_rn(v0, v1);
-  }
+// k_rope (kv[u, L : L + rope], shared by all heads) as bf16 [n_keys][rope].
+__global__ void prefill_fast_rope_kernel(const float* __restrict__ kv, int64_t kvw, int64_t L, int64_t rope,
+                                         int64_t n, __nv_bfloat16* __restrict__ out) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n * rope; i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = __float2bfloat16_rn(kv[(i / rope) * kvw + L + i % rope]);
 }
 
 template <int D>
 __global__ void __launch_bounds__(kFThreads, 1) prefill_fast_kernel(
-    const float* __restrict__ q, int T, int H, int qw, const __nv_bfloat16* __restrict__ Kg,
-    const __nv_bfloat16* __restrict__ Vg, int Np, int n_keys, int pos0, const uint32_t* __restrict__ mask,
-    int64_t mwords, float sl2, float* __restrict__ out, int vd) {
+    const float* __restrict__ q, int T, int H, int qw, int nope, int vd, const __nv_bfloat16* __restrict__ kvxb,
+    int hw, const __nv_bfloat16* __restrict__ ropeb, int n_keys, int pos0, const uint32_t* __restrict__ mask,
+    int64_t mwords, float sl2, float* __restrict__ out) {
   constexpr int RS = D + 8;      // shared row stride in bf16 (16-byte pad: conflict-free ldmatrix)
   constexpr int NT = D / 8;      // 8-column tiles of O
   constexpr int CH = D / 8;      // 16-byte chunks per K / V row
@@ -147,19 +131,21 @@ __global__ void __launch_bounds__(kFThreads, 1) prefill_fast_kernel(
   const int lim_b = tb < T ? min(n_keys - 1, pos0 + tb) : -1;
   const int warp_lo = r0 < T ? min(n_keys - 1, pos0 + r0) : -1;
   const int warp_hi = r0 < T ? min(n_keys - 1, pos0 + min(T - 1, r0 + 15)) : -1;
-  const __nv_bfloat16* Kh = Kg + int64_t(h) * Np * D;
-  const __nv_bfloat16* Vh = Vg + int64_t(h) * Np * D;
+  const int rope = qw - nope;
 
+  // K row of key u: kvx[u, h, 0 : nope] | rope[u, :] | 0; V row: kvx[u, h, nope : nope + vd] | 0;
+  // keys >= n_keys all 0 (their scores are masked, but P V must not meet garbage: 0 * NaN).
   auto load_tile = [&](int kt, int buf) {
-    const __nv_bfloat16* ks = Kh + int64_t(kt) * kFBK * D;
-    const __nv_bfloat16* vs = Vh + int64_t(kt) * kFBK * D;
     const uint32_t kdst = smem_u32(Ks + buf * kFBK * RS), vdst = smem_u32(Vs + buf * kFBK * RS);
 #pragma unroll
     for (int i = 0; i < kFBK * CH / kFThreads; ++i) {
-      const int c = tid + i * kFThreads, r = c / CH, x = c % CH;
-      const uint32_t off = uint32_t(r * RS + x * 8) * 2;
-      cp_async16(kdst + off, ks + r * D + x * 8);
-      cp_async16(vdst + off, vs + r * D + x * 8);
+      const int c = tid + i * kFThreads, r = c / CH, x = (c % CH) * 8, u = kt * kFBK + r;
+      const bool in = u < n_keys, kok = in && x < qw, vok = in && x < vd;
+      const __nv_bfloat16* row = kvxb + (int64_t(u) * H + h) * hw;
+      const __nv_bfloat16* ks = x < nope ? row + x : ropeb + int64_t(u) * rope + (x - nope);
+      const uint32_t off = uint32_t(r * RS + x) * 2;
+      cp_async16_zfill(kdst + off, kok ? ks : kvxb, kok);
+      cp_async16_zfill(vdst + off, vok ? row + nope + x : kvxb, vok);
     }
     cp_async_commit();
   };
@@ -270,7 +256,8 @@ __global__ void __launch_bounds__(kFThreads, 1) prefill_fast_kernel(
       // Reference points in the scaled log2 domain; 0 while a row has seen no key (then every
       // p is exp2(-inf) = 0 and alpha too, so nothing changes).
       const float ra = mxa == -INFINITY ? 0.0f : mxa * sl2, rb = mxb == -INFINITY ? 0.0f : mxb * sl2;
-      const float alpha_a = exp2f(fmaf(ma, sl2, -ra)), alpha_b = exp2f(fmaf(mb, sl2, -rb));
+      const float alpha_a = mxa == ma ? 1.0f : exp2f(fmaf(ma, sl2, -ra));
+      const float alpha_b = mxb == mb ? 1.0f : exp2f(fmaf(mb, sl2, -rb));
       ma = mxa;
       mb = mxb;
       float sa = 0.0f, sb = 0.0f;
@@ -285,12 +272,16 @@ __global__ void __launch_bounds__(kFThreads, 1) prefill_fast_kernel(
       }
       la = la * alpha_a + sa;
       lb = lb * alpha_b + sb;
+      // Once the running maxima settle most tiles change none of the warp's rows: skip the
+      // 128 multiplies per thread then (alpha is exactly 1 when the maximum did not move).
+      if (__any_sync(0xffffffffu, alpha_a != 1.0f || alpha_b != 1.0f)) {
 #pragma unroll
-      for (int i = 0; i < NT; ++i) {
-        o[i][0] *= alpha_a;
-        o[i][1] *= alpha_a;
-        o[i][2] *= alpha_b;
-        o[i][3] *= alpha_b;
+        for (int i = 0; i < NT; ++i) {
+          o[i][0] *= alpha_a;
+          o[i][1] *= alpha_a;
+          o[i][2] *= alpha_b;
+          o[i][3] *= alpha_b;
+        }
       }
 #pragma unroll
       for (int kk = 0; kk < kFBK / 16; ++kk) {  // O += P V, 16 keys per step
@@ -336,17 +327,7 @@ __global__ void __launch_bounds__(kFThreads, 1) prefill_fast_kernel(
 }
 
 template <int D>
-void launch_convert(const PrefillAttnArgs& a, void* scratch, cudaStream_t st) {
-  const int64_t Np = fast_keys_padded(a.n_keys);
-  auto* K = static_cast<__nv_bfloat162*>(scratch);
-  auto* V = K + a.H * Np * (D / 2);
-  prefill_fast_convert_kernel<D><<<unsigned(Np), 256, 0, st>>>(a.kv, a.kvw, a.L, a.kvx, a.H, a.hw, a.nope, a.qw,
-                                                               a.vd, a.n_keys, Np, K, V);
-  VIREO_CUDA_LAUNCHED();
-}
-
-template <int D>
-void launch_attend(const PrefillAttnArgs& a, const void* scratch, cudaStream_t st) {
+void launch_attend(const PrefillAttnArgs& a, const void* kvx_bf16, const void* rope_bf16, cudaStream_t st) {
   constexpr size_t smem = fast_smem_bytes<D>();
   static bool configured = false;
   if (!configured) {
@@ -354,42 +335,39 @@ void launch_attend(const PrefillAttnArgs& a, const void* scratch, cudaStream_t s
         cudaFuncSetAttribute(prefill_fast_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     configured = true;
   }
-  const int64_t Np = fast_keys_padded(a.n_keys);
-  const auto* K = static_cast<const __nv_bfloat16*>(scratch);
-  const auto* V = K + a.H * Np * D;
   const dim3 grid(unsigned((a.T + kFBQ - 1) / kFBQ), unsigned(a.H));
-  prefill_fast_kernel<D><<<grid, kFThreads, smem, st>>>(a.q, int(a.T), int(a.H), int(a.qw), K, V, int(Np),
-                                                        int(a.n_keys), int(a.pos0), a.mask, a.mwords,
-                                                        a.scale * 1.4426950408889634f, a.out, int(a.vd));
+  prefill_fast_kernel<D><<<grid, kFThreads, smem, st>>>(
+      a.q, int(a.T), int(a.H), int(a.qw), int(a.nope), int(a.vd), static_cast<const __nv_bfloat16*>(kvx_bf16),
+      int(a.hw), static_cast<const __nv_bfloat16*>(rope_bf16), int(a.n_keys), int(a.pos0), a.mask, a.mwords,
+      a.scale * 1.4426950408889634f, a.out);
   VIREO_CUDA_LAUNCHED();
 }
 
 }  // namespace
 
 bool mla_prefill_fast_supported(const PrefillAttnArgs& a) {
-  // Indices inside the kernel are 32-bit (row and key numbers; offsets are 64-bit).
+  // Indices inside the kernel are 32-bit (row and key numbers; offsets are 64-bit). K / V rows
+  // are fetched in 16-byte pieces: nope, rope and vd multiples of 8 bf16.
   const int64_t lim = INT_MAX / 2;
   return fast_dim(a) != 0 && a.scale > 0.0f && a.T > 0 && a.n_keys > 0 && a.T < lim && a.n_keys < lim &&
-         a.pos0 >= 0 && a.pos0 < lim && a.H < 65536 && (a.T + kFBQ - 1) / kFBQ < INT_MAX;
+         a.pos0 >= 0 && a.pos0 < lim && a.H < 65536 && a.nope % 8 == 0 && a.qw % 8 == 0 && a.vd % 8 == 0 &&
+         a.hw == a.nope + a.vd && a.hw < lim;
 }
 
-size_t mla_prefill_fast_scratch_bytes(const PrefillAttnArgs& a) {
-  return size_t(2) * size_t(a.H) * size_t(fast_keys_padded(a.n_keys)) * size_t(fast_dim(a)) * 2;
+void mla_prefill_fast_rope(const PrefillAttnArgs& a, void* rope_bf16, cudaStream_t st) {
+  const int64_t rope = a.qw - a.nope, n = a.n_keys * rope;
+  if (n <= 0) return;
+  const unsigned blocks = unsigned(std::min<int64_t>((n + 255) / 256, 4096));
+  prefill_fast_rope_kernel<<<blocks, 256, 0, st>>>(a.kv, a.kvw, a.L, rope, a.n_keys,
+                                                  static_cast<__nv_bfloat16*>(rope_bf16));
+  VIREO_CUDA_LAUNCHED();
 }
 
-void mla_prefill_fast_convert(const PrefillAttnArgs& a, void* scratch, cudaStream_t st) {
+void mla_prefill_fast(const PrefillAttnArgs& a, const void* kvx_bf16, const void* rope_bf16, cudaStream_t st) {
   switch (fast_dim(a)) {
-    case 64: launch_convert<64>(a, scratch, st); break;
-    case 128: launch_convert<128>(a, scratch, st); break;
-    default: launch_convert<256>(a, scratch, st); break;
-  }
-}
-
-void mla_prefill_fast(const PrefillAttnArgs& a, const void* scratch, cudaStream_t st) {
-  switch (fast_dim(a)) {
-    case 64: launch_attend<64>(a, scratch, st); break;
-    case 128: launch_attend<128>(a, scratch, st); break;
-    default: launch_attend<256>(a, scratch, st); break;
+    case 64: launch_attend<64>(a, kvx_bf16, rope_bf16, st); break;
+    case 128: launch_attend<128>(a, kvx_bf16, rope_bf16, st); break;
+    default: launch_attend<256>(a, kvx_bf16, rope_bf16, st); break;
   }
 }
 
