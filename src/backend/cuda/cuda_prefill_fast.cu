@@ -39,10 +39,12 @@
 //    per tile, 16 rows of A per B fragment): 8 warps x 72 KB per 8.4 MFLOP tile at 128 B/clock
 //    is ~4600 clocks vs ~3100 of mma.sync issue: ~1800 FLOP/clock/SM, ~470 TFLOP/s on 132 SMs
 //    at 1.98 GHz. Expected ~50-60% of that with the softmax and barriers: ~250 TFLOP/s, i.e. for
-//    1.1e12 FLOP (2 layers, T = 4096, causal) ~4.4 ms. Measured on an H200 (first version, with
-//    the conversion pass): 2.53 ms per layer, 217 TFLOP/s counting causal keys (the exact split
-//    kernel: 14.7 ms); past this design's bound only wgmma (operands read from shared memory once
-//    per warpgroup of 64 rows) cuts the per-FLOP shared-memory traffic.
+//    1.1e12 FLOP (2 layers, T = 4096, causal) ~4.4 ms. Measured on an H200 (H 64, T 4096, pos0 0,
+//    CudaFastAttention.TimingGlm5): 2.57 ms per layer, 214 TFLOP/s counting causal keys; with a
+//    DSA selection of 2048 keys for rows >= 2048: 2.94 ms (few tiles are empty for a 128-query
+//    block, the masking runs on every tile). The exact split kernel: 14.6 ms. Past this design's
+//    bound only wgmma (B read from shared memory once per warpgroup of 64 rows, no ldmatrix per
+//    warp) cuts the per-FLOP shared-memory traffic.
 //  - Grid: (query tiles, heads) with the longest (last) query tiles first and all tiles of a head
 //    adjacent, so the blocks on the chip at once share a few heads' K/V in L2.
 // Tiles no query of the block selected (DSA) are skipped when choosing the next tile to fetch; a
@@ -135,7 +137,8 @@ __global__ void __launch_bounds__(kFThreads, 1) prefill_fast_kernel(
   // keys >= n_keys all 0 (their scores are masked, but P V must not meet garbage: 0 * NaN).
   // A thread's 16-byte pieces all sit in one column xc (kFThreads is a multiple of CH) of rows
   // rf, rf + kRStep, ..: its source addresses are a fixed base plus a fixed stride per key, set up
-  // once here (per-piece 64-bit index math cost ~0.35 ms per layer at GLM-5 shapes).
+  // once here (with 64-bit index math per piece the kernel took 2.88 ms instead of 2.57 at GLM-5
+  // shapes, T = 4096: the loads' instructions compete with the math for issue slots).
   constexpr int kRStep = kFThreads / CH;
   const int xc = (tid % CH) * 8, rf = tid / CH;
   const bool kcol = xc < qw, vcol = xc < vd;
