@@ -310,6 +310,7 @@ class CudaBackend final : public Backend {
   cudaStream_t stream() const { return stream_; }
   uint64_t weight_bytes() const { return weight_bytes_; }
   void set_gemm_mode(CudaGemmMode m) { mode_ = m; }
+  const char* last_prefill_kernel() const { return last_prefill_; }
   void set_fast_decode(bool attention, bool scores, bool topk) {
     fast_attention_ = attention;
     fast_scores_ = scores;
@@ -757,21 +758,23 @@ class CudaBackend final : public Backend {
     split_bf16(x, n, buf, lo, stream_);
     return {buf, lo};
   }
-  static bool lt_bf16_fits(const DevW& w, const float* y) {
+  static bool lt_bf16_fits(const DevW& w, const void* y) {
     return w.dt == W_BF16 && w.in % 8 == 0 && w.out % 4 == 0 && reinterpret_cast<uintptr_t>(y) % 16 == 0;
   }
-  // y = W x_hi (+ W x_lo): one pass in fast mode, two in exact mode.
-  bool lt_bf16_converted(std::pair<void*, void*> x, int64_t T, const DevW& w, float* y) {
+  // y = W x_hi (+ W x_lo): one pass in fast mode, two in exact mode. yt: the output's type, f32
+  // or (fast mode's attention, matmul_to_bf16) bf16.
+  bool lt_bf16_converted(std::pair<void*, void*> x, int64_t T, const DevW& w, void* y,
+                         cudaDataType_t yt = CUDA_R_32F) {
     bool ok = lt_matmul(lt_, lt_ws_.get(), lt_ws_bytes_, stream_, w.out, T, w.in, w.w, CUDA_R_16BF, x.first,
-                        CUDA_R_16BF, y, CUDA_R_32F, 1.0f, 0.0f);
+                        CUDA_R_16BF, y, yt, 1.0f, 0.0f);
     if (ok && x.second)
       ok = lt_matmul(lt_, lt_ws_.get(), lt_ws_bytes_, stream_, w.out, T, w.in, w.w, CUDA_R_16BF, x.second,
-                     CUDA_R_16BF, y, CUDA_R_32F, 1.0f, 1.0f);
+                     CUDA_R_16BF, y, yt, 1.0f, 1.0f);
     return ok;
   }
-  bool lt_bf16(const float* x, int64_t T, const DevW& w, float* y) {
+  bool lt_bf16(const float* x, int64_t T, const DevW& w, void* y, cudaDataType_t yt = CUDA_R_32F) {
     if (!lt_bf16_fits(w, y)) return false;
-    return lt_bf16_converted(convert_x(x, T * w.in), T, w, y);
+    return lt_bf16_converted(convert_x(x, T * w.in), T, w, y, yt);
   }
   // Prefill products of BF16 weights sharing one input (an expert's gate and up; an attention
   // layer's input products): x converted once for all of them. False (nothing run) unless every
@@ -800,7 +803,7 @@ class CudaBackend final : public Backend {
   // y = W_hi x_hi + W_hi x_lo + W_lo x_hi, f32 accumulation. Error per product: the dropped
   // W_lo x_lo (<= 2^-16 |W x| per term) plus the lo parts' own rounding (<= 2^-17 each): the same
   // f32-level accuracy as the bf16 split. Bf16 mode: one pass, W_hi x_hi.
-  bool lt_fp8(const float* x, int64_t T, const DevW& w, float* y) {
+  bool lt_fp8(const float* x, int64_t T, const DevW& w, void* y, cudaDataType_t yt = CUDA_R_32F) {
     if (w.in % 8 != 0 || w.out % 4 != 0 || reinterpret_cast<uintptr_t>(y) % 16 != 0) return false;
     const bool split = mode_ == CudaGemmMode::Split;
     char* xb = xbf16_.get<char>(size_t(T * w.in) * 2 * (split ? 2 : 1));
@@ -822,7 +825,7 @@ class CudaBackend final : public Backend {
       }
       auto pass = [&](const void* A, const void* B, float beta) {
         return lt_matmul(lt_, lt_ws_.get(), lt_ws_bytes_, stream_, m, T, w.in, A, CUDA_R_16BF, B, CUDA_R_16BF,
-                         y + o0, CUDA_R_32F, 1.0f, beta, w.out);
+                         static_cast<char*>(y) + size_t(o0) * (yt == CUDA_R_16BF ? 2 : 4), yt, 1.0f, beta, w.out);
       };
       if (!pass(wh, xh, 0.0f)) return false;
       if (split && !(pass(wh, xl, 1.0f) && pass(wl, xh, 1.0f))) return false;
@@ -872,13 +875,26 @@ class CudaBackend final : public Backend {
     mla_decode(d, stream_);
   }
 
+  // Fast mode's kv_b expansion: y [T, w.out] written as bf16 by the GEMM itself (one bf16 pass,
+  // f32 accumulation, rounded once on output). False where the tensor-core path does not take it.
+  bool matmul_to_bf16(const float* x, int64_t T, const Weight& wt, void* y) {
+    const DevW w = devw(wt);
+    if (T <= 8 || mode_ != CudaGemmMode::Bf16 || (w.dt != W_BF16 && w.dt != W_FP8)) return false;
+    ProfScope ps(
+        prof_, stream_,
+        [&] {
+          return std::string("matmul ") + (w.dt == W_BF16 ? "bf16 " : "fp8 ") + std::to_string(w.out) + "x" +
+                 std::to_string(w.in) + " lt, bf16 out";
+        },
+        2.0 * double(T) * double(w.out) * double(w.in));
+    return w.dt == W_BF16 ? lt_bf16(x, T, w, y, CUDA_R_16BF) : lt_fp8(x, T, w, y, CUDA_R_16BF);
+  }
+
   void attention_reconstructed(const MlaAttentionArgs& a) {
     const int64_t H = a.n_heads, nope = a.qk_nope, rope = a.qk_rope, vd = a.v_dim, L = a.kv_lora;
     const int64_t N = a.n_keys, kvw = L + rope, qw = nope + rope, hw = nope + vd;
     float* latent = latent_.get<float>(size_t(N * L));
     copy_rows(latent, L, a.kv, kvw, N, L);
-    float* kvx = kvx_.get<float>(size_t(N * H * hw));
-    matmul(latent, N, *a.kv_b, kvx);
     PrefillAttnArgs p;
     p.q = a.q;
     p.T = a.T;
@@ -889,12 +905,31 @@ class CudaBackend final : public Backend {
     p.L = L;
     p.kv = a.kv;
     p.kvw = kvw;
-    p.kvx = kvx;
     p.hw = hw;
     p.n_keys = N;
     p.pos0 = a.pos0;
     p.scale = a.scale;
     p.out = a.out;
+    // Fast mode: kv_b's k_nope | v rows go to bf16 (kvbf16_: [N, H, hw], then k_rope [N, rope])
+    // straight from the GEMM, where its tensor-core path takes the weight (else f32, then rounded),
+    // and the one-pass kernel reads them there: no f32 copy of the expansion is made or read.
+    const bool fast = mode_ == CudaGemmMode::Bf16 && mla_prefill_fast_supported(p);
+    char* kvxb = nullptr;
+    char* ropeb = nullptr;
+    if (fast) {
+      const size_t n = size_t(N * H * hw), nb = (n * 2 + 15) / 16 * 16;
+      kvxb = kvbf16_.get<char>(nb + size_t(N * rope) * 2);
+      ropeb = kvxb + nb;
+      if (!matmul_to_bf16(latent, N, *a.kv_b, kvxb)) {
+        float* kvx = kvx_.get<float>(n);
+        matmul(latent, N, *a.kv_b, kvx);
+        split_bf16(kvx, int64_t(n), kvxb, nullptr, stream_);
+      }
+    } else {
+      float* kvx = kvx_.get<float>(size_t(N * H * hw));
+      matmul(latent, N, *a.kv_b, kvx);
+      p.kvx = kvx;
+    }
     if (a.selection.keys) {
       VIREO_PROF("build_mask");
       p.mwords = (N + 31) / 32;
@@ -906,11 +941,24 @@ class CudaBackend final : public Backend {
     double causal = 0;
     if (prof_.on())
       for (int64_t t = 0; t < a.T; ++t) causal += double(std::min(N, a.pos0 + t + 1));
+    const double flops = 2.0 * causal * double(H * (qw + vd));
+    if (fast) {
+      ProfScope ps(prof_, stream_, [] { return std::string("prefill kernel (bf16 one pass)"); }, flops);
+      mla_prefill_fast_rope(p, ropeb, stream_);
+      mla_prefill_fast(p, kvxb, ropeb, stream_);
+      last_prefill_ = "bf16 one pass";
+      return;
+    }
     const bool tc = mode_ != CudaGemmMode::Simt;
     ProfScope ps(
         prof_, stream_, [tc] { return std::string(tc ? "prefill kernel (tensor cores)" : "prefill kernel (f32)"); },
-        2.0 * causal * double(H * (qw + vd)));
-    if (!(tc && mla_prefill_tc(p, stream_))) mla_prefill(p, stream_);
+        flops);
+    if (tc && mla_prefill_tc(p, stream_)) {
+      last_prefill_ = "tensor cores";
+    } else {
+      mla_prefill(p, stream_);
+      last_prefill_ = "f32";
+    }
   }
 
   cudaStream_t stream_ = nullptr;
@@ -925,7 +973,8 @@ class CudaBackend final : public Backend {
   std::vector<std::shared_ptr<char>> owned_;
   uint64_t weight_bytes_ = 0;  // bytes of weights uploaded (owned_)
   std::unordered_map<const void*, Weight> uploaded_;
-  Scratch flag_, scores_, dscores_, route_, xbf16_, wbf16_, qlat_, part_, latent_, kvx_, mask_, moe_h_;
+  Scratch flag_, scores_, dscores_, route_, xbf16_, wbf16_, qlat_, part_, latent_, kvx_, mask_, moe_h_, kvbf16_;
+  const char* last_prefill_ = "";  // the kernel the last reconstructed (prefill) attention ran
   std::unordered_map<const ExpertBank*, DeviceBank> banks_;
   SampleRowsOp sample_op_;
 };
@@ -969,6 +1018,8 @@ void cuda_set_gemm_mode(Backend& b, CudaGemmMode mode) { as_cuda(b).set_gemm_mod
 void cuda_set_fast_decode(Backend& b, bool attention, bool indexer_scores, bool indexer_topk) {
   as_cuda(b).set_fast_decode(attention, indexer_scores, indexer_topk);
 }
+
+std::string cuda_last_prefill_attention(Backend& b) { return as_cuda(b).last_prefill_kernel(); }
 
 void cuda_set_fp8_chunk_bytes(Backend& b, size_t bytes) { as_cuda(b).set_fp8_chunk_bytes(int64_t(bytes)); }
 
