@@ -696,7 +696,10 @@ TEST(CudaOps, MatmulManyMatchesCpu) {
                         Case{{256, 130, 2}, {DType::F8_E4M3, DType::F8_E4M3, DType::F8_E4M3}, 1},
                         Case{{300, 77}, {DType::F32, DType::F32}, 1},
                         Case{{256, 32}, {DType::F8_E4M3, DType::BF16}, 1},
-                        Case{{64, 32}, {DType::BF16, DType::BF16}, 3}}) {
+                        Case{{64, 32}, {DType::BF16, DType::BF16}, 3},
+                        // prefill rows: x converted once for every product (exact mode: split)
+                        Case{{2048, 576, 128, 32}, {DType::BF16, DType::BF16, DType::BF16, DType::BF16}, 100},
+                        Case{{256, 32}, {DType::F8_E4M3, DType::BF16}, 40}}) {
     std::vector<HostWeight> hw;
     for (size_t i = 0; i < c.outs.size(); ++i) hw.push_back(make_weight(c.dts[i], c.outs[i], in, uint32_t(90 + i)));
     auto x = randv(size_t(c.T * in), 91);
@@ -717,6 +720,45 @@ TEST(CudaOps, MatmulManyMatchesCpu) {
                                                                 << c.outs[i] << " T " << c.T;
     }
   }
+}
+
+// One expert over gathered rows: CUDA fuses the gather and the SwiGLU into the bf16 conversions
+// of its tensor-core products. Against the CPU's composed ops: exact mode at the split products'
+// NMSE bound, fast mode at its operands' rounding (and really different from exact); decode-sized groups
+// (<= 8 rows) and FP8 experts take the composed path.
+TEST(CudaOps, ExpertRowsMatchesComposedOps) {
+  REQUIRE_CUDA();
+#ifdef VIREO_HAVE_CUDA
+  Pair p;
+  const int64_t D = 512, I = 96, N = 300;
+  for (DType dt : {DType::BF16, DType::F8_E4M3}) {
+    HostWeight gate = make_weight(dt, I, D, 71), up = make_weight(dt, I, D, 72), down = make_weight(dt, D, I, 73);
+    const Weight gg = p.gpu->upload_weight(gate.w), gu = p.gpu->upload_weight(up.w), gd = p.gpu->upload_weight(down.w);
+    auto x = randv(size_t(N * D), 74);
+    for (int64_t m : {int64_t(5), int64_t(137)}) {
+      std::vector<int32_t> index(static_cast<size_t>(m));
+      for (int64_t i = 0; i < m; ++i) index[size_t(i)] = int32_t((i * 7 + 3) % N);
+      std::vector<float> want(size_t(m * D)), xs(size_t(m * D)), g(size_t(m * I)), u(size_t(m * I));
+      p.cpu->expert_rows(x.data(), index.data(), m, gate.w, up.w, down.w, xs.data(), g.data(), u.data(), want.data());
+      std::vector<float> got[2];
+      for (CudaGemmMode mode : {CudaGemmMode::Split, CudaGemmMode::Bf16}) {
+        cuda_set_gemm_mode(*p.gpu, mode);
+        float* rows = p.g.up(std::vector<float>(size_t(m * D), NAN));
+        p.gpu->expert_rows(p.g.up(x), p.g.up_i(index), m, gg, gu, gd, p.g.zeros(size_t(m * D)),
+                           p.g.zeros(size_t(m * I)), p.g.zeros(size_t(m * I)), rows);
+        got[mode == CudaGemmMode::Bf16] = p.g.down(rows, size_t(m * D));
+      }
+      cuda_set_gemm_mode(*p.gpu, CudaGemmMode::Split);
+      const std::string what = std::string(dt_name(dt)) + " m " + std::to_string(m);
+      const double exact = nmse(got[0], want), fast = nmse(got[1], want);
+      std::printf("  %s: exact NMSE %.2e, fast NMSE %.2e\n", what.c_str(), exact, fast);
+      EXPECT_LT(exact, 1e-9) << what;
+      // (FP8 weights in fast mode may quantize activations to e4m3 per 128 columns: ~1e-3.)
+      EXPECT_LT(fast, dt == DType::BF16 ? 1e-4 : 5e-3) << what;
+      if (dt == DType::BF16 && m > 8) EXPECT_GT(fast, 1e-8) << what << ": fast mode did not round";
+    }
+  }
+#endif
 }
 
 #ifdef VIREO_HAVE_CUDA

@@ -180,6 +180,20 @@ class Backend {
   // point to freed memory and must be made again.
   virtual uint64_t scratch_generation() const { return 0; }
 
+  // One expert's SwiGLU MLP over gathered rows (a prefill MoE layer runs one per expert used):
+  //   rows[i] = down(silu(gate(x[index[i]])) * up(x[index[i]]))
+  // x [*, D]; index [m]; gate, up [I, D]; down [D, I]; scratch xs [m, D], g and u [m, I]; rows
+  // [m, D]. The default is the composed ops; a backend may fuse the gather and the SwiGLU into
+  // the conversions its products need (CUDA's tensor-core path), with the same result.
+  virtual void expert_rows(const float* x, const int32_t* index, int64_t m, const Weight& gate, const Weight& up,
+                           const Weight& down, float* xs, float* g, float* u, float* rows) {
+    gather_rows(x, index, m, gate.in(), xs);
+    const Weight* ws[2] = {&gate, &up};
+    float* ys[2] = {g, u};
+    matmul_many(xs, m, ws, ys, 2);
+    swiglu(g, u, g, m * gate.out());
+    matmul(g, m, down, rows);
+  }
   // rows[i] = x[index[i]]                                          x [*, n], rows [m, n]
   virtual void gather_rows(const float* x, const int32_t* index, int64_t m, int64_t n, float* rows) = 0;
   // y[index[i]] += scale[i] * rows[i]                               in order of i

@@ -46,6 +46,35 @@ __global__ void swiglu_kernel(const float* gate, const float* up, float* out, in
   }
 }
 
+// Conversions fused into the producer, for expert_rows on tensor cores: v -> hi = bf16(v) and
+// (exact mode) lo = bf16(v - hi), as split_bf16 does, 2 elements per thread.
+__device__ __forceinline__ void store_split2(float a, float b, int64_t i2, __nv_bfloat162* hi, __nv_bfloat162* lo) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  hi[i2] = h;
+  if (lo) {
+    const float2 f = __bfloat1622float2(h);
+    lo[i2] = __floats2bfloat162_rn(a - f.x, b - f.y);
+  }
+}
+// rows i of x[index[i]] (n even), straight to bf16: the gather's f32 copy is never written.
+__global__ void gather_split_kernel(const float* __restrict__ x, const int32_t* __restrict__ index, int64_t n,
+                                    __nv_bfloat162* __restrict__ hi, __nv_bfloat162* __restrict__ lo) {
+  const int64_t i = blockIdx.x, src = index[i], n2 = n / 2;
+  const float2* row = reinterpret_cast<const float2*>(x + src * n);
+  for (int64_t j = threadIdx.x; j < n2; j += blockDim.x) {
+    const float2 v = row[j];
+    store_split2(v.x, v.y, i * n2 + j, hi, lo);
+  }
+}
+// silu(gate) * up with swiglu_kernel's arithmetic (n even), converted for the down product.
+__global__ void swiglu_split_kernel(const float2* __restrict__ gate, const float2* __restrict__ up, int64_t n2,
+                                    __nv_bfloat162* __restrict__ hi, __nv_bfloat162* __restrict__ lo) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n2; i += int64_t(gridDim.x) * blockDim.x) {
+    const float2 g = gate[i], u = up[i];
+    store_split2(g.x / (1.0f + expf(-g.x)) * u.x, g.y / (1.0f + expf(-g.y)) * u.y, i, hi, lo);
+  }
+}
+
 __global__ void embed_kernel(DevW table, const int32_t* ids, float* out) {
   const int64_t t = blockIdx.x, n = table.in, id = ids[t];
   for (int64_t j = threadIdx.x; j < n; j += blockDim.x) out[t * n + j] = wget_rt(table, id, j);
@@ -593,6 +622,50 @@ class CudaBackend final : public Backend {
     VIREO_CUDA_LAUNCHED();
   }
 
+  // BF16 experts in prefill on tensor cores: the gather and the SwiGLU write the bf16 operands
+  // of the next products directly (hi, and lo in exact mode), so neither f32 intermediate makes
+  // a round trip through memory: the same values as the composed ops, two passes fewer.
+  void expert_rows(const float* x, const int32_t* index, int64_t m, const Weight& gate, const Weight& up,
+                   const Weight& down, float* xs, float* g, float* u, float* rows) override {
+    const DevW wg = devw(gate), wu = devw(up), wd = devw(down);
+    const int64_t D = wg.in, I = wg.out;
+    const bool fused = m > 8 && mode_ != CudaGemmMode::Simt && lt_bf16_fits(wg, g) && lt_bf16_fits(wu, u) &&
+                       lt_bf16_fits(wd, rows) && wu.in == D && wu.out == I && wd.in == I && wd.out == D &&
+                       D % 2 == 0 && I % 2 == 0 && reinterpret_cast<uintptr_t>(x) % 8 == 0 &&
+                       reinterpret_cast<uintptr_t>(g) % 8 == 0 && reinterpret_cast<uintptr_t>(u) % 8 == 0;
+    if (!fused) return Backend::expert_rows(x, index, m, gate, up, down, xs, g, u, rows);
+    VIREO_PROF("expert_rows");
+    const bool split = mode_ == CudaGemmMode::Split;
+    // One buffer for both conversions: the SwiGLU's overwrites x's after the gate and up
+    // products (queued before it on the stream) have read it.
+    const int64_t n = m * std::max(D, I);
+    char* buf = xbf16_.get<char>(size_t(n) * 2 * (split ? 2 : 1));
+    auto* hi = reinterpret_cast<__nv_bfloat162*>(buf);
+    auto* lo = split ? reinterpret_cast<__nv_bfloat162*>(buf + size_t(n) * 2) : nullptr;
+    auto product = [&](const DevW& w, float* y) {
+      ProfScope ps(
+          prof_, stream_,
+          [&] { return "matmul bf16 " + std::to_string(w.out) + "x" + std::to_string(w.in) + " lt (expert_rows)"; },
+          2.0 * double(m) * double(w.out) * double(w.in));
+      if (!lt_bf16_converted({hi, lo}, m, w, y)) fail("cuBLASLt: no algorithm for a ", w.out, "x", w.in, " bf16 product");
+    };
+    {
+      ProfScope ps(prof_, stream_, [] { return std::string("gather + convert"); }, 0.0);
+      gather_split_kernel<<<unsigned(m), 256, 0, stream_>>>(x, index, D, hi, lo);
+      VIREO_CUDA_LAUNCHED();
+    }
+    product(wg, g);
+    product(wu, u);
+    {
+      ProfScope ps(prof_, stream_, [] { return std::string("swiglu + convert"); }, 0.0);
+      swiglu_split_kernel<<<grid_for(m * I / 2), 256, 0, stream_>>>(reinterpret_cast<const float2*>(g),
+                                                                     reinterpret_cast<const float2*>(u), m * I / 2,
+                                                                     hi, lo);
+      VIREO_CUDA_LAUNCHED();
+    }
+    product(wd, rows);
+  }
+
   void gather_rows(const float* x, const int32_t* index, int64_t m, int64_t n, float* rows) override {
     if (m <= 0) return;
     VIREO_PROF("gather_rows");
@@ -627,9 +700,18 @@ class CudaBackend final : public Backend {
     VIREO_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
   }
 
+  // A synchronous host-to-device copy that kernels on stream_ are ordered after. cudaMemcpy from
+  // pageable memory may return before its DMA lands, and it runs on the legacy stream, which the
+  // backend's non-blocking stream does not wait for: a kernel queued right after could read a
+  // partly written weight (seen once as a wrong F32 embedding row in CudaOps.EmbedGatherScatter).
+  // (Never while recording: device_alloc, which precedes every such copy, syncs the device.)
+  void h2d_now(void* dst, const void* src, size_t bytes) {
+    VIREO_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
+    VIREO_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
   void* upload_bytes(const void* src, size_t bytes) {
     auto buf = device_alloc<char>(bytes);
-    VIREO_CUDA_CHECK(cudaMemcpy(buf.get(), src, bytes, cudaMemcpyHostToDevice));
+    h2d_now(buf.get(), src, bytes);
     owned_.push_back(buf);
     weight_bytes_ += bytes;
     return buf.get();
@@ -714,7 +796,7 @@ class CudaBackend final : public Backend {
     for (size_t e = 0; e < E; ++e) host[e] = dev_expert(bank, e, d);
     d.sources = std::move(sources);
     d.table = device_alloc<DevExpert>(E);
-    VIREO_CUDA_CHECK(cudaMemcpy(d.table.get(), host.data(), E * sizeof(DevExpert), cudaMemcpyHostToDevice));
+    h2d_now(d.table.get(), host.data(), E * sizeof(DevExpert));
     return banks_.emplace(&bank, d).first->second;
   }
   // Rewrites the entries of `d` whose weights moved and copies the changed range of the table.

@@ -699,10 +699,7 @@ void GlmDsaModel::moe_grouped(int layer, const float* xn, int64_t N, const int32
   float* y = scratch(25, size_t(N * D));
   auto run_expert = [&](const ExpertWeights* e, int expert, float* rows) {
     const int64_t at = offsets[size_t(expert)], m = offsets[size_t(expert) + 1] - at;
-    backend_.gather_rows(xn, token_of + at, m, D, xs);
-    gate_up(xs, m, e->gate, e->up, g, u);
-    backend_.swiglu(g, u, g, m * I);
-    backend_.matmul(g, m, e->down, rows);
+    backend_.expert_rows(xn, token_of + at, m, e->gate, e->up, e->down, xs, g, u, rows);
   };
   // The shared expert runs first, into its own buffer, while the first routed experts are still
   // on their way to a streaming store; it is added last, as the oracle sums: routed experts in
