@@ -219,7 +219,9 @@ TEST(Ops, IndexerSelectsAllCausalKeysBelowTopk) {
     EXPECT_EQ(cnt[size_t(t)], std::min<int64_t>(t + 1, topk));
     for (int64_t i = 0; i < cnt[size_t(t)]; ++i) {
       EXPECT_LE(sel[size_t(t * topk + i)], t);  // causal
-      if (i) EXPECT_LT(sel[size_t(t * topk + i - 1)], sel[size_t(t * topk + i)]);  // ascending
+      if (i) {
+        EXPECT_LT(sel[size_t(t * topk + i - 1)], sel[size_t(t * topk + i)]);  // ascending
+      }
     }
   }
 }

@@ -194,6 +194,25 @@ class Backend {
     swiglu(g, u, g, m * gate.out());
     matmul(g, m, down, rows);
   }
+  // A run of routed experts of one grouped MoE pass, each added into out in the order given:
+  //   for each job j, for i in [at_j, at_j + m_j): out[index[i]] += scale[i] * expert_j(x[index[i]])
+  // (index, scale: moe_group's token_of, weight_of). The default runs expert_rows then
+  // scatter_add_rows per job on y [max m, D]; a backend may compute the jobs' rows concurrently
+  // into buffers of its own, as long as the additions into out keep this order.
+  struct ExpertJob {
+    const Weight* gate = nullptr;
+    const Weight* up = nullptr;
+    const Weight* down = nullptr;
+    int64_t at = 0, m = 0;
+  };
+  virtual void experts_add(const float* x, const int32_t* index, const float* scale, const ExpertJob* jobs, int n,
+                           float* xs, float* g, float* u, float* y, float* out) {
+    for (int j = 0; j < n; ++j) {
+      const ExpertJob& e = jobs[j];
+      expert_rows(x, index + e.at, e.m, *e.gate, *e.up, *e.down, xs, g, u, y);
+      scatter_add_rows(out, index + e.at, scale + e.at, y, e.m, e.gate->in());
+    }
+  }
   // rows[i] = x[index[i]]                                          x [*, n], rows [m, n]
   virtual void gather_rows(const float* x, const int32_t* index, int64_t m, int64_t n, float* rows) = 0;
   // y[index[i]] += scale[i] * rows[i]                               in order of i

@@ -332,6 +332,7 @@ class CudaBackend final : public Backend {
   }
   ~CudaBackend() override {
     cudaStreamSynchronize(stream_);
+    destroy_lanes();
     if (lt_) cublasLtDestroy(lt_);
     cudaStreamDestroy(stream_);
   }
@@ -664,6 +665,83 @@ class CudaBackend final : public Backend {
       VIREO_CUDA_LAUNCHED();
     }
     product(wd, rows);
+  }
+
+  // Routed experts of a prefill MoE pass, computed concurrently: each job's products run on one
+  // of kLanes side streams with that lane's own scratch and cuBLASLt workspace (the products of
+  // one expert with a few hundred rows fill only a quarter of the SMs), while the additions into
+  // out stay on the backend's stream in job order, each after its lane's rows are done; a lane
+  // takes its next job only after the addition of its last one (its rows buffer is reused).
+  // Serial (the composed default) while profiling, while recording, and for a single job.
+  static constexpr int kLanes = 4;
+  struct Lane {
+    cudaStream_t s = nullptr;
+    cudaEvent_t done = nullptr, consumed = nullptr;
+    std::shared_ptr<char> ws;
+    Scratch xbf16, wbf16, xs, g, u, rows;
+  };
+  void experts_add(const float* x, const int32_t* index, const float* scale, const ExpertJob* jobs, int n, float* xs,
+                   float* g, float* u, float* y, float* out) override {
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    VIREO_CUDA_CHECK(cudaStreamIsCapturing(stream_, &cs));
+    if (n < 2 || prof_.on() || cs != cudaStreamCaptureStatusNone || mode_ == CudaGemmMode::Simt)
+      return Backend::experts_add(x, index, scale, jobs, n, xs, g, u, y, out);
+    if (!lanes_ready_) make_lanes();
+    VIREO_CUDA_CHECK(cudaEventRecord(inputs_ready_, stream_));
+    for (int j = 0; j < n; ++j) {
+      const ExpertJob& e = jobs[j];
+      Lane& L = lanes_[size_t(j % kLanes)];
+      const int64_t D = e.gate->in(), I = e.gate->out();
+      VIREO_CUDA_CHECK(cudaStreamWaitEvent(L.s, inputs_ready_, 0));
+      VIREO_CUDA_CHECK(cudaStreamWaitEvent(L.s, L.consumed, 0));
+      // (Scratch growth syncs the device, so no queued work still reads a replaced buffer.)
+      float* rows = L.rows.get<float>(size_t(e.m * D));
+      float* lxs = L.xs.get<float>(size_t(e.m * D));
+      float* lg = L.g.get<float>(size_t(e.m * I));
+      float* lu = L.u.get<float>(size_t(e.m * I));
+      {
+        LaneSwap on_lane(*this, L);
+        expert_rows(x, index + e.at, e.m, *e.gate, *e.up, *e.down, lxs, lg, lu, rows);
+      }
+      VIREO_CUDA_CHECK(cudaEventRecord(L.done, L.s));
+      VIREO_CUDA_CHECK(cudaStreamWaitEvent(stream_, L.done, 0));
+      scatter_add_rows(out, index + e.at, scale + e.at, rows, e.m, D);
+      VIREO_CUDA_CHECK(cudaEventRecord(L.consumed, stream_));
+    }
+  }
+  // While alive, the ops the backend queues go to the lane: its stream, workspace and the
+  // product scratch are swapped in (and back out on destruction, also on a throw).
+  struct LaneSwap {
+    LaneSwap(CudaBackend& b, Lane& l) : be(b), lane(l) { swap(); }
+    ~LaneSwap() { swap(); }
+    void swap() {
+      std::swap(be.stream_, lane.s);
+      std::swap(be.lt_ws_, lane.ws);
+      std::swap(be.xbf16_, lane.xbf16);
+      std::swap(be.wbf16_, lane.wbf16);
+    }
+    CudaBackend& be;
+    Lane& lane;
+  };
+  void make_lanes() {
+    lanes_.resize(kLanes);
+    for (Lane& L : lanes_) {
+      VIREO_CUDA_CHECK(cudaStreamCreateWithFlags(&L.s, cudaStreamNonBlocking));
+      VIREO_CUDA_CHECK(cudaEventCreateWithFlags(&L.done, cudaEventDisableTiming));
+      VIREO_CUDA_CHECK(cudaEventCreateWithFlags(&L.consumed, cudaEventDisableTiming));
+      L.ws = device_alloc<char>(lt_ws_bytes_);
+    }
+    VIREO_CUDA_CHECK(cudaEventCreateWithFlags(&inputs_ready_, cudaEventDisableTiming));
+    lanes_ready_ = true;
+  }
+  void destroy_lanes() {
+    for (Lane& L : lanes_) {
+      if (L.s) cudaStreamSynchronize(L.s);
+      if (L.done) cudaEventDestroy(L.done);
+      if (L.consumed) cudaEventDestroy(L.consumed);
+      if (L.s) cudaStreamDestroy(L.s);
+    }
+    if (inputs_ready_) cudaEventDestroy(inputs_ready_);
   }
 
   void gather_rows(const float* x, const int32_t* index, int64_t m, int64_t n, float* rows) override {
@@ -1057,6 +1135,9 @@ class CudaBackend final : public Backend {
   std::unordered_map<const void*, Weight> uploaded_;
   Scratch flag_, scores_, dscores_, route_, xbf16_, wbf16_, qlat_, part_, latent_, kvx_, mask_, moe_h_, kvbf16_;
   const char* last_prefill_ = "";  // the kernel the last reconstructed (prefill) attention ran
+  std::vector<Lane> lanes_;        // experts_add's side streams, made on first use
+  bool lanes_ready_ = false;
+  cudaEvent_t inputs_ready_ = nullptr;
   std::unordered_map<const ExpertBank*, DeviceBank> banks_;
   SampleRowsOp sample_op_;
 };

@@ -737,16 +737,27 @@ void GlmDsaModel::moe_grouped(int layer, const float* xn, int64_t N, const int32
       early_rows += m;
       run_expert(ew[i], e, rows[i]);
     }
+    // The rest in ascending order: runs of experts go to the backend as one experts_add (which
+    // may compute them concurrently); a run is handed over before the host waits for an expert
+    // still loading, and before an early expert's rows are added in their turn.
+    std::vector<Backend::ExpertJob> run;
+    auto flush = [&] {
+      if (!run.empty()) backend_.experts_add(xn, token_of, weight_of, run.data(), int(run.size()), xs, g, u, y, out);
+      run.clear();
+    };
     for (size_t i = 0; i < n; ++i) {
       const int e = used[c0 + i];
-      if (!rows[i]) {
-        experts_->await(i);
-        run_expert(ew[i], e, y);
-        rows[i] = y;
-      }
       const int64_t at = offsets[size_t(e)], m = offsets[size_t(e) + 1] - at;
-      backend_.scatter_add_rows(out, token_of + at, weight_of + at, rows[i], m, D);
+      if (rows[i]) {
+        flush();
+        backend_.scatter_add_rows(out, token_of + at, weight_of + at, rows[i], m, D);
+        continue;
+      }
+      if (!experts_->ready(i)) flush();
+      experts_->await(i);
+      run.push_back({&ew[i]->gate, &ew[i]->up, &ew[i]->down, at, m});
     }
+    flush();
   }
   if (shared) {
     if (used.empty()) mlp(L.shared, xn, N, shared, kMoeMlpSlot);
