@@ -7,7 +7,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -15,6 +17,7 @@
 #include "backend/cuda/cuda_attention.h"
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_decode.h"
+#include "backend/cuda/cuda_fp8_gemm.h"
 #include "backend/cuda/cuda_internal.h"
 #include "backend/cuda/cuda_profile.h"
 #include "backend/cuda/cuda_sampling.h"
@@ -300,9 +303,14 @@ class CudaBackend final : public Backend {
     if (cublasLtCreate(&lt_) != CUBLAS_STATUS_SUCCESS) fail("cuda: cublasLtCreate failed");
     lt_ws_bytes_ = size_t(32) << 20;
     lt_ws_ = device_alloc<char>(lt_ws_bytes_);
+    fp8g_ = std::make_unique<Fp8BlockGemm>(lt_, lt_ws_.get(), lt_ws_bytes_);
+    // TEMPORARY (until the CLI selects the math mode, `--math fast` on main): VIREO_CUDA_FAST=1
+    // starts the backend in the fast mode, so `vireo bench` can measure it. Remove with the flag.
+    if (const char* f = std::getenv("VIREO_CUDA_FAST"); f && std::string(f) == "1") mode_ = CudaGemmMode::Bf16;
   }
   ~CudaBackend() override {
     cudaStreamSynchronize(stream_);
+    fp8g_.reset();  // its cuBLASLt descriptors go before the handle
     if (lt_) cublasLtDestroy(lt_);
     cudaStreamDestroy(stream_);
   }
@@ -415,7 +423,15 @@ class CudaBackend final : public Backend {
     if (T <= 0) return;
     const DevW w = devw(wt);
     const bool tc = T > 8 && mode_ != CudaGemmMode::Simt && (w.dt == W_BF16 || w.dt == W_FP8);
-    const char* path = T <= 8 ? "gemv" : tc ? "lt" : "simt";
+    // Fast mode on FP8 weights: e4m3 x e4m3 with block scales where cuBLASLt takes the shape
+    // (decided once per shape); the profile's path names the output type it runs with.
+    const Fp8BlockGemm::Out f8 =
+        tc && w.dt == W_FP8 && mode_ == CudaGemmMode::Bf16 ? fp8_fast_plan(T, w, y) : Fp8BlockGemm::Out::None;
+    const char* path = T <= 8                            ? "gemv"
+                       : f8 == Fp8BlockGemm::Out::F32  ? "lt fp8xfp8 f32-out"
+                       : f8 == Fp8BlockGemm::Out::Bf16 ? "lt fp8xfp8 bf16-out"
+                       : tc                            ? "lt"
+                                                       : "simt";
     ProfScope ps(
         prof_, stream_,
         [&] {
@@ -428,6 +444,8 @@ class CudaBackend final : public Backend {
       // done: two rows per warp
     } else if (T <= 8) {
       matmul_small(x, T, w, y, stream_, sms_);
+    } else if (f8 != Fp8BlockGemm::Out::None && lt_fp8_fast(x, T, w, y, f8)) {
+      // done: FP8 x FP8
     } else if (!(tc && (w.dt == W_BF16 ? lt_bf16(x, T, w, y) : lt_fp8(x, T, w, y)))) {
       matmul_simt(x, T, w, y, stream_);
     }
@@ -792,6 +810,47 @@ class CudaBackend final : public Backend {
     return true;
   }
 
+  // The fast mode's FP8 path (cuda_fp8_gemm.h) for y[T, out] = x W^T, or None where it does not
+  // apply: FP8 rows must be 16-byte multiples for cuBLASLt (in % 16), output rows too even as
+  // bf16 (out % 8), and the pointers cuBLASLt reads 16-byte aligned (the planned algorithms
+  // assume that much). Shapes cuBLASLt refuses fall back to the bf16 dequantizing path.
+  Fp8BlockGemm::Out fp8_fast_plan(int64_t T, const DevW& w, const float* y) {
+    auto al = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+    if (w.in % 16 != 0 || w.out % 8 != 0 || !al(y) || !al(w.w) || !al(w.s)) return Fp8BlockGemm::Out::None;
+    return fp8g_->plan(w.out, T, w.in);
+  }
+
+  // x -> e4m3 + 1x128 scales (act_quant), then one block-scaled cuBLASLt GEMM against the stored
+  // e4m3 weight and its 128x128 scales: no dequantized copy of W, so no row chunks. cuBLASLt reads
+  // the weight scales with a row stride padded to a multiple of 4 k-blocks (PyTorch's checks on its
+  // DeepSeek-style scaled_mm say the same); a checkpoint's [ceil(out/128), ceil(in/128)] tensor is
+  // copied into that layout when ceil(in/128) % 4 != 0 (a few KB; DeepSeek/GLM shapes need none).
+  bool lt_fp8_fast(const float* x, int64_t T, const DevW& w, float* y, Fp8BlockGemm::Out out) {
+    const int64_t K = w.in, M = w.out, KB = (K + 127) / 128, KB4 = (KB + 3) / 4 * 4, MB = (M + 127) / 128;
+    const size_t qbytes = size_t(T * K + 15) / 16 * 16, sbytes = size_t(KB * T * 4 + 15) / 16 * 16;
+    const bool pad = KB4 != KB;
+    char* buf = f8x_.get<char>(qbytes + sbytes + (pad ? size_t(MB * KB4) * 4 : 0));
+    uint8_t* xq = reinterpret_cast<uint8_t*>(buf);
+    float* xs = reinterpret_cast<float*>(buf + qbytes);
+    const float* ws = w.s;
+    {
+      ProfScope ps(prof_, stream_, [] { return std::string("act_quant x"); }, 0.0);
+      act_quant(x, T, K, xq, xs, stream_);
+    }
+    if (pad) {
+      float* wsp = reinterpret_cast<float*>(buf + qbytes + sbytes);
+      VIREO_CUDA_CHECK(cudaMemcpy2DAsync(wsp, size_t(KB4) * 4, w.s, size_t(KB) * 4, size_t(KB) * 4, size_t(MB),
+                                         cudaMemcpyDeviceToDevice, stream_));
+      ws = wsp;
+    }
+    if (out == Fp8BlockGemm::Out::F32) return fp8g_->run(M, T, K, w.w, ws, xq, xs, y, stream_);
+    void* d = f8d_.get<char>(size_t(T * M) * 2);
+    if (!fp8g_->run(M, T, K, w.w, ws, xq, xs, d, stream_)) return false;
+    ProfScope ps(prof_, stream_, [] { return std::string("widen d"); }, 0.0);
+    widen_bf16(d, T * M, y, stream_);
+    return true;
+  }
+
   void attention_absorbed(const MlaAttentionArgs& a) {
     const int64_t H = a.n_heads, L = a.kv_lora, qw = a.qk_nope + a.qk_rope, hw = a.qk_nope + a.v_dim;
     const DevW kvb = devw(*a.kv_b);
@@ -888,6 +947,8 @@ class CudaBackend final : public Backend {
   uint64_t weight_bytes_ = 0;  // bytes of weights uploaded (owned_)
   std::unordered_map<const void*, Weight> uploaded_;
   Scratch flag_, scores_, dscores_, route_, xbf16_, wbf16_, qlat_, part_, latent_, kvx_, mask_, moe_h_;
+  Scratch f8x_, f8d_;  // the fast FP8 path: e4m3 x + its scales (+ padded weight scales); bf16 D
+  std::unique_ptr<Fp8BlockGemm> fp8g_;
   std::unordered_map<const ExpertBank*, DeviceBank> banks_;
   SampleRowsOp sample_op_;
 };
