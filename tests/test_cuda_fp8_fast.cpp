@@ -229,7 +229,8 @@ TEST(CudaOps, Fp8FastQuantRounding) {
 
 // Shapes: whole 128-blocks; partial blocks in both dims (296 x 400); k-block counts that are not a
 // multiple of 4 (640: 5, 208: 2, the weight scales' padded copy); T from just past the decode
-// kernels (9, not a multiple of 4) to a long prompt.
+// kernels (9: not a multiple of 4, so the GEMM runs on 12 rows, 3 of them zero, into scratch) to
+// a long prompt.
 TEST(CudaOps, Fp8FastMatmul) {
   REQUIRE_CUDA();
   auto gpu = make_cuda_backend();
@@ -243,13 +244,13 @@ TEST(CudaOps, Fp8FastMatmul) {
 }
 
 // Pointers off their allocation's start: x at +1 float (act_quant's scalar path), y at +4 floats
-// (16-byte aligned only: the planned algorithms must not assume more); y at +1 float is not
-// 16-byte aligned and must take the fallback.
+// (16-byte aligned only: the planned algorithms must not assume more), T = 36 (a multiple of 4:
+// cuBLASLt writes y itself); y at +1 float is not 16-byte aligned and must take the fallback.
 TEST(CudaOps, Fp8FastMatmulOffsets) {
   REQUIRE_CUDA();
   auto gpu = make_cuda_backend();
   const bool hopper = is_hopper();
-  check(run_case(*gpu, 256, 512, 33, 11, 1, 4), hopper, "x+1 y+4");
+  check(run_case(*gpu, 256, 512, 36, 11, 1, 4), hopper, "x+1 y+4");
   check(run_case(*gpu, 256, 512, 33, 12, 0, 1), false, "y+1");
 }
 

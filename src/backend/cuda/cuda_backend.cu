@@ -814,10 +814,12 @@ class CudaBackend final : public Backend {
   // apply: FP8 rows must be 16-byte multiples for cuBLASLt (in % 16), output rows too even as
   // bf16 (out % 8), and the pointers cuBLASLt reads 16-byte aligned (the planned algorithms
   // assume that much). Shapes cuBLASLt refuses fall back to the bf16 dequantizing path.
+  // cuBLASLt runs it only for a token count N % 4 == 0 (measured: the activation scales'
+  // [k-block, N] rows must be 16-byte multiples), so N is T rounded up to 4 (zero rows).
   Fp8BlockGemm::Out fp8_fast_plan(int64_t T, const DevW& w, const float* y) {
     auto al = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
     if (w.in % 16 != 0 || w.out % 8 != 0 || !al(y) || !al(w.w) || !al(w.s)) return Fp8BlockGemm::Out::None;
-    return fp8g_->plan(w.out, T, w.in);
+    return fp8g_->plan(w.out, (T + 3) / 4 * 4, w.in);
   }
 
   // x -> e4m3 + 1x128 scales (act_quant), then one block-scaled cuBLASLt GEMM against the stored
@@ -825,9 +827,12 @@ class CudaBackend final : public Backend {
   // the weight scales with a row stride padded to a multiple of 4 k-blocks (PyTorch's checks on its
   // DeepSeek-style scaled_mm say the same); a checkpoint's [ceil(out/128), ceil(in/128)] tensor is
   // copied into that layout when ceil(in/128) % 4 != 0 (a few KB; DeepSeek/GLM shapes need none).
+  // When T % 4 != 0 (MoE experts' row counts, mostly) the GEMM runs on Tp = T rounded up to 4,
+  // zero rows appended, into scratch; the first T rows (a contiguous prefix) are copied to y.
   bool lt_fp8_fast(const float* x, int64_t T, const DevW& w, float* y, Fp8BlockGemm::Out out) {
     const int64_t K = w.in, M = w.out, KB = (K + 127) / 128, KB4 = (KB + 3) / 4 * 4, MB = (M + 127) / 128;
-    const size_t qbytes = size_t(T * K + 15) / 16 * 16, sbytes = size_t(KB * T * 4 + 15) / 16 * 16;
+    const int64_t Tp = (T + 3) / 4 * 4;
+    const size_t qbytes = size_t(Tp * K + 15) / 16 * 16, sbytes = size_t(KB * Tp * 4 + 15) / 16 * 16;
     const bool pad = KB4 != KB;
     char* buf = f8x_.get<char>(qbytes + sbytes + (pad ? size_t(MB * KB4) * 4 : 0));
     uint8_t* xq = reinterpret_cast<uint8_t*>(buf);
@@ -835,7 +840,7 @@ class CudaBackend final : public Backend {
     const float* ws = w.s;
     {
       ProfScope ps(prof_, stream_, [] { return std::string("act_quant x"); }, 0.0);
-      act_quant(x, T, K, xq, xs, stream_);
+      act_quant(x, T, Tp, K, xq, xs, stream_);
     }
     if (pad) {
       float* wsp = reinterpret_cast<float*>(buf + qbytes + sbytes);
@@ -843,11 +848,13 @@ class CudaBackend final : public Backend {
                                          cudaMemcpyDeviceToDevice, stream_));
       ws = wsp;
     }
-    if (out == Fp8BlockGemm::Out::F32) return fp8g_->run(M, T, K, w.w, ws, xq, xs, y, stream_);
-    void* d = f8d_.get<char>(size_t(T * M) * 2);
-    if (!fp8g_->run(M, T, K, w.w, ws, xq, xs, d, stream_)) return false;
-    ProfScope ps(prof_, stream_, [] { return std::string("widen d"); }, 0.0);
-    widen_bf16(d, T * M, y, stream_);
+    const bool f32 = out == Fp8BlockGemm::Out::F32;
+    if (f32 && Tp == T) return fp8g_->run(M, Tp, K, w.w, ws, xq, xs, y, stream_);
+    void* d = f8d_.get<char>(size_t(Tp * M) * (f32 ? 4 : 2));
+    if (!fp8g_->run(M, Tp, K, w.w, ws, xq, xs, d, stream_)) return false;
+    ProfScope ps(prof_, stream_, [f32] { return std::string(f32 ? "copy d" : "widen d"); }, 0.0);
+    if (f32) VIREO_CUDA_CHECK(cudaMemcpyAsync(y, d, size_t(T * M) * 4, cudaMemcpyDeviceToDevice, stream_));
+    else widen_bf16(d, T * M, y, stream_);
     return true;
   }
 
@@ -947,7 +954,9 @@ class CudaBackend final : public Backend {
   uint64_t weight_bytes_ = 0;  // bytes of weights uploaded (owned_)
   std::unordered_map<const void*, Weight> uploaded_;
   Scratch flag_, scores_, dscores_, route_, xbf16_, wbf16_, qlat_, part_, latent_, kvx_, mask_, moe_h_;
-  Scratch f8x_, f8d_;  // the fast FP8 path: e4m3 x + its scales (+ padded weight scales); bf16 D
+  // The fast FP8 path: e4m3 x + its scales (+ padded weight scales); D when it is bf16 or has
+  // padding rows.
+  Scratch f8x_, f8d_;
   std::unique_ptr<Fp8BlockGemm> fp8g_;
   std::unordered_map<const ExpertBank*, DeviceBank> banks_;
   SampleRowsOp sample_op_;

@@ -19,19 +19,22 @@ namespace {
 // accesses. Columns past K (the last block of a K that is no multiple of 128) count as 0.
 // s = amax / 448 and q = x / s, both IEEE f32 divisions as in DeepSeek's act_quant (nvcc's default
 // -prec-div=true), then __nv_cvt_float_to_fp8: round to nearest even, saturating to +-448 (x / s
-// can come out a rounding above 448 for the block's largest element).
+// can come out a rounding above 448 for the block's largest element). Rows t in [T, Tp) are
+// padding: q = 0, s = 1, x not read.
 template <bool VEC>
-__global__ void __launch_bounds__(256) act_quant_kernel(const float* __restrict__ x, int64_t T, int64_t K, int KB,
-                                                        uint8_t* __restrict__ q, float* __restrict__ s) {
+__global__ void __launch_bounds__(256) act_quant_kernel(const float* __restrict__ x, int64_t T, int64_t Tp, int64_t K,
+                                                        int KB, uint8_t* __restrict__ q, float* __restrict__ s) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t item = int64_t(blockIdx.x) * 8 + warp;
-  if (item >= T * KB) return;
+  if (item >= Tp * KB) return;
   const int64_t t = item / KB;
   const int kb = int(item % KB);
   const int64_t c0 = int64_t(kb) * 128;
   const float* xr = x + t * K;
   float v[4];
-  if constexpr (VEC) {
+  if (t >= T) {
+    v[0] = v[1] = v[2] = v[3] = 0.0f;
+  } else if constexpr (VEC) {
     const int64_t c = c0 + 4 * lane;
     const float4 f = c < K ? *reinterpret_cast<const float4*>(xr + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     v[0] = f.x;
@@ -64,7 +67,7 @@ __global__ void __launch_bounds__(256) act_quant_kernel(const float* __restrict_
       if (c < K) qr[c] = b[i];
     }
   }
-  if (lane == 0) s[int64_t(kb) * T + t] = sc;
+  if (lane == 0) s[int64_t(kb) * Tp + t] = sc;
 }
 
 __global__ void widen_bf16_kernel(const __nv_bfloat16* __restrict__ src, int64_t n, float* __restrict__ dst) {
@@ -74,12 +77,12 @@ __global__ void widen_bf16_kernel(const __nv_bfloat16* __restrict__ src, int64_t
 
 }  // namespace
 
-void act_quant(const float* x, int64_t T, int64_t K, uint8_t* q, float* s, cudaStream_t st) {
+void act_quant(const float* x, int64_t T, int64_t Tp, int64_t K, uint8_t* q, float* s, cudaStream_t st) {
   const int KB = int((K + 127) / 128);
-  const unsigned blocks = unsigned((T * KB + 7) / 8);
+  const unsigned blocks = unsigned((Tp * KB + 7) / 8);
   const bool vec = K % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(q) % 4 == 0;
-  if (vec) act_quant_kernel<true><<<blocks, 256, 0, st>>>(x, T, K, KB, q, s);
-  else act_quant_kernel<false><<<blocks, 256, 0, st>>>(x, T, K, KB, q, s);
+  if (vec) act_quant_kernel<true><<<blocks, 256, 0, st>>>(x, T, Tp, K, KB, q, s);
+  else act_quant_kernel<false><<<blocks, 256, 0, st>>>(x, T, Tp, K, KB, q, s);
 }
 
 void widen_bf16(const void* src, int64_t n, float* dst, cudaStream_t st) {

@@ -15,18 +15,19 @@
 
 namespace vireo::cuda {
 
-// x f32 [T, K] (row stride K) -> q e4m3 [T, K] and scales s [ceil(K/128), T] (index kb * T + t,
-// the K-block-major order cuBLASLt's VEC128 scale mode reads). Each (token, block) gets
-// s = amax / 448 (1 for an all-zero block) and q = e4m3(x / s), round to nearest even,
-// saturating. q needs 4-byte alignment.
-void act_quant(const float* x, int64_t T, int64_t K, uint8_t* q, float* s, cudaStream_t st);
+// x f32 [T, K] (row stride K) -> q e4m3 [Tp, K] and scales s [ceil(K/128), Tp] (index
+// kb * Tp + t, the K-block-major order cuBLASLt's VEC128 scale mode reads), Tp >= T. Each
+// (token, block) gets s = amax / 448 (1 for an all-zero block) and q = e4m3(x / s), round to
+// nearest even, saturating; rows [T, Tp) are zero (s = 1).
+void act_quant(const float* x, int64_t T, int64_t Tp, int64_t K, uint8_t* q, float* s, cudaStream_t st);
 // bf16 [n] -> f32 [n].
 void widen_bf16(const void* src, int64_t n, float* dst, cudaStream_t st);
 
 // Plans (one per shape, cached) and runs D[N, M] = B[N, K] A[M, K]^T (all row-major) with
 // A, B e4m3: A with 128x128 block scales [ceil(M/128), round_up(ceil(K/128), 4)] (row-major: the
 // row stride is padded to a multiple of 4, as cuBLASLt reads it), B with the 1x128 scales of
-// act_quant.
+// act_quant [ceil(K/128), N]. Measured on the H200 (cuBLASLt 13.1): no algorithm unless
+// N % 4 == 0 (N = 9, 33: none; 100, 1000: found), so callers pad N.
 class Fp8BlockGemm {
  public:
   enum class Out { None, F32, Bf16 };  // None: cuBLASLt has no algorithm for the shape
