@@ -115,6 +115,14 @@ TEST(CliErrors, TokenIdBeyondVocab) {
   expect_clean_error(run_vireo("run --model " + kFixture + " --prompt-ids 1,x -n 2"), "'x' is not a token id");
 }
 
+TEST(CliErrors, FastMathNeedsCuda) {
+  // The CPU has no fast mode: the flag is refused, not silently ignored, on every command taking it.
+  TempDir d{"math"};
+  for (const std::string& cmd :
+       {std::string("run --prompt-ids 1,2 -n 2"), "logits --tokens 1,2 --out " + d.str() + "/l.npy", std::string("info")})
+    expect_clean_error(run_vireo(cmd + " --model " + kFixture + " --math fast"), "--math fast needs --device cuda");
+}
+
 TEST(CliErrors, MissingModelDirectory) {
   expect_clean_error(run_vireo("info --model /nonexistent/model"), "/nonexistent/model");
 }

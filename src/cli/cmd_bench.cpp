@@ -16,16 +16,41 @@
 
 namespace vireo::cli {
 
-void add_device_flag(CLI::App& app, std::string& device) {
+void add_device_flag(CLI::App& app, std::string& device, std::string& math) {
   app.add_option("--device", device, "Where to run: cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--math", math,
+                 "CUDA products of more than 8 rows (prefill, large batches) on tensor cores: exact (default: "
+                 "activations split into bf16 hi + lo, f32-level accuracy, 2-3 passes) or fast (activations "
+                 "rounded once: bf16, or e4m3 per 128 columns for FP8 weights as DeepSeek's reference; one pass, "
+                 "~2^-9 relative per product, as other engines run)")
+      ->check(CLI::IsMember({"exact", "fast"}));
 }
 
-void check_device_flags(const std::string& device, const StreamingFlags& f) {
+namespace {
+void check_math_flag(const std::string& device, const std::string& math) {
+  if (math != "exact" && math != "fast") fail("--math must be exact or fast, got '", math, "'");
+  // The CPU computes every product in f32: there is no fast mode to pick, and accepting the flag
+  // would pretend otherwise.
+  if (math != "exact" && device != "cuda") fail("--math ", math, " needs --device cuda (the CPU is always exact)");
+}
+}  // namespace
+
+void check_device_flags(const std::string& device, const std::string& math, const StreamingFlags& f) {
+  check_math_flag(device, math);
   if (!f.gpu_budget.empty() && device != "cuda") fail("--gpu-budget needs --device cuda");
   if (device == "cuda" && !f.budget.empty() && f.gpu_budget.empty())
     fail("--memory-budget with --device cuda bounds the host RAM of experts streamed to the GPU: add --gpu-budget");
   if (device == "cuda" && !cuda_compiled_in())
     fail("--device cuda: this vireo was built without CUDA (no nvcc at build time)");
+}
+
+std::unique_ptr<Backend> make_cli_backend(const std::string& device, const std::string& math) {
+  check_math_flag(device, math);
+  auto backend = make_backend(device);
+#ifdef VIREO_HAVE_CUDA
+  if (device == "cuda") cuda_set_gemm_mode(*backend, math == "fast" ? CudaGemmMode::Bf16 : CudaGemmMode::Split);
+#endif
+  return backend;
 }
 
 namespace {
@@ -80,12 +105,14 @@ namespace {
 // `vireo bench --device cuda`: B=1 decode at context 0 and 4096, prefill of 512 and 4096 tokens,
 // against a device-to-device copy and a cuBLASLt bf16 GEMM measured in the same run.
 int bench_cuda(const std::string& dir, const std::string& synthetic, const std::string& dtype, int layers,
-               int experts, int64_t n_decode, bool record, bool profile, const SamplingParams& sampling) {
+               int experts, int64_t n_decode, bool record, bool profile, const SamplingParams& sampling,
+               const std::string& math) {
 #ifndef VIREO_HAVE_CUDA
   fail("--device cuda: this vireo was built without CUDA (no nvcc at build time)");
 #else
   using clock = std::chrono::steady_clock;
-  auto backend = make_cuda_backend();
+  auto backend = make_cli_backend("cuda", math);
+  const CudaGemmMode mode = math == "fast" ? CudaGemmMode::Bf16 : CudaGemmMode::Split;
   std::unique_ptr<GlmDsaModel> model;
   auto t0 = clock::now();
   if (!synthetic.empty()) {
@@ -135,7 +162,7 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
   // Sampler::sample), the last two with --temp etc.
   enum class Pick { Greedy, SampleDevice, SampleHost };
   struct Decode { int64_t ctx; double tps, bytes; Pick pick; };
-  struct Prefill { int64_t T; double s, flops; };
+  struct Prefill { int64_t T; double s, flops; const char* math; };
   std::vector<Decode> dec;
   std::vector<Prefill> pre;
   // Decode steps as `vireo run` takes them. The first two steps of a cache are untimed: the
@@ -164,10 +191,11 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
     MlaCache cache(*backend, model->cache_shape(), 1, n_decode + 8);
     decode_from(cache, 0, pick);
   }
-  // Prefill: one untimed run at the length first (the backend's scratch buffers grow to it, and
-  // cuBLASLt picks algorithms for its shapes), then the median of 3 timed runs.
-  for (int64_t T : {int64_t(512), int64_t(4096)}) {
-    MlaCache cache(*backend, model->cache_shape(), 1, T + n_decode + 8);
+  // Prefill in both --math modes: one untimed run at the length first (the backend's scratch
+  // buffers grow to it, and cuBLASLt picks algorithms for its shapes), then the median of 3 timed
+  // runs. The decode after 4096 cached runs in the mode asked for, from the cache that mode filled.
+  auto prefill = [&](int64_t T, CudaGemmMode m, const char* name, MlaCache& cache) {
+    cuda_set_gemm_mode(*backend, m);
     std::vector<double> runs;
     for (int r = 0; r < 4; ++r) {
       cache.trim(0, 0);
@@ -176,7 +204,13 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
       if (r > 0) runs.push_back(secs(a, clock::now()));
     }
     std::sort(runs.begin(), runs.end());
-    pre.push_back({T, runs[1], mm_flops_per_token * double(T) + lm_head_flops + prefill_attention_flops(c, T)});
+    pre.push_back({T, runs[1], mm_flops_per_token * double(T) + lm_head_flops + prefill_attention_flops(c, T), name});
+  };
+  const CudaGemmMode other = mode == CudaGemmMode::Split ? CudaGemmMode::Bf16 : CudaGemmMode::Split;
+  for (int64_t T : {int64_t(512), int64_t(4096)}) {
+    MlaCache cache(*backend, model->cache_shape(), 1, T + n_decode + 8);
+    prefill(T, other, other == CudaGemmMode::Bf16 ? "fast" : "exact", cache);
+    prefill(T, mode, math.c_str(), cache);  // last: its cache feeds the decode below
     if (T == 4096) decode_from(cache, T, Pick::Greedy);
   }
   // The sampling step alone, on the last logits of the host-sampled run: sample_rows on the
@@ -217,8 +251,15 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
     const int64_t steps = std::min<int64_t>(n_decode, 8);
     for (int64_t T : {int64_t(512), int64_t(4096)}) {
       MlaCache cache(*backend, model->cache_shape(), 1, T + steps + 8);
-      run(("prefill " + std::to_string(T) + " tokens").c_str(),
-          [&] { model->forward(ids.data(), T, cache, 0, logits.data(), false, AttentionPath::Reconstructed); });
+      for (CudaGemmMode m : {other, mode}) {  // the asked-for mode last: its cache feeds the decode
+        cuda_set_gemm_mode(*backend, m);
+        run(("prefill " + std::to_string(T) + " tokens, --math " + (m == CudaGemmMode::Bf16 ? "fast" : "exact"))
+                .c_str(),
+            [&] {
+              cache.trim(0, 0);
+              model->forward(ids.data(), T, cache, 0, logits.data(), false, AttentionPath::Reconstructed);
+            });
+      }
       if (T == 4096)
         run(("decode, " + std::to_string(steps) + " steps after 4096 cached").c_str(), [&] {
           for (int64_t i = 0; i < steps; ++i)
@@ -244,8 +285,8 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
                 d.pick == Pick::Greedy ? "greedy/device" : d.pick == Pick::SampleDevice ? "sample/device" : "sample/host",
                 d.tps, d.bytes / 1e9, d.bytes * d.tps / 1e9, 100.0 * d.bytes * d.tps / 1e9 / copy_gbs);
   for (const Prefill& p : pre)
-    std::printf("prefill %-6lld     %8.1f tok/s  %.4f s  %7.1f TFLOP/s  = %5.1f%% of bf16 GEMM peak (median of 3)\n",
-                (long long)p.T,
+    std::printf("prefill %-6lld %-5s %8.1f tok/s  %.4f s  %7.1f TFLOP/s  = %5.1f%% of bf16 GEMM peak (median of 3)\n",
+                (long long)p.T, p.math,
                 double(p.T) / p.s, p.s, p.flops / p.s / 1e12, 100.0 * p.flops / p.s / 1e12 / gemm_tflops);
   if (sampled)
     std::printf("sampling alone     device: %.1f us (sample_rows, token copied back); host: %.1f us (logits copied "
@@ -261,13 +302,14 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
 // links measured in the same run: bound time = (1 - hit) x expert bytes per token x (the share of
 // misses copied from host RAM / H2D GB/s + the share read from disk / disk GB/s).
 int bench_cuda_streaming(const std::string& dir, const std::string& synthetic, const std::string& dtype, int layers,
-                         int experts, int64_t n_prompt, int64_t n_decode, const StreamingFlags& sf) {
+                         int experts, int64_t n_prompt, int64_t n_decode, const StreamingFlags& sf,
+                         const std::string& math) {
 #ifndef VIREO_HAVE_CUDA
   fail("--device cuda: this vireo was built without CUDA (no nvcc at build time)");
 #else
   using clock = std::chrono::steady_clock;
   auto secs = [](clock::time_point a, clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
-  auto backend = make_cuda_backend();
+  auto backend = make_cli_backend("cuda", math);
   const int64_t total = n_prompt + 1 + n_decode;  // one untimed decode step loads its kernels
   auto t0 = clock::now();
   LoadedModel lm;
@@ -367,6 +409,7 @@ Action add_bench(CLI::App& app) {
     std::string attention = "auto";
     StreamingFlags sf;
     std::string device = "cpu";
+    std::string math = "exact";  // --math: CUDA prefill products
     bool profile = false;
     SamplingParams s;
   };
@@ -387,7 +430,7 @@ Action add_bench(CLI::App& app) {
       ->check(CLI::IsMember({"auto", "reconstructed", "absorbed"}));
   app.add_flag("--no-graph", o->no_graph, "CUDA: launch decode steps op by op instead of replaying a recorded graph");
   add_streaming_flags(app, o->sf);
-  add_device_flag(app, o->device);
+  add_device_flag(app, o->device, o->math);
   app.add_flag("--profile", o->profile,
                "CUDA: after the timed runs, an op-level GPU profile (time per op and matmul shape) of prefill 512 "
                "and 4096 and of decode");
@@ -402,15 +445,16 @@ Action add_bench(CLI::App& app) {
     using clock = std::chrono::steady_clock;
     if (o->model.empty() && o->synthetic.empty()) fail("bench needs --model DIR or --synthetic glm5");
     validate_sampling(o->s);
-    check_device_flags(o->device, o->sf);
+    check_device_flags(o->device, o->math, o->sf);
     if (o->profile && o->device != "cuda") fail("--profile needs --device cuda");
     if (o->device == "cuda" && !o->sf.gpu_budget.empty() && o->s.temperature != 0.0f)
       fail("--temp: sampled decode steps are not measured with --gpu-budget (drop one of them)");
     if (o->device == "cuda" && !o->sf.gpu_budget.empty())
-      return bench_cuda_streaming(o->model, o->synthetic, o->dtype, o->layers, o->experts, o->prompt, o->decode, o->sf);
+      return bench_cuda_streaming(o->model, o->synthetic, o->dtype, o->layers, o->experts, o->prompt, o->decode, o->sf,
+                                  o->math);
     if (o->device == "cuda")
       return bench_cuda(o->model, o->synthetic, o->dtype, o->layers, o->experts, o->decode, !o->no_graph, o->profile,
-                        o->s);
+                        o->s, o->math);
     ThreadPool& pool = ThreadPool::global();
     auto backend = make_cpu_backend();
     std::unique_ptr<GlmDsaModel> model;

@@ -65,6 +65,7 @@ Action add_run(CLI::App& app) {
     bool ignore_eos = false, chat = false;
     StreamingFlags sf;
     std::string device = "cpu";
+    std::string math = "exact";  // --math: CUDA prefill products
   };
   auto o = std::make_shared<Opts>();
   app.add_option("--model,-m", o->model, "Model directory (config.json + safetensors)")->required();
@@ -78,7 +79,7 @@ Action add_run(CLI::App& app) {
   add_sampling_flags(app, o->s);
   app.add_flag("--ignore-eos", o->ignore_eos, "Do not stop at end-of-sequence tokens");
   add_streaming_flags(app, o->sf);
-  add_device_flag(app, o->device);
+  add_device_flag(app, o->device, o->math);
   return [o]() {
     validate_sampling(o->s);
     const bool text_mode = o->prompt_ids.empty();
@@ -100,11 +101,11 @@ Action add_run(CLI::App& app) {
     } else {
       prompt = parse_id_list(o->prompt_ids, "--prompt-ids");
     }
-    check_device_flags(o->device, o->sf);
+    check_device_flags(o->device, o->math, o->sf);
     // The program and its shared libraries (CUDA's are large) are resident before any weight is:
     // --stats reports the peak against this baseline.
     const uint64_t rss_before_load = current_rss_bytes();
-    auto backend = make_backend(o->device);
+    auto backend = make_cli_backend(o->device, o->math);
     LoadedModel lm = load_model(o->model, *backend, o->sf, int64_t(prompt.size()) + o->n);
     auto& model = lm.model;
     ExpertStoreStats last = model->experts().stats();
@@ -152,6 +153,7 @@ Action add_logits(CLI::App& app) {
     std::string model, tokens, out, mode = "prefill";
     StreamingFlags sf;
     std::string device = "cpu";
+    std::string math = "exact";  // --math: CUDA prefill products
   };
   auto o = std::make_shared<Opts>();
   app.add_option("--model,-m", o->model, "Model directory")->required();
@@ -161,11 +163,11 @@ Action add_logits(CLI::App& app) {
       ->check(CLI::IsMember({"prefill", "decode"}));
   app.add_option("--out,-o", o->out, "Output .npy file (float32 [T, vocab])")->required();
   add_streaming_flags(app, o->sf);
-  add_device_flag(app, o->device);
+  add_device_flag(app, o->device, o->math);
   return [o]() {
     std::vector<int32_t> ids = parse_id_list(o->tokens, "--tokens");
-    check_device_flags(o->device, o->sf);
-    auto backend = make_backend(o->device);
+    check_device_flags(o->device, o->math, o->sf);
+    auto backend = make_cli_backend(o->device, o->math);
     LoadedModel lm = load_model(o->model, *backend, o->sf, int64_t(ids.size()));
     auto& model = lm.model;
     const int64_t V = model->config().vocab_size, T = int64_t(ids.size());

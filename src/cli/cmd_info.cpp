@@ -37,10 +37,11 @@ int layer_of(const std::string& name) {
 Action add_info(CLI::App& app) {
   auto dir = std::make_shared<std::string>();
   auto device = std::make_shared<std::string>("cpu");
+  auto math = std::make_shared<std::string>("exact");
   app.add_option("--model,-m", *dir, "Model directory")->required();
-  add_device_flag(app, *device);
-  return [dir, device]() {
-    auto backend = make_backend(*device);
+  add_device_flag(app, *device, *math);
+  return [dir, device, math]() {
+    auto backend = make_cli_backend(*device, *math);
     auto model = GlmDsaModel::load(*dir, *backend);
     const GlmDsaConfig& c = model->config();
     std::printf("model            %s\n", dir->c_str());

@@ -43,6 +43,7 @@ void load_text(const std::string& dir, server::ServedModel& m) {
 Action add_serve(CLI::App& app) {
   struct Opts {
     std::string model, name, cache_budget, device = "cpu", synthetic, dtype = "bf16";
+    std::string math = "exact";  // --math: CUDA prefill products
     int layers = 2, experts = 16;
     server::ServerOptions srv;
     int max_batch = 8;
@@ -58,7 +59,7 @@ Action add_serve(CLI::App& app) {
   app.add_option("--layers", o->layers, "Synthetic: MoE layers")->check(CLI::Range(1, 200));
   app.add_option("--experts", o->experts, "Synthetic: routed experts per layer")->check(CLI::Range(1, 256));
   app.add_option("--dtype", o->dtype, "Synthetic: weight dtype")->check(CLI::IsMember({"bf16", "fp8"}));
-  add_device_flag(app, o->device);
+  add_device_flag(app, o->device, o->math);
   app.add_option("--served-model-name", o->name, "The model id clients send (default: the directory's name)");
   app.add_option("--host", o->srv.host, "Address to listen on")->capture_default_str();
   app.add_option("--port", o->srv.port, "Port (0: any free port; the chosen one is printed)")
@@ -80,7 +81,7 @@ Action add_serve(CLI::App& app) {
   add_streaming_flags(app, o->sf);
   return [o]() {
     if (o->model.empty() && o->synthetic.empty()) fail("serve needs --model DIR or --synthetic glm5");
-    check_device_flags(o->device, o->sf);
+    check_device_flags(o->device, o->math, o->sf);
     if (!o->synthetic.empty() && !o->sf.budget.empty()) fail("--memory-budget needs a checkpoint on disk (--model)");
     if (!o->synthetic.empty() && !o->sf.gpu_budget.empty()) fail("--gpu-budget needs a checkpoint on disk (--model)");
     // Signals go to a sigwait below, never to a handler racing the server's threads.
@@ -98,7 +99,7 @@ Action add_serve(CLI::App& app) {
     const std::string what = o->synthetic.empty() ? o->model : "synthetic " + o->synthetic;
     std::fprintf(stderr, "vireo: listening on http://%s:%d (loading %s)\n", o->srv.host.c_str(), port, what.c_str());
 
-    auto backend = make_backend(o->device);
+    auto backend = make_cli_backend(o->device, o->math);
     LoadedModel lm;
     int64_t context = o->context;
     server::ServedModel sm;

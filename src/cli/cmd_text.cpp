@@ -86,6 +86,7 @@ Action add_chat(CLI::App& app) {
     SamplingParams s;
     StreamingFlags sf;
     std::string device = "cpu";
+    std::string math = "exact";  // --math: CUDA prefill products
   };
   auto o = std::make_shared<Opts>();
   app.add_option("--model,-m", o->model, "Model directory")->required();
@@ -94,12 +95,12 @@ Action add_chat(CLI::App& app) {
   app.add_option("--context", o->context, "Context length in tokens")->check(CLI::Range(int64_t(16), int64_t(1) << 22));
   add_sampling_flags(app, o->s);
   add_streaming_flags(app, o->sf);
-  add_device_flag(app, o->device);
+  add_device_flag(app, o->device, o->math);
   return [o]() {
     validate_sampling(o->s);
-    check_device_flags(o->device, o->sf);
+    check_device_flags(o->device, o->math, o->sf);
     TextModel tm = TextModel::load(o->model, true);
-    auto backend = make_backend(o->device);
+    auto backend = make_cli_backend(o->device, o->math);
     auto model = load_model(o->model, *backend, o->sf, o->context).model;
     MlaCache cache(*backend, model->cache_shape(), 1, o->context);
     const bool tty = ::isatty(0);
@@ -171,6 +172,7 @@ Action add_perplexity(CLI::App& app) {
     int64_t context = 0, chunk = 256;
     StreamingFlags sf;
     std::string device = "cpu";
+    std::string math = "exact";  // --math: CUDA prefill products
   };
   auto o = std::make_shared<Opts>();
   app.add_option("--model,-m", o->model, "Model directory")->required();
@@ -178,16 +180,16 @@ Action add_perplexity(CLI::App& app) {
   app.add_option("--context", o->context, "Window length in tokens (default: max_position_embeddings, at most 4096)")
       ->check(CLI::Range(int64_t(2), int64_t(1) << 22));
   add_streaming_flags(app, o->sf);
-  add_device_flag(app, o->device);
+  add_device_flag(app, o->device, o->math);
   return [o]() {
     if (!file_exists(o->file)) fail("--file: cannot open ", o->file);
-    check_device_flags(o->device, o->sf);
+    check_device_flags(o->device, o->math, o->sf);
     TextModel tm = TextModel::load(o->model);
     const std::vector<int32_t> ids = to_i32(tm.tokenizer.encode(read_text_file(o->file), false));
     if (ids.size() < 2) fail(o->file, ": fewer than 2 tokens, nothing to score");
     const int64_t window =
         o->context ? o->context : std::min<int64_t>(load_glm_dsa_config(o->model).max_position_embeddings, 4096);
-    auto backend = make_backend(o->device);
+    auto backend = make_cli_backend(o->device, o->math);
     auto model = load_model(o->model, *backend, o->sf, window).model;
     const int64_t V = model->config().vocab_size;
     // Non-overlapping windows, each scored from its own start: token t of a window is predicted

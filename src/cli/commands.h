@@ -69,9 +69,12 @@ uint64_t mem_available_bytes(); // MemAvailable of /proc/meminfo (0 if unknown)
 // --temp, --top-k, --top-p, --min-p, --seed (cmd_generate.cpp): run and chat sample alike.
 void add_sampling_flags(CLI::App& app, SamplingParams& s);
 
-// --device cpu|cuda (cmd_bench.cpp), and the combinations a device does not support yet.
-void add_device_flag(CLI::App& app, std::string& device);
-void check_device_flags(const std::string& device, const StreamingFlags& f);
+// --device cpu|cuda and --math exact|fast (cmd_bench.cpp), and the combinations a device does not
+// support yet.
+void add_device_flag(CLI::App& app, std::string& device, std::string& math);
+void check_device_flags(const std::string& device, const std::string& math, const StreamingFlags& f);
+// The backend `device` names, with the CUDA products' math set: "exact" (the default) or "fast".
+std::unique_ptr<Backend> make_cli_backend(const std::string& device, const std::string& math);
 
 // "1,2,3" -> ids; `flag` names the option in errors.
 std::vector<int32_t> parse_id_list(const std::string& s, const std::string& flag);

@@ -2,6 +2,7 @@
 // Attention, indexer and routing launchers (cuda_attention.cu).
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "backend/cuda/cuda_kernels.cuh"
@@ -64,6 +65,14 @@ void mla_prefill(const PrefillAttnArgs& a, cudaStream_t st);
 // Tensor cores (bf16 hi/lo split, ~2^-16 relative per product). False (nothing launched) when
 // the head dims do not fit the kernel (qk > 256 or v > 256).
 bool mla_prefill_tc(const PrefillAttnArgs& a, cudaStream_t st);
+// Fast math mode (CudaGemmMode::Bf16, cuda_prefill_fast.cu): operands rounded to bf16 once, one
+// tensor-core pass, f32 accumulation and online softmax (~2^-9 relative per operand). Reads
+// k_nope | v from kvx_bf16 (a.kvx's [N, H, hw] rows as bf16; a.kvx itself is not read) and k_rope
+// from rope_bf16 [N, qw - nope] (mla_prefill_fast_rope writes it from a.kv); both 16-byte aligned.
+// Supported: max(qw, vd) <= 256, nope, qw and vd multiples of 8, scale > 0.
+bool mla_prefill_fast_supported(const PrefillAttnArgs& a);
+void mla_prefill_fast_rope(const PrefillAttnArgs& a, void* rope_bf16, cudaStream_t st);
+void mla_prefill_fast(const PrefillAttnArgs& a, const void* kvx_bf16, const void* rope_bf16, cudaStream_t st);
 
 // scores[t, u] for u < pos0 + t + 1, rows with more causal keys than topk only. fast = false: run-time
 // positions take the plain kernel (the reference; both give the same bits).
@@ -71,6 +80,11 @@ bool mla_prefill_tc(const PrefillAttnArgs& a, cudaStream_t st);
 void indexer_scores(const float* q, const float* wts, const float* keys, int64_t T, int64_t nI, int64_t d,
                     int64_t n_keys, int64_t pos0, const int32_t* pos0_dev, int64_t topk, float scale, float* scores,
                     cudaStream_t st, bool fast = true);
+// --math fast prefill (cuda_indexer_fast.cu): the same scores with q and k rounded to bf16 once,
+// on tensor cores (f32 accumulation; not bit-identical to the CPU, so near-ties may select
+// differently). Host-known pos0 only. False (nothing launched) for shapes it does not take.
+bool indexer_scores_bf16(const float* q, const float* wts, const float* keys, int64_t T, int64_t nI, int64_t d,
+                         int64_t n_keys, int64_t pos0, int64_t topk, float scale, float* scores, cudaStream_t st);
 // fast: the register-resident 1024-thread kernel where every row fits it (n_keys <= 16384).
 void indexer_topk(const float* scores, int64_t T, int64_t n_keys, int64_t pos0, const int32_t* pos0_dev, int64_t topk,
                   int32_t* selected, int32_t* counts, cudaStream_t st, bool fast = true);

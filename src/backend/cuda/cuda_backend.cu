@@ -304,9 +304,6 @@ class CudaBackend final : public Backend {
     lt_ws_bytes_ = size_t(32) << 20;
     lt_ws_ = device_alloc<char>(lt_ws_bytes_);
     fp8g_ = std::make_unique<Fp8BlockGemm>(lt_, lt_ws_.get(), lt_ws_bytes_);
-    // TEMPORARY (until the CLI selects the math mode, `--math fast` on main): VIREO_CUDA_FAST=1
-    // starts the backend in the fast mode, so `vireo bench` can measure it. Remove with the flag.
-    if (const char* f = std::getenv("VIREO_CUDA_FAST"); f && std::string(f) == "1") mode_ = CudaGemmMode::Bf16;
   }
   ~CudaBackend() override {
     cudaStreamSynchronize(stream_);
@@ -318,6 +315,7 @@ class CudaBackend final : public Backend {
   cudaStream_t stream() const { return stream_; }
   uint64_t weight_bytes() const { return weight_bytes_; }
   void set_gemm_mode(CudaGemmMode m) { mode_ = m; }
+  const char* last_prefill_kernel() const { return last_prefill_; }
   void set_fast_decode(bool attention, bool scores, bool topk) {
     fast_attention_ = attention;
     fast_scores_ = scores;
@@ -444,7 +442,7 @@ class CudaBackend final : public Backend {
       // done: two rows per warp
     } else if (T <= 8) {
       matmul_small(x, T, w, y, stream_, sms_);
-    } else if (f8 != Fp8BlockGemm::Out::None && lt_fp8_fast(x, T, w, y, f8)) {
+    } else if (f8 != Fp8BlockGemm::Out::None && lt_fp8_fast(fp8_quantize_x(x, T, w.in), T, w, y, f8)) {
       // done: FP8 x FP8
     } else if (!(tc && (w.dt == W_BF16 ? lt_bf16(x, T, w, y) : lt_fp8(x, T, w, y)))) {
       matmul_simt(x, T, w, y, stream_);
@@ -467,7 +465,10 @@ class CudaBackend final : public Backend {
       one = m.w[i].dt == m.w[0].dt && m.w[i].in == m.w[0].in && m.w[i].in % vec == 0 &&
             reinterpret_cast<uintptr_t>(m.w[i].w) % 16 == 0;
     }
-    if (!one) return Backend::matmul_many(x, T, ws, ys, n);
+    if (!one) {
+      if (lt_bf16_many(x, T, ws, ys, n) || lt_fp8_fast_many(x, T, ws, ys, n)) return;
+      return Backend::matmul_many(x, T, ws, ys, n);
+    }
     VIREO_PROF("matmul_many");
     gemv_many(x, m, stream_);
   }
@@ -569,8 +570,13 @@ class CudaBackend final : public Backend {
         for (int64_t t = 0; t < a.T; ++t)
           if (a.pos0 + t + 1 > a.topk) pairs += double(a.pos0 + t + 1);
       ProfScope ps(prof_, stream_, [] { return std::string("scores"); }, 2.0 * pairs * double(a.n_heads * a.head_dim));
-      indexer_scores(a.q, a.weights, a.keys, a.T, a.n_heads, a.head_dim, a.n_keys, a.pos0, a.pos0_dev, a.topk,
-                     a.scale, scores, stream_, fast_scores_);
+      // --math fast rounds the indexer's q and k too, in prefill (more than 8 rows, host positions).
+      const bool bf16 = mode_ == CudaGemmMode::Bf16 && a.T > 8 && !a.pos0_dev &&
+                        indexer_scores_bf16(a.q, a.weights, a.keys, a.T, a.n_heads, a.head_dim, a.n_keys, a.pos0,
+                                            a.topk, a.scale, scores, stream_);
+      if (!bf16)
+        indexer_scores(a.q, a.weights, a.keys, a.T, a.n_heads, a.head_dim, a.n_keys, a.pos0, a.pos0_dev, a.topk,
+                       a.scale, scores, stream_, fast_scores_);
     }
     ProfScope ps(prof_, stream_, [] { return std::string("topk"); }, 0.0);
     indexer_topk(scores, a.T, a.n_keys, a.pos0, a.pos0_dev, a.topk, a.selected, a.counts, stream_, fast_topk_);
@@ -757,22 +763,54 @@ class CudaBackend final : public Backend {
     d.sources = std::move(sources);
   }
 
-  bool lt_bf16(const float* x, int64_t T, const DevW& w, float* y) {
-    if (w.in % 8 != 0 || w.out % 4 != 0 || reinterpret_cast<uintptr_t>(y) % 16 != 0) return false;
+  // x [n] f32 -> bf16 hi (and lo = bf16(x - hi) in exact mode) in the xbf16_ scratch; returns
+  // {hi, lo} (lo null in fast mode).
+  std::pair<void*, void*> convert_x(const float* x, int64_t n) {
     const bool split = mode_ == CudaGemmMode::Split;
-    char* buf = xbf16_.get<char>(size_t(T * w.in) * 2 * (split ? 2 : 1));
-    void* hi = buf;
-    void* lo = split ? buf + size_t(T * w.in) * 2 : nullptr;
-    {
-      ProfScope ps(prof_, stream_, [] { return std::string("split x"); }, 0.0);
-      split_bf16(x, T * w.in, hi, lo, stream_);
-    }
-    bool ok = lt_matmul(lt_, lt_ws_.get(), lt_ws_bytes_, stream_, w.out, T, w.in, w.w, CUDA_R_16BF, hi, CUDA_R_16BF,
-                        y, CUDA_R_32F, 1.0f, 0.0f);
-    if (ok && split)
-      ok = lt_matmul(lt_, lt_ws_.get(), lt_ws_bytes_, stream_, w.out, T, w.in, w.w, CUDA_R_16BF, lo, CUDA_R_16BF, y,
-                     CUDA_R_32F, 1.0f, 1.0f);
+    char* buf = xbf16_.get<char>(size_t(n) * 2 * (split ? 2 : 1));
+    void* lo = split ? buf + size_t(n) * 2 : nullptr;
+    ProfScope ps(prof_, stream_, [] { return std::string("split x"); }, 0.0);
+    split_bf16(x, n, buf, lo, stream_);
+    return {buf, lo};
+  }
+  static bool lt_bf16_fits(const DevW& w, const void* y) {
+    return w.dt == W_BF16 && w.in % 8 == 0 && w.out % 4 == 0 && reinterpret_cast<uintptr_t>(y) % 16 == 0;
+  }
+  // y = W x_hi (+ W x_lo): one pass in fast mode, two in exact mode. yt: the output's type, f32
+  // or (fast mode's attention, matmul_to_bf16) bf16.
+  bool lt_bf16_converted(std::pair<void*, void*> x, int64_t T, const DevW& w, void* y,
+                         cudaDataType_t yt = CUDA_R_32F) {
+    bool ok = lt_matmul(lt_, lt_ws_.get(), lt_ws_bytes_, stream_, w.out, T, w.in, w.w, CUDA_R_16BF, x.first,
+                        CUDA_R_16BF, y, yt, 1.0f, 0.0f);
+    if (ok && x.second)
+      ok = lt_matmul(lt_, lt_ws_.get(), lt_ws_bytes_, stream_, w.out, T, w.in, w.w, CUDA_R_16BF, x.second,
+                     CUDA_R_16BF, y, yt, 1.0f, 1.0f);
     return ok;
+  }
+  bool lt_bf16(const float* x, int64_t T, const DevW& w, void* y, cudaDataType_t yt = CUDA_R_32F) {
+    if (!lt_bf16_fits(w, y)) return false;
+    return lt_bf16_converted(convert_x(x, T * w.in), T, w, y, yt);
+  }
+  // Prefill products of BF16 weights sharing one input (an expert's gate and up; an attention
+  // layer's input products): x converted once for all of them. False (nothing run) unless every
+  // weight takes the tensor-core path.
+  bool lt_bf16_many(const float* x, int64_t T, const Weight* const* ws, float* const* ys, int n) {
+    if (T <= 8 || mode_ == CudaGemmMode::Simt || n <= 0) return false;
+    std::vector<DevW> w(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) {
+      w[size_t(i)] = devw(*ws[i]);
+      if (!lt_bf16_fits(w[size_t(i)], ys[i]) || w[size_t(i)].in != w[0].in) return false;
+    }
+    const auto xc = convert_x(x, T * w[0].in);
+    for (int i = 0; i < n; ++i) {
+      ProfScope ps(
+          prof_, stream_,
+          [&] { return "matmul bf16 " + std::to_string(w[size_t(i)].out) + "x" + std::to_string(w[size_t(i)].in) +
+                       " lt (x shared)"; },
+          2.0 * double(T) * double(w[size_t(i)].out) * double(w[size_t(i)].in));
+      if (!lt_bf16_converted(xc, T, w[size_t(i)], ys[i])) matmul_simt(x, T, w[size_t(i)], ys[i], stream_);
+    }
+    return true;
   }
 
   // FP8 weights on tensor cores: x = x_hi + x_lo and W = w * scale = W_hi + W_lo (all bf16, W
@@ -780,7 +818,7 @@ class CudaBackend final : public Backend {
   // y = W_hi x_hi + W_hi x_lo + W_lo x_hi, f32 accumulation. Error per product: the dropped
   // W_lo x_lo (<= 2^-16 |W x| per term) plus the lo parts' own rounding (<= 2^-17 each): the same
   // f32-level accuracy as the bf16 split. Bf16 mode: one pass, W_hi x_hi.
-  bool lt_fp8(const float* x, int64_t T, const DevW& w, float* y) {
+  bool lt_fp8(const float* x, int64_t T, const DevW& w, void* y, cudaDataType_t yt = CUDA_R_32F) {
     if (w.in % 8 != 0 || w.out % 4 != 0 || reinterpret_cast<uintptr_t>(y) % 16 != 0) return false;
     const bool split = mode_ == CudaGemmMode::Split;
     char* xb = xbf16_.get<char>(size_t(T * w.in) * 2 * (split ? 2 : 1));
@@ -802,7 +840,7 @@ class CudaBackend final : public Backend {
       }
       auto pass = [&](const void* A, const void* B, float beta) {
         return lt_matmul(lt_, lt_ws_.get(), lt_ws_bytes_, stream_, m, T, w.in, A, CUDA_R_16BF, B, CUDA_R_16BF,
-                         y + o0, CUDA_R_32F, 1.0f, beta, w.out);
+                         static_cast<char*>(y) + size_t(o0) * (yt == CUDA_R_16BF ? 2 : 4), yt, 1.0f, beta, w.out);
       };
       if (!pass(wh, xh, 0.0f)) return false;
       if (split && !(pass(wh, xl, 1.0f) && pass(wl, xh, 1.0f))) return false;
@@ -816,45 +854,90 @@ class CudaBackend final : public Backend {
   // assume that much). Shapes cuBLASLt refuses fall back to the bf16 dequantizing path.
   // cuBLASLt runs it only for a token count N % 4 == 0 (measured: the activation scales'
   // [k-block, N] rows must be 16-byte multiples), so N is T rounded up to 4 (zero rows).
-  Fp8BlockGemm::Out fp8_fast_plan(int64_t T, const DevW& w, const float* y) {
+  // bf16_out: y is bf16 (the fast attention's kv_b expansion), written by the GEMM itself.
+  Fp8BlockGemm::Out fp8_fast_plan(int64_t T, const DevW& w, const void* y, bool bf16_out = false) {
     auto al = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
     if (w.in % 16 != 0 || w.out % 8 != 0 || !al(y) || !al(w.w) || !al(w.s)) return Fp8BlockGemm::Out::None;
-    return fp8g_->plan(w.out, (T + 3) / 4 * 4, w.in);
+    return fp8g_->plan(w.out, (T + 3) / 4 * 4, w.in, bf16_out);
   }
 
-  // x -> e4m3 + 1x128 scales (act_quant), then one block-scaled cuBLASLt GEMM against the stored
-  // e4m3 weight and its 128x128 scales: no dequantized copy of W, so no row chunks. cuBLASLt reads
-  // the weight scales with a row stride padded to a multiple of 4 k-blocks (PyTorch's checks on its
-  // DeepSeek-style scaled_mm say the same); a checkpoint's [ceil(out/128), ceil(in/128)] tensor is
-  // copied into that layout when ceil(in/128) % 4 != 0 (a few KB; DeepSeek/GLM shapes need none).
-  // When T % 4 != 0 (MoE experts' row counts, mostly) the GEMM runs on Tp = T rounded up to 4,
-  // zero rows appended, into scratch; the first T rows (a contiguous prefix) are copied to y.
-  bool lt_fp8_fast(const float* x, int64_t T, const DevW& w, float* y, Fp8BlockGemm::Out out) {
+  // x [T, K] quantized for the fast FP8 path: e4m3 rows [Tp, K] (Tp = T rounded up to 4, zero
+  // rows appended) and their 1x128 scales [ceil(K/128), Tp], in f8x_ (valid until its next use).
+  struct Fp8X {
+    const uint8_t* q;
+    const float* s;
+    int64_t Tp, K;
+  };
+  Fp8X fp8_quantize_x(const float* x, int64_t T, int64_t K) {
+    const int64_t KB = (K + 127) / 128, Tp = (T + 3) / 4 * 4;
+    const size_t qbytes = size_t(Tp * K + 15) / 16 * 16;
+    char* buf = f8x_.get<char>(qbytes + size_t(KB * Tp) * 4);
+    uint8_t* q = reinterpret_cast<uint8_t*>(buf);
+    float* s = reinterpret_cast<float*>(buf + qbytes);
+    ProfScope ps(prof_, stream_, [] { return std::string("act_quant x"); }, 0.0);
+    act_quant(x, T, Tp, K, q, s, stream_);
+    return {q, s, Tp, K};
+  }
+
+  // One block-scaled cuBLASLt GEMM of the quantized x against the stored e4m3 weight and its
+  // 128x128 scales: no dequantized copy of W, so no row chunks. cuBLASLt reads the weight scales
+  // with a row stride padded to a multiple of 4 k-blocks (measured: k-block counts 2 and 5 match
+  // the reference only so; PyTorch's checks on its DeepSeek-style scaled_mm say the same): a
+  // checkpoint's [ceil(out/128), ceil(in/128)] tensor is copied into that layout when
+  // ceil(in/128) % 4 != 0 (a few KB; DeepSeek/GLM shapes need none). When T % 4 != 0 (MoE
+  // experts' row counts, mostly) the GEMM writes its Tp rows into scratch and the first T rows (a
+  // contiguous prefix) are copied to y. `out` is what fp8_fast_plan returned for the same bf16_out.
+  bool lt_fp8_fast(const Fp8X& xq, int64_t T, const DevW& w, void* y, Fp8BlockGemm::Out out, bool bf16_out = false) {
     const int64_t K = w.in, M = w.out, KB = (K + 127) / 128, KB4 = (KB + 3) / 4 * 4, MB = (M + 127) / 128;
-    const int64_t Tp = (T + 3) / 4 * 4;
-    const size_t qbytes = size_t(Tp * K + 15) / 16 * 16, sbytes = size_t(KB * Tp * 4 + 15) / 16 * 16;
-    const bool pad = KB4 != KB;
-    char* buf = f8x_.get<char>(qbytes + sbytes + (pad ? size_t(MB * KB4) * 4 : 0));
-    uint8_t* xq = reinterpret_cast<uint8_t*>(buf);
-    float* xs = reinterpret_cast<float*>(buf + qbytes);
+    const int64_t Tp = xq.Tp;
     const float* ws = w.s;
-    {
-      ProfScope ps(prof_, stream_, [] { return std::string("act_quant x"); }, 0.0);
-      act_quant(x, T, Tp, K, xq, xs, stream_);
-    }
-    if (pad) {
-      float* wsp = reinterpret_cast<float*>(buf + qbytes + sbytes);
+    if (KB4 != KB) {
+      float* wsp = f8s_.get<float>(size_t(MB * KB4));
       VIREO_CUDA_CHECK(cudaMemcpy2DAsync(wsp, size_t(KB4) * 4, w.s, size_t(KB) * 4, size_t(KB) * 4, size_t(MB),
                                          cudaMemcpyDeviceToDevice, stream_));
       ws = wsp;
     }
-    const bool f32 = out == Fp8BlockGemm::Out::F32;
-    if (f32 && Tp == T) return fp8g_->run(M, Tp, K, w.w, ws, xq, xs, y, stream_);
-    void* d = f8d_.get<char>(size_t(Tp * M) * (f32 ? 4 : 2));
-    if (!fp8g_->run(M, Tp, K, w.w, ws, xq, xs, d, stream_)) return false;
-    ProfScope ps(prof_, stream_, [f32] { return std::string(f32 ? "copy d" : "widen d"); }, 0.0);
-    if (f32) VIREO_CUDA_CHECK(cudaMemcpyAsync(y, d, size_t(T * M) * 4, cudaMemcpyDeviceToDevice, stream_));
-    else widen_bf16(d, T * M, y, stream_);
+    const bool dbf16 = out == Fp8BlockGemm::Out::Bf16;  // D's type (bf16_out implies it)
+    if (Tp == T && dbf16 == bf16_out) return fp8g_->run(M, Tp, K, bf16_out, w.w, ws, xq.q, xq.s, y, stream_);
+    void* d = f8d_.get<char>(size_t(Tp * M) * (dbf16 ? 2 : 4));
+    if (!fp8g_->run(M, Tp, K, bf16_out, w.w, ws, xq.q, xq.s, d, stream_)) return false;
+    const bool widen = dbf16 && !bf16_out;
+    ProfScope ps(prof_, stream_, [widen] { return std::string(widen ? "widen d" : "copy d"); }, 0.0);
+    if (widen) widen_bf16(d, T * M, static_cast<float*>(y), stream_);
+    else VIREO_CUDA_CHECK(cudaMemcpyAsync(y, d, size_t(T * M) * (dbf16 ? 2 : 4), cudaMemcpyDeviceToDevice, stream_));
+    return true;
+  }
+
+  // Fast-mode products of FP8 weights sharing one input (an expert's gate and up; an attention
+  // layer's input products): x quantized once for all of them. False (nothing run) unless every
+  // weight takes the FP8 x FP8 path.
+  bool lt_fp8_fast_many(const float* x, int64_t T, const Weight* const* ws, float* const* ys, int n) {
+    if (T <= 8 || mode_ != CudaGemmMode::Bf16 || n <= 0) return false;
+    std::vector<DevW> w(static_cast<size_t>(n));
+    std::vector<Fp8BlockGemm::Out> out(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) {
+      w[size_t(i)] = devw(*ws[i]);
+      if (w[size_t(i)].dt != W_FP8 || w[size_t(i)].in != w[0].in) return false;
+      out[size_t(i)] = fp8_fast_plan(T, w[size_t(i)], ys[i]);
+      if (out[size_t(i)] == Fp8BlockGemm::Out::None) return false;
+    }
+    const Fp8X xq = fp8_quantize_x(x, T, w[0].in);
+    for (int i = 0; i < n; ++i) {
+      const DevW& wi = w[size_t(i)];
+      ProfScope ps(
+          prof_, stream_,
+          [&] {
+            return "matmul fp8 " + std::to_string(wi.out) + "x" + std::to_string(wi.in) + " lt fp8xfp8 " +
+                   (out[size_t(i)] == Fp8BlockGemm::Out::F32 ? "f32-out" : "bf16-out") + " (x shared)";
+          },
+          2.0 * double(T) * double(wi.out) * double(wi.in));
+      if (!lt_fp8_fast(xq, T, wi, ys[i], out[size_t(i)])) {
+        // cuBLASLt refused a planned call (not seen): the shape is now None, and this weight and
+        // the rest run one matmul each (each quantizing x itself).
+        for (int j = i; j < n; ++j) matmul(x, T, *ws[j], ys[j]);
+        return true;
+      }
+    }
     return true;
   }
 
@@ -900,13 +983,29 @@ class CudaBackend final : public Backend {
     mla_decode(d, stream_);
   }
 
+  // Fast mode's kv_b expansion: y [T, w.out] written as bf16 by the GEMM itself (one bf16 pass,
+  // f32 accumulation, rounded once on output). False where the tensor-core path does not take it.
+  bool matmul_to_bf16(const float* x, int64_t T, const Weight& wt, void* y) {
+    const DevW w = devw(wt);
+    if (T <= 8 || mode_ != CudaGemmMode::Bf16 || (w.dt != W_BF16 && w.dt != W_FP8)) return false;
+    // FP8: e4m3 x e4m3 writing bf16 directly where cuBLASLt takes the shape.
+    const bool f8 = w.dt == W_FP8 && fp8_fast_plan(T, w, y, true) == Fp8BlockGemm::Out::Bf16;
+    ProfScope ps(
+        prof_, stream_,
+        [&] {
+          return std::string("matmul ") + (w.dt == W_BF16 ? "bf16 " : "fp8 ") + std::to_string(w.out) + "x" +
+                 std::to_string(w.in) + (f8 ? " lt fp8xfp8, bf16 out" : " lt, bf16 out");
+        },
+        2.0 * double(T) * double(w.out) * double(w.in));
+    if (f8 && lt_fp8_fast(fp8_quantize_x(x, T, w.in), T, w, y, Fp8BlockGemm::Out::Bf16, true)) return true;
+    return w.dt == W_BF16 ? lt_bf16(x, T, w, y, CUDA_R_16BF) : lt_fp8(x, T, w, y, CUDA_R_16BF);
+  }
+
   void attention_reconstructed(const MlaAttentionArgs& a) {
     const int64_t H = a.n_heads, nope = a.qk_nope, rope = a.qk_rope, vd = a.v_dim, L = a.kv_lora;
     const int64_t N = a.n_keys, kvw = L + rope, qw = nope + rope, hw = nope + vd;
     float* latent = latent_.get<float>(size_t(N * L));
     copy_rows(latent, L, a.kv, kvw, N, L);
-    float* kvx = kvx_.get<float>(size_t(N * H * hw));
-    matmul(latent, N, *a.kv_b, kvx);
     PrefillAttnArgs p;
     p.q = a.q;
     p.T = a.T;
@@ -917,12 +1016,31 @@ class CudaBackend final : public Backend {
     p.L = L;
     p.kv = a.kv;
     p.kvw = kvw;
-    p.kvx = kvx;
     p.hw = hw;
     p.n_keys = N;
     p.pos0 = a.pos0;
     p.scale = a.scale;
     p.out = a.out;
+    // Fast mode: kv_b's k_nope | v rows go to bf16 (kvbf16_: [N, H, hw], then k_rope [N, rope])
+    // straight from the GEMM, where its tensor-core path takes the weight (else f32, then rounded),
+    // and the one-pass kernel reads them there: no f32 copy of the expansion is made or read.
+    const bool fast = mode_ == CudaGemmMode::Bf16 && mla_prefill_fast_supported(p);
+    char* kvxb = nullptr;
+    char* ropeb = nullptr;
+    if (fast) {
+      const size_t n = size_t(N * H * hw), nb = (n * 2 + 15) / 16 * 16;
+      kvxb = kvbf16_.get<char>(nb + size_t(N * rope) * 2);
+      ropeb = kvxb + nb;
+      if (!matmul_to_bf16(latent, N, *a.kv_b, kvxb)) {
+        float* kvx = kvx_.get<float>(n);
+        matmul(latent, N, *a.kv_b, kvx);
+        split_bf16(kvx, int64_t(n), kvxb, nullptr, stream_);
+      }
+    } else {
+      float* kvx = kvx_.get<float>(size_t(N * H * hw));
+      matmul(latent, N, *a.kv_b, kvx);
+      p.kvx = kvx;
+    }
     if (a.selection.keys) {
       VIREO_PROF("build_mask");
       p.mwords = (N + 31) / 32;
@@ -934,11 +1052,24 @@ class CudaBackend final : public Backend {
     double causal = 0;
     if (prof_.on())
       for (int64_t t = 0; t < a.T; ++t) causal += double(std::min(N, a.pos0 + t + 1));
+    const double flops = 2.0 * causal * double(H * (qw + vd));
+    if (fast) {
+      ProfScope ps(prof_, stream_, [] { return std::string("prefill kernel (bf16 one pass)"); }, flops);
+      mla_prefill_fast_rope(p, ropeb, stream_);
+      mla_prefill_fast(p, kvxb, ropeb, stream_);
+      last_prefill_ = "bf16 one pass";
+      return;
+    }
     const bool tc = mode_ != CudaGemmMode::Simt;
     ProfScope ps(
         prof_, stream_, [tc] { return std::string(tc ? "prefill kernel (tensor cores)" : "prefill kernel (f32)"); },
-        2.0 * causal * double(H * (qw + vd)));
-    if (!(tc && mla_prefill_tc(p, stream_))) mla_prefill(p, stream_);
+        flops);
+    if (tc && mla_prefill_tc(p, stream_)) {
+      last_prefill_ = "tensor cores";
+    } else {
+      mla_prefill(p, stream_);
+      last_prefill_ = "f32";
+    }
   }
 
   cudaStream_t stream_ = nullptr;
@@ -953,11 +1084,12 @@ class CudaBackend final : public Backend {
   std::vector<std::shared_ptr<char>> owned_;
   uint64_t weight_bytes_ = 0;  // bytes of weights uploaded (owned_)
   std::unordered_map<const void*, Weight> uploaded_;
-  Scratch flag_, scores_, dscores_, route_, xbf16_, wbf16_, qlat_, part_, latent_, kvx_, mask_, moe_h_;
-  // The fast FP8 path: e4m3 x + its scales (+ padded weight scales); D when it is bf16 or has
-  // padding rows.
-  Scratch f8x_, f8d_;
+  Scratch flag_, scores_, dscores_, route_, xbf16_, wbf16_, qlat_, part_, latent_, kvx_, mask_, moe_h_, kvbf16_;
+  // The fast FP8 path: e4m3 x + its scales; D when it is bf16 or has padding rows; the weight
+  // scales with padded rows.
+  Scratch f8x_, f8d_, f8s_;
   std::unique_ptr<Fp8BlockGemm> fp8g_;
+  const char* last_prefill_ = "";  // the kernel the last reconstructed (prefill) attention ran
   std::unordered_map<const ExpertBank*, DeviceBank> banks_;
   SampleRowsOp sample_op_;
 };
@@ -1001,6 +1133,8 @@ void cuda_set_gemm_mode(Backend& b, CudaGemmMode mode) { as_cuda(b).set_gemm_mod
 void cuda_set_fast_decode(Backend& b, bool attention, bool indexer_scores, bool indexer_topk) {
   as_cuda(b).set_fast_decode(attention, indexer_scores, indexer_topk);
 }
+
+std::string cuda_last_prefill_attention(Backend& b) { return as_cuda(b).last_prefill_kernel(); }
 
 void cuda_set_fp8_chunk_bytes(Backend& b, size_t bytes) { as_cuda(b).set_fp8_chunk_bytes(int64_t(bytes)); }
 

@@ -154,8 +154,8 @@ bool Fp8BlockGemm::try_plan(Entry& e, int64_t M, int64_t N, int64_t K, cudaDataT
   return ok;
 }
 
-Fp8BlockGemm::Out Fp8BlockGemm::plan(int64_t M, int64_t N, int64_t K) {
-  const auto key = std::make_tuple(M, N, K);
+Fp8BlockGemm::Out Fp8BlockGemm::plan(int64_t M, int64_t N, int64_t K, bool bf16_out) {
+  const auto key = std::make_tuple(M, N, K, bf16_out);
   auto it = cache_.find(key);
   if (it != cache_.end()) return it->second.out;
   Entry e;
@@ -163,15 +163,15 @@ Fp8BlockGemm::Out Fp8BlockGemm::plan(int64_t M, int64_t N, int64_t K) {
   // (cuBLASLt 13.1) the heuristic found an f32-output algorithm for every shape tried (the tests'
   // and the GLM-5 prefill's, N % 4 == 0): bf16 D plus widening is the fallback for a library or
   // GPU without one, not exercised there.
-  if (try_plan(e, M, N, K, CUDA_R_32F)) e.out = Out::F32;
+  if (!bf16_out && try_plan(e, M, N, K, CUDA_R_32F)) e.out = Out::F32;
   else if (try_plan(e, M, N, K, CUDA_R_16BF)) e.out = Out::Bf16;
   cache_.emplace(key, e);
   return e.out;
 }
 
-bool Fp8BlockGemm::run(int64_t M, int64_t N, int64_t K, const void* A, const float* a_scale, const void* B,
-                       const float* b_scale, void* D, cudaStream_t st) {
-  auto it = cache_.find(std::make_tuple(M, N, K));
+bool Fp8BlockGemm::run(int64_t M, int64_t N, int64_t K, bool bf16_out, const void* A, const float* a_scale,
+                       const void* B, const float* b_scale, void* D, cudaStream_t st) {
+  auto it = cache_.find(std::make_tuple(M, N, K, bf16_out));
   if (it == cache_.end() || it->second.out == Out::None) return false;
   Entry& e = it->second;
   const float alpha = 1.0f, beta = 0.0f;

@@ -37,12 +37,13 @@ class Fp8BlockGemm {
   Fp8BlockGemm& operator=(const Fp8BlockGemm&) = delete;
 
   // The output type the shape runs with: f32 when cuBLASLt has an algorithm writing f32 D, else
-  // bf16 D (the caller widens it), else None. Asked once per shape; later calls read the cache.
-  Out plan(int64_t M, int64_t N, int64_t K);
+  // bf16 D (the caller widens it), else None; with bf16_out, bf16 D or None. Asked once per shape
+  // and request; later calls read the cache.
+  Out plan(int64_t M, int64_t N, int64_t K, bool bf16_out = false);
   // Runs a planned shape; D is f32 or bf16 as plan() said. False if cuBLASLt refuses the call
   // (the shape is then marked None).
-  bool run(int64_t M, int64_t N, int64_t K, const void* A, const float* a_scale, const void* B, const float* b_scale,
-           void* D, cudaStream_t st);
+  bool run(int64_t M, int64_t N, int64_t K, bool bf16_out, const void* A, const float* a_scale, const void* B,
+           const float* b_scale, void* D, cudaStream_t st);
 
  private:
   struct Entry {
@@ -57,7 +58,7 @@ class Fp8BlockGemm {
   cublasLtHandle_t lt_;
   void* ws_;
   size_t ws_bytes_;
-  std::map<std::tuple<int64_t, int64_t, int64_t>, Entry> cache_;
+  std::map<std::tuple<int64_t, int64_t, int64_t, bool>, Entry> cache_;
 };
 
 }  // namespace vireo::cuda

@@ -558,12 +558,18 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
   backend_.matmul(o, N, a.o_proj, out);
 }
 
+// g = x gate^T, u = x up^T as one matmul_many: a backend converts the shared input once.
+void GlmDsaModel::gate_up(const float* x, int64_t T, const Weight& gate, const Weight& up, float* g, float* u) {
+  const Weight* ws[2] = {&gate, &up};
+  float* ys[2] = {g, u};
+  backend_.matmul_many(x, T, ws, ys, 2);
+}
+
 void GlmDsaModel::mlp(const MlpWeights& w, const float* x, int64_t T, float* out, int scratch_slot) {
   const int64_t I = w.gate.out();
   float* g = scratch(scratch_slot, size_t(T * I));
   float* u = scratch(scratch_slot + 1, size_t(T * I));
-  backend_.matmul(x, T, w.gate, g);
-  backend_.matmul(x, T, w.up, u);
+  gate_up(x, T, w.gate, w.up, g, u);
   backend_.swiglu(g, u, g, T * I);
   backend_.matmul(g, T, w.down, out);
 }
@@ -694,8 +700,7 @@ void GlmDsaModel::moe_grouped(int layer, const float* xn, int64_t N, const int32
   auto run_expert = [&](const ExpertWeights* e, int expert, float* rows) {
     const int64_t at = offsets[size_t(expert)], m = offsets[size_t(expert) + 1] - at;
     backend_.gather_rows(xn, token_of + at, m, D, xs);
-    backend_.matmul(xs, m, e->gate, g);
-    backend_.matmul(xs, m, e->up, u);
+    gate_up(xs, m, e->gate, e->up, g, u);
     backend_.swiglu(g, u, g, m * I);
     backend_.matmul(g, m, e->down, rows);
   };

@@ -144,6 +144,7 @@ class GlmDsaModel {
   // Scratch slots scratch_slot and scratch_slot + 1 hold the gate and up products. The MoE paths'
   // shared expert uses its own pair (kMoeMlpSlot), apart from the dense layers' (see replay()).
   static constexpr int kMoeMlpSlot = 41;
+  void gate_up(const float* x, int64_t T, const Weight& gate, const Weight& up, float* g, float* u);
   void mlp(const MlpWeights& w, const float* x, int64_t T, float* out, int scratch_slot = 20);
   float* scratch(int slot, size_t n);
   int32_t* scratch_i32(int slot, size_t n);
