@@ -263,3 +263,40 @@ TEST(CudaOps, Fp8FastMatmulFallbackShapes) {
   check(run_case(*gpu, 256, 520, 50, 22), false, "256x520");
 }
 #endif
+
+#ifdef VIREO_HAVE_CUDA
+// Products sharing an input (an expert's gate and up): matmul_many quantizes x once and runs each
+// FP8 x FP8 GEMM on it; the results equal separate matmuls bit for bit (same e4m3 x, same plans).
+TEST(CudaOps, Fp8FastMatmulManySharesX) {
+  REQUIRE_CUDA();
+  auto gpu = make_cuda_backend();
+  const int64_t T = 37, in = 512;
+  Fp8Weight a = fp8_weight(256, in, 31), b = fp8_weight(384, in, 32);
+  const std::vector<float> x = activations(T, in, 33);
+  auto xb = gpu->alloc_f32(x.size());
+  gpu->copy_from_host(xb.get(), x.data(), x.size());
+  const Weight ga = gpu->upload_weight(a.w), gb = gpu->upload_weight(b.w);
+  auto ya = gpu->alloc_f32(size_t(T * 256)), yb = gpu->alloc_f32(size_t(T * 384));
+  auto sa = gpu->alloc_f32(size_t(T * 256)), sb = gpu->alloc_f32(size_t(T * 384));
+  cuda_set_gemm_mode(*gpu, CudaGemmMode::Bf16);
+  cuda_set_profile(*gpu, true);
+  const Weight* ws[2] = {&ga, &gb};
+  float* ys[2] = {ya.get(), yb.get()};
+  gpu->matmul_many(xb.get(), T, ws, ys, 2);
+  const std::string report = cuda_profile_report(*gpu, 1.0);
+  cuda_set_profile(*gpu, false);
+  gpu->matmul(xb.get(), T, ga, sa.get());
+  gpu->matmul(xb.get(), T, gb, sb.get());
+  cuda_set_gemm_mode(*gpu, CudaGemmMode::Split);
+  auto down = [&](const float* p, size_t n) {
+    std::vector<float> h(n);
+    gpu->copy_to_host(h.data(), p, n);
+    return h;
+  };
+  if (is_hopper()) {
+    EXPECT_NE(report.find("fp8xfp8 f32-out (x shared)"), std::string::npos) << report;
+  }
+  EXPECT_EQ(down(ya.get(), size_t(T * 256)), down(sa.get(), size_t(T * 256)));
+  EXPECT_EQ(down(yb.get(), size_t(T * 384)), down(sb.get(), size_t(T * 384)));
+}
+#endif
