@@ -255,12 +255,15 @@ TEST(CudaOps, Fp8FastMatmulOffsets) {
   check(run_case(*gpu, 256, 512, 33, 12, 0, 1), false, "y+1");
 }
 
-// Shapes the path leaves to the bf16 dequantizing GEMM: out % 8 != 0, in % 16 != 0.
+// Shapes the path leaves to the bf16 dequantizing GEMM: out % 8 != 0, in % 16 != 0, and (for now,
+// see fp8_fast_plan) out or in under 128.
 TEST(CudaOps, Fp8FastMatmulFallbackShapes) {
   REQUIRE_CUDA();
   auto gpu = make_cuda_backend();
   check(run_case(*gpu, 300, 512, 50, 21), false, "300x512");
   check(run_case(*gpu, 256, 520, 50, 22), false, "256x520");
+  check(run_case(*gpu, 64, 320, 50, 23), false, "64x320");
+  check(run_case(*gpu, 320, 64, 50, 24), false, "320x64");
 }
 #endif
 

@@ -855,9 +855,16 @@ class CudaBackend final : public Backend {
   // cuBLASLt runs it only for a token count N % 4 == 0 (measured: the activation scales'
   // [k-block, N] rows must be 16-byte multiples), so N is T rounded up to 4 (zero rows).
   // bf16_out: y is bf16 (the fast attention's kv_b expansion), written by the GEMM itself.
+  // Also excluded, for now: weights under one 128-block in either dimension. The tests cover
+  // out >= 256 and in >= 208 (partial last blocks included); the glm_dsa_fp8 fixture in the fast
+  // mode came out wrong (prefill logits rel L2 0.70, the other fixtures ~5e-3) while its expert
+  // gate/up (out 64), expert down (in 64) and the kv_b bf16 output below ran here. Which one is
+  // not known yet (no device run left to tell): both stay on the bf16 path until it is; they are
+  // a few MFLOP.
   Fp8BlockGemm::Out fp8_fast_plan(int64_t T, const DevW& w, const void* y, bool bf16_out = false) {
     auto al = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-    if (w.in % 16 != 0 || w.out % 8 != 0 || !al(y) || !al(w.w) || !al(w.s)) return Fp8BlockGemm::Out::None;
+    if (w.in % 16 != 0 || w.out % 8 != 0 || w.in < 128 || w.out < 128 || !al(y) || !al(w.w) || !al(w.s))
+      return Fp8BlockGemm::Out::None;
     return fp8g_->plan(w.out, (T + 3) / 4 * 4, w.in, bf16_out);
   }
 
@@ -988,16 +995,15 @@ class CudaBackend final : public Backend {
   bool matmul_to_bf16(const float* x, int64_t T, const Weight& wt, void* y) {
     const DevW w = devw(wt);
     if (T <= 8 || mode_ != CudaGemmMode::Bf16 || (w.dt != W_BF16 && w.dt != W_FP8)) return false;
-    // FP8: e4m3 x e4m3 writing bf16 directly where cuBLASLt takes the shape.
-    const bool f8 = w.dt == W_FP8 && fp8_fast_plan(T, w, y, true) == Fp8BlockGemm::Out::Bf16;
+    // (FP8 weights: the bf16 dequantizing GEMM, not the FP8 x FP8 one, until the glm_dsa_fp8
+    // fixture's fast-mode failure is understood: see fp8_fast_plan.)
     ProfScope ps(
         prof_, stream_,
         [&] {
           return std::string("matmul ") + (w.dt == W_BF16 ? "bf16 " : "fp8 ") + std::to_string(w.out) + "x" +
-                 std::to_string(w.in) + (f8 ? " lt fp8xfp8, bf16 out" : " lt, bf16 out");
+                 std::to_string(w.in) + " lt, bf16 out";
         },
         2.0 * double(T) * double(w.out) * double(w.in));
-    if (f8 && lt_fp8_fast(fp8_quantize_x(x, T, w.in), T, w, y, Fp8BlockGemm::Out::Bf16, true)) return true;
     return w.dt == W_BF16 ? lt_bf16(x, T, w, y, CUDA_R_16BF) : lt_fp8(x, T, w, y, CUDA_R_16BF);
   }
 
