@@ -35,8 +35,11 @@ uint64_t cuda_weight_bytes(Backend& cuda);
 // bf16 tensor-core products on x = hi + lo (both bf16; FP8 weights and attention operands split
 // too: 2 passes for BF16 weights, 3 for FP8 and attention), f32 accumulation: ~2^-16 relative
 // error, fixture-exact. Bf16 rounds to bf16 once (one GEMM pass, ~2^-9 relative error, as most
-// engines; prefill attention too: one bf16 pass with f32 accumulation, cuda_prefill_fast.cu).
-// Simt: f32 CUDA-core tiles for GEMMs and attention (exact f32 math, slow).
+// engines; prefill attention too: one bf16 pass with f32 accumulation, cuda_prefill_fast.cu). On
+// FP8 weights it runs DeepSeek's scheme instead where cuBLASLt takes the shape: x quantized to
+// e4m3 per (token, 128 columns), an FP8 x FP8 block-scaled GEMM (~2^-4 relative per element of x,
+// output NMSE ~5e-4; cuda_fp8_gemm.h). Simt: f32 CUDA-core tiles for GEMMs and attention (exact
+// f32 math, slow).
 enum class CudaGemmMode { Split, Bf16, Simt };
 void cuda_set_gemm_mode(Backend& cuda, CudaGemmMode mode);
 // Which kernel the last prefill (reconstructed-path) attention ran: "bf16 one pass" (Bf16 mode),

@@ -9,7 +9,8 @@
 //    y = W_hi x_hi + W_hi x_lo + W_lo x_hi (three passes, f32 accumulation; the dropped W_lo x_lo
 //    and the rounding of the lo parts are ~2^-16 relative). F32/F16 weights (and shapes cuBLASLt
 //    refuses) run a tiled f32 CUDA-core kernel. cuBLASLt's own FP8 path needs FP8 activations
-//    (measured in shared/notes), which is a different, lossier function: not used.
+//    (measured in shared/notes), which is a different, lossier function: the exact mode does not
+//    use it; the fast mode does on FP8 weights, as DeepSeek's inference does (cuda_fp8_gemm.h).
 #include <cublasLt.h>
 
 #include <algorithm>

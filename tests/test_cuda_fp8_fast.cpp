@@ -1,0 +1,305 @@
+// The fast math mode's prefill GEMM on FP8 weights (cuda_fp8_gemm.h): x quantized to e4m3 per
+// (token, 128-column block) with scale amax / 448, then an e4m3 x e4m3 block-scaled cuBLASLt GEMM.
+// Checked two ways, by NMSE (sum (got - want)^2 / sum want^2):
+//  - against a host reference that quantizes x exactly as act_quant does (same f32 divisions,
+//    vireo's f32_to_fp8_e4m3, checked below to round like __nv_cvt_float_to_fp8 with satfinite)
+//    and multiplies the quantized operands in double. What is left is the GPU's accumulation:
+//    Hopper's FP8 MMA keeps ~14 bits inside each 128-deep block before cuBLASLt adds the scaled
+//    block sums in f32 (DeepSeek-V3 report, 3.3.2): measured 0.85e-8 to 3.9e-8 on the H200
+//    (cuBLASLt 13.1, f32 D); threshold 1e-7. With bf16 D
+//    (where cuBLASLt has no f32-output algorithm) the output's own rounding adds ~2^-18 / 3:
+//    threshold 1e-5.
+//  - against the CPU backend's exact f32 matmul: the difference is the e4m3 rounding of x
+//    (3 mantissa bits: a relative error up to 2^-4, ~5.6e-4 NMSE for values spread over a binade;
+//    the weights are the same e4m3 bytes on both sides): measured 4.5e-4 to 6.4e-4; threshold 2e-3.
+// Shapes cuBLASLt refuses (or that the path's alignment rules exclude) fall back to the bf16
+// dequantizing GEMM: checked against the exact matmul at its bf16 level (1e-4). Which path ran is
+// read from the op profile's path name.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/cpu/matmul.h"
+#include "backend/cuda/cuda_backend.h"
+#include "core/dtype.h"
+#include "core/thread_pool.h"
+#include "cuda_test_util.h"
+
+#ifdef VIREO_HAVE_CUDA
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+using namespace vireo;
+
+namespace {
+
+double nmse_of(const std::vector<float>& got, const std::vector<double>& want) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (!std::isfinite(got[i])) return INFINITY;
+    const double d = double(got[i]) - want[i];
+    num += d * d;
+    den += want[i] * want[i];
+  }
+  return num / std::max(den, 1e-300);
+}
+
+// An FP8 weight [out, in] with 128x128 block scales amax / 448, from values whose magnitude
+// varies by block (so the scales differ), owning its bytes.
+struct Fp8Weight {
+  std::vector<uint8_t> q;
+  std::vector<float> s;
+  Weight w;
+};
+Fp8Weight fp8_weight(int64_t out, int64_t in, uint32_t seed) {
+  std::mt19937 g(seed);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f), mag(0.02f, 0.3f);
+  const int64_t so = (out + 127) / 128, si = (in + 127) / 128;
+  std::vector<float> bm(size_t(so * si));
+  for (float& m : bm) m = mag(g);
+  std::vector<float> v(size_t(out * in));
+  for (int64_t i = 0; i < out; ++i)
+    for (int64_t j = 0; j < in; ++j) v[size_t(i * in + j)] = u(g) * bm[size_t((i / 128) * si + j / 128)];
+  Fp8Weight h;
+  h.s.assign(size_t(so * si), 0.0f);
+  for (int64_t i = 0; i < out; ++i)
+    for (int64_t j = 0; j < in; ++j) {
+      float& m = h.s[size_t((i / 128) * si + j / 128)];
+      m = std::max(m, std::fabs(v[size_t(i * in + j)]) / 448.0f);
+    }
+  h.q.resize(v.size());
+  for (int64_t i = 0; i < out; ++i)
+    for (int64_t j = 0; j < in; ++j)
+      h.q[size_t(i * in + j)] = f32_to_fp8_e4m3(v[size_t(i * in + j)] / h.s[size_t((i / 128) * si + j / 128)]);
+  h.w.w = Tensor(h.q.data(), DType::F8_E4M3, {out, in});
+  h.w.scale_inv = Tensor(h.s.data(), DType::F32, {so, si});
+  return h;
+}
+
+// Activations [T, in]: magnitudes varying by token and block, one all-zero block (scale 1 on the
+// GPU; nothing to round) and one outlier per token-block row 3 (its block's amax).
+std::vector<float> activations(int64_t T, int64_t in, uint32_t seed) {
+  std::mt19937 g(seed);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f), mag(0.1f, 4.0f);
+  std::vector<float> x(size_t(T * in));
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t b = 0; b < in; b += 128) {
+      const float m = mag(g);
+      for (int64_t j = b; j < std::min(in, b + 128); ++j) x[size_t(t * in + j)] = u(g) * m;
+    }
+  for (int64_t j = 0; j < std::min<int64_t>(in, 128); ++j) x[size_t(1 * in + j)] = 0.0f;
+  x[size_t(3 * in + 5)] = 37.0f;
+  return x;
+}
+
+// DeepSeek's act_quant on the host, as the kernel does it: per (token, 128-column block)
+// s = amax / 448 (1 for a zero block), q = e4m3(x / s); returns the dequantized q * s (exact in
+// double).
+std::vector<double> act_quant_host(const std::vector<float>& x, int64_t T, int64_t in) {
+  std::vector<double> r(x.size());
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t b = 0; b < in; b += 128) {
+      const int64_t e = std::min(in, b + 128);
+      float a = 0.0f;
+      for (int64_t j = b; j < e; ++j) a = std::max(a, std::fabs(x[size_t(t * in + j)]));
+      const float s = a > 0.0f ? a / 448.0f : 1.0f;
+      for (int64_t j = b; j < e; ++j)
+        r[size_t(t * in + j)] = double(fp8_e4m3_to_f32(f32_to_fp8_e4m3(x[size_t(t * in + j)] / s))) * double(s);
+    }
+  return r;
+}
+
+// y[t, o] = sum_k xq[t, k] * W[o, k] in double, W = q * its block scale.
+std::vector<double> ref_matmul(const std::vector<double>& xq, int64_t T, const Fp8Weight& h, int64_t out,
+                               int64_t in) {
+  const int64_t si = (in + 127) / 128;
+  std::vector<double> w(size_t(out * in));
+  for (int64_t o = 0; o < out; ++o)
+    for (int64_t k = 0; k < in; ++k)
+      w[size_t(o * in + k)] = double(fp8_e4m3_to_f32(h.q[size_t(o * in + k)])) * double(h.s[size_t((o / 128) * si + k / 128)]);
+  std::vector<double> y(size_t(T * out));
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t o = 0; o < out; ++o) {
+      double acc = 0;
+      const double* xr = &xq[size_t(t * in)];
+      const double* wr = &w[size_t(o * in)];
+      for (int64_t k = 0; k < in; ++k) acc += xr[k] * wr[k];
+      y[size_t(t * out + o)] = acc;
+    }
+  return y;
+}
+
+bool is_hopper() {
+  cudaDeviceProp p{};
+  return cudaGetDeviceProperties(&p, 0) == cudaSuccess && p.major == 9;
+}
+
+struct Result {
+  std::string path;  // "f32-out", "bf16-out" or "fallback"
+  double vs_quant = 0, vs_exact = 0;
+};
+
+// One fast-mode matmul on the GPU: the path it took and its NMSE against both references.
+// x_off / y_off: element offsets into the device buffers (16-byte but not 256-byte aligned y;
+// unaligned x takes act_quant's scalar loads).
+Result run_case(Backend& gpu, int64_t out, int64_t in, int64_t T, uint32_t seed, int64_t x_off = 0,
+                int64_t y_off = 0) {
+  Fp8Weight h = fp8_weight(out, in, seed);
+  const std::vector<float> x = activations(T, in, seed + 1);
+  std::vector<float> exact_f(size_t(T * out));
+  cpu_matmul(x.data(), T, h.w, exact_f.data(), ThreadPool::global());
+  const std::vector<double> exact(exact_f.begin(), exact_f.end());
+  const std::vector<double> want = ref_matmul(act_quant_host(x, T, in), T, h, out, in);
+
+  auto xb = gpu.alloc_f32(size_t(T * in + x_off));
+  auto yb = gpu.alloc_f32(size_t(T * out + y_off));
+  gpu.copy_from_host(xb.get() + x_off, x.data(), x.size());
+  gpu.fill(yb.get() + y_off, NAN, T * out);  // poison: every output must be written
+  const Weight gw = gpu.upload_weight(h.w);
+  cuda_set_gemm_mode(gpu, CudaGemmMode::Bf16);
+  cuda_set_profile(gpu, true);
+  gpu.matmul(xb.get() + x_off, T, gw, yb.get() + y_off);
+  const std::string report = cuda_profile_report(gpu, 1.0);
+  cuda_set_profile(gpu, false);
+  cuda_set_gemm_mode(gpu, CudaGemmMode::Split);
+  std::vector<float> got(size_t(T * out));
+  gpu.copy_to_host(got.data(), yb.get() + y_off, got.size());
+
+  Result r;
+  r.path = report.find("fp8xfp8 f32-out") != std::string::npos    ? "f32-out"
+           : report.find("fp8xfp8 bf16-out") != std::string::npos ? "bf16-out"
+                                                                  : "fallback";
+  r.vs_quant = nmse_of(got, want);
+  r.vs_exact = nmse_of(got, exact);
+  std::printf("  fp8 fast %4lldx%-4lld T %4lld x+%lld y+%lld: %-8s NMSE vs quantized ref %.3g, vs exact %.3g\n",
+              (long long)out, (long long)in, (long long)T, (long long)x_off, (long long)y_off, r.path.c_str(),
+              r.vs_quant, r.vs_exact);
+  return r;
+}
+
+void check(const Result& r, bool expect_fast, const std::string& what) {
+  if (r.path == "fallback") {
+    EXPECT_FALSE(expect_fast) << what << ": expected the FP8 x FP8 path on this GPU";
+    EXPECT_LT(r.vs_exact, 1e-4) << what << " (fallback)";
+    return;
+  }
+  EXPECT_LT(r.vs_quant, r.path == "f32-out" ? 1e-7 : 1e-5) << what << " " << r.path;
+  EXPECT_LT(r.vs_exact, 2e-3) << what << " " << r.path;
+}
+
+}  // namespace
+
+// vireo's f32_to_fp8_e4m3 (the host reference's rounding) against CUDA's __nv_cvt_float_to_fp8
+// with satfinite (the kernel's), on the values where roundings differ: every code, every midpoint
+// between neighbouring codes (ties go to the even code) and one f32 ulp either side, the subnormal
+// range, past 448, and random values. Host-side only (cuda_fp8.h's conversions are host-callable).
+TEST(CudaOps, Fp8FastQuantRounding) {
+  std::vector<float> vals;
+  for (int c = 0; c < 0x7f; ++c) {
+    const float a = fp8_e4m3_to_f32(uint8_t(c)), b = c + 1 < 0x7f ? fp8_e4m3_to_f32(uint8_t(c + 1)) : 480.0f;
+    const float mid = 0.5f * (a + b);
+    for (float v : {a, mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 1e9f), b}) {
+      vals.push_back(v);
+      vals.push_back(-v);
+    }
+  }
+  for (float v : {448.0f, 448.5f, 464.0f, 465.0f, 1e6f, 1e-12f, 0.0f, -0.0f}) {
+    vals.push_back(v);
+    vals.push_back(-v);
+  }
+  std::mt19937 g(7);
+  std::uniform_real_distribution<float> e(-14.0f, 9.0f);
+  for (int i = 0; i < 20000; ++i) vals.push_back((i & 1 ? -1.0f : 1.0f) * std::exp2(e(g)));
+  int bad = 0;
+  for (float v : vals) {
+    const uint8_t mine = f32_to_fp8_e4m3(v);
+    const uint8_t cuda = uint8_t(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+    const bool zeros = (mine & 0x7f) == 0 && (cuda & 0x7f) == 0;  // +-0: the same in a product
+    if (mine != cuda && !zeros && bad++ < 10)
+      ADD_FAILURE() << "f32_to_fp8_e4m3(" << v << ") = " << int(mine) << ", CUDA: " << int(cuda);
+  }
+  EXPECT_EQ(bad, 0);
+}
+
+// Shapes: whole 128-blocks; partial blocks in both dims (296 x 400); k-block counts that are not a
+// multiple of 4 (640: 5, 208: 2, the weight scales' padded copy); T from just past the decode
+// kernels (9: not a multiple of 4, so the GEMM runs on 12 rows, 3 of them zero, into scratch) to
+// a long prompt.
+TEST(CudaOps, Fp8FastMatmul) {
+  REQUIRE_CUDA();
+  auto gpu = make_cuda_backend();
+  const bool hopper = is_hopper();
+  struct S { int64_t out, in; };
+  for (S s : {S{256, 512}, S{296, 400}, S{512, 640}, S{384, 208}})
+    for (int64_t T : {9, 100, 1000}) {
+      const Result r = run_case(*gpu, s.out, s.in, T, uint32_t(s.out * 31 + s.in + T));
+      check(r, hopper, std::to_string(s.out) + "x" + std::to_string(s.in) + " T " + std::to_string(T));
+    }
+}
+
+// Pointers off their allocation's start: x at +1 float (act_quant's scalar path), y at +4 floats
+// (16-byte aligned only: the planned algorithms must not assume more), T = 36 (a multiple of 4:
+// cuBLASLt writes y itself); y at +1 float is not 16-byte aligned and must take the fallback.
+TEST(CudaOps, Fp8FastMatmulOffsets) {
+  REQUIRE_CUDA();
+  auto gpu = make_cuda_backend();
+  const bool hopper = is_hopper();
+  check(run_case(*gpu, 256, 512, 36, 11, 1, 4), hopper, "x+1 y+4");
+  check(run_case(*gpu, 256, 512, 33, 12, 0, 1), false, "y+1");
+}
+
+// Shapes the path leaves to the bf16 dequantizing GEMM: out % 8 != 0, in % 16 != 0, and (for now,
+// see fp8_fast_plan) out or in under 128.
+TEST(CudaOps, Fp8FastMatmulFallbackShapes) {
+  REQUIRE_CUDA();
+  auto gpu = make_cuda_backend();
+  check(run_case(*gpu, 300, 512, 50, 21), false, "300x512");
+  check(run_case(*gpu, 256, 520, 50, 22), false, "256x520");
+  check(run_case(*gpu, 64, 320, 50, 23), false, "64x320");
+  check(run_case(*gpu, 320, 64, 50, 24), false, "320x64");
+}
+#endif
+
+#ifdef VIREO_HAVE_CUDA
+// Products sharing an input (an expert's gate and up): matmul_many quantizes x once and runs each
+// FP8 x FP8 GEMM on it; the results equal separate matmuls bit for bit (same e4m3 x, same plans).
+TEST(CudaOps, Fp8FastMatmulManySharesX) {
+  REQUIRE_CUDA();
+  auto gpu = make_cuda_backend();
+  const int64_t T = 37, in = 512;
+  Fp8Weight a = fp8_weight(256, in, 31), b = fp8_weight(384, in, 32);
+  const std::vector<float> x = activations(T, in, 33);
+  auto xb = gpu->alloc_f32(x.size());
+  gpu->copy_from_host(xb.get(), x.data(), x.size());
+  const Weight ga = gpu->upload_weight(a.w), gb = gpu->upload_weight(b.w);
+  auto ya = gpu->alloc_f32(size_t(T * 256)), yb = gpu->alloc_f32(size_t(T * 384));
+  auto sa = gpu->alloc_f32(size_t(T * 256)), sb = gpu->alloc_f32(size_t(T * 384));
+  cuda_set_gemm_mode(*gpu, CudaGemmMode::Bf16);
+  cuda_set_profile(*gpu, true);
+  const Weight* ws[2] = {&ga, &gb};
+  float* ys[2] = {ya.get(), yb.get()};
+  gpu->matmul_many(xb.get(), T, ws, ys, 2);
+  const std::string report = cuda_profile_report(*gpu, 1.0);
+  cuda_set_profile(*gpu, false);
+  gpu->matmul(xb.get(), T, ga, sa.get());
+  gpu->matmul(xb.get(), T, gb, sb.get());
+  cuda_set_gemm_mode(*gpu, CudaGemmMode::Split);
+  auto down = [&](const float* p, size_t n) {
+    std::vector<float> h(n);
+    gpu->copy_to_host(h.data(), p, n);
+    return h;
+  };
+  if (is_hopper()) {
+    EXPECT_NE(report.find("fp8xfp8 f32-out (x shared)"), std::string::npos) << report;
+  }
+  EXPECT_EQ(down(ya.get(), size_t(T * 256)), down(sa.get(), size_t(T * 256)));
+  EXPECT_EQ(down(yb.get(), size_t(T * 384)), down(sb.get(), size_t(T * 384)));
+}
+#endif
