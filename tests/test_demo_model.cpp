@@ -4,14 +4,18 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 
 #include "backend/backend.h"
 #include "backend/cuda/cuda_backend.h"
 #include "cuda_test_util.h"
+#include "core/dtype.h"
 #include "io/json_file.h"
+#include "io/safetensors.h"
 #include "io/npy.h"
 #include "model/glm_dsa/model.h"
 #include "runtime/generate.h"
+#include "fixture_util.h"
 #include "test_helpers.h"
 
 using namespace vireo;
@@ -154,6 +158,101 @@ TEST(DemoModel, PerplexityAndChatOnCudaMatchTheCpu) {
   EXPECT_NEAR(value(gpu.out), value(cpu.out), 1e-4 * value(cpu.out)) << gpu.out;
   const std::string chat = "chat --model " + kModel + " -n 12";
   EXPECT_EQ(run_vireo(chat + " --device cuda", "Hello\n").out, run_vireo(chat + " --device cpu", "Hello\n").out);
+}
+
+namespace {
+// The demo model with its linear weights quantized as DeepSeek/GLM FP8 checkpoints are (e4m3 with
+// one f32 scale per 128 x 128 block, scale = amax / 448; embeddings, norms, the router and the
+// indexer's weights_proj stay as stored), in memory: a trained FP8 model to check the fast mode's
+// e4m3 activations on, where a random tiny fixture's routing and DSA selections flip on any
+// rounding.
+std::unique_ptr<Checkpoint> demo_as_fp8() {
+  auto src = Checkpoint::open(kModel);
+  auto ck = Checkpoint::in_memory("vireo-demo (fp8)");
+  for (const auto& [name, t] : src->tensors()) {
+    const bool linear = t->dtype == DType::BF16 && t->shape.size() == 2 && name.find("embed_tokens") == std::string::npos &&
+                        name.find("lm_head") == std::string::npos && name.find("mlp.gate.") == std::string::npos &&
+                        name.find("weights_proj") == std::string::npos;
+    if (!linear) {
+      std::memcpy(ck->add_tensor(name, t->dtype, t->shape), t->data, t->nbytes);
+      continue;
+    }
+    const int64_t out = t->shape[0], in = t->shape[1], so = (out + 127) / 128, si = (in + 127) / 128;
+    const uint16_t* w = static_cast<const uint16_t*>(t->data);
+    auto* q = static_cast<uint8_t*>(ck->add_tensor(name, DType::F8_E4M3, {out, in}));
+    auto* sc = static_cast<float*>(ck->add_tensor(name + "_scale_inv", DType::F32, {so, si}));
+    for (int64_t i = 0; i < out; ++i)
+      for (int64_t j = 0; j < in; ++j) {
+        float& m = sc[(i / 128) * si + j / 128];
+        m = std::max(m, std::fabs(bf16_to_f32(w[i * in + j])) / 448.0f);
+      }
+    for (int64_t b = 0; b < so * si; ++b)
+      if (sc[b] == 0.0f) sc[b] = 1.0f;
+    for (int64_t i = 0; i < out; ++i)
+      for (int64_t j = 0; j < in; ++j)
+        q[i * in + j] = f32_to_fp8_e4m3(bf16_to_f32(w[i * in + j]) / sc[(i / 128) * si + j / 128]);
+  }
+  return ck;
+}
+}  // namespace
+
+// The FP8 copy itself, on the CPU: every quantized weight binds as F8_E4M3 with its block
+// scales, and the model stays close to the BF16 one (weights rounded to e4m3: ~2^-4 relative).
+TEST(DemoModel, Fp8CopyStaysCloseToBf16) {
+  Json e = read_json_file(kExpected + "/expected.json");
+  auto ids = e["logits"]["token_ids"].get<std::vector<int32_t>>();
+  auto be = make_cpu_backend();
+  auto ck = demo_as_fp8();
+  int64_t fp8 = 0;
+  for (const auto& [name, t] : ck->tensors()) fp8 += t->dtype == DType::F8_E4M3;
+  EXPECT_GE(fp8, 6 * 4);  // every layer's attention products at least
+  auto m = GlmDsaModel::create(load_glm_dsa_config(kModel), std::move(ck), *be);
+  const int64_t T = int64_t(ids.size()), V = m->config().vocab_size;
+  MlaCache cache(*be, m->cache_shape(), 1, T);
+  std::vector<float> got(size_t(T * V));
+  m->forward(ids.data(), T, cache, 0, got.data(), true);
+  NpyArray want = read_npy_f32(kExpected + "/logits.npy");
+  const double rel = max_row_rel_l2(got.data(), want.data.data(), 64, V);
+  std::printf("  fp8 demo on the CPU: teacher-forced logits rel L2 %.2e against the bf16 model's\n", rel);
+  EXPECT_LE(rel, 0.2);
+  EXPECT_GT(rel, 1e-3);  // the weights really changed
+}
+
+// --math fast on FP8 weights quantizes activations to e4m3 per 128 columns (DeepSeek's
+// act_quant). On the FP8 demo model it must keep the exact mode's greedy tokens on every case
+// (prompts of 9 to 200 tokens take the fast prefill) and its teacher-forced logits within relative
+// L2 5e-2 (e4m3: ~2^-4 per element) on the rows before DSA selects.
+TEST(DemoModel, Fp8FastMathKeepsTheExactTokens) {
+  REQUIRE_CUDA();
+#ifdef VIREO_HAVE_CUDA
+  Json e = read_json_file(kExpected + "/expected.json");
+  auto ids = e["logits"]["token_ids"].get<std::vector<int32_t>>();
+  std::vector<std::vector<int32_t>> tokens[2];
+  std::vector<float> logits[2];
+  for (int fast = 0; fast < 2; ++fast) {
+    auto be = make_cuda_backend();
+    cuda_set_gemm_mode(*be, fast ? CudaGemmMode::Bf16 : CudaGemmMode::Split);
+    auto m = GlmDsaModel::create(load_glm_dsa_config(kModel), demo_as_fp8(), *be);
+    for (const Json& c : e["greedy"]["cases"]) {
+      auto prompt = c["prompt_ids"].get<std::vector<int32_t>>();
+      MlaCache cache(*be, m->cache_shape(), 1, int64_t(prompt.size()) + 48);
+      GenerateOptions opt;
+      opt.max_new_tokens = 48;
+      opt.stop_at_eos = false;
+      tokens[fast].push_back(generate(*m, cache, 0, prompt, opt).tokens);
+    }
+    const int64_t T = int64_t(ids.size()), V = m->config().vocab_size;
+    MlaCache cache(*be, m->cache_shape(), 1, T);
+    logits[fast].resize(size_t(T * V));
+    m->forward(ids.data(), T, cache, 0, logits[fast].data(), true);
+  }
+  for (size_t i = 0; i < tokens[0].size(); ++i) EXPECT_EQ(tokens[1][i], tokens[0][i]) << "case " << i;
+  const int64_t V = int64_t(logits[0].size() / ids.size());
+  const double rel = max_row_rel_l2(logits[1].data(), logits[0].data(), 64, V);
+  std::printf("  fp8 demo, fast vs exact: teacher-forced logits rel L2 %.2e (first 64 rows)\n", rel);
+  EXPECT_LE(rel, 5e-2);
+  EXPECT_GT(rel, 1e-4);  // the e4m3 activations really ran
+#endif
 }
 
 TEST(DemoModel, RunStreamsTheGreedyText) {
