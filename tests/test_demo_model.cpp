@@ -3,6 +3,7 @@
 // window of teacher-forced logits, held-out perplexity, and the text path end to end.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -129,19 +130,20 @@ TEST(DemoModel, HeldOutPerplexityWithinOnePercent) {
 }
 
 // The text commands take the model-running flags of `run`: experts streamed under a RAM budget
-// (the demo's 80 experts do not fit in 72 MiB with a 4096-token window) give the resident run's
-// numbers to the last digit.
+// (the demo's 80 experts do not fit in 76 MiB beside perplexity's 2048-token window and the
+// logits of its 64-token steps, nor in 72 MiB beside chat's 2048-token context and 64-token
+// prompt chunks) give the resident run's numbers to the last digit.
 TEST(DemoModel, PerplexityAndChatUnderAMemoryBudgetEqualResident) {
-  const std::string ppl = "perplexity --model " + kModel + " --file " + kExpected + "/heldout.txt";
-  RunResult resident = run_vireo(ppl), streamed = run_vireo(ppl + " --memory-budget 72M");
+  const std::string ppl = "perplexity --model " + kModel + " --file " + kExpected + "/heldout.txt --chunk 64";
+  RunResult resident = run_vireo(ppl), streamed = run_vireo(ppl + " --memory-budget 76M");
   ASSERT_EQ(resident.exit_code, 0) << resident.err;
   ASSERT_EQ(streamed.exit_code, 0) << streamed.err;
   EXPECT_EQ(streamed.out, resident.out);
   RunResult low = run_vireo(ppl + " --memory-budget 8M");
   EXPECT_NE(low.exit_code, 0);
   EXPECT_NE(low.err.find("--memory-budget 8.00 MiB is below the minimum"), std::string::npos) << low.err;
-  const std::string chat = "chat --model " + kModel + " -n 12";
-  RunResult c0 = run_vireo(chat, "Hello\n"), c1 = run_vireo(chat + " --memory-budget 72M", "Hello\n");
+  const std::string chat = "chat --model " + kModel + " -n 12 --context 2048";
+  RunResult c0 = run_vireo(chat, "Hello\n"), c1 = run_vireo(chat + " --memory-budget 72M --prefill-chunk 64", "Hello\n");
   ASSERT_EQ(c1.exit_code, 0) << c1.err;
   EXPECT_GT(c0.out.size(), 1u);
   EXPECT_EQ(c1.out, c0.out);
@@ -325,4 +327,39 @@ TEST(DemoModel, RunFromPromptFileAndWithChatTemplate) {
   RunResult none = run_vireo("run --model " + kModel);
   EXPECT_EQ(none.exit_code, 1);
   EXPECT_NE(none.err.find("run needs a prompt"), std::string::npos) << none.err;
+}
+
+// A text prompt longer than the prefill chunk under a memory budget (the demo's experts streamed)
+// gives the resident one-step run's text; chat takes the flag too.
+TEST(DemoModel, RunUnderABudgetChunksThePromptAndKeepsTheText) {
+  Json e = read_json_file(kExpected + "/expected.json");
+  const Json* longest = nullptr;  // the oracle's longest prompt (200 tokens)
+  for (const Json& c : e["greedy"]["cases"])
+    if (!longest || c["prompt_ids"].size() > (*longest)["prompt_ids"].size()) longest = &c;
+  const Json& c = *longest;
+  const size_t P = c["prompt_ids"].size(), n = c["continuation_ids"].size();
+  ASSERT_GT(P, 64u);
+  TempDir d("chunked");
+  write_file(d / "p.txt", c["prompt"].get<std::string>());
+  const std::string run =
+      "run --model " + kModel + " --ignore-eos -n " + std::to_string(n) + " --prompt-file " + (d / "p.txt");
+  const std::vector<std::string> cases = {"", " --memory-budget 66M", " --memory-budget 66M --prefill-chunk 64",
+                                          " --memory-budget 66M --prefill-chunk 7",
+                                          " --memory-budget 66M --prefill-chunk " + std::to_string(P - 1),
+                                          " --prefill-chunk 3"};
+  for (const std::string& flags : cases) {
+    SCOPED_TRACE(flags);
+    RunResult r = run_vireo(run + flags);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_EQ(r.out, c["continuation"].get<std::string>() + "\n");
+  }
+  const std::string chat = "chat --model " + kModel + " -n 12 --context 1024";
+  const std::string script = "What is a module?\nAnd a package?\n";
+  RunResult c0 = run_vireo(chat, script), c1 = run_vireo(chat + " --memory-budget 66M --prefill-chunk 5", script);
+  ASSERT_EQ(c1.exit_code, 0) << c1.err;
+  EXPECT_EQ(c1.out, c0.out);
+  RunResult bad = run_vireo(chat + " --memory-budget 72M --prefill-chunk 0", "Hello\n");
+  EXPECT_EQ(bad.exit_code, 1);
+  EXPECT_EQ(bad.err.find("vireo: error: --prefill-chunk 0"), 0u) << bad.err;
+  EXPECT_EQ(std::count(bad.err.begin(), bad.err.end(), '\n'), 1);
 }

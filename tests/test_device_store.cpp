@@ -472,7 +472,9 @@ TEST(CudaDeviceStore, PlanMatchesDeviceAllocationsWithin5Percent) {
   const std::string dir = tiny().dir.str();
   const int64_t context = 2048;
   // A budget whose pool holds about half of the experts (the tiny model's spine is small).
-  auto r = test::run_vireo("plan --model " + dir + " --gpu-budget 768M --context " + std::to_string(context));
+  const int64_t step = 128;
+  auto r = test::run_vireo("plan --model " + dir + " --gpu-budget 768M --context " + std::to_string(context) +
+                           " --prefill-chunk " + std::to_string(step));
   ASSERT_EQ(r.exit_code, 0) << r.err;
   std::printf("%s", r.out.c_str());
   std::smatch m;
@@ -481,13 +483,14 @@ TEST(CudaDeviceStore, PlanMatchesDeviceAllocationsWithin5Percent) {
   ASSERT_GT(slots, 8);
   ASSERT_LT(slots, 256);
   auto be = make_cuda_backend();
-  std::vector<int32_t> ids(128);
+  std::vector<int32_t> ids(static_cast<size_t>(context));
   for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t(i * 7 % 200);
   {  // warm-up, freed again: kernels loaded (lazily, into device memory) before the baseline
     auto warm = GlmDsaModel::load(dir, *be);
-    MlaCache cache(*be, warm->cache_shape(), 1, int64_t(ids.size()) + 1);
+    MlaCache cache(*be, warm->cache_shape(), 1, 2 * step + 1);
     std::vector<float> logits(size_t(warm->config().vocab_size));
-    warm->forward(ids.data(), int64_t(ids.size()), cache, 0, logits.data());
+    warm->forward(ids.data(), step, cache, 0, logits.data(), false, AttentionPath::Reconstructed);
+    warm->forward(ids.data() + step, step, cache, 0, logits.data(), false, AttentionPath::Absorbed);
     warm->forward(ids.data(), 1, cache, 0, logits.data());
   }
   cuda_synchronize(*be);
@@ -501,7 +504,14 @@ TEST(CudaDeviceStore, PlanMatchesDeviceAllocationsWithin5Percent) {
   auto model = GlmDsaModel::create(std::move(c), std::move(ck), *be, std::move(store));
   MlaCache cache(*be, model->cache_shape(), 1, context);
   std::vector<float> logits(size_t(model->config().vocab_size));
-  model->forward(ids.data(), int64_t(ids.size()), cache, 0, logits.data());
+  // The steps the plan is sized for, at their largest: chunks of `step` tokens filling the
+  // context on the reconstructed path (the last one expands all `context` keys through kv_b and
+  // scores them in the indexer), then the last chunk again on the absorbed path (as Auto picks
+  // for a chunk appended to a long cache), whose per-op buffers persist beside the first ones.
+  for (int64_t at = 0; at < context; at += step)
+    model->forward(ids.data() + at, step, cache, 0, logits.data(), false, AttentionPath::Reconstructed);
+  cache.trim(0, context - step);
+  model->forward(ids.data() + context - step, step, cache, 0, logits.data(), false, AttentionPath::Absorbed);
   cuda_synchronize(*be);
   const double used = double(cuda_device_memory_used() - used0);
   auto near = [](double plan, double real) { return std::abs(plan - real) <= 0.05 * real; };

@@ -313,3 +313,61 @@ TEST(MemoryPlan, RssStaysUnderBudgetWhileExpertsExceedIt) {
     EXPECT_GT(std::stod(m[1]) * 1e9, 0.1 * double(budget));  // it really streamed
   }
 }
+
+// The plan's scratch is sized for the step the command runs: it grows with the context (the
+// attention's buffers over every key: kv_b's expansion, the latents) and with the step's tokens,
+// and the table says which step it planned for.
+TEST(MemoryPlan, ScratchGrowsWithContextAndStep) {
+  const std::string dir = tiny().dir.str();
+  auto scratch = [&](const std::string& flags) {
+    auto r = test::run_vireo("plan --model " + dir + " --memory-budget 100M " + flags);
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    return table_bytes(r.out, "scratch");
+  };
+  const double base = scratch("--context 1024 --prefill-chunk 128");
+  EXPECT_GT(scratch("--context 4096 --prefill-chunk 128"), base);
+  EXPECT_GT(scratch("--context 1024 --prefill-chunk 512"), base);
+  // A chunk beyond the context is a step of the context.
+  EXPECT_EQ(scratch("--context 1024 --prefill-chunk 4096"), scratch("--context 1024 --prefill-chunk 1024"));
+  // The tiny model: 4 heads x (32 + 32) f32 of kv_b's expansion and a 64-wide latent per key.
+  const double per_key = 4 * 64 * 4 + 64 * 4;
+  EXPECT_GE(scratch("--context 4096 --prefill-chunk 128") - base, 0.99 * per_key * 3072);
+  auto r = test::run_vireo("plan --model " + dir + " --memory-budget 100M --context 1024 --prefill-chunk 128");
+  EXPECT_NE(r.out.find("activations of one step of 128 tokens over up to 1024 keys"), std::string::npos) << r.out;
+  r = test::run_vireo("plan --model " + dir + " --memory-budget 100M --context 64");
+  EXPECT_NE(r.out.find("one step of 64 tokens"), std::string::npos) << r.out;  // default 512, capped
+}
+
+// Under a budget `run` feeds a prompt longer than its chunk (the default 512, or --prefill-chunk)
+// in chunks, with the tokens of the resident one-step run; a chunk of 0 (the whole prompt,
+// unplanned) or below is refused with one line naming the flag.
+TEST(MemoryPlan, RunChunksTheLongPromptUnderABudget) {
+  const std::string dir = tiny().dir.str();
+  std::string ids;
+  for (int i = 0; i < 600; ++i) ids += (i ? "," : "") + std::to_string((i * 37 + 11) % 1000);
+  const std::string run = "run -m " + dir + " --prompt-ids " + ids + " -n 6 --ignore-eos";
+  auto resident = test::run_vireo(run);
+  ASSERT_EQ(resident.exit_code, 0) << resident.err;
+  for (const char* chunk : {"", " --prefill-chunk 64", " --prefill-chunk 599"}) {
+    SCOPED_TRACE(chunk);
+    auto r = test::run_vireo(run + " --memory-budget 96M" + std::string(chunk));
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_EQ(r.out, resident.out);  // token for token
+  }
+  auto zero = test::run_vireo(run + " --memory-budget 96M --prefill-chunk 0");
+  EXPECT_EQ(zero.exit_code, 1);
+  EXPECT_EQ(zero.err,
+            "vireo: error: --prefill-chunk 0 (the whole prompt in one step) cannot be planned under --memory-budget: "
+            "give a chunk of at least 1 token\n");
+  EXPECT_EQ(zero.out, "");
+  for (const char* budget : {" --memory-budget 96M", ""}) {
+    auto neg = test::run_vireo(run + budget + " --prefill-chunk=-3");
+    EXPECT_EQ(neg.exit_code, 1);
+    EXPECT_EQ(neg.err, "vireo: error: --prefill-chunk: -3 is negative (expected a token count, or 0 for the whole "
+                       "prompt)\n");
+  }
+  // Without a budget 0 is the whole prompt, as without the flag.
+  auto whole = test::run_vireo(run + " --prefill-chunk 0");
+  ASSERT_EQ(whole.exit_code, 0) << whole.err;
+  EXPECT_EQ(whole.out, resident.out);
+}

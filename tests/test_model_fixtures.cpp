@@ -264,3 +264,50 @@ TEST(ModelFixtures, AutoPathPicksTheCheaperAttention) {
   EXPECT_LE(max_row_rel_l2(la.data(), lb.data(), 4, V), 1e-5);
   EXPECT_LE(max_row_rel_l2(la.data(), f.logits.data.data() + P * V, 4, V), 1e-4);
 }
+
+// A prompt fed in chunks (GenerateOptions::prefill_chunk, as run and chat do under a memory
+// budget) chooses the same tokens as one prefill step: greedy on every fixture at chunk sizes
+// that split the prompt evenly, unevenly and not at all, and sampled with the same seed (the
+// chunks before the last take no draw from the sampler).
+TEST(Generate, ChunkedPrefillGivesTheSameTokens) {
+  for (const std::string name : {"glm_dsa_full_f32", "glm_dsa_shared_f32", "dsv32_f32", "dsv3_f32", "glm_dsa_fp8"}) {
+    SCOPED_TRACE(name);
+    Fixture f = load_fixture(name);
+    auto be = make_cpu_backend();
+    auto m = GlmDsaModel::load(f.dir, *be);
+    auto prompt = ids_of(f.expected["greedy_prompt"]);
+    auto want = ids_of(f.expected["greedy_new"]);
+    const int64_t P = int64_t(prompt.size()), n = 12;
+    ASSERT_GT(P, 4);
+    for (bool sampled : {false, true}) {
+      GenerateOptions opt;
+      opt.max_new_tokens = n;
+      opt.stop_at_eos = false;
+      if (sampled) {
+        opt.sampling.temperature = 0.8f;
+        opt.sampling.seed = 7;
+      }
+      MlaCache c0(*be, m->cache_shape(), 1, P + n);
+      const std::vector<int32_t> one_step = generate(*m, c0, 0, prompt, opt).tokens;
+      if (!sampled) EXPECT_EQ(one_step, std::vector<int32_t>(want.begin(), want.begin() + n));
+      for (int64_t chunk : {int64_t(1), int64_t(3), P / 2, P - 1, P, P + 5}) {
+        MlaCache c(*be, m->cache_shape(), 1, P + n);
+        opt.prefill_chunk = chunk;
+        GenerateResult r = generate(*m, c, 0, prompt, opt);
+        EXPECT_EQ(r.tokens, one_step) << "chunk " << chunk << (sampled ? " sampled" : " greedy");
+        EXPECT_EQ(r.prompt_tokens, P);
+        EXPECT_EQ(c.length(0), P + n - 1);  // the last token is chosen, not yet fed
+      }
+      opt.prefill_chunk = 0;
+    }
+  }
+  Fixture f = load_fixture("glm_dsa_full_f32");
+  auto be = make_cpu_backend();
+  auto m = GlmDsaModel::load(f.dir, *be);
+  MlaCache c(*be, m->cache_shape(), 1, 16);
+  GenerateOptions opt;
+  opt.max_new_tokens = 2;
+  opt.prefill_chunk = -1;
+  EXPECT_THROW(generate(*m, c, 0, {1, 2, 3}, opt), Error);
+  EXPECT_EQ(c.length(0), 0);
+}

@@ -318,9 +318,9 @@ int bench_cuda_streaming(const std::string& dir, const std::string& synthetic, c
     std::fprintf(stderr, "building synthetic glm5: %d layers x %d experts, %s weights...\n", layers, experts,
                  dtype.c_str());
     auto ck = make_synthetic_checkpoint(c, parse_weight_dtype_flag(dtype));
-    lm = load_checkpoint(std::move(c), std::move(ck), "synthetic glm5", *backend, sf, total);
+    lm = load_checkpoint(std::move(c), std::move(ck), "synthetic glm5", *backend, sf, total, 1, n_prompt);
   } else {
-    lm = load_model(dir, *backend, sf, total);
+    lm = load_model(dir, *backend, sf, total, 1, n_prompt);  // the prompt is one step
   }
   GlmDsaModel& model = *lm.model;
   DeviceExpertStore& st = *lm.device;
@@ -467,7 +467,9 @@ Action add_bench(CLI::App& app) {
       auto ck = make_synthetic_checkpoint(c, parse_weight_dtype_flag(o->dtype));
       model = GlmDsaModel::create(std::move(c), std::move(ck), *backend);
     } else {
-      lm = load_model(o->model, *backend, o->sf, o->context + o->prompt + o->decode);
+      // Steps: the cache filled in 512-token chunks, then the prompt in one.
+      lm = load_model(o->model, *backend, o->sf, o->context + o->prompt + o->decode, 1,
+                      std::max(o->prompt, std::min<int64_t>(o->context, 512)));
       model = std::move(lm.model);
     }
     std::fprintf(stderr, "loaded in %.1f s; measuring memory bandwidth...\n",

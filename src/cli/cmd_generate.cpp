@@ -1,4 +1,5 @@
 // `vireo run` and `vireo logits`.
+#include <algorithm>
 #include <cstdio>
 #include <memory>
 
@@ -66,6 +67,7 @@ Action add_run(CLI::App& app) {
     StreamingFlags sf;
     std::string device = "cpu";
     std::string math = "exact";  // --math: CUDA prefill products
+    PrefillChunkFlag chunk;
   };
   auto o = std::make_shared<Opts>();
   app.add_option("--model,-m", o->model, "Model directory (config.json + safetensors)")->required();
@@ -79,9 +81,11 @@ Action add_run(CLI::App& app) {
   add_sampling_flags(app, o->s);
   app.add_flag("--ignore-eos", o->ignore_eos, "Do not stop at end-of-sequence tokens");
   add_streaming_flags(app, o->sf);
+  add_prefill_chunk_flag(app, o->chunk);
   add_device_flag(app, o->device, o->math);
   return [o]() {
     validate_sampling(o->s);
+    const int64_t chunk = resolve_prefill_chunk(o->chunk, o->sf);
     const bool text_mode = o->prompt_ids.empty();
     if (text_mode && o->prompt.empty() && o->prompt_file.empty())
       fail("run needs a prompt: --prompt TEXT, --prompt-file FILE or --prompt-ids 1,2,3");
@@ -106,7 +110,8 @@ Action add_run(CLI::App& app) {
     // --stats reports the peak against this baseline.
     const uint64_t rss_before_load = current_rss_bytes();
     auto backend = make_cli_backend(o->device, o->math);
-    LoadedModel lm = load_model(o->model, *backend, o->sf, int64_t(prompt.size()) + o->n);
+    const int64_t P = int64_t(prompt.size());
+    LoadedModel lm = load_model(o->model, *backend, o->sf, P + o->n, 1, chunk > 0 ? std::min(chunk, P) : P);
     auto& model = lm.model;
     ExpertStoreStats last = model->experts().stats();
     for (int32_t id : prompt)
@@ -117,6 +122,7 @@ Action add_run(CLI::App& app) {
     opt.max_new_tokens = o->n;
     opt.sampling = o->s;
     opt.stop_at_eos = !o->ignore_eos;
+    opt.prefill_chunk = chunk;
     bool first = true;
     std::optional<DecodeStream> stream;
     if (text) stream.emplace(text->tokenizer, true);
@@ -168,14 +174,19 @@ Action add_logits(CLI::App& app) {
     std::vector<int32_t> ids = parse_id_list(o->tokens, "--tokens");
     check_device_flags(o->device, o->math, o->sf);
     auto backend = make_cli_backend(o->device, o->math);
-    LoadedModel lm = load_model(o->model, *backend, o->sf, int64_t(ids.size()));
+    // One step of every token (prefill) or one at a time (decode), all of them with logits: the
+    // backend's [T, vocab] and the host copy below (RAM, which a --memory-budget covers).
+    const int64_t T = int64_t(ids.size());
+    const bool prefill = o->mode == "prefill";
+    LoadedModel lm = load_model(o->model, *backend, o->sf, T, 1, prefill ? T : 1,
+                                (prefill ? T : 1) + (o->device == "cpu" ? T : 0));
     auto& model = lm.model;
-    const int64_t V = model->config().vocab_size, T = int64_t(ids.size());
+    const int64_t V = model->config().vocab_size;
     for (int32_t id : ids)
       if (id >= V) fail("--tokens: token id ", id, " is out of range (vocab size ", V, ")");
     MlaCache cache(*backend, model->cache_shape(), 1, T);
     std::vector<float> logits(size_t(T * V));
-    if (o->mode == "prefill") {
+    if (prefill) {
       model->forward(ids.data(), T, cache, 0, logits.data(), true, AttentionPath::Reconstructed);
     } else {
       for (int64_t t = 0; t < T; ++t)

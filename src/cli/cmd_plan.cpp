@@ -19,10 +19,9 @@
 
 namespace vireo::cli {
 
-namespace {
-
-// Activations of one step of T tokens (the model's scratch buffers), f32.
-uint64_t estimate_scratch_bytes(const GlmDsaConfig& c, int64_t T, int64_t out_rows) {
+// Activations of one step of T tokens (the model's scratch buffers, f32) plus the attention's
+// buffers that grow with the keys attended, for n_keys keys per sequence (at most the context).
+uint64_t estimate_scratch_bytes(const GlmDsaConfig& c, int64_t T, int64_t out_rows, int64_t n_keys, bool device) {
   const int64_t qw = c.qk_head_dim(), shared_inter = c.moe_intermediate_size * c.n_shared_experts;
   // (8 hidden-wide rows: residual, norm, output, gather, expert output, shared, prefetch norm, and
   // the rows of experts run early while others stream in; gate and up pairs of the dense MLP, the
@@ -31,8 +30,33 @@ uint64_t estimate_scratch_bytes(const GlmDsaConfig& c, int64_t T, int64_t out_ro
                             int64_t(c.index_n_heads) * c.index_head_dim + c.index_head_dim + c.index_n_heads +
                             c.n_heads * c.v_head_dim + 2 * c.intermediate_size + 2 * c.moe_intermediate_size +
                             2 * shared_inter + c.qk_rope_dim + int64_t(c.index_topk) + 4 * c.experts_per_token;
-  return uint64_t(T * per_token + out_rows * c.vocab_size) * 4;
+  const int64_t H = c.n_heads, L = c.kv_lora_rank, hw = c.qk_nope_dim + c.v_head_dim, N = n_keys;
+  // The reconstructed (prefill) path, both backends: every key's latent copied out of the cache
+  // [N, kv_lora] and expanded through kv_b [N, H, nope + v]. Counted in f32: CUDA's --math fast
+  // writes the expansion in bf16 (half of it, plus k_rope), so f32 is the bound of both modes.
+  // On the CPU these are per-call vectors, freed after each layer's attention; they coexist with
+  // the model's scratch, so the peak is the sum all the same.
+  int64_t attn = N * L + N * H * hw;
+  if (device) {
+    // CUDA keeps each op's buffer at its largest size (one Scratch per use), so the paths add up:
+    // DSA's key mask [T, ceil(N / 32)] u32 and the indexer's scores [T, N] f32 (the CPU scores
+    // keys per thread in N-sized vectors, too small to count: 8 bytes a key a thread against
+    // kv_b's H x (nope + v) x 4), and the absorbed path's (decode rows; chunks appended to a long
+    // cache take it too, see choose_path): the absorbed queries [T, H, kv_lora], the split
+    // partials [T, H, splits of 64 keys, kv_lora + 2] and the scores [T, H, keys rounded to 32],
+    // over at most index_topk keys under DSA.
+    if (c.has_indexer) attn += T * ((N + 31) / 32) + T * N;
+    const int64_t keys = c.has_indexer ? std::min<int64_t>(N, c.index_topk) : N;
+    attn += T * H * L + T * H * ((keys + 63) / 64) * (L + 2) + T * H * ((keys + 31) / 32 * 32);
+  }
+  return uint64_t(T * per_token + out_rows * c.vocab_size + attn) * 4;
 }
+
+int64_t step_tokens_for(int64_t chunk, int64_t context, int64_t batch) {
+  return std::max<int64_t>(1, std::min(chunk + batch - 1, context * batch));
+}
+
+namespace {
 
 ExpertStoreOptions store_options(const StreamingFlags& f) {
   ExpertStoreOptions o;
@@ -80,7 +104,7 @@ void add_streaming_flags(CLI::App& app, StreamingFlags& f) {
 }
 
 MemoryPlan plan_for(const Checkpoint& ck, const GlmDsaConfig& c, uint64_t budget, int64_t context, int64_t batch,
-                    uint64_t gpu_budget) {
+                    int64_t step_tokens, int64_t logit_rows, uint64_t gpu_budget) {
   MemoryPlanInputs in;
   in.budget = budget;
   in.gpu_budget = gpu_budget;
@@ -111,29 +135,34 @@ MemoryPlan plan_for(const Checkpoint& ck, const GlmDsaConfig& c, uint64_t budget
   in.context = context;
   in.batch = batch;
   in.cache_bytes = uint64_t(MlaCache::bytes_per_token(cs)) * uint64_t(context) * uint64_t(batch);
-  in.scratch_bytes = estimate_scratch_bytes(c, std::max<int64_t>(batch, std::min<int64_t>(context, 128)), batch);
+  // The step the caller really runs (prompt chunks plus decode rows); a decode step has `batch` rows.
+  in.step_tokens = std::max(step_tokens, batch);
+  in.scratch_bytes = estimate_scratch_bytes(c, in.step_tokens, logit_rows > 0 ? logit_rows : batch, context,
+                                            gpu_budget > 0);
   return make_memory_plan(in);
 }
 
 LoadedModel load_model(const std::string& dir, Backend& backend, const StreamingFlags& f, int64_t context,
-                       int64_t batch) {
-  return load_checkpoint(load_glm_dsa_config(dir), Checkpoint::open(dir), dir, backend, f, context, batch);
+                       int64_t batch, int64_t step_tokens, int64_t logit_rows) {
+  return load_checkpoint(load_glm_dsa_config(dir), Checkpoint::open(dir), dir, backend, f, context, batch, step_tokens,
+                         logit_rows);
 }
 
 LoadedModel load_checkpoint(GlmDsaConfig c, std::unique_ptr<Checkpoint> ck, const std::string& what, Backend& backend,
-                            const StreamingFlags& f, int64_t context, int64_t batch) {
+                            const StreamingFlags& f, int64_t context, int64_t batch, int64_t step_tokens,
+                            int64_t logit_rows) {
   LoadedModel m;
   std::unique_ptr<ExpertStore> store;
   const uint64_t budget = f.budget.empty() ? 0 : parse_byte_size(f.budget, "--memory-budget");
   if (!f.gpu_budget.empty()) {
     const uint64_t gpu = parse_byte_size(f.gpu_budget, "--gpu-budget");
     if (std::string(backend.name()) != "cuda") fail("--gpu-budget needs --device cuda");
-    m.plan = plan_for(*ck, c, budget, context, batch, gpu);
+    m.plan = plan_for(*ck, c, budget, context, batch, step_tokens, logit_rows, gpu);
     const GpuPlan& g = m.plan.g;
     if (gpu < g.minimum || g.slots < std::max(c.experts_per_token, 1)) {
       std::fputs(m.plan.table().c_str(), stderr);
       fail("--gpu-budget ", format_bytes(gpu), " is below the minimum of ", format_bytes(g.minimum), " for ", what,
-           " at context ", context, " x batch ", batch);
+           " at context ", context, " x batch ", batch, " in steps of ", m.plan.in.step_tokens, " tokens");
     }
     if (!g.fits) {
       std::fputs(m.plan.table().c_str(), stderr);
@@ -151,11 +180,12 @@ LoadedModel load_checkpoint(GlmDsaConfig c, std::unique_ptr<Checkpoint> ck, cons
     fail("--gpu-budget: this vireo was built without CUDA (no nvcc at build time)");
 #endif
   } else if (budget) {
-    m.plan = plan_for(*ck, c, budget, context, batch);
+    m.plan = plan_for(*ck, c, budget, context, batch, step_tokens, logit_rows);
     if (!m.plan.fits) {
       std::fputs(m.plan.table().c_str(), stderr);
       fail("--memory-budget ", format_bytes(budget), " is below the minimum of ", format_bytes(m.plan.minimum),
-           " for ", what, " at context ", context, " x batch ", batch);
+           " for ", what, " at context ", context, " x batch ", batch, " in steps of ", m.plan.in.step_tokens,
+           " tokens");
     }
     ExpertStoreOptions o = store_options(f);
     o.slots = m.plan.slots;
@@ -166,6 +196,22 @@ LoadedModel load_checkpoint(GlmDsaConfig c, std::unique_ptr<Checkpoint> ck, cons
   }
   m.model = GlmDsaModel::create(std::move(c), std::move(ck), backend, std::move(store));
   return m;
+}
+
+void add_prefill_chunk_flag(CLI::App& app, PrefillChunkFlag& f) {
+  f.opt = app.add_option("--prefill-chunk", f.value,
+                         "Prompt tokens per forward step (0: the whole prompt at once; default 512 under "
+                         "--memory-budget or --gpu-budget, whose plan sizes scratch for such steps, else 0)");
+}
+
+int64_t resolve_prefill_chunk(const PrefillChunkFlag& f, const StreamingFlags& sf) {
+  const bool budget = !sf.budget.empty() || !sf.gpu_budget.empty();
+  if (!f.opt || f.opt->count() == 0) return budget ? 512 : 0;
+  if (f.value < 0) fail("--prefill-chunk: ", f.value, " is negative (expected a token count, or 0 for the whole prompt)");
+  if (f.value == 0 && budget)
+    fail("--prefill-chunk 0 (the whole prompt in one step) cannot be planned under ",
+         sf.budget.empty() ? "--gpu-budget" : "--memory-budget", ": give a chunk of at least 1 token");
+  return f.value;
 }
 
 std::string stats_line(const ExpertStoreStats& s) {
@@ -226,7 +272,7 @@ uint64_t current_rss_bytes() { return status_bytes("VmRSS:"); }
 Action add_plan(CLI::App& app) {
   struct Opts {
     std::string model, budget, gpu_budget;
-    int64_t context = 4096, batch = 1;
+    int64_t context = 4096, batch = 1, prefill_chunk = 512;
   };
   auto o = std::make_shared<Opts>();
   app.add_option("--model,-m", o->model, "Model directory")->required();
@@ -234,22 +280,28 @@ Action add_plan(CLI::App& app) {
   app.add_option("--gpu-budget", o->gpu_budget, "GPU memory budget (e.g. 24G): plan a device pool of expert slots");
   app.add_option("--context", o->context, "Context length per sequence")->check(CLI::Range(int64_t(1), int64_t(1) << 24));
   app.add_option("--batch", o->batch, "Sequences decoded together")->check(CLI::Range(int64_t(1), int64_t(1) << 16));
+  app.add_option("--prefill-chunk", o->prefill_chunk,
+                 "Prompt tokens per forward step, as run/chat/serve --prefill-chunk or perplexity --chunk (scratch "
+                 "is sized for such a step plus batch - 1 decode rows)")
+      ->check(CLI::Range(int64_t(1), int64_t(1) << 24))
+      ->capture_default_str();
   return [o]() {
     GlmDsaConfig c = load_glm_dsa_config(o->model);
     auto ck = Checkpoint::open(o->model);
     const uint64_t budget = o->budget.empty() ? 0 : parse_byte_size(o->budget, "--memory-budget");
     const uint64_t gpu = o->gpu_budget.empty() ? 0 : parse_byte_size(o->gpu_budget, "--gpu-budget");
-    MemoryPlan p = plan_for(*ck, c, budget, o->context, o->batch, gpu);
+    MemoryPlan p =
+        plan_for(*ck, c, budget, o->context, o->batch, step_tokens_for(o->prefill_chunk, o->context, o->batch), 0, gpu);
     std::fputs(p.table().c_str(), stdout);
     if (p.gpu && gpu < p.g.minimum)
       fail("--gpu-budget ", format_bytes(gpu), " is below the minimum of ", format_bytes(p.g.minimum), " for ",
-           o->model, " at context ", o->context, " x batch ", o->batch);
+           o->model, " at context ", o->context, " x batch ", o->batch, " in steps of ", p.in.step_tokens, " tokens");
     if (p.gpu && !p.g.fits)
       fail("--memory-budget ", format_bytes(budget), " leaves no room for a pinned staging buffer (",
            format_bytes(p.in.slot_bytes), ") besides the resident weights for ", o->model);
     if (!p.gpu && budget && !p.fits)
       fail("--memory-budget ", format_bytes(budget), " is below the minimum of ", format_bytes(p.minimum), " for ",
-           o->model, " at context ", o->context, " x batch ", o->batch);
+           o->model, " at context ", o->context, " x batch ", o->batch, " in steps of ", p.in.step_tokens, " tokens");
     return 0;
   };
 }

@@ -111,7 +111,10 @@ Action add_serve(CLI::App& app) {
       sm.name = o->name.empty() ? "synthetic-" + o->synthetic : o->name;
     } else {
       if (context == 0) context = std::min<int64_t>(load_glm_dsa_config(o->model).max_position_embeddings, 4096);
-      lm = load_model(o->model, *backend, o->sf, context, o->max_batch);
+      // A step: up to prefill_chunk prompt tokens besides the other rows' decode tokens; each row
+      // that needs logits (logprobs) gets one.
+      lm = load_model(o->model, *backend, o->sf, context, o->max_batch,
+                      step_tokens_for(o->prefill_chunk, context, o->max_batch), o->max_batch);
       sm.name = o->name.empty() ? std::filesystem::path(o->model).lexically_normal().filename().string() : o->name;
       if (sm.name.empty())
         sm.name = std::filesystem::path(o->model).lexically_normal().parent_path().filename().string();

@@ -1,6 +1,7 @@
 // Text commands: `vireo tokenize`, `vireo detokenize`, `vireo chat`, `vireo perplexity`.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <iostream>
@@ -87,6 +88,7 @@ Action add_chat(CLI::App& app) {
     StreamingFlags sf;
     std::string device = "cpu";
     std::string math = "exact";  // --math: CUDA prefill products
+    PrefillChunkFlag chunk;
   };
   auto o = std::make_shared<Opts>();
   app.add_option("--model,-m", o->model, "Model directory")->required();
@@ -95,13 +97,18 @@ Action add_chat(CLI::App& app) {
   app.add_option("--context", o->context, "Context length in tokens")->check(CLI::Range(int64_t(16), int64_t(1) << 22));
   add_sampling_flags(app, o->s);
   add_streaming_flags(app, o->sf);
+  add_prefill_chunk_flag(app, o->chunk);
   add_device_flag(app, o->device, o->math);
   return [o]() {
     validate_sampling(o->s);
+    const int64_t chunk = resolve_prefill_chunk(o->chunk, o->sf);
     check_device_flags(o->device, o->math, o->sf);
     TextModel tm = TextModel::load(o->model, true);
     auto backend = make_cli_backend(o->device, o->math);
-    auto model = load_model(o->model, *backend, o->sf, o->context).model;
+    // A turn's new tokens are prefilled in chunks (or at once: up to the whole context).
+    auto model =
+        load_model(o->model, *backend, o->sf, o->context, 1, chunk > 0 ? std::min(chunk, o->context) : o->context)
+            .model;
     MlaCache cache(*backend, model->cache_shape(), 1, o->context);
     const bool tty = ::isatty(0);
     nlohmann::ordered_json messages = nlohmann::ordered_json::array();
@@ -143,6 +150,7 @@ Action add_chat(CLI::App& app) {
       GenerateOptions opt;
       opt.max_new_tokens = std::min(o->n, room);
       opt.sampling = o->s;
+      opt.prefill_chunk = chunk;
       DecodeStream stream(tm.tokenizer, true);
       std::string reply;
       GenerateResult r = generate(*model, cache, 0, fresh, opt, [&](int32_t id) {
@@ -179,6 +187,9 @@ Action add_perplexity(CLI::App& app) {
   app.add_option("--file,-f", o->file, "Text file to score")->required();
   app.add_option("--context", o->context, "Window length in tokens (default: max_position_embeddings, at most 4096)")
       ->check(CLI::Range(int64_t(2), int64_t(1) << 22));
+  app.add_option("--chunk", o->chunk, "Tokens per forward step (a window is scored in chunks of this many)")
+      ->check(CLI::Range(int64_t(1), int64_t(1) << 20))
+      ->capture_default_str();
   add_streaming_flags(app, o->sf);
   add_device_flag(app, o->device, o->math);
   return [o]() {
@@ -190,7 +201,10 @@ Action add_perplexity(CLI::App& app) {
     const int64_t window =
         o->context ? o->context : std::min<int64_t>(load_glm_dsa_config(o->model).max_position_embeddings, 4096);
     auto backend = make_cli_backend(o->device, o->math);
-    auto model = load_model(o->model, *backend, o->sf, window).model;
+    // Steps of `chunk` tokens with logits for all of them: the backend's [chunk, vocab] and, on the
+    // CPU (where a --memory-budget counts it), the host copy scored below.
+    const int64_t step = std::min(o->chunk, window);
+    auto model = load_model(o->model, *backend, o->sf, window, 1, step, step + (o->device == "cpu" ? step : 0)).model;
     const int64_t V = model->config().vocab_size;
     // Non-overlapping windows, each scored from its own start: token t of a window is predicted
     // from tokens before it in that window.

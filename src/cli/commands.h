@@ -50,15 +50,35 @@ struct LoadedModel {
 };
 // Loads `dir`; under --memory-budget (or --gpu-budget on a CUDA backend) plans first (refusing a
 // budget below the minimum with the table on stderr) and streams routed experts through a pool
-// sized by the plan.
+// sized by the plan. `step_tokens`: the most tokens the caller runs in one forward step (its
+// prompt chunk plus decode rows), `logit_rows`: the most rows of logits a step produces (0: one
+// per sequence); the plan's scratch is sized for that step, so the caller must not exceed it.
 LoadedModel load_model(const std::string& dir, Backend& backend, const StreamingFlags& f, int64_t context,
-                       int64_t batch = 1);
+                       int64_t batch, int64_t step_tokens, int64_t logit_rows = 0);
 // As load_model, for a checkpoint already open (`what` names it in errors; in-memory synthetic
 // checkpoints stream to the GPU from a pinned host copy).
 LoadedModel load_checkpoint(GlmDsaConfig c, std::unique_ptr<Checkpoint> ck, const std::string& what, Backend& backend,
-                            const StreamingFlags& f, int64_t context, int64_t batch = 1);
+                            const StreamingFlags& f, int64_t context, int64_t batch, int64_t step_tokens,
+                            int64_t logit_rows = 0);
 MemoryPlan plan_for(const Checkpoint& ck, const GlmDsaConfig& c, uint64_t budget, int64_t context, int64_t batch,
-                    uint64_t gpu_budget = 0);
+                    int64_t step_tokens, int64_t logit_rows = 0, uint64_t gpu_budget = 0);
+// Bytes of activation scratch for one step of T tokens producing out_rows rows of logits, each
+// sequence attending up to n_keys keys; `device`: the CUDA backend's buffers (which persist per
+// op) rather than the CPU's. An upper bound of what the step allocates.
+uint64_t estimate_scratch_bytes(const GlmDsaConfig& c, int64_t T, int64_t out_rows, int64_t n_keys, bool device);
+// The largest step of a command feeding prompts in chunks of `chunk` tokens (a chunk may share
+// a step with the other batch - 1 rows' decode tokens), for `batch` sequences of `context`.
+int64_t step_tokens_for(int64_t chunk, int64_t context, int64_t batch);
+// --prefill-chunk of run and chat: prompt tokens per forward step. Without the flag, 512 under a
+// budget (the plan sizes scratch for that step) and 0 (the whole prompt in one step) without.
+struct PrefillChunkFlag {
+  int64_t value = 0;
+  CLI::Option* opt = nullptr;
+};
+void add_prefill_chunk_flag(CLI::App& app, PrefillChunkFlag& f);
+// The chunk to use (0: whole prompt); fails with one line naming the flag for a negative value,
+// or 0 under a budget.
+int64_t resolve_prefill_chunk(const PrefillChunkFlag& f, const StreamingFlags& sf);
 std::string stats_line(const ExpertStoreStats& s);
 uint64_t peak_rss_bytes();     // VmHWM of this process
 // Starts VmHWM again from the current RSS (Linux /proc/self/clear_refs, "5"); false if refused.

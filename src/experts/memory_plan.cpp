@@ -12,6 +12,13 @@ namespace {
 // Code, libraries, thread stacks and allocator slack: a fixed floor plus a share of the budget.
 uint64_t reserve_for(uint64_t budget) { return (uint64_t(48) << 20) + budget / 50; }
 
+// The scratch row's note: the step it is sized for (scratch grows with the step's tokens and
+// with the keys attended, up to the context).
+std::string scratch_note(const MemoryPlanInputs& in) {
+  if (in.step_tokens <= 0) return "activations of one step";
+  return str("activations of one step of ", in.step_tokens, " tokens over up to ", in.context, " keys");
+}
+
 void plan_gpu(MemoryPlan& p) {
   const MemoryPlanInputs& in = p.in;
   GpuPlan& g = p.g;
@@ -147,7 +154,7 @@ std::string MemoryPlan::table() const {
                                     "% of experts, LRU) fed from disk").c_str());
     row("expert pool", format_bytes(g.pinned_bytes), format_bytes(g.pool_bytes), note);
     row("MLA cache", none, format_bytes(in.cache_bytes), str(in.context, " tokens x ", in.batch, " sequences"));
-    row("scratch", none, format_bytes(in.scratch_bytes), "activations of one step");
+    row("scratch", none, format_bytes(in.scratch_bytes), scratch_note(in));
     row("reserve", format_bytes(reserve_for(in.budget)), format_bytes(g.reserve),
         "RAM: 48 MiB + 2% of budget; GPU: CUDA context, cuBLASLt workspace (640 MiB) + 2% of budget");
     row("total", format_bytes(g.host_total), format_bytes(g.total),
@@ -169,7 +176,7 @@ std::string MemoryPlan::table() const {
                 total_experts() ? 100.0 * double(slots) / double(total_experts()) : 0.0, (long long)total_experts());
   row("expert pool", pool_bytes, note);
   row("MLA cache", in.cache_bytes, str(in.context, " tokens x ", in.batch, " sequences"));
-  row("scratch", in.scratch_bytes, "activations of one step");
+  row("scratch", in.scratch_bytes, scratch_note(in));
   row("reserve", reserve, "code, stacks, allocator slack (48 MiB + 2% of budget)");
   row("total", total, streaming ? str(format_bytes(in.budget > total ? in.budget - total : 0), " of the budget unused") : "");
   if (streaming) row("minimum budget", minimum, str("a pool of top_k = ", in.top_k, " slots"));

@@ -23,6 +23,7 @@ struct MemoryPlanInputs {
   uint64_t cache_bytes = 0;    // MLA cache for context x batch
   uint64_t scratch_bytes = 0;  // activations of one step
   int64_t context = 0, batch = 1;
+  int64_t step_tokens = 0;     // tokens of the largest step scratch_bytes is sized for (the table's note)
   uint64_t gpu_budget = 0;     // bytes of device memory; 0: no GPU column
   uint64_t host_available = 0; // GPU plans without a RAM budget: RAM free for a pinned copy (0: assume it fits)
   bool in_memory = false;      // the checkpoint is in memory (no disk to stream from)

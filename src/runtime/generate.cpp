@@ -10,6 +10,7 @@ GenerateResult generate(GlmDsaModel& model, MlaCache& cache, int row, const std:
   if (int64_t(prompt.size()) + opt.max_new_tokens > cache.capacity() - cache.length(row))
     fail("prompt (", prompt.size(), " tokens) + max new tokens (", opt.max_new_tokens,
          ") exceed the context of ", cache.capacity() - cache.length(row), " tokens");
+  if (opt.prefill_chunk < 0) fail("prefill chunk must be 0 (the whole prompt) or positive, got ", opt.prefill_chunk);
   GenerateResult r;
   r.prompt_tokens = int64_t(prompt.size());
   Sampler sampler(opt.sampling);
@@ -22,7 +23,12 @@ GenerateResult generate(GlmDsaModel& model, MlaCache& cache, int row, const std:
     next = model.forward_next(tokens, T, cache, row, greedy ? nullptr : &args, path);
   };
   auto t0 = clock::now();
-  step(prompt.data(), int64_t(prompt.size()), AttentionPath::Auto);
+  // Every chunk but the last only fills the cache: no token is chosen for it (nor a sampler draw
+  // taken, so sampling sees the same stream of draws as a one-step prefill).
+  const int64_t P = int64_t(prompt.size()), chunk = opt.prefill_chunk > 0 ? opt.prefill_chunk : P;
+  int64_t at = 0;
+  for (; P - at > chunk; at += chunk) model.forward(prompt.data() + at, chunk, cache, row, nullptr);
+  step(prompt.data() + at, P - at, AttentionPath::Auto);
   auto t1 = clock::now();
   r.prefill_seconds = std::chrono::duration<double>(t1 - t0).count();
   for (int64_t i = 0; i < opt.max_new_tokens; ++i) {

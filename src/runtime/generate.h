@@ -1,6 +1,7 @@
 #pragma once
-// Single-sequence generation: prefill the prompt (reconstructed attention), then decode one
-// token at a time (absorbed attention) until max_new_tokens or an EOS id.
+// Single-sequence generation: prefill the prompt (in one step, or in chunks of
+// GenerateOptions::prefill_chunk tokens), then decode one token at a time (absorbed attention)
+// until max_new_tokens or an EOS id.
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -15,6 +16,10 @@ struct GenerateOptions {
   int64_t max_new_tokens = 128;
   SamplingParams sampling;
   bool stop_at_eos = true;
+  // Prompt tokens per forward step (0: the whole prompt in one step). A memory plan sizes scratch
+  // for one step, so under a budget the prompt is fed in chunks of the planned size; the tokens
+  // chosen are the same (each chunk appends to the cache what one step would have).
+  int64_t prefill_chunk = 0;
 };
 
 struct GenerateResult {
