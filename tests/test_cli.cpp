@@ -121,6 +121,8 @@ TEST(CliErrors, FastMathNeedsCuda) {
   for (const std::string& cmd :
        {std::string("run --prompt-ids 1,2 -n 2"), "logits --tokens 1,2 --out " + d.str() + "/l.npy", std::string("info")})
     expect_clean_error(run_vireo(cmd + " --model " + kFixture + " --math fast"), "--math fast needs --device cuda");
+  expect_clean_error(run_vireo("run --prompt-ids 1,2 -n 2 --model " + kFixture + " --math fast-fp8"),
+                     "--math fast-fp8 needs --device cuda");
 }
 
 TEST(CliErrors, MissingModelDirectory) {

@@ -65,7 +65,7 @@ TEST_P(CudaFixture, LogitsAndGreedyMatchTransformers) {
 }
 
 // --math fast: prefill products, prefill attention and the indexer's scores round their operands
-// once (bf16; e4m3 per 128 columns on FP8 weights); decode steps are unchanged. A rounding can
+// once to bf16; decode steps are unchanged. A rounding can
 // flip a DSA selection at a near-tie, and in these tiny random models (top-k 8-16 of 48 keys)
 // one flipped key changes a row's logits wholesale, so the stated tolerance, relative L2 2e-2
 // against transformers, is checked on the rows whose selection is every causal key (t < top-k;
@@ -90,16 +90,14 @@ TEST_P(CudaFixture, FastMathWithinStatedTolerance) {
   const double e_decode = max_row_rel_l2(decode.data(), logits.data.data(), T, V);
   std::printf("  %-20s fast math: prefill rel L2 %.2e (first %lld rows)  decode rel L2 %.2e\n", GetParam().c_str(),
               e_prefill, (long long)rows, e_decode);
-  // FP8 weights: the fast mode quantizes activations to e4m3 (~2^-4 per element), which flips
-  // this random model's top-2-of-8 expert routing at near-ties as readily as a DSA selection
-  // (measured: rel L2 0.68, where the bf16 fixtures stay under 1e-2). Its accuracy is checked
-  // where that does not happen: op by op (test_cuda_fp8_fast.cpp, against a host e4m3 reference)
-  // and on the trained demo model quantized to FP8 (DemoModel.Fp8FastMathKeepsTheExactTokens).
-  if (m->config().n_routed_experts > 0 && GetParam().find("fp8") != std::string::npos) {
-    for (float v : prefill) ASSERT_TRUE(std::isfinite(v));
-  } else {
-    EXPECT_LE(e_prefill, 2e-2);
-  }
+  EXPECT_LE(e_prefill, 2e-2);
+  // --math fast-fp8 quantizes activations to e4m3 (~2^-4 per element) on FP8 weights, which
+  // flips this random model's top-2-of-8 expert routing at near-ties as readily as a DSA
+  // selection (measured: rel L2 0.68). Its accuracy is checked where that does not happen: op by
+  // op (test_cuda_fp8_fast.cpp, against a host e4m3 reference) and on the trained demo model
+  // quantized to FP8 (DemoModel.Fp8FastMath*). Here: it runs, and gives finite logits.
+  cuda_set_gemm_mode(*be, CudaGemmMode::Fp8);
+  for (float v : run_logits(*m, *be, ids, false)) ASSERT_TRUE(std::isfinite(v));
   EXPECT_LE(e_decode, 1e-4);
 #endif
 }

@@ -163,7 +163,7 @@ Result run_case(Backend& gpu, int64_t out, int64_t in, int64_t T, uint32_t seed,
   gpu.copy_from_host(xb.get() + x_off, x.data(), x.size());
   gpu.fill(yb.get() + y_off, NAN, T * out);  // poison: every output must be written
   const Weight gw = gpu.upload_weight(h.w);
-  cuda_set_gemm_mode(gpu, CudaGemmMode::Bf16);
+  cuda_set_gemm_mode(gpu, CudaGemmMode::Fp8);
   cuda_set_profile(gpu, true);
   gpu.matmul(xb.get() + x_off, T, gw, yb.get() + y_off);
   const std::string report = cuda_profile_report(gpu, 1.0);
@@ -281,7 +281,7 @@ TEST(CudaOps, Fp8FastMatmulManySharesX) {
   const Weight ga = gpu->upload_weight(a.w), gb = gpu->upload_weight(b.w);
   auto ya = gpu->alloc_f32(size_t(T * 256)), yb = gpu->alloc_f32(size_t(T * 384));
   auto sa = gpu->alloc_f32(size_t(T * 256)), sb = gpu->alloc_f32(size_t(T * 384));
-  cuda_set_gemm_mode(*gpu, CudaGemmMode::Bf16);
+  cuda_set_gemm_mode(*gpu, CudaGemmMode::Fp8);
   cuda_set_profile(*gpu, true);
   const Weight* ws[2] = {&ga, &gb};
   float* ys[2] = {ya.get(), yb.get()};

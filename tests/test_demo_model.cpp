@@ -220,20 +220,23 @@ TEST(DemoModel, Fp8CopyStaysCloseToBf16) {
   EXPECT_GT(rel, 1e-3);  // the weights really changed
 }
 
-// --math fast on FP8 weights quantizes activations to e4m3 per 128 columns (DeepSeek's
-// act_quant). On the FP8 demo model it must keep the exact mode's greedy tokens on every case
-// (prompts of 9 to 200 tokens take the fast prefill) and its teacher-forced logits within relative
-// L2 5e-2 (e4m3: ~2^-4 per element) on the rows before DSA selects.
+// The FP8 demo model on CUDA in the three modes. fast (bf16 activations) must keep the exact
+// mode's greedy tokens on every case (prompts of 9 to 200 tokens take the fast prefill) and its
+// teacher-forced logits within relative L2 2e-2 on the rows before DSA selects. fast-fp8 (e4m3
+// activations, as DeepSeek's reference inference) moves the logits about as much as rounding the
+// weights to e4m3 did (~9e-2, DemoModel.Fp8CopyStaysCloseToBf16): stated tolerance 0.15, and
+// the same first token on every case (later tokens can part at near-ties).
 TEST(DemoModel, Fp8FastMathKeepsTheExactTokens) {
   REQUIRE_CUDA();
 #ifdef VIREO_HAVE_CUDA
   Json e = read_json_file(kExpected + "/expected.json");
   auto ids = e["logits"]["token_ids"].get<std::vector<int32_t>>();
-  std::vector<std::vector<int32_t>> tokens[2];
-  std::vector<float> logits[2];
-  for (int fast = 0; fast < 2; ++fast) {
+  const CudaGemmMode modes[3] = {CudaGemmMode::Split, CudaGemmMode::Bf16, CudaGemmMode::Fp8};
+  std::vector<std::vector<int32_t>> tokens[3];
+  std::vector<float> logits[3];
+  for (int k = 0; k < 3; ++k) {
     auto be = make_cuda_backend();
-    cuda_set_gemm_mode(*be, fast ? CudaGemmMode::Bf16 : CudaGemmMode::Split);
+    cuda_set_gemm_mode(*be, modes[k]);
     auto m = GlmDsaModel::create(load_glm_dsa_config(kModel), demo_as_fp8(), *be);
     for (const Json& c : e["greedy"]["cases"]) {
       auto prompt = c["prompt_ids"].get<std::vector<int32_t>>();
@@ -241,19 +244,27 @@ TEST(DemoModel, Fp8FastMathKeepsTheExactTokens) {
       GenerateOptions opt;
       opt.max_new_tokens = 48;
       opt.stop_at_eos = false;
-      tokens[fast].push_back(generate(*m, cache, 0, prompt, opt).tokens);
+      tokens[k].push_back(generate(*m, cache, 0, prompt, opt).tokens);
     }
     const int64_t T = int64_t(ids.size()), V = m->config().vocab_size;
     MlaCache cache(*be, m->cache_shape(), 1, T);
-    logits[fast].resize(size_t(T * V));
-    m->forward(ids.data(), T, cache, 0, logits[fast].data(), true);
+    logits[k].resize(size_t(T * V));
+    m->forward(ids.data(), T, cache, 0, logits[k].data(), true);
   }
-  for (size_t i = 0; i < tokens[0].size(); ++i) EXPECT_EQ(tokens[1][i], tokens[0][i]) << "case " << i;
   const int64_t V = int64_t(logits[0].size() / ids.size());
-  const double rel = max_row_rel_l2(logits[1].data(), logits[0].data(), 64, V);
-  std::printf("  fp8 demo, fast vs exact: teacher-forced logits rel L2 %.2e (first 64 rows)\n", rel);
-  EXPECT_LE(rel, 5e-2);
-  EXPECT_GT(rel, 1e-4);  // the e4m3 activations really ran
+  const double fast = max_row_rel_l2(logits[1].data(), logits[0].data(), 64, V);
+  const double fp8 = max_row_rel_l2(logits[2].data(), logits[0].data(), 64, V);
+  int same = 0;
+  for (size_t i = 0; i < tokens[0].size(); ++i) {
+    EXPECT_EQ(tokens[1][i], tokens[0][i]) << "fast, case " << i;
+    EXPECT_EQ(tokens[2][i].at(0), tokens[0][i].at(0)) << "fast-fp8, case " << i;
+    same += tokens[2][i] == tokens[0][i];
+  }
+  std::printf("  fp8 demo against exact: fast rel L2 %.2e; fast-fp8 rel L2 %.2e, %d of %zu continuations equal\n",
+              fast, fp8, same, tokens[0].size());
+  EXPECT_LE(fast, 2e-2);
+  EXPECT_LE(fp8, 0.15);
+  EXPECT_GT(fp8, 1e-3);  // the e4m3 activations really ran
 #endif
 }
 

@@ -20,15 +20,17 @@ void add_device_flag(CLI::App& app, std::string& device, std::string& math) {
   app.add_option("--device", device, "Where to run: cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--math", math,
                  "CUDA products of more than 8 rows (prefill, large batches) on tensor cores: exact (default: "
-                 "activations split into bf16 hi + lo, f32-level accuracy, 2-3 passes) or fast (activations "
-                 "rounded once: bf16, or e4m3 per 128 columns for FP8 weights as DeepSeek's reference; one pass, "
-                 "~2^-9 relative per product, as other engines run)")
-      ->check(CLI::IsMember({"exact", "fast"}));
+                 "activations split into bf16 hi + lo, f32-level accuracy, 2-3 passes), fast (activations "
+                 "rounded once to bf16: one pass, ~2^-9 relative per product, as other engines run) or fast-fp8 "
+                 "(fast, and FP8 weights multiply e4m3 activations, per 128 columns, as DeepSeek's reference "
+                 "inference: ~2^-4 relative per activation)")
+      ->check(CLI::IsMember({"exact", "fast", "fast-fp8"}));
 }
 
 namespace {
 void check_math_flag(const std::string& device, const std::string& math) {
-  if (math != "exact" && math != "fast") fail("--math must be exact or fast, got '", math, "'");
+  if (math != "exact" && math != "fast" && math != "fast-fp8")
+    fail("--math must be exact, fast or fast-fp8, got '", math, "'");
   // The CPU computes every product in f32: there is no fast mode to pick, and accepting the flag
   // would pretend otherwise.
   if (math != "exact" && device != "cuda") fail("--math ", math, " needs --device cuda (the CPU is always exact)");
@@ -44,11 +46,20 @@ void check_device_flags(const std::string& device, const std::string& math, cons
     fail("--device cuda: this vireo was built without CUDA (no nvcc at build time)");
 }
 
+#ifdef VIREO_HAVE_CUDA
+CudaGemmMode gemm_mode(const std::string& math) {
+  return math == "fast" ? CudaGemmMode::Bf16 : math == "fast-fp8" ? CudaGemmMode::Fp8 : CudaGemmMode::Split;
+}
+const char* math_name(CudaGemmMode m) {
+  return m == CudaGemmMode::Bf16 ? "fast" : m == CudaGemmMode::Fp8 ? "fast-fp8" : "exact";
+}
+#endif
+
 std::unique_ptr<Backend> make_cli_backend(const std::string& device, const std::string& math) {
   check_math_flag(device, math);
   auto backend = make_backend(device);
 #ifdef VIREO_HAVE_CUDA
-  if (device == "cuda") cuda_set_gemm_mode(*backend, math == "fast" ? CudaGemmMode::Bf16 : CudaGemmMode::Split);
+  if (device == "cuda") cuda_set_gemm_mode(*backend, gemm_mode(math));
 #endif
   return backend;
 }
@@ -112,7 +123,7 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
 #else
   using clock = std::chrono::steady_clock;
   auto backend = make_cli_backend("cuda", math);
-  const CudaGemmMode mode = math == "fast" ? CudaGemmMode::Bf16 : CudaGemmMode::Split;
+  const CudaGemmMode mode = gemm_mode(math);
   std::unique_ptr<GlmDsaModel> model;
   auto t0 = clock::now();
   if (!synthetic.empty()) {
@@ -191,7 +202,7 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
     MlaCache cache(*backend, model->cache_shape(), 1, n_decode + 8);
     decode_from(cache, 0, pick);
   }
-  // Prefill in both --math modes: one untimed run at the length first (the backend's scratch
+  // Prefill in every --math mode: one untimed run at the length first (the backend's scratch
   // buffers grow to it, and cuBLASLt picks algorithms for its shapes), then the median of 3 timed
   // runs. The decode after 4096 cached runs in the mode asked for, from the cache that mode filled.
   auto prefill = [&](int64_t T, CudaGemmMode m, const char* name, MlaCache& cache) {
@@ -206,11 +217,15 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
     std::sort(runs.begin(), runs.end());
     pre.push_back({T, runs[1], mm_flops_per_token * double(T) + lm_head_flops + prefill_attention_flops(c, T), name});
   };
-  const CudaGemmMode other = mode == CudaGemmMode::Split ? CudaGemmMode::Bf16 : CudaGemmMode::Split;
+  // Every mode, the asked-for one last; fast-fp8 only where it can differ from fast (FP8 weights,
+  // or a checkpoint of unknown dtype).
+  std::vector<CudaGemmMode> modes;
+  for (CudaGemmMode m : {CudaGemmMode::Split, CudaGemmMode::Bf16, CudaGemmMode::Fp8})
+    if (m != mode && (m != CudaGemmMode::Fp8 || dtype == "fp8" || synthetic.empty())) modes.push_back(m);
+  modes.push_back(mode);
   for (int64_t T : {int64_t(512), int64_t(4096)}) {
     MlaCache cache(*backend, model->cache_shape(), 1, T + n_decode + 8);
-    prefill(T, other, other == CudaGemmMode::Bf16 ? "fast" : "exact", cache);
-    prefill(T, mode, math.c_str(), cache);  // last: its cache feeds the decode below
+    for (CudaGemmMode m : modes) prefill(T, m, math_name(m), cache);  // the last one's cache feeds the decode
     if (T == 4096) decode_from(cache, T, Pick::Greedy);
   }
   // The sampling step alone, on the last logits of the host-sampled run: sample_rows on the
@@ -251,10 +266,9 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
     const int64_t steps = std::min<int64_t>(n_decode, 8);
     for (int64_t T : {int64_t(512), int64_t(4096)}) {
       MlaCache cache(*backend, model->cache_shape(), 1, T + steps + 8);
-      for (CudaGemmMode m : {other, mode}) {  // the asked-for mode last: its cache feeds the decode
+      for (CudaGemmMode m : modes) {  // the asked-for mode last: its cache feeds the decode
         cuda_set_gemm_mode(*backend, m);
-        run(("prefill " + std::to_string(T) + " tokens, --math " + (m == CudaGemmMode::Bf16 ? "fast" : "exact"))
-                .c_str(),
+        run(("prefill " + std::to_string(T) + " tokens, --math " + math_name(m)).c_str(),
             [&] {
               cache.trim(0, 0);
               model->forward(ids.data(), T, cache, 0, logits.data(), false, AttentionPath::Reconstructed);
@@ -285,7 +299,7 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
                 d.pick == Pick::Greedy ? "greedy/device" : d.pick == Pick::SampleDevice ? "sample/device" : "sample/host",
                 d.tps, d.bytes / 1e9, d.bytes * d.tps / 1e9, 100.0 * d.bytes * d.tps / 1e9 / copy_gbs);
   for (const Prefill& p : pre)
-    std::printf("prefill %-6lld %-5s %8.1f tok/s  %.4f s  %7.1f TFLOP/s  = %5.1f%% of bf16 GEMM peak (median of 3)\n",
+    std::printf("prefill %-6lld %-8s %8.1f tok/s  %.4f s  %7.1f TFLOP/s  = %5.1f%% of bf16 GEMM peak (median of 3)\n",
                 (long long)p.T, p.math,
                 double(p.T) / p.s, p.s, p.flops / p.s / 1e12, 100.0 * p.flops / p.s / 1e12 / gemm_tflops);
   if (sampled)

@@ -345,6 +345,8 @@ class CudaBackend final : public Backend {
   cudaStream_t stream() const { return stream_; }
   uint64_t weight_bytes() const { return weight_bytes_; }
   void set_gemm_mode(CudaGemmMode m) { mode_ = m; }
+  // One rounding of the operands (bf16) in prefill products, attention and indexer scores.
+  bool fast_math() const { return mode_ == CudaGemmMode::Bf16 || mode_ == CudaGemmMode::Fp8; }
   const char* last_prefill_kernel() const { return last_prefill_; }
   void set_fast_decode(bool attention, bool scores, bool topk) {
     fast_attention_ = attention;
@@ -454,7 +456,7 @@ class CudaBackend final : public Backend {
     // Fast mode on FP8 weights: e4m3 x e4m3 with block scales where cuBLASLt takes the shape
     // (decided once per shape); the profile's path names the output type it runs with.
     const Fp8BlockGemm::Out f8 =
-        tc && w.dt == W_FP8 && mode_ == CudaGemmMode::Bf16 ? fp8_fast_plan(T, w, y) : Fp8BlockGemm::Out::None;
+        tc && w.dt == W_FP8 && mode_ == CudaGemmMode::Fp8 ? fp8_fast_plan(T, w, y) : Fp8BlockGemm::Out::None;
     const char* path = T <= 8                            ? "gemv"
                        : f8 == Fp8BlockGemm::Out::F32  ? "lt fp8xfp8 f32-out"
                        : f8 == Fp8BlockGemm::Out::Bf16 ? "lt fp8xfp8 bf16-out"
@@ -601,7 +603,7 @@ class CudaBackend final : public Backend {
           if (a.pos0 + t + 1 > a.topk) pairs += double(a.pos0 + t + 1);
       ProfScope ps(prof_, stream_, [] { return std::string("scores"); }, 2.0 * pairs * double(a.n_heads * a.head_dim));
       // --math fast rounds the indexer's q and k too, in prefill (more than 8 rows, host positions).
-      const bool bf16 = mode_ == CudaGemmMode::Bf16 && a.T > 8 && !a.pos0_dev &&
+      const bool bf16 = fast_math() && a.T > 8 && !a.pos0_dev &&
                         indexer_scores_bf16(a.q, a.weights, a.keys, a.T, a.n_heads, a.head_dim, a.n_keys, a.pos0,
                                             a.topk, a.scale, scores, stream_);
       if (!bf16)
@@ -1082,7 +1084,7 @@ class CudaBackend final : public Backend {
   // layer's input products): x quantized once for all of them. False (nothing run) unless every
   // weight takes the FP8 x FP8 path.
   bool lt_fp8_fast_many(const float* x, int64_t T, const Weight* const* ws, float* const* ys, int n) {
-    if (T <= 8 || mode_ != CudaGemmMode::Bf16 || n <= 0) return false;
+    if (T <= 8 || mode_ != CudaGemmMode::Fp8 || n <= 0) return false;
     std::vector<DevW> w(static_cast<size_t>(n));
     std::vector<Fp8BlockGemm::Out> out(static_cast<size_t>(n));
     for (int i = 0; i < n; ++i) {
@@ -1157,7 +1159,7 @@ class CudaBackend final : public Backend {
   // f32 accumulation, rounded once on output). False where the tensor-core path does not take it.
   bool matmul_to_bf16(const float* x, int64_t T, const Weight& wt, void* y) {
     const DevW w = devw(wt);
-    if (T <= 8 || mode_ != CudaGemmMode::Bf16 || (w.dt != W_BF16 && w.dt != W_FP8)) return false;
+    if (T <= 8 || !fast_math() || (w.dt != W_BF16 && w.dt != W_FP8)) return false;
     // (FP8 weights: the bf16 dequantizing GEMM, not the FP8 x FP8 one, until the glm_dsa_fp8
     // fixture's fast-mode failure is understood: see fp8_fast_plan.)
     ProfScope ps(
@@ -1193,7 +1195,7 @@ class CudaBackend final : public Backend {
     // Fast mode: kv_b's k_nope | v rows go to bf16 (kvbf16_: [N, H, hw], then k_rope [N, rope])
     // straight from the GEMM, where its tensor-core path takes the weight (else f32, then rounded),
     // and the one-pass kernel reads them there: no f32 copy of the expansion is made or read.
-    const bool fast = mode_ == CudaGemmMode::Bf16 && mla_prefill_fast_supported(p);
+    const bool fast = fast_math() && mla_prefill_fast_supported(p);
     char* kvxb = nullptr;
     char* ropeb = nullptr;
     if (fast) {

@@ -31,16 +31,17 @@ std::unique_ptr<TransferLink> make_cuda_transfer_link(Backend& cuda);
 uint64_t cuda_device_memory_used();
 // Bytes of weights the backend has uploaded (dense spine and resident experts).
 uint64_t cuda_weight_bytes(Backend& cuda);
-// Prefill GEMMs (T > 8 rows) on BF16 and FP8 weights, and prefill attention: Split (default) runs
-// bf16 tensor-core products on x = hi + lo (both bf16; FP8 weights and attention operands split
-// too: 2 passes for BF16 weights, 3 for FP8 and attention), f32 accumulation: ~2^-16 relative
-// error, fixture-exact. Bf16 rounds to bf16 once (one GEMM pass, ~2^-9 relative error, as most
-// engines; prefill attention too: one bf16 pass with f32 accumulation, cuda_prefill_fast.cu). On
-// FP8 weights it runs DeepSeek's scheme instead where cuBLASLt takes the shape: x quantized to
-// e4m3 per (token, 128 columns), an FP8 x FP8 block-scaled GEMM (~2^-4 relative per element of x,
-// output NMSE ~5e-4; cuda_fp8_gemm.h). Simt: f32 CUDA-core tiles for GEMMs and attention (exact
-// f32 math, slow).
-enum class CudaGemmMode { Split, Bf16, Simt };
+// Prefill GEMMs (T > 8 rows) on BF16 and FP8 weights, prefill attention and the indexer's prefill
+// scores (--math): Split (exact, the default) runs bf16 tensor-core products on x = hi + lo (both
+// bf16; FP8 weights and attention operands split too: 2 passes for BF16 weights, 3 for FP8 and
+// attention), f32 accumulation: ~2^-16 relative error, fixture-exact. Bf16 (fast) rounds the
+// operands to bf16 once (one pass, ~2^-9 relative error, as most engines; attention in one bf16
+// pass, cuda_prefill_fast.cu; indexer scores on tensor cores, cuda_indexer_fast.cu). Fp8
+// (fast-fp8) is Bf16 except that FP8 weights multiply e4m3 activations as DeepSeek's reference
+// inference does, where cuBLASLt takes the shape: x quantized per (token, 128 columns), an FP8 x
+// FP8 block-scaled GEMM (~2^-4 relative per element of x, output NMSE ~5e-4; cuda_fp8_gemm.h).
+// Simt: f32 CUDA-core tiles for GEMMs and attention (exact f32 math, slow).
+enum class CudaGemmMode { Split, Bf16, Fp8, Simt };
 void cuda_set_gemm_mode(Backend& cuda, CudaGemmMode mode);
 // Which kernel the last prefill (reconstructed-path) attention ran: "bf16 one pass" (Bf16 mode),
 // "tensor cores" (the split kernel), "f32", or "" before any (tests check the fast one is taken).
