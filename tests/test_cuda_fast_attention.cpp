@@ -25,38 +25,25 @@
 #include "backend/backend.h"
 #include "backend/cuda/cuda_backend.h"
 #include "core/dtype.h"
+#include "backend_test_util.h"
 #include "cuda_test_util.h"
 
 using namespace vireo;
+using vireo::test::Dev;
+using vireo::test::nmse;
+using vireo::test::randv;
 
 #ifdef VIREO_HAVE_CUDA
 namespace {
 
-std::vector<float> uniform(size_t n, uint32_t seed, float scale = 1.0f) {
-  std::mt19937 gen(seed);
-  std::uniform_real_distribution<float> d(-scale, scale);
-  std::vector<float> v(n);
-  for (float& x : v) x = d(gen);
-  return v;
-}
 
-double nmse_of(const std::vector<float>& got, const std::vector<float>& want) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    if (!std::isfinite(got[i])) return INFINITY;
-    const double d = double(got[i]) - double(want[i]);
-    num += d * d;
-    den += double(want[i]) * double(want[i]);
-  }
-  return num / std::max(den, 1e-30);
-}
 
 // A BF16 kv_b weight [rows, cols] with its bytes.
 struct Bf16Weight {
   std::vector<uint16_t> bits;
   Weight w;
   Bf16Weight(int64_t rows, int64_t cols, uint32_t seed, float scale) {
-    const std::vector<float> v = uniform(size_t(rows * cols), seed, scale);
+    const std::vector<float> v = randv(size_t(rows * cols), seed, scale);
     bits.resize(v.size());
     for (size_t i = 0; i < v.size(); ++i) bits[i] = f32_to_bf16(v[i]);
     w.w = Tensor(bits.data(), DType::BF16, {rows, cols});
@@ -92,29 +79,6 @@ void make_selection(int64_t T, int64_t pos0, int64_t stride, uint32_t seed, std:
   }
 }
 
-struct DevBufs {
-  explicit DevBufs(Backend& b) : be(b) {}
-  Backend& be;
-  std::vector<std::shared_ptr<float>> f;
-  std::vector<std::shared_ptr<int32_t>> i;
-  float* up(const std::vector<float>& h) {
-    auto b = be.alloc_f32(h.size());
-    be.copy_from_host(b.get(), h.data(), h.size());
-    f.push_back(b);
-    return b.get();
-  }
-  int32_t* up_i(const std::vector<int32_t>& h) {
-    auto b = be.alloc_i32(h.size());
-    be.copy_from_host_i32(b.get(), h.data(), h.size());
-    i.push_back(b);
-    return b.get();
-  }
-  std::vector<float> down(const float* d, size_t n) {
-    std::vector<float> h(n);
-    be.copy_to_host(h.data(), d, n);
-    return h;
-  }
-};
 
 struct Shape {
   int64_t H, nope, rope, vd, L;
@@ -142,7 +106,7 @@ TEST(CudaFastAttention, PrefillMatchesCpu) {
   REQUIRE_CUDA();
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   std::unique_ptr<Backend> gpu = make_cuda_backend();
-  DevBufs dev(*gpu);
+  Dev dev(*gpu);
   // GLM-5 head dims with 8 heads (the CPU reference stays quick); a small fixture-like shape that
   // the kernel pads (qk 24, v 16 -> 64).
   for (const Shape& s : {Shape{8, 192, 64, 256, 512, "glm5 dims"}, Shape{4, 16, 8, 16, 64, "small dims"}}) {
@@ -150,12 +114,12 @@ TEST(CudaFastAttention, PrefillMatchesCpu) {
     // kv_b entries scaled so k_nope and v come out O(1) (like the unit-scale rope part).
     Bf16Weight kvb(s.H * hw, s.L, 71, 1.7f / std::sqrt(float(s.L)));
     Weight gkvb = gpu->upload_weight(kvb.w);
-    const std::vector<float> kv = uniform(size_t(N * kvw), 72);
+    const std::vector<float> kv = randv(size_t(N * kvw), 72);
     float* gkv = dev.up(kv);
     for (int64_t T : {N, int64_t(333)})
       for (bool dsa : {false, true}) {
         const int64_t pos0 = N - T, stride = 192;
-        const std::vector<float> q = uniform(size_t(T * s.H * qw), uint32_t(73 + T));
+        const std::vector<float> q = randv(size_t(T * s.H * qw), uint32_t(73 + T));
         std::vector<int32_t> keys, counts;
         if (dsa) make_selection(T, pos0, stride, uint32_t(74 + T), keys, counts);
         const MlaAttentionArgs base = prefill_args(s, T, N, pos0);
@@ -184,7 +148,7 @@ TEST(CudaFastAttention, PrefillMatchesCpu) {
           gpu->mla_attention(g);
           EXPECT_EQ(cuda_last_prefill_attention(*gpu), kernels[m]) << s.name;
           got[m] = dev.down(g.out, want.size());
-          err[m] = nmse_of(got[m], want);
+          err[m] = nmse(got[m], want);
         }
         cuda_set_gemm_mode(*gpu, CudaGemmMode::Split);
         std::printf("  %-10s T %3lld pos0 %3lld %-9s NMSE fast (bf16) %.3g, exact (split) %.3g\n", s.name,
@@ -205,14 +169,14 @@ TEST(CudaFastAttention, TimingGlm5) {
   REQUIRE_CUDA();
   if (!std::getenv("VIREO_TIME_ATTN")) GTEST_SKIP() << "set VIREO_TIME_ATTN=1 to run";
   std::unique_ptr<Backend> gpu = make_cuda_backend();
-  DevBufs dev(*gpu);
+  Dev dev(*gpu);
   const Shape s{64, 192, 64, 256, 512, "glm5"};
   const int64_t T = 4096, N = T, qw = s.nope + s.rope, kvw = s.L + s.rope, hw = s.nope + s.vd, stride = 2048;
   Bf16Weight kvb(s.H * hw, s.L, 81, 1.7f / std::sqrt(float(s.L)));
   Weight gkvb = gpu->upload_weight(kvb.w);
   MlaAttentionArgs g = prefill_args(s, T, N, 0);
-  g.q = dev.up(uniform(size_t(T * s.H * qw), 82));
-  g.kv = dev.up(uniform(size_t(N * kvw), 83));
+  g.q = dev.up(randv(size_t(T * s.H * qw), 82));
+  g.kv = dev.up(randv(size_t(N * kvw), 83));
   g.kv_b = &gkvb;
   g.out = dev.up(std::vector<float>(size_t(T * s.H * s.vd), 0.0f));
   std::vector<int32_t> keys, counts;

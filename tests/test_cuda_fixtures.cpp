@@ -29,18 +29,36 @@ const std::string kFixtures = VIREO_FIXTURES_DIR;
 
 class CudaFixture : public ::testing::TestWithParam<std::string> {};
 
+// A fixture's oracle: the teacher-forced tokens and transformers' logits for them [T, V].
+struct Oracle {
+  Json expected;
+  NpyArray logits;
+  std::vector<int32_t> ids;
+  int64_t T = 0, V = 0;
+};
+[[maybe_unused]] Oracle read_oracle(const std::string& dir) {
+  Oracle o;
+  o.expected = read_json_file(dir + "/expected.json");
+  o.logits = read_npy_f32(dir + "/logits.npy");
+  o.ids = o.expected["tokens"].get<std::vector<int32_t>>();
+  o.T = o.logits.shape[0];
+  o.V = o.logits.shape[1];
+  return o;
+}
+
 }  // namespace
 
 TEST_P(CudaFixture, LogitsAndGreedyMatchTransformers) {
   REQUIRE_CUDA();
 #ifdef VIREO_HAVE_CUDA
   const std::string dir = kFixtures + "/" + GetParam();
-  Json expected = read_json_file(dir + "/expected.json");
-  NpyArray logits = read_npy_f32(dir + "/logits.npy");
+  const Oracle o = read_oracle(dir);
+  const Json& expected = o.expected;
+  const NpyArray& logits = o.logits;
+  const std::vector<int32_t>& ids = o.ids;
+  const int64_t T = o.T, V = o.V;
   auto be = make_cuda_backend();
   auto m = GlmDsaModel::load(dir, *be);
-  auto ids = expected["tokens"].get<std::vector<int32_t>>();
-  const int64_t T = logits.shape[0], V = logits.shape[1];
   ASSERT_EQ(T, int64_t(ids.size()));
   auto prefill = run_logits(*m, *be, ids, false);
   auto decode = run_logits(*m, *be, ids, true);
@@ -75,13 +93,13 @@ TEST_P(CudaFixture, FastMathWithinStatedTolerance) {
   REQUIRE_CUDA();
 #ifdef VIREO_HAVE_CUDA
   const std::string dir = kFixtures + "/" + GetParam();
-  Json expected = read_json_file(dir + "/expected.json");
-  NpyArray logits = read_npy_f32(dir + "/logits.npy");
+  const Oracle o = read_oracle(dir);
+  const NpyArray& logits = o.logits;
+  const std::vector<int32_t>& ids = o.ids;
+  const int64_t T = o.T, V = o.V;
   auto be = make_cuda_backend();
   cuda_set_gemm_mode(*be, CudaGemmMode::Bf16);
   auto m = GlmDsaModel::load(dir, *be);
-  auto ids = expected["tokens"].get<std::vector<int32_t>>();
-  const int64_t T = logits.shape[0], V = logits.shape[1];
   const int64_t rows = m->config().has_indexer ? std::min<int64_t>(T, m->config().index_topk) : T;
   ASSERT_GE(rows, 8);  // (the prefill itself is one forward of all T > 8 rows: the fast path)
   auto prefill = run_logits(*m, *be, ids, false);

@@ -30,6 +30,7 @@
 #include "backend/cuda/cuda_backend.h"
 #include "core/dtype.h"
 #include "core/thread_pool.h"
+#include "backend_test_util.h"
 #include "cuda_test_util.h"
 
 #ifdef VIREO_HAVE_CUDA
@@ -37,19 +38,10 @@
 #include <cuda_runtime.h>
 
 using namespace vireo;
+using vireo::test::nmse;
 
 namespace {
 
-double nmse_of(const std::vector<float>& got, const std::vector<double>& want) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    if (!std::isfinite(got[i])) return INFINITY;
-    const double d = double(got[i]) - want[i];
-    num += d * d;
-    den += want[i] * want[i];
-  }
-  return num / std::max(den, 1e-300);
-}
 
 // An FP8 weight [out, in] with 128x128 block scales amax / 448, from values whose magnitude
 // varies by block (so the scales differ), owning its bytes.
@@ -176,8 +168,8 @@ Result run_case(Backend& gpu, int64_t out, int64_t in, int64_t T, uint32_t seed,
   r.path = report.find("fp8xfp8 f32-out") != std::string::npos    ? "f32-out"
            : report.find("fp8xfp8 bf16-out") != std::string::npos ? "bf16-out"
                                                                   : "fallback";
-  r.vs_quant = nmse_of(got, want);
-  r.vs_exact = nmse_of(got, exact);
+  r.vs_quant = nmse(got, want);
+  r.vs_exact = nmse(got, exact);
   std::printf("  fp8 fast %4lldx%-4lld T %4lld x+%lld y+%lld: %-8s NMSE vs quantized ref %.3g, vs exact %.3g\n",
               (long long)out, (long long)in, (long long)T, (long long)x_off, (long long)y_off, r.path.c_str(),
               r.vs_quant, r.vs_exact);

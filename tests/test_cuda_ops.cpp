@@ -16,33 +16,17 @@
 
 #include "backend/backend.h"
 #include "backend/cuda/cuda_backend.h"
+#include "backend_test_util.h"
 #include "cuda_test_util.h"
 #include "core/dtype.h"
 #include "core/thread_pool.h"
 
 using namespace vireo;
-
+using vireo::test::Dev;
+using vireo::test::nmse;
+using vireo::test::randv;
 
 namespace {
-
-std::vector<float> randv(size_t n, uint32_t seed, float scale = 1.0f) {
-  std::mt19937 g(seed);
-  std::uniform_real_distribution<float> d(-1.0f, 1.0f);
-  std::vector<float> v(n);
-  for (float& x : v) x = d(g) * scale;
-  return v;
-}
-
-double nmse(const std::vector<float>& got, const std::vector<float>& want) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    if (!std::isfinite(got[i])) return INFINITY;
-    const double d = double(got[i]) - want[i];
-    num += d * d;
-    den += double(want[i]) * want[i];
-  }
-  return num / std::max(den, 1e-30);
-}
 
 // A weight in a stored dtype, built from f32 values, owning its bytes.
 struct HostWeight {
@@ -77,37 +61,6 @@ HostWeight make_weight(DType dt, int64_t out, int64_t in, uint32_t seed) {
   return h;
 }
 
-// Host vectors <-> a backend's buffers.
-struct Dev {
-  explicit Dev(Backend& b) : be(b) {}
-  Backend& be;
-  std::vector<std::shared_ptr<float>> keep;
-  std::vector<std::shared_ptr<int32_t>> keep_i;
-  float* up(const std::vector<float>& h) {
-    auto b = be.alloc_f32(h.size());
-    be.copy_from_host(b.get(), h.data(), h.size());
-    keep.push_back(b);
-    return b.get();
-  }
-  int32_t* up_i(const std::vector<int32_t>& h) {
-    auto b = be.alloc_i32(h.size());
-    be.copy_from_host_i32(b.get(), h.data(), h.size());
-    keep_i.push_back(b);
-    return b.get();
-  }
-  float* zeros(size_t n) { return up(std::vector<float>(n, 0.0f)); }
-  int32_t* zeros_i(size_t n) { return up_i(std::vector<int32_t>(n, 0)); }
-  std::vector<float> down(const float* d, size_t n) {
-    std::vector<float> h(n);
-    be.copy_to_host(h.data(), d, n);
-    return h;
-  }
-  std::vector<int32_t> down_i(const int32_t* d, size_t n) {
-    std::vector<int32_t> h(n);
-    be.copy_to_host_i32(h.data(), d, n);
-    return h;
-  }
-};
 
 struct Pair {
   std::unique_ptr<Backend> cpu = make_cpu_backend();

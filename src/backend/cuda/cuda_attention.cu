@@ -393,14 +393,6 @@ __device__ __forceinline__ void split2(float x, float y, uint32_t& hi, uint32_t&
   hi = bf16_bits(hx) | (bf16_bits(hy) << 16);
   lo = bf16_bits(lx) | (bf16_bits(ly) << 16);
 }
-__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 // NV: 8-wide tiles of v (vd <= 8 NV). qw is padded with zeros to qp (a multiple of 16).
 template <int NV>
@@ -481,9 +473,9 @@ __global__ void __launch_bounds__(256, 1) mla_prefill_tc_kernel(
         const uint32_t* kh = Kh + (nt * 8 + g) * qsw + kd * 8 + tq;
         const uint32_t* kl = Kl + (nt * 8 + g) * qsw + kd * 8 + tq;
         const uint32_t bh0 = kh[0], bh1 = kh[4], bl0 = kl[0], bl1 = kl[4];
-        mma_bf16(s[nt], ah0, ah1, ah2, ah3, bh0, bh1);
-        mma_bf16(s[nt], al0, al1, al2, al3, bh0, bh1);
-        mma_bf16(s[nt], ah0, ah1, ah2, ah3, bl0, bl1);
+        mma_bf16_16816(s[nt], ah0, ah1, ah2, ah3, bh0, bh1);
+        mma_bf16_16816(s[nt], al0, al1, al2, al3, bh0, bh1);
+        mma_bf16_16816(s[nt], ah0, ah1, ah2, ah3, bl0, bl1);
       }
     }
     // Masks, then the online softmax: rows ta (elements 0, 1) and tb (2, 3); a row's 32 keys are
@@ -542,9 +534,9 @@ __global__ void __launch_bounds__(256, 1) mla_prefill_tc_kernel(
         const uint32_t* vh = Vh + (i * 8 + g) * kTcVSW + kk * 8 + tq;
         const uint32_t* vl = Vl + (i * 8 + g) * kTcVSW + kk * 8 + tq;
         const uint32_t bh0 = vh[0], bh1 = vh[4], bl0 = vl[0], bl1 = vl[4];
-        mma_bf16(o[i], ph0, ph1, ph2, ph3, bh0, bh1);
-        mma_bf16(o[i], pl0, pl1, pl2, pl3, bh0, bh1);
-        mma_bf16(o[i], ph0, ph1, ph2, ph3, bl0, bl1);
+        mma_bf16_16816(o[i], ph0, ph1, ph2, ph3, bh0, bh1);
+        mma_bf16_16816(o[i], pl0, pl1, pl2, pl3, bh0, bh1);
+        mma_bf16_16816(o[i], ph0, ph1, ph2, ph3, bl0, bl1);
       }
     }
   }

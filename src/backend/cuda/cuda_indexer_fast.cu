@@ -23,20 +23,6 @@ namespace {
 
 constexpr int kIxQ = 64, kIxK = 128, kIxThreads = 256;
 
-__device__ __forceinline__ uint32_t pack_bf16(float x, float y) {
-  return uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(x))) |
-         (uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(y))) << 16);
-}
-
-__device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                          uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // Grid (ceil(n_keys / kIxK), ceil(T / kIxQ)). d a multiple of 16.
 __global__ void __launch_bounds__(kIxThreads) indexer_scores_bf16_kernel(
     const float* __restrict__ q, const float* __restrict__ wts, const float* __restrict__ keys, int64_t T, int nI,
@@ -59,7 +45,7 @@ __global__ void __launch_bounds__(kIxThreads) indexer_scores_bf16_kernel(
     const int64_t u = u0 + j;
     float2 v = make_float2(0.0f, 0.0f);
     if (u < n_last && u < n_keys) v = *reinterpret_cast<const float2*>(keys + u * d + 2 * p);
-    Ks[j * dw + p] = pack_bf16(v.x, v.y);
+    Ks[j * dw + p] = pack_bf16x2(v.x, v.y);
   }
   for (int i = tid; i < kIxQ * nI; i += kIxThreads) {
     const int64_t t = t0 + i / nI;
@@ -76,7 +62,7 @@ __global__ void __launch_bounds__(kIxThreads) indexer_scores_bf16_kernel(
       const int64_t t = t0 + r;
       float2 v = make_float2(0.0f, 0.0f);
       if (t < T) v = *reinterpret_cast<const float2*>(q + (t * nI + h) * d + 2 * p);
-      Qs[r * dw + p] = pack_bf16(v.x, v.y);
+      Qs[r * dw + p] = pack_bf16x2(v.x, v.y);
     }
     __syncthreads();
     float s[8][4];
@@ -88,7 +74,7 @@ __global__ void __launch_bounds__(kIxThreads) indexer_scores_bf16_kernel(
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) {
         const uint32_t* kb = Ks + (wk * 64 + nt * 8 + g) * dw + kd * 8 + tq;
-        mma_16816(s[nt], a0, a1, a2, a3, kb[0], kb[4]);
+        mma_bf16_16816(s[nt], a0, a1, a2, a3, kb[0], kb[4]);
       }
     }
     const float wa = ws[(wq * 16 + g) * nI + h], wb = ws[(wq * 16 + g + 8) * nI + h];

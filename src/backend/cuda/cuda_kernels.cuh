@@ -19,6 +19,23 @@ struct DevW {
   int dt = W_F32;
 };
 
+// D += A B on the tensor cores (mma.sync m16n8k16: bf16 in, f32 accumulate), fragments in the
+// PTX layout: a0..a3 the 16 x 16 A tile's pairs (rows g, g + 8; k 2q, 2q + 8), b0, b1 the 16 x 8
+// B tile's (k 2q and 2q + 8, column g).
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                               uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// (x, y) -> bf16x2 with x in the low half (the lower k / column index of a fragment pair).
+__device__ __forceinline__ uint32_t pack_bf16x2(float x, float y) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
 template <int DT> __host__ __device__ constexpr int elem_bytes() { return DT == W_F32 ? 4 : DT == W_FP8 ? 1 : 2; }
 
 // e4m3 -> f16 by moving sign, exponent and mantissa into place: the f16 holds the e4m3 value

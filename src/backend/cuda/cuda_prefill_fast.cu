@@ -87,19 +87,6 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t addr, uint32_t& r0, uint32_t&
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                : "r"(addr));
 }
-__device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-// (x, y) -> bf16x2 with x in the low half (the lower k / column index of a fragment pair).
-__device__ __forceinline__ uint32_t pack_bf16(float x, float y) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
 
 // k_rope (kv[u, L : L + rope], shared by all heads) as bf16 [n_keys][rope].
 __global__ void prefill_fast_rope_kernel(const float* __restrict__ kv, int64_t kvw, int64_t L, int64_t rope,
@@ -237,8 +224,8 @@ __global__ void __launch_bounds__(kFThreads, 1) prefill_fast_kernel(
         for (int np = 0; np < 4; ++np) {  // two 8-key tiles per ldmatrix
           uint32_t b0, b1, b2, b3;
           ldsm_x4(kaddr + uint32_t(np * 16 * RS + kd * 16) * 2, b0, b1, b2, b3);
-          mma16816(s[2 * np], a0, a1, a2, a3, b0, b1);
-          mma16816(s[2 * np + 1], a0, a1, a2, a3, b2, b3);
+          mma_bf16_16816(s[2 * np], a0, a1, a2, a3, b0, b1);
+          mma_bf16_16816(s[2 * np + 1], a0, a1, a2, a3, b2, b3);
         }
       }
       // Element e of tile nt: row ta (e < 2) or tb, key k0 + nt * 8 + 2 tq + (e & 1).
@@ -295,15 +282,15 @@ __global__ void __launch_bounds__(kFThreads, 1) prefill_fast_kernel(
       }
 #pragma unroll
       for (int kk = 0; kk < kFBK / 16; ++kk) {  // O += P V, 16 keys per step
-        const uint32_t a0 = pack_bf16(s[2 * kk][0], s[2 * kk][1]), a1 = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
-        const uint32_t a2 = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-        const uint32_t a3 = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        const uint32_t a0 = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]), a1 = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
+        const uint32_t a2 = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        const uint32_t a3 = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 #pragma unroll
         for (int j = 0; j < D / 16; ++j) {  // two 8-column tiles of O per ldmatrix
           uint32_t b0, b1, b2, b3;
           ldsm_x4_t(vaddr + uint32_t(kk * 16 * RS + j * 16) * 2, b0, b1, b2, b3);
-          mma16816(o[2 * j], a0, a1, a2, a3, b0, b1);
-          mma16816(o[2 * j + 1], a0, a1, a2, a3, b2, b3);
+          mma_bf16_16816(o[2 * j], a0, a1, a2, a3, b0, b1);
+          mma_bf16_16816(o[2 * j + 1], a0, a1, a2, a3, b2, b3);
         }
       }
     }
