@@ -692,9 +692,8 @@ class CudaBackend final : public Backend {
   // Serial (the composed default) while profiling, while recording, and for a single job.
   // Memory: each lane keeps a 32 MiB cuBLASLt workspace and buffers for its largest job (rows,
   // gathered x, gate, up, the bf16 operands: m x (2 D + 2 I + max(D, I)) x 4 bytes), which the
-  // memory plan does not count yet (its GPU reserve of 640 MiB + 2% absorbs the workspaces; a
-  // 512-token step of GLM-5 could add up to ~180 MB of lane buffers where one expert gets every
-  // row).
+  // memory plan does not count yet: 128 MiB of workspaces, plus up to ~180 MB of lane buffers in
+  // a 512-token step of GLM-5 where one expert gets every row (typically 1/32 of that).
   static constexpr int kLanes = 4;
   struct Lane {
     cudaStream_t s = nullptr;
