@@ -4,11 +4,13 @@
 // backend's buffers.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <vector>
 
 #include "backend/backend.h"
+#include "core/dtype.h"
 
 namespace vireo::test {
 
@@ -32,6 +34,66 @@ double nmse(const std::vector<float>& got, const std::vector<Want>& want) {
     den += double(want[i]) * double(want[i]);
   }
   return num / std::max(den, 1e-30);
+}
+
+// v [out, in] as a DeepSeek/GLM FP8 checkpoint stores it: one f32 scale per 128 x 128 block,
+// scale = amax / 448 (1 for an all-zero block), q = e4m3(v / scale). scales [ceil(out/128),
+// ceil(in/128)].
+inline void fp8_quantize_blocks(const std::vector<float>& v, int64_t out, int64_t in, uint8_t* q, float* scales) {
+  const int64_t so = (out + 127) / 128, si = (in + 127) / 128;
+  std::fill(scales, scales + so * si, 0.0f);
+  for (int64_t i = 0; i < out; ++i)
+    for (int64_t j = 0; j < in; ++j) {
+      float& m = scales[(i / 128) * si + j / 128];
+      m = std::max(m, std::fabs(v[size_t(i * in + j)]) / 448.0f);
+    }
+  for (int64_t b = 0; b < so * si; ++b)
+    if (scales[b] == 0.0f) scales[b] = 1.0f;
+  for (int64_t i = 0; i < out; ++i)
+    for (int64_t j = 0; j < in; ++j)
+      q[i * in + j] = f32_to_fp8_e4m3(v[size_t(i * in + j)] / scales[(i / 128) * si + j / 128]);
+}
+
+// A weight in a stored dtype, built from values uniform in [-scale, scale), owning its bytes.
+struct HostWeight {
+  std::vector<uint8_t> bytes;
+  std::vector<float> scales;
+  Weight w;
+};
+inline HostWeight make_weight(DType dt, int64_t out, int64_t in, uint32_t seed, float scale = 0.1f) {
+  HostWeight h;
+  std::vector<float> v = randv(size_t(out * in), seed, scale);
+  h.bytes.resize(size_t(out * in) * dtype_size(dt));
+  if (dt == DType::F32) {
+    std::memcpy(h.bytes.data(), v.data(), h.bytes.size());
+  } else if (dt == DType::BF16 || dt == DType::F16) {
+    auto* p = reinterpret_cast<uint16_t*>(h.bytes.data());
+    for (size_t i = 0; i < v.size(); ++i) p[i] = dt == DType::BF16 ? f32_to_bf16(v[i]) : f32_to_f16(v[i]);
+  } else {
+    const int64_t so = (out + 127) / 128, si = (in + 127) / 128;
+    h.scales.resize(size_t(so * si));
+    fp8_quantize_blocks(v, out, in, h.bytes.data(), h.scales.data());
+    h.w.scale_inv = Tensor(h.scales.data(), DType::F32, {so, si});
+  }
+  h.w.w = Tensor(h.bytes.data(), dt, {out, in});
+  return h;
+}
+
+// The shape part of MLA attention arguments (pointers left for the caller).
+inline MlaAttentionArgs mla_shape(int64_t T, int64_t H, int64_t nope, int64_t rope, int64_t vd, int64_t L, int64_t N,
+                                  int64_t pos0, float scale, bool absorbed) {
+  MlaAttentionArgs a;
+  a.T = T;
+  a.n_heads = H;
+  a.qk_nope = nope;
+  a.qk_rope = rope;
+  a.v_dim = vd;
+  a.kv_lora = L;
+  a.n_keys = N;
+  a.pos0 = pos0;
+  a.scale = scale;
+  a.absorbed = absorbed;
+  return a;
 }
 
 // Host vectors <-> a backend's buffers (kept alive as long as this is).

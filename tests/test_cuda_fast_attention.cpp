@@ -38,17 +38,6 @@ namespace {
 
 
 
-// A BF16 kv_b weight [rows, cols] with its bytes.
-struct Bf16Weight {
-  std::vector<uint16_t> bits;
-  Weight w;
-  Bf16Weight(int64_t rows, int64_t cols, uint32_t seed, float scale) {
-    const std::vector<float> v = randv(size_t(rows * cols), seed, scale);
-    bits.resize(v.size());
-    for (size_t i = 0; i < v.size(); ++i) bits[i] = f32_to_bf16(v[i]);
-    w.w = Tensor(bits.data(), DType::BF16, {rows, cols});
-  }
-};
 
 // A DSA-like selection: each query keeps its own key plus up to stride - 1 random earlier ones
 // (all of its causal keys when they fit), ascending.
@@ -86,18 +75,7 @@ struct Shape {
 };
 
 MlaAttentionArgs prefill_args(const Shape& s, int64_t T, int64_t N, int64_t pos0) {
-  MlaAttentionArgs a;
-  a.T = T;
-  a.n_heads = s.H;
-  a.qk_nope = s.nope;
-  a.qk_rope = s.rope;
-  a.v_dim = s.vd;
-  a.kv_lora = s.L;
-  a.n_keys = N;
-  a.pos0 = pos0;
-  a.scale = 1.0f / std::sqrt(float(s.nope + s.rope));
-  a.absorbed = false;
-  return a;
+  return test::mla_shape(T, s.H, s.nope, s.rope, s.vd, s.L, N, pos0, 1.0f / std::sqrt(float(s.nope + s.rope)), false);
 }
 
 }  // namespace
@@ -112,7 +90,7 @@ TEST(CudaFastAttention, PrefillMatchesCpu) {
   for (const Shape& s : {Shape{8, 192, 64, 256, 512, "glm5 dims"}, Shape{4, 16, 8, 16, 64, "small dims"}}) {
     const int64_t qw = s.nope + s.rope, kvw = s.L + s.rope, hw = s.nope + s.vd, N = 560;
     // kv_b entries scaled so k_nope and v come out O(1) (like the unit-scale rope part).
-    Bf16Weight kvb(s.H * hw, s.L, 71, 1.7f / std::sqrt(float(s.L)));
+    test::HostWeight kvb = test::make_weight(DType::BF16, s.H * hw, s.L, 71, 1.7f / std::sqrt(float(s.L)));
     Weight gkvb = gpu->upload_weight(kvb.w);
     const std::vector<float> kv = randv(size_t(N * kvw), 72);
     float* gkv = dev.up(kv);
@@ -172,7 +150,7 @@ TEST(CudaFastAttention, TimingGlm5) {
   Dev dev(*gpu);
   const Shape s{64, 192, 64, 256, 512, "glm5"};
   const int64_t T = 4096, N = T, qw = s.nope + s.rope, kvw = s.L + s.rope, hw = s.nope + s.vd, stride = 2048;
-  Bf16Weight kvb(s.H * hw, s.L, 81, 1.7f / std::sqrt(float(s.L)));
+  test::HostWeight kvb = test::make_weight(DType::BF16, s.H * hw, s.L, 81, 1.7f / std::sqrt(float(s.L)));
   Weight gkvb = gpu->upload_weight(kvb.w);
   MlaAttentionArgs g = prefill_args(s, T, N, 0);
   g.q = dev.up(randv(size_t(T * s.H * qw), 82));

@@ -60,16 +60,9 @@ Fp8Weight fp8_weight(int64_t out, int64_t in, uint32_t seed) {
   for (int64_t i = 0; i < out; ++i)
     for (int64_t j = 0; j < in; ++j) v[size_t(i * in + j)] = u(g) * bm[size_t((i / 128) * si + j / 128)];
   Fp8Weight h;
-  h.s.assign(size_t(so * si), 0.0f);
-  for (int64_t i = 0; i < out; ++i)
-    for (int64_t j = 0; j < in; ++j) {
-      float& m = h.s[size_t((i / 128) * si + j / 128)];
-      m = std::max(m, std::fabs(v[size_t(i * in + j)]) / 448.0f);
-    }
+  h.s.resize(size_t(so * si));
   h.q.resize(v.size());
-  for (int64_t i = 0; i < out; ++i)
-    for (int64_t j = 0; j < in; ++j)
-      h.q[size_t(i * in + j)] = f32_to_fp8_e4m3(v[size_t(i * in + j)] / h.s[size_t((i / 128) * si + j / 128)]);
+  vireo::test::fp8_quantize_blocks(v, out, in, h.q.data(), h.s.data());
   h.w.w = Tensor(h.q.data(), DType::F8_E4M3, {out, in});
   h.w.scale_inv = Tensor(h.s.data(), DType::F32, {so, si});
   return h;

@@ -23,43 +23,14 @@
 
 using namespace vireo;
 using vireo::test::Dev;
+using vireo::test::HostWeight;
+using vireo::test::make_weight;
+using vireo::test::mla_shape;
 using vireo::test::nmse;
 using vireo::test::randv;
 
 namespace {
 
-// A weight in a stored dtype, built from f32 values, owning its bytes.
-struct HostWeight {
-  std::vector<uint8_t> bytes;
-  std::vector<float> scales;
-  Weight w;
-};
-HostWeight make_weight(DType dt, int64_t out, int64_t in, uint32_t seed) {
-  HostWeight h;
-  std::vector<float> v = randv(size_t(out * in), seed, 0.1f);
-  h.bytes.resize(size_t(out * in) * dtype_size(dt));
-  if (dt == DType::F32) {
-    std::memcpy(h.bytes.data(), v.data(), h.bytes.size());
-  } else if (dt == DType::BF16 || dt == DType::F16) {
-    auto* p = reinterpret_cast<uint16_t*>(h.bytes.data());
-    for (size_t i = 0; i < v.size(); ++i) p[i] = dt == DType::BF16 ? f32_to_bf16(v[i]) : f32_to_f16(v[i]);
-  } else {
-    const int64_t so = (out + 127) / 128, si = (in + 127) / 128;
-    h.scales.assign(size_t(so * si), 0.0f);
-    for (int64_t i = 0; i < out; ++i)
-      for (int64_t j = 0; j < in; ++j) {
-        float& m = h.scales[size_t((i / 128) * si + j / 128)];
-        m = std::max(m, std::fabs(v[size_t(i * in + j)]) / 448.0f);
-      }
-    for (int64_t i = 0; i < out; ++i)
-      for (int64_t j = 0; j < in; ++j)
-        h.bytes[size_t(i * in + j)] =
-            f32_to_fp8_e4m3(v[size_t(i * in + j)] / h.scales[size_t((i / 128) * si + j / 128)]);
-    h.w.scale_inv = Tensor(h.scales.data(), DType::F32, {so, si});
-  }
-  h.w.w = Tensor(h.bytes.data(), dt, {out, in});
-  return h;
-}
 
 
 struct Pair {
@@ -270,22 +241,6 @@ void random_selection(int64_t T, int64_t stride, int64_t pos0, uint32_t seed, st
   }
 }
 
-// The shape part of MLA attention arguments (pointers left for the caller).
-MlaAttentionArgs mla_shape(int64_t T, int64_t H, int64_t nope, int64_t rope, int64_t vd, int64_t L, int64_t N,
-                           int64_t pos0, float scale, bool absorbed) {
-  MlaAttentionArgs a;
-  a.T = T;
-  a.n_heads = H;
-  a.qk_nope = nope;
-  a.qk_rope = rope;
-  a.v_dim = vd;
-  a.kv_lora = L;
-  a.n_keys = N;
-  a.pos0 = pos0;
-  a.scale = scale;
-  a.absorbed = absorbed;
-  return a;
-}
 }  // namespace
 
 TEST(CudaOps, MlaAttentionBothPathsWithAndWithoutSelection) {

@@ -16,6 +16,7 @@
 #include "io/npy.h"
 #include "model/glm_dsa/model.h"
 #include "runtime/generate.h"
+#include "backend_test_util.h"
 #include "fixture_util.h"
 #include "test_helpers.h"
 
@@ -181,18 +182,11 @@ std::unique_ptr<Checkpoint> demo_as_fp8() {
     }
     const int64_t out = t->shape[0], in = t->shape[1], so = (out + 127) / 128, si = (in + 127) / 128;
     const uint16_t* w = static_cast<const uint16_t*>(t->data);
+    std::vector<float> v(size_t(out * in));
+    for (size_t i = 0; i < v.size(); ++i) v[i] = bf16_to_f32(w[i]);
     auto* q = static_cast<uint8_t*>(ck->add_tensor(name, DType::F8_E4M3, {out, in}));
     auto* sc = static_cast<float*>(ck->add_tensor(name + "_scale_inv", DType::F32, {so, si}));
-    for (int64_t i = 0; i < out; ++i)
-      for (int64_t j = 0; j < in; ++j) {
-        float& m = sc[(i / 128) * si + j / 128];
-        m = std::max(m, std::fabs(bf16_to_f32(w[i * in + j])) / 448.0f);
-      }
-    for (int64_t b = 0; b < so * si; ++b)
-      if (sc[b] == 0.0f) sc[b] = 1.0f;
-    for (int64_t i = 0; i < out; ++i)
-      for (int64_t j = 0; j < in; ++j)
-        q[i * in + j] = f32_to_fp8_e4m3(bf16_to_f32(w[i * in + j]) / sc[(i / 128) * si + j / 128]);
+    test::fp8_quantize_blocks(v, out, in, q, sc);
   }
   return ck;
 }
