@@ -641,12 +641,15 @@ TEST(CudaOps, ExpertRowsMatchesComposedOps) {
   REQUIRE_CUDA();
 #ifdef VIREO_HAVE_CUDA
   Pair p;
-  const int64_t D = 512, I = 96, N = 300;
-  for (DType dt : {DType::BF16, DType::F8_E4M3}) {
+  const int64_t D = 512, N = 300;
+  // I = 256: FP8 experts in fast-fp8 mode take the fused e4m3 path (all three products at least
+  // one 128-block each way); I = 96 keeps them on the composed one.
+  for (const auto& [dt, I] : {std::pair{DType::BF16, int64_t(96)}, std::pair{DType::F8_E4M3, int64_t(96)},
+                              std::pair{DType::F8_E4M3, int64_t(256)}}) {
     HostWeight gate = make_weight(dt, I, D, 71), up = make_weight(dt, I, D, 72), down = make_weight(dt, D, I, 73);
     const Weight gg = p.gpu->upload_weight(gate.w), gu = p.gpu->upload_weight(up.w), gd = p.gpu->upload_weight(down.w);
     auto x = randv(size_t(N * D), 74);
-    for (int64_t m : {int64_t(5), int64_t(137)}) {
+    for (int64_t m : {int64_t(5), int64_t(137), int64_t(140)}) {  // 137: rows padded to 140
       std::vector<int32_t> index(static_cast<size_t>(m));
       for (int64_t i = 0; i < m; ++i) index[size_t(i)] = int32_t((i * 7 + 3) % N);
       std::vector<float> want(size_t(m * D)), xs(size_t(m * D)), g(size_t(m * I)), u(size_t(m * I));
@@ -660,7 +663,7 @@ TEST(CudaOps, ExpertRowsMatchesComposedOps) {
         got[mode == CudaGemmMode::Split ? 0 : mode == CudaGemmMode::Bf16 ? 1 : 2] = p.g.down(rows, size_t(m * D));
       }
       cuda_set_gemm_mode(*p.gpu, CudaGemmMode::Split);
-      const std::string what = std::string(dt_name(dt)) + " m " + std::to_string(m);
+      const std::string what = std::string(dt_name(dt)) + " I " + std::to_string(I) + " m " + std::to_string(m);
       const double exact = nmse(got[0], want), fast = nmse(got[1], want), fp8 = nmse(got[2], want);
       std::printf("  %s: exact NMSE %.2e, fast NMSE %.2e, fast-fp8 NMSE %.2e\n", what.c_str(), exact, fast, fp8);
       EXPECT_LT(exact, 1e-9) << what;

@@ -646,6 +646,7 @@ class CudaBackend final : public Backend {
   void expert_rows(const float* x, const int32_t* index, int64_t m, const Weight& gate, const Weight& up,
                    const Weight& down, float* xs, float* g, float* u, float* rows) override {
     const DevW wg = devw(gate), wu = devw(up), wd = devw(down);
+    if (expert_rows_fp8(x, index, m, wg, wu, wd, rows)) return;
     const int64_t D = wg.in, I = wg.out;
     const bool fused = m > 8 && mode_ != CudaGemmMode::Simt && lt_bf16_fits(wg, g) && lt_bf16_fits(wu, u) &&
                        lt_bf16_fits(wd, rows) && wu.in == D && wu.out == I && wd.in == I && wd.out == D &&
@@ -699,7 +700,7 @@ class CudaBackend final : public Backend {
     cudaStream_t s = nullptr;
     cudaEvent_t done = nullptr, consumed = nullptr;
     std::shared_ptr<char> ws;
-    Scratch xbf16, wbf16, f8x, f8d, f8s, xs, g, u, rows;
+    Scratch xbf16, wbf16, f8x, f8d, f8s, f8gu, xs, g, u, rows;
   };
   void experts_add(const float* x, const int32_t* index, const float* scale, const ExpertJob* jobs, int n, float* xs,
                    float* g, float* u, float* y, float* out) override {
@@ -743,6 +744,7 @@ class CudaBackend final : public Backend {
       std::swap(be.f8x_, lane.f8x);
       std::swap(be.f8d_, lane.f8d);
       std::swap(be.f8s_, lane.f8s);
+      std::swap(be.f8gu_, lane.f8gu);
     }
     CudaBackend& be;
     Lane& lane;
@@ -1044,15 +1046,49 @@ class CudaBackend final : public Backend {
     const float* s;
     int64_t Tp, K;
   };
-  Fp8X fp8_quantize_x(const float* x, int64_t T, int64_t K) {
+  // index / up: the rows quantized are x's rows index[t] (a gather), or silu(x) * up (SwiGLU).
+  Fp8X fp8_quantize_x(const float* x, int64_t T, int64_t K, const int32_t* index = nullptr,
+                      const float* up = nullptr) {
     const int64_t KB = (K + 127) / 128, Tp = (T + 3) / 4 * 4;
     const size_t qbytes = size_t(Tp * K + 15) / 16 * 16;
     char* buf = f8x_.get<char>(qbytes + size_t(KB * Tp) * 4);
     uint8_t* q = reinterpret_cast<uint8_t*>(buf);
     float* s = reinterpret_cast<float*>(buf + qbytes);
-    ProfScope ps(prof_, stream_, [] { return std::string("act_quant x"); }, 0.0);
-    act_quant(x, T, Tp, K, q, s, stream_);
+    ProfScope ps(
+        prof_, stream_,
+        [&] { return std::string(index ? "gather + act_quant" : up ? "swiglu + act_quant" : "act_quant x"); }, 0.0);
+    act_quant(x, T, Tp, K, q, s, stream_, index, up);
     return {q, s, Tp, K};
+  }
+
+  // --math fast-fp8, an FP8 expert over gathered rows: the gather and the SwiGLU quantize straight
+  // to e4m3 (no f32 copy of either is written), gate and up run on all Tp = round_up(m, 4) rows
+  // into buffers of that height (no copy-out of the padding), and only the down product copies its
+  // m rows out. False (nothing run) unless all three products take the FP8 x FP8 path.
+  bool expert_rows_fp8(const float* x, const int32_t* index, int64_t m, const DevW& wg, const DevW& wu, const DevW& wd,
+                       float* rows) {
+    if (mode_ != CudaGemmMode::Fp8 || m <= 8 || wg.dt != W_FP8 || wu.dt != W_FP8 || wd.dt != W_FP8) return false;
+    const int64_t D = wg.in, I = wg.out, mp = (m + 3) / 4 * 4;
+    if (wu.in != D || wu.out != I || wd.in != I || wd.out != D || D % 4 != 0 || I % 4 != 0) return false;
+    float* g = f8gu_.get<float>(size_t(2 * mp * I));
+    float* u = g + mp * I;  // (mp * I * 4 bytes: a multiple of 16, so u stays aligned)
+    const Fp8BlockGemm::Out og = fp8_fast_plan(mp, wg, g), ou = fp8_fast_plan(mp, wu, u),
+                            od = fp8_fast_plan(m, wd, rows);
+    if (og == Fp8BlockGemm::Out::None || ou == Fp8BlockGemm::Out::None || od == Fp8BlockGemm::Out::None) return false;
+    VIREO_PROF("expert_rows");
+    auto product = [&](const Fp8X& xq, int64_t T, const DevW& w, float* y, Fp8BlockGemm::Out out) {
+      ProfScope ps(
+          prof_, stream_,
+          [&] { return "matmul fp8 " + std::to_string(w.out) + "x" + std::to_string(w.in) + " fp8xfp8 (expert_rows)"; },
+          2.0 * double(T) * double(w.out) * double(w.in));
+      return lt_fp8_fast(xq, T, w, y, out);
+    };
+    const Fp8X xq = fp8_quantize_x(x, m, D, index);
+    // (A product cuBLASLt refuses after planning has not been seen; the composed path then redoes
+    // the expert from its inputs, which nothing here has overwritten.)
+    if (!product(xq, mp, wg, g, og) || !product(xq, mp, wu, u, ou)) return false;
+    const Fp8X hq = fp8_quantize_x(g, m, I, nullptr, u);
+    return product(hq, m, wd, rows, od);
   }
 
   // One block-scaled cuBLASLt GEMM of the quantized x against the stored e4m3 weight and its
@@ -1263,6 +1299,7 @@ class CudaBackend final : public Backend {
   // The fast FP8 path: e4m3 x + its scales; D when it is bf16 or has padding rows; the weight
   // scales with padded rows.
   Scratch f8x_, f8d_, f8s_;
+  Scratch f8gu_;  // expert_rows_fp8: gate and up outputs of round_up(m, 4) rows
   std::unique_ptr<Fp8BlockGemm> fp8g_;
   const char* last_prefill_ = "";  // the kernel the last reconstructed (prefill) attention ran
   std::vector<Lane> lanes_;        // experts_add's side streams, made on first use

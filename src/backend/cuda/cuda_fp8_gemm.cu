@@ -21,16 +21,23 @@ namespace {
 // -prec-div=true), then __nv_cvt_float_to_fp8: round to nearest even, saturating to +-448 (x / s
 // can come out a rounding above 448 for the block's largest element). Rows t in [T, Tp) are
 // padding: q = 0, s = 1, x not read.
+// The value quantized is produced in the same pass, so no f32 copy of it is written first:
+// row t of x, or row index[t] of x (an expert's gathered tokens), or, with `up`, the SwiGLU
+// silu(x) * up of row t with swiglu_kernel's arithmetic (an expert's down-product input).
 template <bool VEC>
-__global__ void __launch_bounds__(256) act_quant_kernel(const float* __restrict__ x, int64_t T, int64_t Tp, int64_t K,
-                                                        int KB, uint8_t* __restrict__ q, float* __restrict__ s) {
+__global__ void __launch_bounds__(256) act_quant_kernel(const float* __restrict__ x, const int32_t* __restrict__ index,
+                                                        const float* __restrict__ up, int64_t T, int64_t Tp,
+                                                        int64_t K, int KB, uint8_t* __restrict__ q,
+                                                        float* __restrict__ s) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t item = int64_t(blockIdx.x) * 8 + warp;
   if (item >= Tp * KB) return;
   const int64_t t = item / KB;
   const int kb = int(item % KB);
   const int64_t c0 = int64_t(kb) * 128;
-  const float* xr = x + t * K;
+  const int64_t src = t < T && index ? int64_t(index[t]) : t;
+  const float* xr = x + src * K;
+  const float* ur = up ? up + t * K : nullptr;
   float v[4];
   if (t >= T) {
     v[0] = v[1] = v[2] = v[3] = 0.0f;
@@ -41,11 +48,19 @@ __global__ void __launch_bounds__(256) act_quant_kernel(const float* __restrict_
     v[1] = f.y;
     v[2] = f.z;
     v[3] = f.w;
+    if (ur) {
+      const float4 g = c < K ? *reinterpret_cast<const float4*>(ur + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      v[0] = v[0] / (1.0f + expf(-v[0])) * g.x;
+      v[1] = v[1] / (1.0f + expf(-v[1])) * g.y;
+      v[2] = v[2] / (1.0f + expf(-v[2])) * g.z;
+      v[3] = v[3] / (1.0f + expf(-v[3])) * g.w;
+    }
   } else {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int64_t c = c0 + lane + 32 * i;
       v[i] = c < K ? xr[c] : 0.0f;
+      if (ur && c < K) v[i] = v[i] / (1.0f + expf(-v[i])) * ur[c];
     }
   }
   float a = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
@@ -77,12 +92,14 @@ __global__ void widen_bf16_kernel(const __nv_bfloat16* __restrict__ src, int64_t
 
 }  // namespace
 
-void act_quant(const float* x, int64_t T, int64_t Tp, int64_t K, uint8_t* q, float* s, cudaStream_t st) {
+void act_quant(const float* x, int64_t T, int64_t Tp, int64_t K, uint8_t* q, float* s, cudaStream_t st,
+               const int32_t* index, const float* up) {
   const int KB = int((K + 127) / 128);
   const unsigned blocks = unsigned((Tp * KB + 7) / 8);
-  const bool vec = K % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(q) % 4 == 0;
-  if (vec) act_quant_kernel<true><<<blocks, 256, 0, st>>>(x, T, Tp, K, KB, q, s);
-  else act_quant_kernel<false><<<blocks, 256, 0, st>>>(x, T, Tp, K, KB, q, s);
+  const bool vec = K % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(up) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(q) % 4 == 0;
+  if (vec) act_quant_kernel<true><<<blocks, 256, 0, st>>>(x, index, up, T, Tp, K, KB, q, s);
+  else act_quant_kernel<false><<<blocks, 256, 0, st>>>(x, index, up, T, Tp, K, KB, q, s);
 }
 
 void widen_bf16(const void* src, int64_t n, float* dst, cudaStream_t st) {

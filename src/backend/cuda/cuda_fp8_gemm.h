@@ -19,7 +19,10 @@ namespace vireo::cuda {
 // kb * Tp + t, the K-block-major order cuBLASLt's VEC128 scale mode reads), Tp >= T. Each
 // (token, block) gets s = amax / 448 (1 for an all-zero block) and q = e4m3(x / s), round to
 // nearest even, saturating; rows [T, Tp) are zero (s = 1).
-void act_quant(const float* x, int64_t T, int64_t Tp, int64_t K, uint8_t* q, float* s, cudaStream_t st);
+// index: row t reads x row index[t] (a gather); up: the value quantized is silu(x) * up, row t of
+// both (SwiGLU, as the backend's swiglu computes it).
+void act_quant(const float* x, int64_t T, int64_t Tp, int64_t K, uint8_t* q, float* s, cudaStream_t st,
+               const int32_t* index = nullptr, const float* up = nullptr);
 // bf16 [n] -> f32 [n].
 void widen_bf16(const void* src, int64_t n, float* dst, cudaStream_t st);
 
