@@ -87,7 +87,8 @@ TEST(CudaFastAttention, PrefillMatchesCpu) {
   Dev dev(*gpu);
   // GLM-5 head dims with 8 heads (the CPU reference stays quick); a small fixture-like shape that
   // the kernel pads (qk 24, v 16 -> 64).
-  for (const Shape& s : {Shape{8, 192, 64, 256, 512, "glm5 dims"}, Shape{4, 16, 8, 16, 64, "small dims"}}) {
+  for (const Shape& s : {Shape{8, 192, 64, 256, 512, "glm5 dims"}, Shape{4, 64, 32, 128, 128, "d 128"},
+                         Shape{4, 16, 8, 16, 64, "small dims"}}) {
     const int64_t qw = s.nope + s.rope, kvw = s.L + s.rope, hw = s.nope + s.vd, N = 560;
     // kv_b entries scaled so k_nope and v come out O(1) (like the unit-scale rope part).
     test::HostWeight kvb = test::make_weight(DType::BF16, s.H * hw, s.L, 71, 1.7f / std::sqrt(float(s.L)));
@@ -116,12 +117,15 @@ TEST(CudaFastAttention, PrefillMatchesCpu) {
         g.kv_b = &gkvb;
         g.out = dev.up(std::vector<float>(want.size(), 0.0f));
         if (dsa) g.selection = KeySelection{dev.up_i(keys), dev.up_i(counts), stride};
-        double err[2] = {0, 0};
-        const CudaGemmMode modes[2] = {CudaGemmMode::Bf16, CudaGemmMode::Split};
-        const char* kernels[2] = {"bf16 one pass", "tensor cores"};
-        std::vector<float> got[2];
-        for (int m = 0; m < 2; ++m) {
+        // The two fast kernels (wgmma, mma.sync), then the exact one.
+        double err[3] = {0, 0, 0};
+        const CudaGemmMode modes[3] = {CudaGemmMode::Bf16, CudaGemmMode::Bf16, CudaGemmMode::Split};
+        const bool wgmma[3] = {true, false, true};
+        const char* kernels[3] = {"bf16 wgmma", "bf16 one pass", "tensor cores"};
+        std::vector<float> got[3];
+        for (int m = 0; m < 3; ++m) {
           cuda_set_gemm_mode(*gpu, modes[m]);
+          cuda_set_prefill_wgmma(*gpu, wgmma[m]);
           gpu->fill(g.out, NAN, int64_t(want.size()));
           gpu->mla_attention(g);
           EXPECT_EQ(cuda_last_prefill_attention(*gpu), kernels[m]) << s.name;
@@ -129,18 +133,21 @@ TEST(CudaFastAttention, PrefillMatchesCpu) {
           err[m] = nmse(got[m], want);
         }
         cuda_set_gemm_mode(*gpu, CudaGemmMode::Split);
-        std::printf("  %-10s T %3lld pos0 %3lld %-9s NMSE fast (bf16) %.3g, exact (split) %.3g\n", s.name,
-                    (long long)T, (long long)pos0, dsa ? "DSA" : "causal", err[0], err[1]);
-        EXPECT_LT(err[0], 1e-4) << s.name << " T " << T << " dsa " << dsa;
-        // The fast path really ran: its bf16 rounding shows, far above the split kernel's ~1e-10.
-        EXPECT_GT(err[0], 1e-9) << s.name << " T " << T << " dsa " << dsa;
-        EXPECT_LT(err[1], 1e-8) << s.name << " T " << T << " dsa " << dsa;
-        EXPECT_NE(got[0], got[1]);
+        cuda_set_prefill_wgmma(*gpu, true);
+        std::printf("  %-10s T %3lld pos0 %3lld %-9s NMSE fast (bf16) wgmma %.3g, mma.sync %.3g, exact (split) %.3g\n",
+                    s.name, (long long)T, (long long)pos0, dsa ? "DSA" : "causal", err[0], err[1], err[2]);
+        for (int m = 0; m < 2; ++m) {
+          EXPECT_LT(err[m], 1e-4) << kernels[m] << " " << s.name << " T " << T << " dsa " << dsa;
+          // The fast path really ran: its bf16 rounding shows, far above the split kernel's ~1e-10.
+          EXPECT_GT(err[m], 1e-9) << kernels[m] << " " << s.name << " T " << T << " dsa " << dsa;
+          EXPECT_NE(got[m], got[2]);
+        }
+        EXPECT_LT(err[2], 1e-8) << s.name << " T " << T << " dsa " << dsa;
       }
   }
 }
 
-// Times the fast and the exact prefill attention at GLM-5 shapes (H 64, qk 256, v 256, T = N =
+// Times the fast (wgmma, mma.sync) and the exact prefill attention at GLM-5 shapes (H 64, qk 256, v 256, T = N =
 // 4096, pos0 0), causal and with a DSA selection of 2048 keys for rows >= 2048. Measures, checks
 // only that the fast path ran; skipped unless VIREO_TIME_ATTN=1.
 TEST(CudaFastAttention, TimingGlm5) {
@@ -163,9 +170,14 @@ TEST(CudaFastAttention, TimingGlm5) {
   // FLOPs of the attention counting every causal key (DSA rows attend fewer; same count, as the
   // profile does): 2 T^2 / 2 H (qw + vd) x 2.
   const double flops = 2.0 * double(T) * double(T + 1) / 2.0 * double(s.H) * double(qw + s.vd);
+  struct Kernel { CudaGemmMode mode; bool wgmma; const char* name; };
   for (bool dsa : {false, true})
-    for (CudaGemmMode m : {CudaGemmMode::Bf16, CudaGemmMode::Split}) {
+    for (const Kernel& k : {Kernel{CudaGemmMode::Bf16, true, "bf16 wgmma"},
+                            Kernel{CudaGemmMode::Bf16, false, "bf16 one pass"},
+                            Kernel{CudaGemmMode::Split, true, "tensor cores"}}) {
+      const CudaGemmMode m = k.mode;
       cuda_set_gemm_mode(*gpu, m);
+      cuda_set_prefill_wgmma(*gpu, k.wgmma);
       g.selection = dsa ? sel : KeySelection{};
       gpu->mla_attention(g);  // warm-up: scratch, kernel attributes, clocks
       gpu->mla_attention(g);
@@ -181,10 +193,9 @@ TEST(CudaFastAttention, TimingGlm5) {
                   dsa ? "DSA 2048" : "causal", kernel.c_str(), (long long)T, (long long)s.H, reps, flops,
                   cuda_profile_report(*gpu, wall).c_str());
       cuda_set_profile(*gpu, false);
-      if (m == CudaGemmMode::Bf16) {
-        EXPECT_EQ(kernel, "bf16 one pass");
-      }
+      EXPECT_EQ(kernel, k.name);
     }
   cuda_set_gemm_mode(*gpu, CudaGemmMode::Split);
+  cuda_set_prefill_wgmma(*gpu, true);
 }
 #endif

@@ -686,10 +686,12 @@ TEST(CudaOps, ExpertsAddConcurrentEqualsSerial) {
   REQUIRE_CUDA();
 #ifdef VIREO_HAVE_CUDA
   Pair p;
-  const int64_t D = 256, I = 64, N = 300;
+  // I = 128: FP8 experts take the FP8 x FP8 path in fast-fp8 (both dims >= 128), where a lane's
+  // down product writes its padded height in place (m = 9, 137) but the serial run copies m rows.
+  const int64_t D = 256, I = 128, N = 300;
   struct Job { DType dt; int64_t m; };
   const std::vector<Job> spec = {{DType::BF16, 137}, {DType::BF16, 3}, {DType::F8_E4M3, 40}, {DType::BF16, 300},
-                                 {DType::BF16, 20}, {DType::F8_E4M3, 9}, {DType::BF16, 64}};
+                                 {DType::BF16, 20}, {DType::F8_E4M3, 9}, {DType::BF16, 64}, {DType::F8_E4M3, 137}};
   std::vector<HostWeight> hw;
   std::vector<Weight> gw;
   std::vector<int32_t> index;

@@ -72,7 +72,10 @@ bool mla_prefill_tc(const PrefillAttnArgs& a, cudaStream_t st);
 // Supported: max(qw, vd) <= 256, nope, qw and vd multiples of 8, scale > 0.
 bool mla_prefill_fast_supported(const PrefillAttnArgs& a);
 void mla_prefill_fast_rope(const PrefillAttnArgs& a, void* rope_bf16, cudaStream_t st);
-void mla_prefill_fast(const PrefillAttnArgs& a, const void* kvx_bf16, const void* rope_bf16, cudaStream_t st);
+// wgmma: Hopper's warpgroup MMA (the default); false: the mma.sync kernel (kept as the reference
+// it is checked against and for the timing comparison).
+void mla_prefill_fast(const PrefillAttnArgs& a, const void* kvx_bf16, const void* rope_bf16, cudaStream_t st,
+                      bool wgmma = true);
 
 // scores[t, u] for u < pos0 + t + 1, rows with more causal keys than topk only. fast = false: run-time
 // positions take the plain kernel (the reference; both give the same bits).

@@ -348,6 +348,7 @@ class CudaBackend final : public Backend {
   // One rounding of the operands (bf16) in prefill products, attention and indexer scores.
   bool fast_math() const { return mode_ == CudaGemmMode::Bf16 || mode_ == CudaGemmMode::Fp8; }
   const char* last_prefill_kernel() const { return last_prefill_; }
+  void set_prefill_wgmma(bool on) { prefill_wgmma_ = on; }
   void set_fast_decode(bool attention, bool scores, bool topk) {
     fast_attention_ = attention;
     fast_scores_ = scores;
@@ -645,8 +646,14 @@ class CudaBackend final : public Backend {
   // a round trip through memory: the same values as the composed ops, two passes fewer.
   void expert_rows(const float* x, const int32_t* index, int64_t m, const Weight& gate, const Weight& up,
                    const Weight& down, float* xs, float* g, float* u, float* rows) override {
+    expert_rows_padded(x, index, m, gate, up, down, xs, g, u, rows, m);
+  }
+  // rows_cap: the rows `rows` can hold (>= m). experts_add's lanes give round_up(m, 4), so the FP8
+  // path's down product writes its padded height in place instead of through a copy.
+  void expert_rows_padded(const float* x, const int32_t* index, int64_t m, const Weight& gate, const Weight& up,
+                          const Weight& down, float* xs, float* g, float* u, float* rows, int64_t rows_cap) {
     const DevW wg = devw(gate), wu = devw(up), wd = devw(down);
-    if (expert_rows_fp8(x, index, m, wg, wu, wd, rows)) return;
+    if (expert_rows_fp8(x, index, m, wg, wu, wd, rows, rows_cap)) return;
     const int64_t D = wg.in, I = wg.out;
     const bool fused = m > 8 && mode_ != CudaGemmMode::Simt && lt_bf16_fits(wg, g) && lt_bf16_fits(wu, u) &&
                        lt_bf16_fits(wd, rows) && wu.in == D && wu.out == I && wd.in == I && wd.out == D &&
@@ -717,13 +724,14 @@ class CudaBackend final : public Backend {
       VIREO_CUDA_CHECK(cudaStreamWaitEvent(L.s, inputs_ready_, 0));
       VIREO_CUDA_CHECK(cudaStreamWaitEvent(L.s, L.consumed, 0));
       // (Scratch growth syncs the device, so no queued work still reads a replaced buffer.)
-      float* rows = L.rows.get<float>(size_t(e.m * D));
+      const int64_t rows_cap = (e.m + 3) / 4 * 4;  // the FP8 down product's padded height
+      float* rows = L.rows.get<float>(size_t(rows_cap * D));
       float* lxs = L.xs.get<float>(size_t(e.m * D));
       float* lg = L.g.get<float>(size_t(e.m * I));
       float* lu = L.u.get<float>(size_t(e.m * I));
       {
         LaneSwap on_lane(*this, L);
-        expert_rows(x, index + e.at, e.m, *e.gate, *e.up, *e.down, lxs, lg, lu, rows);
+        expert_rows_padded(x, index + e.at, e.m, *e.gate, *e.up, *e.down, lxs, lg, lu, rows, rows_cap);
       }
       VIREO_CUDA_CHECK(cudaEventRecord(L.done, L.s));
       VIREO_CUDA_CHECK(cudaStreamWaitEvent(stream_, L.done, 0));
@@ -1063,10 +1071,11 @@ class CudaBackend final : public Backend {
 
   // --math fast-fp8, an FP8 expert over gathered rows: the gather and the SwiGLU quantize straight
   // to e4m3 (no f32 copy of either is written), gate and up run on all Tp = round_up(m, 4) rows
-  // into buffers of that height (no copy-out of the padding), and only the down product copies its
-  // m rows out. False (nothing run) unless all three products take the FP8 x FP8 path.
+  // into buffers of that height (no copy-out of the padding), and the down product too when `rows`
+  // has room for them (rows_cap >= Tp; its padding rows come out 0), else it copies its m rows out.
+  // False (nothing run) unless all three products take the FP8 x FP8 path.
   bool expert_rows_fp8(const float* x, const int32_t* index, int64_t m, const DevW& wg, const DevW& wu, const DevW& wd,
-                       float* rows) {
+                       float* rows, int64_t rows_cap) {
     if (mode_ != CudaGemmMode::Fp8 || m <= 8 || wg.dt != W_FP8 || wu.dt != W_FP8 || wd.dt != W_FP8) return false;
     const int64_t D = wg.in, I = wg.out, mp = (m + 3) / 4 * 4;
     if (wu.in != D || wu.out != I || wd.in != I || wd.out != D || D % 4 != 0 || I % 4 != 0) return false;
@@ -1074,6 +1083,7 @@ class CudaBackend final : public Backend {
     float* u = g + mp * I;  // (mp * I * 4 bytes: a multiple of 16, so u stays aligned)
     const Fp8BlockGemm::Out og = fp8_fast_plan(mp, wg, g), ou = fp8_fast_plan(mp, wu, u),
                             od = fp8_fast_plan(m, wd, rows);
+    const int64_t md = rows_cap >= mp ? mp : m;  // the down product's height
     if (og == Fp8BlockGemm::Out::None || ou == Fp8BlockGemm::Out::None || od == Fp8BlockGemm::Out::None) return false;
     VIREO_PROF("expert_rows");
     auto product = [&](const Fp8X& xq, int64_t T, const DevW& w, float* y, Fp8BlockGemm::Out out) {
@@ -1088,7 +1098,7 @@ class CudaBackend final : public Backend {
     // the expert from its inputs, which nothing here has overwritten.)
     if (!product(xq, mp, wg, g, og) || !product(xq, mp, wu, u, ou)) return false;
     const Fp8X hq = fp8_quantize_x(g, m, I, nullptr, u);
-    return product(hq, m, wd, rows, od);
+    return product(hq, md, wd, rows, od);
   }
 
   // One block-scaled cuBLASLt GEMM of the quantized x against the stored e4m3 weight and its
@@ -1265,10 +1275,10 @@ class CudaBackend final : public Backend {
       for (int64_t t = 0; t < a.T; ++t) causal += double(std::min(N, a.pos0 + t + 1));
     const double flops = 2.0 * causal * double(H * (qw + vd));
     if (fast) {
-      ProfScope ps(prof_, stream_, [] { return std::string("prefill kernel (bf16 one pass)"); }, flops);
+      last_prefill_ = prefill_wgmma_ ? "bf16 wgmma" : "bf16 one pass";
+      ProfScope ps(prof_, stream_, [this] { return std::string("prefill kernel (") + last_prefill_ + ")"; }, flops);
       mla_prefill_fast_rope(p, ropeb, stream_);
-      mla_prefill_fast(p, kvxb, ropeb, stream_);
-      last_prefill_ = "bf16 one pass";
+      mla_prefill_fast(p, kvxb, ropeb, stream_, prefill_wgmma_);
       return;
     }
     const bool tc = mode_ != CudaGemmMode::Simt;
@@ -1290,6 +1300,7 @@ class CudaBackend final : public Backend {
   int sms_ = 132;
   CudaGemmMode mode_ = CudaGemmMode::Split;
   bool fast_attention_ = true, fast_scores_ = true, fast_topk_ = true;
+  bool prefill_wgmma_ = true;  // fast-mode prefill attention on wgmma (else the mma.sync kernel)
   int64_t fp8_chunk_bytes_ = int64_t(256) << 20;
   OpProfiler prof_;
   std::vector<std::shared_ptr<char>> owned_;
@@ -1345,6 +1356,7 @@ uint64_t cuda_weight_bytes(Backend& b) { return as_cuda(b).weight_bytes(); }
 void cuda_synchronize(Backend& b) { VIREO_CUDA_CHECK(cudaStreamSynchronize(as_cuda(b).stream())); }
 
 void cuda_set_gemm_mode(Backend& b, CudaGemmMode mode) { as_cuda(b).set_gemm_mode(mode); }
+void cuda_set_prefill_wgmma(Backend& b, bool on) { as_cuda(b).set_prefill_wgmma(on); }
 void cuda_set_fast_decode(Backend& b, bool attention, bool indexer_scores, bool indexer_topk) {
   as_cuda(b).set_fast_decode(attention, indexer_scores, indexer_topk);
 }

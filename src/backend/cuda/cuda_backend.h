@@ -43,9 +43,13 @@ uint64_t cuda_weight_bytes(Backend& cuda);
 // Simt: f32 CUDA-core tiles for GEMMs and attention (exact f32 math, slow).
 enum class CudaGemmMode { Split, Bf16, Fp8, Simt };
 void cuda_set_gemm_mode(Backend& cuda, CudaGemmMode mode);
-// Which kernel the last prefill (reconstructed-path) attention ran: "bf16 one pass" (Bf16 mode),
-// "tensor cores" (the split kernel), "f32", or "" before any (tests check the fast one is taken).
+// Which kernel the last prefill (reconstructed-path) attention ran: "bf16 wgmma" or "bf16 one pass"
+// (the fast modes), "tensor cores" (the split kernel), "f32", or "" before any (tests check the
+// fast one is taken).
 std::string cuda_last_prefill_attention(Backend& cuda);
+// The fast modes' prefill attention: on Hopper's wgmma (default), or the mma.sync kernel (off;
+// tests run both).
+void cuda_set_prefill_wgmma(Backend& cuda, bool on);
 // Decode attention (absorbed path) and indexer kernels, each on (default) or off: the absorbed
 // attention with all heads of a query per block, the indexer scores' blocked kernel with run-time
 // positions, the register-resident top-k (cuda_decode_attention.cu); off: the kernels they

@@ -95,213 +95,156 @@ __global__ void prefill_fast_rope_kernel(const float* __restrict__ kv, int64_t k
     out[i] = __float2bfloat16_rn(kv[(i / rope) * kvw + L + i % rope]);
 }
 
-template <int D>
-__global__ void __launch_bounds__(kFThreads, 1) prefill_fast_kernel(
-    const float* __restrict__ q, int T, int H, int qw, int nope, int vd, const __nv_bfloat16* __restrict__ kvxb,
-    int hw, const __nv_bfloat16* __restrict__ ropeb, int n_keys, int pos0, const uint32_t* __restrict__ mask,
-    int64_t mwords, float sl2, float* __restrict__ out) {
-  constexpr int RS = D + 8;      // shared row stride in bf16 (16-byte pad: conflict-free ldmatrix)
-  constexpr int NT = D / 8;      // 8-column tiles of O
-  constexpr int CH = D / 8;      // 16-byte chunks per K / V row
-  constexpr int P = D / 2;
-  extern __shared__ __align__(16) unsigned char fast_smem[];
-  __nv_bfloat16* Qs = reinterpret_cast<__nv_bfloat16*>(fast_smem);  // [kFBQ][RS]
-  __nv_bfloat16* Ks = Qs + kFBQ * RS;                                 // [2][kFBK][RS]
-  __nv_bfloat16* Vs = Ks + 2 * kFBK * RS;                             // [2][kFBK][RS]
-  const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
-  const int h = int(blockIdx.y);
-  const int q0 = int(gridDim.x - 1 - blockIdx.x) * kFBQ;  // the longest rows first
-  const int r0 = q0 + warp * 16, ta = r0 + g, tb = ta + 8;
-  const int kmax = min(n_keys, pos0 + min(T, q0 + kFBQ));
-  const int kt_end = (kmax + kFBK - 1) / kFBK;
-  // Last key each of this thread's rows sees (-1: no such row); the warp's first row sees the
-  // fewest, its last the most.
-  const int lim_a = ta < T ? min(n_keys - 1, pos0 + ta) : -1;
-  const int lim_b = tb < T ? min(n_keys - 1, pos0 + tb) : -1;
-  const int warp_lo = r0 < T ? min(n_keys - 1, pos0 + r0) : -1;
-  const int warp_hi = r0 < T ? min(n_keys - 1, pos0 + min(T - 1, r0 + 15)) : -1;
-  // K row of key u: kvx[u, h, 0 : nope] | rope[u, :] | 0; V row: kvx[u, h, nope : nope + vd] | 0;
-  // keys >= n_keys all 0 (their scores are masked, but P V must not meet garbage: 0 * NaN).
-  // A thread's 16-byte pieces all sit in one column xc (kFThreads is a multiple of CH) of rows
-  // rf, rf + kRStep, ..: its source addresses are a fixed base plus a fixed stride per key, set up
-  // once here (with 64-bit index math per piece the kernel took 2.88 ms instead of 2.57 at GLM-5
-  // shapes, T = 4096: the loads' instructions compete with the math for issue slots).
-  constexpr int kRStep = kFThreads / CH;
-  const int xc = (tid % CH) * 8, rf = tid / CH;
-  const bool kcol = xc < qw, vcol = xc < vd;
-  const int64_t vstride = int64_t(H) * hw, kstride = xc < nope ? vstride : int64_t(qw - nope);
-  const __nv_bfloat16* kbase = xc < nope ? kvxb + int64_t(h) * hw + xc : ropeb + (xc - nope);
-  const __nv_bfloat16* vbase = kvxb + int64_t(h) * hw + nope + xc;
-  const uint32_t soff = uint32_t(rf * RS + xc) * 2;
-  auto load_tile = [&](int kt, int buf) {
-    const uint32_t kdst = smem_u32(Ks + buf * kFBK * RS) + soff, vdst = smem_u32(Vs + buf * kFBK * RS) + soff;
+// --- Pieces shared by the two fast kernels (mma.sync and wgmma) ---------------------------------
+
+// One thread's share of fetching a 64-key tile: 16-byte pieces of K rows (k_nope | k_rope | 0 up
+// to D) and V rows (v | 0), all in one column xc of rows rf, rf + kRStep, ..: the source addresses
+// are a fixed base plus a fixed stride per key, set up once (with 64-bit index math per piece the
+// mma.sync kernel took 2.88 ms instead of 2.57 at GLM-5 shapes, T = 4096: the loads' instructions
+// compete with the math for issue slots). Keys >= n_keys are zero-filled (their scores are
+// masked, but P V must not meet garbage: 0 * NaN). The kernel gives the shared-memory offsets.
+template <int D, int THREADS>
+struct TileFetch {
+  static constexpr int CH = D / 8;              // 16-byte chunks per K / V row
+  static constexpr int kRStep = THREADS / CH;   // rows one pass of the block covers
+  static_assert(THREADS % CH == 0 && kFBK % kRStep == 0, "tile fetch shape");
+  int xc, rf;
+  bool kcol, vcol;
+  int64_t kstride, vstride;
+  const __nv_bfloat16 *kbase, *vbase, *any;
+  __device__ TileFetch(int tid, int h, int H, int qw, int nope, int vd, int hw, const __nv_bfloat16* kvxb,
+                       const __nv_bfloat16* ropeb) {
+    xc = (tid % CH) * 8;
+    rf = tid / CH;
+    kcol = xc < qw;
+    vcol = xc < vd;
+    vstride = int64_t(H) * hw;
+    kstride = xc < nope ? vstride : int64_t(qw - nope);
+    kbase = xc < nope ? kvxb + int64_t(h) * hw + xc : ropeb + (xc - nope);
+    vbase = kvxb + int64_t(h) * hw + nope + xc;
+    any = kvxb;
+  }
+  // Tile kt's pieces of this thread: row rf + i kRStep goes to kdst / vdst + i * dstep (bytes).
+  __device__ void issue(int kt, int n_keys, uint32_t kdst, uint32_t vdst, uint32_t dstep) const {
     const int u0 = kt * kFBK + rf;
     const __nv_bfloat16* kp = kbase + int64_t(u0) * kstride;
     const __nv_bfloat16* vp = vbase + int64_t(u0) * vstride;
 #pragma unroll
     for (int i = 0; i < kFBK / kRStep; ++i) {
       const bool in = u0 + i * kRStep < n_keys, kok = in && kcol, vok = in && vcol;
-      cp_async16_zfill(kdst + uint32_t(i * kRStep * RS * 2), kok ? kp + i * kRStep * kstride : kvxb, kok);
-      cp_async16_zfill(vdst + uint32_t(i * kRStep * RS * 2), vok ? vp + i * kRStep * vstride : kvxb, vok);
+      cp_async16_zfill(kdst + uint32_t(i) * dstep, kok ? kp + i * kRStep * kstride : any, kok);
+      cp_async16_zfill(vdst + uint32_t(i) * dstep, vok ? vp + i * kRStep * vstride : any, vok);
     }
     cp_async_commit();
-  };
-  // Whether any query of the block selected a key of tile kt (block-uniform; a barrier).
-  auto tile_needed = [&](int kt) -> bool {
-    if (!mask) return true;
-    const int t = q0 + (tid >> 1);
-    const int64_t w = int64_t(kt) * 2 + (tid & 1);
-    const bool any = t < T && w < mwords && mask[int64_t(t) * mwords + w] != 0u;
-    return __syncthreads_or(int(any)) != 0;
-  };
-  auto next_tile = [&](int kt) {
-    while (kt < kt_end && !tile_needed(kt)) ++kt;
-    return kt;
-  };
-  // This thread's rows' mask words of tile kt (row a: w[0], w[1]; row b: w[2], w[3]).
-  auto load_words = [&](int kt, uint32_t (&w)[4]) {
-    if (!mask) return;
-    const int64_t w0 = int64_t(kt) * 2;
-    const bool w1ok = w0 + 1 < mwords;
-    w[0] = ta < T ? mask[int64_t(ta) * mwords + w0] : 0u;
-    w[1] = ta < T && w1ok ? mask[int64_t(ta) * mwords + w0 + 1] : 0u;
-    w[2] = tb < T ? mask[int64_t(tb) * mwords + w0] : 0u;
-    w[3] = tb < T && w1ok ? mask[int64_t(tb) * mwords + w0 + 1] : 0u;
-  };
-
-  int kt = next_tile(0);
-  uint32_t nw[4] = {~0u, ~0u, ~0u, ~0u};
-  if (kt < kt_end) {
-    load_tile(kt, 0);  // in flight while Q is converted
-    load_words(kt, nw);
   }
-  for (int i = tid; i < kFBQ * P; i += kFThreads) {
-    const int r = i / P, d = 2 * (i % P), t = q0 + r;
-    float x = 0.0f, y = 0.0f;
-    if (t < T) {
-      const float* qr = q + (int64_t(t) * H + h) * qw;
-      if (d < qw) x = qr[d];
-      if (d + 1 < qw) y = qr[d + 1];
-    }
-    *reinterpret_cast<__nv_bfloat162*>(Qs + r * RS + d) = __floats2bfloat162_rn(x, y);
-  }
+};
 
-  float o[NT][4];
-#pragma unroll
-  for (int i = 0; i < NT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
-  float ma = -INFINITY, mb = -INFINITY, la = 0.0f, lb = 0.0f;  // raw-score maxima; partial row sums
-  // ldmatrix row addresses (see the fragment layouts of m16n8k16): A = Q rows lane % 16, columns
-  // +8 for lanes >= 16; B of S = K rows (keys) lane % 8 (+8 for lanes >= 16), columns +8 for
-  // lanes 8-15 and 24-31; B of O = V rows (keys) lane % 16, columns +8 for lanes >= 16 (.trans).
-  const uint32_t qaddr = smem_u32(Qs + (warp * 16 + (lane & 15)) * RS + (lane >> 4) * 8);
-  const int koff = ((lane & 7) + ((lane >> 4) << 3)) * RS + ((lane >> 3) & 1) * 8;
-  const int voff = (lane & 15) * RS + (lane >> 4) * 8;
+// Whether any query of the block (q0 .. q0 + 127) selected a key of tile kt (block-uniform; a
+// barrier: every thread of a 256-thread block calls it).
+__device__ __forceinline__ bool tile_needed(const uint32_t* __restrict__ mask, int64_t mwords, int T, int q0, int tid,
+                                            int kt) {
+  if (!mask) return true;
+  const int t = q0 + (tid >> 1);
+  const int64_t w = int64_t(kt) * 2 + (tid & 1);
+  const bool any = t < T && w < mwords && mask[int64_t(t) * mwords + w] != 0u;
+  return __syncthreads_or(int(any)) != 0;
+}
+// This thread's rows' mask words of tile kt (row a: w[0], w[1]; row b: w[2], w[3]).
+__device__ __forceinline__ void load_words(const uint32_t* __restrict__ mask, int64_t mwords, int T, int ta, int tb,
+                                           int kt, uint32_t (&w)[4]) {
+  if (!mask) return;
+  const int64_t w0 = int64_t(kt) * 2;
+  const bool w1ok = w0 + 1 < mwords;
+  w[0] = ta < T ? mask[int64_t(ta) * mwords + w0] : 0u;
+  w[1] = ta < T && w1ok ? mask[int64_t(ta) * mwords + w0 + 1] : 0u;
+  w[2] = tb < T ? mask[int64_t(tb) * mwords + w0] : 0u;
+  w[3] = tb < T && w1ok ? mask[int64_t(tb) * mwords + w0 + 1] : 0u;
+}
 
-  int buf = 0;
-  while (kt < kt_end) {
-    const int nxt = next_tile(kt + 1);
-    uint32_t cw[4] = {nw[0], nw[1], nw[2], nw[3]};
-    cp_async_wait_all();
-    __syncthreads();  // tile kt (and Q) visible to all; every warp is done with buffer buf ^ 1
-    if (nxt < kt_end) {
-      load_tile(nxt, buf ^ 1);
-      load_words(nxt, nw);
-    }
-    const int k0 = kt * kFBK;
-    bool work = k0 <= warp_hi;
-    if (mask) work = __any_sync(0xffffffffu, (cw[0] | cw[1] | cw[2] | cw[3]) != 0u) && work;
-    if (work) {
-      const uint32_t kaddr = smem_u32(Ks + buf * kFBK * RS + koff);
-      const uint32_t vaddr = smem_u32(Vs + buf * kFBK * RS + voff);
-      float s[8][4];
+// The rows' running softmax state (raw-score maxima, partial row sums of this thread's columns).
+struct RowState {
+  float ma = -INFINITY, mb = -INFINITY, la = 0.0f, lb = 0.0f;
+};
+// One tile's scores s [16 x 64 per warp, m16n8 accumulator layout: element e of tile nt is row ta
+// (e < 2) or tb, key k0 + nt * 8 + 2 tq + (e & 1)]: causal / n_keys / DSA masks (`check`: some
+// key of the tile may be past a row's limit), then the online softmax step in base 2 (scale *
+// log2 e folded into one FMA): s becomes p, the state moves, and alpha (the factors the rows'
+// earlier sums and O are rescaled by; exactly 1 where the maximum did not move) comes back.
+__device__ __forceinline__ void softmax_tile(float (&s)[8][4], int k0, int lim_a, int lim_b, bool check,
+                                             const uint32_t* mask, const uint32_t (&cw)[4], int tq, float sl2,
+                                             RowState& st, float& alpha_a, float& alpha_b) {
+  if (mask || check) {
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+    for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-      for (int kd = 0; kd < D / 16; ++kd) {  // S = Q K^T, 16 dims per step
-        uint32_t a0, a1, a2, a3;
-        ldsm_x4(qaddr + kd * 32, a0, a1, a2, a3);
-#pragma unroll
-        for (int np = 0; np < 4; ++np) {  // two 8-key tiles per ldmatrix
-          uint32_t b0, b1, b2, b3;
-          ldsm_x4(kaddr + uint32_t(np * 16 * RS + kd * 16) * 2, b0, b1, b2, b3);
-          mma_bf16_16816(s[2 * np], a0, a1, a2, a3, b0, b1);
-          mma_bf16_16816(s[2 * np + 1], a0, a1, a2, a3, b2, b3);
-        }
+      for (int e = 0; e < 4; ++e) {
+        const int col = nt * 8 + 2 * tq + (e & 1);
+        bool ok = k0 + col <= (e < 2 ? lim_a : lim_b);
+        if (mask) ok = ok && ((cw[(e < 2 ? 0 : 2) + (nt >= 4)] >> (col & 31)) & 1u);
+        if (!ok) s[nt][e] = -INFINITY;
       }
-      // Element e of tile nt: row ta (e < 2) or tb, key k0 + nt * 8 + 2 tq + (e & 1).
-      if (mask || k0 + kFBK - 1 > warp_lo) {
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int col = nt * 8 + 2 * tq + (e & 1);
-            bool ok = k0 + col <= (e < 2 ? lim_a : lim_b);
-            if (mask) ok = ok && ((cw[(e < 2 ? 0 : 2) + (nt >= 4)] >> (col & 31)) & 1u);
-            if (!ok) s[nt][e] = -INFINITY;
-          }
-      }
-      float mxa = ma, mxb = mb;
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        mxa = fmaxf(mxa, fmaxf(s[nt][0], s[nt][1]));
-        mxb = fmaxf(mxb, fmaxf(s[nt][2], s[nt][3]));
-      }
-      mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 1));
-      mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 2));
-      mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 1));
-      mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 2));
-      // Reference points in the scaled log2 domain; 0 while a row has seen no key (then every
-      // p is exp2(-inf) = 0 and alpha too, so nothing changes).
-      const float ra = mxa == -INFINITY ? 0.0f : mxa * sl2, rb = mxb == -INFINITY ? 0.0f : mxb * sl2;
-      const float alpha_a = mxa == ma ? 1.0f : exp2f(fmaf(ma, sl2, -ra));
-      const float alpha_b = mxb == mb ? 1.0f : exp2f(fmaf(mb, sl2, -rb));
-      ma = mxa;
-      mb = mxb;
-      float sa = 0.0f, sb = 0.0f;
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        s[nt][0] = exp2f(fmaf(s[nt][0], sl2, -ra));
-        s[nt][1] = exp2f(fmaf(s[nt][1], sl2, -ra));
-        s[nt][2] = exp2f(fmaf(s[nt][2], sl2, -rb));
-        s[nt][3] = exp2f(fmaf(s[nt][3], sl2, -rb));
-        sa += s[nt][0] + s[nt][1];
-        sb += s[nt][2] + s[nt][3];
-      }
-      la = la * alpha_a + sa;
-      lb = lb * alpha_b + sb;
-      // Once the running maxima settle most tiles change none of the warp's rows: skip the
-      // 128 multiplies per thread then (alpha is exactly 1 when the maximum did not move).
-      if (__any_sync(0xffffffffu, alpha_a != 1.0f || alpha_b != 1.0f)) {
-#pragma unroll
-        for (int i = 0; i < NT; ++i) {
-          o[i][0] *= alpha_a;
-          o[i][1] *= alpha_a;
-          o[i][2] *= alpha_b;
-          o[i][3] *= alpha_b;
-        }
-      }
-#pragma unroll
-      for (int kk = 0; kk < kFBK / 16; ++kk) {  // O += P V, 16 keys per step
-        const uint32_t a0 = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]), a1 = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
-        const uint32_t a2 = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-        const uint32_t a3 = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-#pragma unroll
-        for (int j = 0; j < D / 16; ++j) {  // two 8-column tiles of O per ldmatrix
-          uint32_t b0, b1, b2, b3;
-          ldsm_x4_t(vaddr + uint32_t(kk * 16 * RS + j * 16) * 2, b0, b1, b2, b3);
-          mma_bf16_16816(o[2 * j], a0, a1, a2, a3, b0, b1);
-          mma_bf16_16816(o[2 * j + 1], a0, a1, a2, a3, b2, b3);
-        }
-      }
-    }
-    kt = nxt;
-    buf ^= 1;
   }
-  la += __shfl_xor_sync(0xffffffffu, la, 1);
-  la += __shfl_xor_sync(0xffffffffu, la, 2);
-  lb += __shfl_xor_sync(0xffffffffu, lb, 1);
-  lb += __shfl_xor_sync(0xffffffffu, lb, 2);
-  const float ia = la > 0.0f ? 1.0f / la : 0.0f, ib = lb > 0.0f ? 1.0f / lb : 0.0f;
+  float mxa = st.ma, mxb = st.mb;
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    mxa = fmaxf(mxa, fmaxf(s[nt][0], s[nt][1]));
+    mxb = fmaxf(mxb, fmaxf(s[nt][2], s[nt][3]));
+  }
+  mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 1));
+  mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 2));
+  mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 1));
+  mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 2));
+  // Reference points in the scaled log2 domain; 0 while a row has seen no key (then every p is
+  // exp2(-inf) = 0 and alpha too, so nothing changes).
+  const float ra = mxa == -INFINITY ? 0.0f : mxa * sl2, rb = mxb == -INFINITY ? 0.0f : mxb * sl2;
+  alpha_a = mxa == st.ma ? 1.0f : exp2f(fmaf(st.ma, sl2, -ra));
+  alpha_b = mxb == st.mb ? 1.0f : exp2f(fmaf(st.mb, sl2, -rb));
+  st.ma = mxa;
+  st.mb = mxb;
+  float sa = 0.0f, sb = 0.0f;
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    s[nt][0] = exp2f(fmaf(s[nt][0], sl2, -ra));
+    s[nt][1] = exp2f(fmaf(s[nt][1], sl2, -ra));
+    s[nt][2] = exp2f(fmaf(s[nt][2], sl2, -rb));
+    s[nt][3] = exp2f(fmaf(s[nt][3], sl2, -rb));
+    sa += s[nt][0] + s[nt][1];
+    sb += s[nt][2] + s[nt][3];
+  }
+  st.la = st.la * alpha_a + sa;
+  st.lb = st.lb * alpha_b + sb;
+}
+// O's rows scaled by alpha; skipped when no row of the warp moved its maximum (most tiles once
+// the maxima settle: 128 multiplies per thread saved).
+template <int NT>
+__device__ __forceinline__ void rescale_rows(float (&o)[NT][4], float alpha_a, float alpha_b) {
+  if (__any_sync(0xffffffffu, alpha_a != 1.0f || alpha_b != 1.0f)) {
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {
+      o[i][0] *= alpha_a;
+      o[i][1] *= alpha_a;
+      o[i][2] *= alpha_b;
+      o[i][3] *= alpha_b;
+    }
+  }
+}
+// P's 16 keys kk * 16 .. + 15 as an m16k16 A fragment: the m16n8 accumulator layout of two
+// 8-key tiles equals the A layout, so no shared-memory round trip.
+__device__ __forceinline__ void p_fragment(const float (&s)[8][4], int kk, uint32_t (&a)[4]) {
+  a[0] = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
+  a[1] = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
+  a[2] = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+  a[3] = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+}
+// out[ta | tb, h, :] = O / l (the row sums reduced over the 4 threads of a row first).
+template <int NT>
+__device__ __forceinline__ void write_rows(const float (&o)[NT][4], RowState st, int T, int H, int h, int vd, int ta,
+                                           int tb, int tq, float* __restrict__ out) {
+  st.la += __shfl_xor_sync(0xffffffffu, st.la, 1);
+  st.la += __shfl_xor_sync(0xffffffffu, st.la, 2);
+  st.lb += __shfl_xor_sync(0xffffffffu, st.lb, 1);
+  st.lb += __shfl_xor_sync(0xffffffffu, st.lb, 2);
+  const float ia = st.la > 0.0f ? 1.0f / st.la : 0.0f, ib = st.lb > 0.0f ? 1.0f / st.lb : 0.0f;
   float* oa = ta < T ? out + (int64_t(ta) * H + h) * vd : nullptr;
   float* ob = tb < T ? out + (int64_t(tb) * H + h) * vd : nullptr;
   const bool pairs = (vd & 1) == 0 && (reinterpret_cast<uintptr_t>(out) & 7u) == 0;
@@ -324,16 +267,333 @@ __global__ void __launch_bounds__(kFThreads, 1) prefill_fast_kernel(
 }
 
 template <int D>
-void launch_attend(const PrefillAttnArgs& a, const void* kvx_bf16, const void* rope_bf16, cudaStream_t st) {
-  constexpr size_t smem = fast_smem_bytes<D>();
-  static bool configured = false;
-  if (!configured) {
-    VIREO_CUDA_CHECK(
-        cudaFuncSetAttribute(prefill_fast_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    configured = true;
+__global__ void __launch_bounds__(kFThreads, 1) prefill_fast_kernel(
+    const float* __restrict__ q, int T, int H, int qw, int nope, int vd, const __nv_bfloat16* __restrict__ kvxb,
+    int hw, const __nv_bfloat16* __restrict__ ropeb, int n_keys, int pos0, const uint32_t* __restrict__ mask,
+    int64_t mwords, float sl2, float* __restrict__ out) {
+  constexpr int RS = D + 8;      // shared row stride in bf16 (16-byte pad: conflict-free ldmatrix)
+  constexpr int NT = D / 8;      // 8-column tiles of O
+  constexpr int P = D / 2;
+  extern __shared__ __align__(16) unsigned char fast_smem[];
+  __nv_bfloat16* Qs = reinterpret_cast<__nv_bfloat16*>(fast_smem);  // [kFBQ][RS]
+  __nv_bfloat16* Ks = Qs + kFBQ * RS;                                 // [2][kFBK][RS]
+  __nv_bfloat16* Vs = Ks + 2 * kFBK * RS;                             // [2][kFBK][RS]
+  const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
+  const int h = int(blockIdx.y);
+  const int q0 = int(gridDim.x - 1 - blockIdx.x) * kFBQ;  // the longest rows first
+  const int r0 = q0 + warp * 16, ta = r0 + g, tb = ta + 8;
+  const int kmax = min(n_keys, pos0 + min(T, q0 + kFBQ));
+  const int kt_end = (kmax + kFBK - 1) / kFBK;
+  // Last key each of this thread's rows sees (-1: no such row); the warp's first row sees the
+  // fewest, its last the most.
+  const int lim_a = ta < T ? min(n_keys - 1, pos0 + ta) : -1;
+  const int lim_b = tb < T ? min(n_keys - 1, pos0 + tb) : -1;
+  const int warp_lo = r0 < T ? min(n_keys - 1, pos0 + r0) : -1;
+  const int warp_hi = r0 < T ? min(n_keys - 1, pos0 + min(T - 1, r0 + 15)) : -1;
+  const TileFetch<D, kFThreads> fetch(tid, h, H, qw, nope, vd, hw, kvxb, ropeb);
+  const uint32_t soff = uint32_t(fetch.rf * RS + fetch.xc) * 2, dstep = uint32_t(fetch.kRStep * RS * 2);
+  auto load_tile = [&](int kt, int buf) {
+    fetch.issue(kt, n_keys, smem_u32(Ks + buf * kFBK * RS) + soff, smem_u32(Vs + buf * kFBK * RS) + soff, dstep);
+  };
+  auto next_tile = [&](int kt) {
+    while (kt < kt_end && !tile_needed(mask, mwords, T, q0, tid, kt)) ++kt;
+    return kt;
+  };
+
+  int kt = next_tile(0);
+  uint32_t nw[4] = {~0u, ~0u, ~0u, ~0u};
+  if (kt < kt_end) {
+    load_tile(kt, 0);  // in flight while Q is converted
+    load_words(mask, mwords, T, ta, tb, kt, nw);
+  }
+  for (int i = tid; i < kFBQ * P; i += kFThreads) {
+    const int r = i / P, d = 2 * (i % P), t = q0 + r;
+    float x = 0.0f, y = 0.0f;
+    if (t < T) {
+      const float* qr = q + (int64_t(t) * H + h) * qw;
+      if (d < qw) x = qr[d];
+      if (d + 1 < qw) y = qr[d + 1];
+    }
+    *reinterpret_cast<__nv_bfloat162*>(Qs + r * RS + d) = __floats2bfloat162_rn(x, y);
+  }
+
+  float o[NT][4];
+#pragma unroll
+  for (int i = 0; i < NT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+  RowState st;
+  // ldmatrix row addresses (see the fragment layouts of m16n8k16): A = Q rows lane % 16, columns
+  // +8 for lanes >= 16; B of S = K rows (keys) lane % 8 (+8 for lanes >= 16), columns +8 for
+  // lanes 8-15 and 24-31; B of O = V rows (keys) lane % 16, columns +8 for lanes >= 16 (.trans).
+  const uint32_t qaddr = smem_u32(Qs + (warp * 16 + (lane & 15)) * RS + (lane >> 4) * 8);
+  const int koff = ((lane & 7) + ((lane >> 4) << 3)) * RS + ((lane >> 3) & 1) * 8;
+  const int voff = (lane & 15) * RS + (lane >> 4) * 8;
+
+  int buf = 0;
+  while (kt < kt_end) {
+    const int nxt = next_tile(kt + 1);
+    const uint32_t cw[4] = {nw[0], nw[1], nw[2], nw[3]};
+    cp_async_wait_all();
+    __syncthreads();  // tile kt (and Q) visible to all; every warp is done with buffer buf ^ 1
+    if (nxt < kt_end) {
+      load_tile(nxt, buf ^ 1);
+      load_words(mask, mwords, T, ta, tb, nxt, nw);
+    }
+    const int k0 = kt * kFBK;
+    bool work = k0 <= warp_hi;
+    if (mask) work = __any_sync(0xffffffffu, (cw[0] | cw[1] | cw[2] | cw[3]) != 0u) && work;
+    if (work) {
+      const uint32_t kaddr = smem_u32(Ks + buf * kFBK * RS + koff);
+      const uint32_t vaddr = smem_u32(Vs + buf * kFBK * RS + voff);
+      float s[8][4];
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+      for (int kd = 0; kd < D / 16; ++kd) {  // S = Q K^T, 16 dims per step
+        uint32_t a0, a1, a2, a3;
+        ldsm_x4(qaddr + kd * 32, a0, a1, a2, a3);
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {  // two 8-key tiles per ldmatrix
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4(kaddr + uint32_t(np * 16 * RS + kd * 16) * 2, b0, b1, b2, b3);
+          mma_bf16_16816(s[2 * np], a0, a1, a2, a3, b0, b1);
+          mma_bf16_16816(s[2 * np + 1], a0, a1, a2, a3, b2, b3);
+        }
+      }
+      float alpha_a, alpha_b;
+      softmax_tile(s, k0, lim_a, lim_b, k0 + kFBK - 1 > warp_lo, mask, cw, tq, sl2, st, alpha_a, alpha_b);
+      rescale_rows(o, alpha_a, alpha_b);
+#pragma unroll
+      for (int kk = 0; kk < kFBK / 16; ++kk) {  // O += P V, 16 keys per step
+        uint32_t a[4];
+        p_fragment(s, kk, a);
+#pragma unroll
+        for (int j = 0; j < D / 16; ++j) {  // two 8-column tiles of O per ldmatrix
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4_t(vaddr + uint32_t(kk * 16 * RS + j * 16) * 2, b0, b1, b2, b3);
+          mma_bf16_16816(o[2 * j], a[0], a[1], a[2], a[3], b0, b1);
+          mma_bf16_16816(o[2 * j + 1], a[0], a[1], a[2], a[3], b2, b3);
+        }
+      }
+    }
+    kt = nxt;
+    buf ^= 1;
+  }
+  write_rows(o, st, T, H, h, vd, ta, tb, tq, out);
+}
+
+// --- The wgmma kernel (sm_90a) --------------------------------------------------------------------
+//
+// Same math, tiles and masks as prefill_fast_kernel, on Hopper's warpgroup MMA: a block's 128
+// queries are 2 warpgroups of 64 rows; S [64 x 64] = Q K^T reads both operands from shared memory
+// (wgmma m64n64k16, 16 steps over D = 256) and O [64 x D] += P V takes P from registers (the
+// accumulator layout again) and V from shared memory. Why: in the mma.sync kernel every warp
+// (16 rows) reads the whole K and V tile through ldmatrix, 72 KB per warp per 1 MFLOP tile, which
+// bounds it near ~470 TFLOP/s before any other cost (it measured 185-214); a warpgroup reads them
+// once per 64 rows: 96 KB per 4.2 MFLOP (Q 32 + K 32 from shared memory for S, V 32 for O), about
+// 0.75 of the shared-memory bandwidth at the tensor cores' rate. Registers are the same as the
+// mma.sync kernel's per thread: O 64 x 256 f32 over 128 threads = 128, S 32.
+//
+// Shared memory: every [rows][D] bf16 tile is stored as D / 64 "atoms" of [rows][64] (128-byte
+// lines), the 16-byte chunk c of line r at chunk c ^ (r % 8): the 128-byte swizzle the wgmma
+// descriptors name (mode 1), with each atom 1024-byte aligned. Q and K are K-major operands
+// (their 16 dims of a k-step are 32 contiguous bytes of a line: start + 32 kd within the atom,
+// 8-row groups 1024 bytes apart = SBO). V is the B operand of P V read N-major (transpose flag):
+// N = the 64 dims of one atom (wgmma n64, one per atom), K = 16 keys = 2 groups of 8 lines,
+// SBO 1024 bytes, LBO the next atom (8 KB; unused at n64).
+// The cp.async pieces land in that layout: a thread's column chunk xc and rows rf + i kRStep
+// (kRStep a multiple of 8) keep r % 8 fixed, so its swizzled offsets are a base + i kRStep 128.
+// Writes by cp.async and st.shared are made visible to wgmma (the async proxy) by
+// fence.proxy.async before the barrier that publishes them.
+
+constexpr int kWThreads = 256;  // 2 warpgroups x 64 query rows = kFBQ
+
+template <int D> constexpr size_t wgmma_smem_bytes() { return size_t(kFBQ + 4 * kFBK) * D * 2 + 1024; }
+
+// Byte offset of 16-byte chunk c (0 .. D/8 - 1) of row r in a [ROWS][D] swizzled tile.
+template <int ROWS>
+__device__ __forceinline__ uint32_t swz(int r, int c) {
+  return uint32_t((c >> 3) * (ROWS * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+// A wgmma shared-memory matrix descriptor, 128-byte swizzle; addresses and offsets in bytes.
+__device__ __forceinline__ uint64_t gmma_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return uint64_t((addr & 0x3FFFFu) >> 4) | (uint64_t((lbo & 0x3FFFFu) >> 4) << 16) |
+         (uint64_t((sbo & 0x3FFFFu) >> 4) << 32) | (uint64_t(1) << 62);
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Keeps the compiler from moving reads or writes of accumulator registers across the
+// asynchronous MMA's issue / wait (their values change in between without an instruction).
+template <int N>
+__device__ __forceinline__ void pin(float (&d)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
+}
+
+// d [64 x 64] (+)= A B^T: A [64 x 16] and B [64 x 16] K-major in shared memory; accumulate = 0
+// overwrites d. d[nt][e]: this thread's elements in the m16n8 layout per warp (rows 16 w + g,
+// + 8; columns 8 nt + 2 tq, + 1).
+__device__ __forceinline__ void wgmma_ss_m64n64(float (&d)[8][4], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0 + 0][0]), "+f"(d[0 + 0][1]), "+f"(d[0 + 0][2]), "+f"(d[0 + 0][3]),
+          "+f"(d[0 + 1][0]), "+f"(d[0 + 1][1]), "+f"(d[0 + 1][2]), "+f"(d[0 + 1][3]),
+          "+f"(d[0 + 2][0]), "+f"(d[0 + 2][1]), "+f"(d[0 + 2][2]), "+f"(d[0 + 2][3]),
+          "+f"(d[0 + 3][0]), "+f"(d[0 + 3][1]), "+f"(d[0 + 3][2]), "+f"(d[0 + 3][3]),
+          "+f"(d[0 + 4][0]), "+f"(d[0 + 4][1]), "+f"(d[0 + 4][2]), "+f"(d[0 + 4][3]),
+          "+f"(d[0 + 5][0]), "+f"(d[0 + 5][1]), "+f"(d[0 + 5][2]), "+f"(d[0 + 5][3]),
+          "+f"(d[0 + 6][0]), "+f"(d[0 + 6][1]), "+f"(d[0 + 6][2]), "+f"(d[0 + 6][3]),
+          "+f"(d[0 + 7][0]), "+f"(d[0 + 7][1]), "+f"(d[0 + 7][2]), "+f"(d[0 + 7][3])
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+// d [64 x 64] += A B: A [64 x 16] bf16 in registers (a[0..3] per thread, the m16k16 A fragment
+// layout per warp), B [16 x 64] N-major in shared memory (transpose flag). d = o[A0 .. A0 + 7].
+template <int A0, int NT>
+__device__ __forceinline__ void wgmma_rs_m64n64(float (&o)[NT][4], const uint32_t (&a)[4], uint64_t db) {
+  asm volatile(
+      "{\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n}\n"
+      : "+f"(o[A0 + 0][0]), "+f"(o[A0 + 0][1]), "+f"(o[A0 + 0][2]), "+f"(o[A0 + 0][3]),
+          "+f"(o[A0 + 1][0]), "+f"(o[A0 + 1][1]), "+f"(o[A0 + 1][2]), "+f"(o[A0 + 1][3]),
+          "+f"(o[A0 + 2][0]), "+f"(o[A0 + 2][1]), "+f"(o[A0 + 2][2]), "+f"(o[A0 + 2][3]),
+          "+f"(o[A0 + 3][0]), "+f"(o[A0 + 3][1]), "+f"(o[A0 + 3][2]), "+f"(o[A0 + 3][3]),
+          "+f"(o[A0 + 4][0]), "+f"(o[A0 + 4][1]), "+f"(o[A0 + 4][2]), "+f"(o[A0 + 4][3]),
+          "+f"(o[A0 + 5][0]), "+f"(o[A0 + 5][1]), "+f"(o[A0 + 5][2]), "+f"(o[A0 + 5][3]),
+          "+f"(o[A0 + 6][0]), "+f"(o[A0 + 6][1]), "+f"(o[A0 + 6][2]), "+f"(o[A0 + 6][3]),
+          "+f"(o[A0 + 7][0]), "+f"(o[A0 + 7][1]), "+f"(o[A0 + 7][2]), "+f"(o[A0 + 7][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+template <int NT, int A>
+__device__ __forceinline__ void pv_atoms(float (&o)[NT][4], const uint32_t (&a)[4], uint32_t vaddr) {
+  if constexpr (A < NT / 8) {
+    wgmma_rs_m64n64<A * 8>(o, a, gmma_desc(vaddr + uint32_t(A) * (kFBK * 128), kFBK * 128, 1024));
+    pv_atoms<NT, A + 1>(o, a, vaddr);
+  }
+}
+
+template <int D>
+__global__ void __launch_bounds__(kWThreads, 1) prefill_wgmma_kernel(
+    const float* __restrict__ q, int T, int H, int qw, int nope, int vd, const __nv_bfloat16* __restrict__ kvxb,
+    int hw, const __nv_bfloat16* __restrict__ ropeb, int n_keys, int pos0, const uint32_t* __restrict__ mask,
+    int64_t mwords, float sl2, float* __restrict__ out) {
+  constexpr int NT = D / 8;                       // 8-column tiles of O
+  constexpr uint32_t kQBytes = kFBQ * D * 2, kTileBytes = kFBK * D * 2;
+  extern __shared__ unsigned char wg_smem[];
+  const uint32_t raw = smem_u32(wg_smem), sbase = (raw + 1023u) & ~1023u;  // the swizzle repeats per 1 KB
+  unsigned char* base = wg_smem + (sbase - raw);
+  const uint32_t sQ = sbase, sK = sbase + kQBytes, sV = sK + 2 * kTileBytes;  // Q; K[2]; V[2]
+  const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
+  const int wgi = warp >> 2;  // warpgroup: rows 64 wgi .. + 63 of the block
+  const int h = int(blockIdx.y);
+  const int q0 = int(gridDim.x - 1 - blockIdx.x) * kFBQ;  // the longest rows first
+  const int r0 = q0 + warp * 16, ta = r0 + g, tb = ta + 8;
+  const int kmax = min(n_keys, pos0 + min(T, q0 + kFBQ));
+  const int kt_end = (kmax + kFBK - 1) / kFBK;
+  const int lim_a = ta < T ? min(n_keys - 1, pos0 + ta) : -1;
+  const int lim_b = tb < T ? min(n_keys - 1, pos0 + tb) : -1;
+  const int warp_lo = r0 < T ? min(n_keys - 1, pos0 + r0) : -1;
+  // The warpgroup's last row's limit: tiles past it hold no key of any of its rows (uniform over
+  // the warpgroup, as wgmma needs).
+  const int g0 = q0 + wgi * 64;
+  const int wg_hi = g0 < T ? min(n_keys - 1, pos0 + min(T - 1, g0 + 63)) : -1;
+  const TileFetch<D, kWThreads> fetch(tid, h, H, qw, nope, vd, hw, kvxb, ropeb);
+  const uint32_t soff = swz<kFBK>(fetch.rf, fetch.xc / 8), dstep = uint32_t(fetch.kRStep * 128);
+  auto load_tile = [&](int kt, int buf) {
+    fetch.issue(kt, n_keys, sK + uint32_t(buf) * kTileBytes + soff, sV + uint32_t(buf) * kTileBytes + soff, dstep);
+  };
+  auto next_tile = [&](int kt) {
+    while (kt < kt_end && !tile_needed(mask, mwords, T, q0, tid, kt)) ++kt;
+    return kt;
+  };
+
+  int kt = next_tile(0);
+  uint32_t nw[4] = {~0u, ~0u, ~0u, ~0u};
+  if (kt < kt_end) {
+    load_tile(kt, 0);  // in flight while Q is converted
+    load_words(mask, mwords, T, ta, tb, kt, nw);
+  }
+  for (int i = tid; i < kFBQ * (D / 2); i += kWThreads) {
+    const int r = i / (D / 2), d = 2 * (i % (D / 2)), t = q0 + r;
+    float x = 0.0f, y = 0.0f;
+    if (t < T) {
+      const float* qr = q + (int64_t(t) * H + h) * qw;
+      if (d < qw) x = qr[d];
+      if (d + 1 < qw) y = qr[d + 1];
+    }
+    *reinterpret_cast<__nv_bfloat162*>(base + swz<kFBQ>(r, d >> 3) + (d & 7) * 2) = __floats2bfloat162_rn(x, y);
+  }
+
+  float o[NT][4];
+#pragma unroll
+  for (int i = 0; i < NT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+  RowState st;
+  const uint32_t qrow = sQ + uint32_t(wgi * 64 * 128);  // this warpgroup's rows in every Q atom
+
+  int buf = 0;
+  while (kt < kt_end) {
+    const int nxt = next_tile(kt + 1);
+    const uint32_t cw[4] = {nw[0], nw[1], nw[2], nw[3]};
+    cp_async_wait_all();
+    fence_proxy_async();
+    __syncthreads();  // tile kt (and Q) visible to all; both warpgroups are done with buffer buf ^ 1
+    if (nxt < kt_end) {
+      load_tile(nxt, buf ^ 1);
+      load_words(mask, mwords, T, ta, tb, nxt, nw);
+    }
+    const int k0 = kt * kFBK;
+    if (k0 <= wg_hi) {
+      const uint32_t kt_addr = sK + uint32_t(buf) * kTileBytes, vt_addr = sV + uint32_t(buf) * kTileBytes;
+      float s[8][4];
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+      wgmma_fence();
+#pragma unroll
+      for (int kd = 0; kd < D / 16; ++kd) {  // S = Q K^T, 16 dims per step
+        const uint32_t in_atom = uint32_t((kd & 3) * 32);  // 16 dims = 32 bytes of a 128-byte line
+        const uint64_t da = gmma_desc(qrow + uint32_t(kd >> 2) * (kFBQ * 128) + in_atom, 16, 1024);
+        const uint64_t db = gmma_desc(kt_addr + uint32_t(kd >> 2) * (kFBK * 128) + in_atom, 16, 1024);
+        wgmma_ss_m64n64(s, da, db, kd > 0);
+      }
+      wgmma_commit();
+      wgmma_wait_all();
+      pin(s);
+      float alpha_a, alpha_b;
+      softmax_tile(s, k0, lim_a, lim_b, k0 + kFBK - 1 > warp_lo, mask, cw, tq, sl2, st, alpha_a, alpha_b);
+      rescale_rows(o, alpha_a, alpha_b);
+      uint32_t p[kFBK / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < kFBK / 16; ++kk) p_fragment(s, kk, p[kk]);
+      pin(o);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kFBK / 16; ++kk)  // O += P V, 16 keys (2 groups of 8 lines) per step
+        pv_atoms<NT, 0>(o, p[kk], vt_addr + uint32_t(kk * 16 * 128));
+      wgmma_commit();
+      wgmma_wait_all();
+      pin(o);
+    }
+    kt = nxt;
+    buf ^= 1;
+  }
+  write_rows(o, st, T, H, h, vd, ta, tb, tq, out);
+}
+
+template <int D>
+void launch_attend(const PrefillAttnArgs& a, const void* kvx_bf16, const void* rope_bf16, cudaStream_t st,
+                   bool wgmma) {
+  auto kernel = wgmma ? prefill_wgmma_kernel<D> : prefill_fast_kernel<D>;
+  const size_t smem = wgmma ? wgmma_smem_bytes<D>() : fast_smem_bytes<D>();
+  static bool configured[2] = {false, false};
+  if (!configured[wgmma]) {
+    VIREO_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    configured[wgmma] = true;
   }
   const dim3 grid(unsigned((a.T + kFBQ - 1) / kFBQ), unsigned(a.H));
-  prefill_fast_kernel<D><<<grid, kFThreads, smem, st>>>(
+  kernel<<<grid, wgmma ? kWThreads : kFThreads, smem, st>>>(
       a.q, int(a.T), int(a.H), int(a.qw), int(a.nope), int(a.vd), static_cast<const __nv_bfloat16*>(kvx_bf16),
       int(a.hw), static_cast<const __nv_bfloat16*>(rope_bf16), int(a.n_keys), int(a.pos0), a.mask, a.mwords,
       a.scale * 1.4426950408889634f, a.out);
@@ -360,11 +620,12 @@ void mla_prefill_fast_rope(const PrefillAttnArgs& a, void* rope_bf16, cudaStream
   VIREO_CUDA_LAUNCHED();
 }
 
-void mla_prefill_fast(const PrefillAttnArgs& a, const void* kvx_bf16, const void* rope_bf16, cudaStream_t st) {
+void mla_prefill_fast(const PrefillAttnArgs& a, const void* kvx_bf16, const void* rope_bf16, cudaStream_t st,
+                      bool wgmma) {
   switch (fast_dim(a)) {
-    case 64: launch_attend<64>(a, kvx_bf16, rope_bf16, st); break;
-    case 128: launch_attend<128>(a, kvx_bf16, rope_bf16, st); break;
-    default: launch_attend<256>(a, kvx_bf16, rope_bf16, st); break;
+    case 64: launch_attend<64>(a, kvx_bf16, rope_bf16, st, wgmma); break;
+    case 128: launch_attend<128>(a, kvx_bf16, rope_bf16, st, wgmma); break;
+    default: launch_attend<256>(a, kvx_bf16, rope_bf16, st, wgmma); break;
   }
 }
 
