@@ -142,14 +142,17 @@ TEST(CudaOps, NormsRopeElementwise) {
     p.gpu->layer_norm(p.g.up(x), T, n, p.g.up(w), p.g.up(b), 1e-6f, gy);
     EXPECT_LT(nmse(p.g.down(gy, want.size()), want), 1e-12);
   }
-  for (RopeKind kind : {RopeKind::Interleaved, RopeKind::HalfSplit}) {  // rope in place
-    const int64_t H = 3, hs = 40, ts = H * hs, off = 8, width = 32;
+  // rope in place: a warp per (token, head) up to 32 pairs (T * H = 3 T items: the last block
+  // partly empty), a block per item beyond.
+  for (int64_t width : {32, 64, 128})
+  for (RopeKind kind : {RopeKind::Interleaved, RopeKind::HalfSplit}) {
+    const int64_t H = 3, off = 8, hs = off + width + 4, ts = H * hs;
     auto v = randv(size_t(T * ts), 5), cs = randv(size_t(T * width), 6);
     std::vector<float> want = v;
     p.cpu->rope(want.data(), T, H, ts, hs, off, width, cs.data(), kind);
     float* gv = p.g.up(v);
     p.gpu->rope(gv, T, H, ts, hs, off, width, p.g.up(cs), kind);
-    EXPECT_LT(nmse(p.g.down(gv, want.size()), want), 1e-12);
+    EXPECT_LT(nmse(p.g.down(gv, want.size()), want), 1e-12) << "width " << width;
   }
   {  // add, scale, swiglu, fill, copy_rows
     auto a = randv(1000, 7), c = randv(1000, 8);

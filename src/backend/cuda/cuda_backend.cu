@@ -98,10 +98,16 @@ __global__ void layer_norm_kernel(const float* x, int64_t n, const float* w, con
   layer_norm_row(x + int64_t(blockIdx.x) * n, n, w, b, eps, y + int64_t(blockIdx.x) * n);
 }
 
-// One block per (token, head): every thread reads its pair, then all write (in place).
-__global__ void rope_kernel(float* x, int64_t H, int64_t ts, int64_t hs, int64_t offset, int64_t width,
-                            const float* cs, int interleaved) {
-  const int64_t t = blockIdx.x / H, h = blockIdx.x % H, half = width / 2, i = threadIdx.x;
+// A warp per (token, head) when the pairs fit one (half <= 32: 8 per block; a block per item
+// measured 128 us per call at T 4096, H 64, rope 64 on the H200, the block launch dominating the
+// 32 threads' work), else a block per item. Every thread reads its pair, then all write in place
+// (the interleaved layout writes what other threads read: the warp or block syncs in between).
+__global__ void rope_kernel(float* x, int64_t TH, int64_t H, int64_t ts, int64_t hs, int64_t offset, int64_t width,
+                            const float* cs, int interleaved, int per_block) {
+  const int64_t item = int64_t(blockIdx.x) * per_block + (per_block > 1 ? threadIdx.x / 32 : 0);
+  const int64_t i = per_block > 1 ? threadIdx.x % 32 : threadIdx.x;
+  if (item >= TH) return;  // (whole warps; per_block == 1 never returns here)
+  const int64_t t = item / H, h = item % H, half = width / 2;
   float* v = x + t * ts + h * hs + offset;
   const float* c = cs + t * width;
   float a = 0, b = 0;
@@ -109,7 +115,8 @@ __global__ void rope_kernel(float* x, int64_t H, int64_t ts, int64_t hs, int64_t
     a = interleaved ? v[2 * i] : v[i];
     b = interleaved ? v[2 * i + 1] : v[half + i];
   }
-  __syncthreads();
+  if (per_block > 1) __syncwarp();
+  else __syncthreads();
   if (i < half) {
     const float co = c[2 * i], si = c[2 * i + 1];
     v[i] = a * co - b * si;
@@ -512,9 +519,11 @@ class CudaBackend final : public Backend {
     VIREO_PROF("rope");
     const int64_t half = width / 2;
     if (half > 1024) fail("rope: width ", width, " is too wide");
-    const unsigned threads = unsigned((half + 31) / 32 * 32);
-    rope_kernel<<<unsigned(T * H), threads, 0, stream_>>>(x, H, ts, hs, offset, width, cs,
-                                                          kind == RopeKind::Interleaved);
+    const int per_block = half <= 32 ? 8 : 1;
+    const unsigned threads = per_block > 1 ? 256u : unsigned((half + 31) / 32 * 32);
+    const int64_t TH = T * H;
+    rope_kernel<<<unsigned((TH + per_block - 1) / per_block), threads, 0, stream_>>>(
+        x, TH, H, ts, hs, offset, width, cs, kind == RopeKind::Interleaved, per_block);
     VIREO_CUDA_LAUNCHED();
   }
 

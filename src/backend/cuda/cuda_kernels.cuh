@@ -198,4 +198,14 @@ __device__ __forceinline__ void gemv_consume(const uint4& v, const float* __rest
   }
 }
 
+// --- Asynchronous copies into shared memory (cp.async, sm_80+) ------------------------------------
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+// 16 bytes from global to shared memory; copy = false: 16 zero bytes (nothing is read; src must
+// still be a valid address).
+__device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, bool copy) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(copy ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
 }  // namespace vireo::cuda

@@ -70,13 +70,6 @@ int fast_dim(const PrefillAttnArgs& a) {
 }
 template <int D> constexpr size_t fast_smem_bytes() { return size_t(kFBQ + 4 * kFBK) * (D + 8) * 2; }
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
-// src_bytes 0: 16 zero bytes (nothing is read; src must still be a valid address).
-__device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, bool copy) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(copy ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
@@ -174,14 +167,25 @@ __device__ __forceinline__ void softmax_tile(float (&s)[8][4], int k0, int lim_a
                                              const uint32_t* mask, const uint32_t (&cw)[4], int tq, float sl2,
                                              RowState& st, float& alpha_a, float& alpha_b) {
   if (mask || check) {
+    // Relative to this thread's first column (k0 + 2 tq), so every per-element shift and compare
+    // is by a constant: key k0 + 2 tq + c is bit c % 32 of the pre-shifted word of its half.
+    // The causal limit becomes a bit mask too (bits 0 .. limit), ANDed with the DSA words: one
+    // bit test per element.
+    auto upto = [](int l) -> uint32_t { return l >= 31 ? ~0u : l < 0 ? 0u : (2u << l) - 1u; };
+    const int ra = lim_a - k0 - 2 * tq, rb = lim_b - k0 - 2 * tq;
+    uint32_t ka0 = upto(ra), ka1 = upto(ra - 32), kb0 = upto(rb), kb1 = upto(rb - 32);
+    if (mask) {
+      ka0 &= cw[0] >> (2 * tq);
+      ka1 &= cw[1] >> (2 * tq);
+      kb0 &= cw[2] >> (2 * tq);
+      kb1 &= cw[3] >> (2 * tq);
+    }
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int col = nt * 8 + 2 * tq + (e & 1);
-        bool ok = k0 + col <= (e < 2 ? lim_a : lim_b);
-        if (mask) ok = ok && ((cw[(e < 2 ? 0 : 2) + (nt >= 4)] >> (col & 31)) & 1u);
-        if (!ok) s[nt][e] = -INFINITY;
+        const uint32_t keep = e < 2 ? (nt < 4 ? ka0 : ka1) : (nt < 4 ? kb0 : kb1);
+        if (!((keep >> ((nt & 3) * 8 + (e & 1))) & 1u)) s[nt][e] = -INFINITY;
       }
   }
   float mxa = st.ma, mxb = st.mb;
@@ -419,10 +423,20 @@ __device__ __forceinline__ uint64_t gmma_desc(uint32_t addr, uint32_t lbo, uint3
   return uint64_t((addr & 0x3FFFFu) >> 4) | (uint64_t((lbo & 0x3FFFFu) >> 4) << 16) |
          (uint64_t((sbo & 0x3FFFFu) >> 4) << 32) | (uint64_t(1) << 62);
 }
+// A descriptor moved by `bytes` (< 256 KB in all: the 14-bit address field cannot carry over):
+// per-step operands are one 64-bit add from a base descriptor (ncu: the integer pipe was the
+// busiest, 35%, with each descriptor built from its address).
+__device__ __forceinline__ constexpr uint64_t desc_off(uint32_t bytes) { return uint64_t(bytes >> 4); }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Named barriers 1 and 2 between the block's two warpgroups (256 threads: one arrives, the other
+// waits); barrier 0 is __syncthreads.
+template <int ID>
+__device__ __forceinline__ void wg_bar_sync() { asm volatile("bar.sync %0, 256;\n" ::"n"(ID) : "memory"); }
+template <int ID>
+__device__ __forceinline__ void wg_bar_arrive() { asm volatile("bar.arrive %0, 256;\n" ::"n"(ID) : "memory"); }
 // Keeps the compiler from moving reads or writes of accumulator registers across the
 // asynchronous MMA's issue / wait (their values change in between without an instruction).
 template <int N>
@@ -467,11 +481,12 @@ __device__ __forceinline__ void wgmma_rs_m64n64(float (&o)[NT][4], const uint32_
           "+f"(o[A0 + 7][0]), "+f"(o[A0 + 7][1]), "+f"(o[A0 + 7][2]), "+f"(o[A0 + 7][3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
+// O += P V over the D / 64 atoms of V; vdesc: the descriptor of atom 0 at this k-step.
 template <int NT, int A>
-__device__ __forceinline__ void pv_atoms(float (&o)[NT][4], const uint32_t (&a)[4], uint32_t vaddr) {
+__device__ __forceinline__ void pv_atoms(float (&o)[NT][4], const uint32_t (&a)[4], uint64_t vdesc) {
   if constexpr (A < NT / 8) {
-    wgmma_rs_m64n64<A * 8>(o, a, gmma_desc(vaddr + uint32_t(A) * (kFBK * 128), kFBK * 128, 1024));
-    pv_atoms<NT, A + 1>(o, a, vaddr);
+    wgmma_rs_m64n64<A * 8>(o, a, vdesc + desc_off(uint32_t(A) * (kFBK * 128)));
+    pv_atoms<NT, A + 1>(o, a, vdesc);
   }
 }
 
@@ -531,12 +546,13 @@ __global__ void __launch_bounds__(kWThreads, 1) prefill_wgmma_kernel(
 #pragma unroll
   for (int i = 0; i < NT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
   RowState st;
-  const uint32_t qrow = sQ + uint32_t(wgi * 64 * 128);  // this warpgroup's rows in every Q atom
+  const uint64_t qdesc = gmma_desc(sQ + uint32_t(wgi * 64 * 128), 16, 1024);  // this warpgroup's rows of atom 0
 
   int buf = 0;
   while (kt < kt_end) {
     const int nxt = next_tile(kt + 1);
     const uint32_t cw[4] = {nw[0], nw[1], nw[2], nw[3]};
+    wgmma_wait_all();  // this warpgroup's P V of the last tile: its V buffer is refilled next
     cp_async_wait_all();
     fence_proxy_async();
     __syncthreads();  // tile kt (and Q) visible to all; both warpgroups are done with buffer buf ^ 1
@@ -545,40 +561,53 @@ __global__ void __launch_bounds__(kWThreads, 1) prefill_wgmma_kernel(
       load_words(mask, mwords, T, ta, tb, nxt, nw);
     }
     const int k0 = kt * kFBK;
-    if (k0 <= wg_hi) {
-      const uint32_t kt_addr = sK + uint32_t(buf) * kTileBytes, vt_addr = sV + uint32_t(buf) * kTileBytes;
-      float s[8][4];
+    const bool mine = k0 <= wg_hi;
+    const uint64_t kdesc = gmma_desc(sK + uint32_t(buf) * kTileBytes, 16, 1024);
+    const uint64_t vdesc = gmma_desc(sV + uint32_t(buf) * kTileBytes, kFBK * 128, 1024);
+    float s[8][4];
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+    for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+    // Ping-pong: warpgroup 1 issues its S only once warpgroup 0's is done, and warpgroup 0 its
+    // P V only once warpgroup 1's S is done, so one's softmax runs while the other's products
+    // keep the tensor cores busy (both at once, the softmax would leave them idle).
+    if (wgi == 1) wg_bar_sync<1>();
+    if (mine) {
       wgmma_fence();
 #pragma unroll
       for (int kd = 0; kd < D / 16; ++kd) {  // S = Q K^T, 16 dims per step
         const uint32_t in_atom = uint32_t((kd & 3) * 32);  // 16 dims = 32 bytes of a 128-byte line
-        const uint64_t da = gmma_desc(qrow + uint32_t(kd >> 2) * (kFBQ * 128) + in_atom, 16, 1024);
-        const uint64_t db = gmma_desc(kt_addr + uint32_t(kd >> 2) * (kFBK * 128) + in_atom, 16, 1024);
-        wgmma_ss_m64n64(s, da, db, kd > 0);
+        wgmma_ss_m64n64(s, qdesc + desc_off(uint32_t(kd >> 2) * (kFBQ * 128) + in_atom),
+                        kdesc + desc_off(uint32_t(kd >> 2) * (kFBK * 128) + in_atom), kd > 0);
       }
       wgmma_commit();
-      wgmma_wait_all();
-      pin(s);
+    }
+    wgmma_wait_all();  // this tile's S
+    pin(s);
+    pin(o);
+    if (wgi == 0) wg_bar_arrive<1>();
+    else wg_bar_arrive<2>();
+    if (mine) {
       float alpha_a, alpha_b;
       softmax_tile(s, k0, lim_a, lim_b, k0 + kFBK - 1 > warp_lo, mask, cw, tq, sl2, st, alpha_a, alpha_b);
       rescale_rows(o, alpha_a, alpha_b);
-      uint32_t p[kFBK / 16][4];
+    }
+    uint32_t p[kFBK / 16][4];
 #pragma unroll
-      for (int kk = 0; kk < kFBK / 16; ++kk) p_fragment(s, kk, p[kk]);
+    for (int kk = 0; kk < kFBK / 16; ++kk) p_fragment(s, kk, p[kk]);
+    if (wgi == 0) wg_bar_sync<2>();
+    if (mine) {
       pin(o);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kFBK / 16; ++kk)  // O += P V, 16 keys (2 groups of 8 lines) per step
-        pv_atoms<NT, 0>(o, p[kk], vt_addr + uint32_t(kk * 16 * 128));
-      wgmma_commit();
-      wgmma_wait_all();
-      pin(o);
+        pv_atoms<NT, 0>(o, p[kk], vdesc + desc_off(uint32_t(kk * 16 * 128)));
+      wgmma_commit();  // waited for before the next tile's barrier (the other warpgroup's S can go first)
     }
     kt = nxt;
     buf ^= 1;
   }
+  wgmma_wait_all();
+  pin(o);
   write_rows(o, st, T, H, h, vd, ta, tb, tq, out);
 }
 
