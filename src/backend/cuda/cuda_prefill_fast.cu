@@ -132,15 +132,46 @@ struct TileFetch {
   }
 };
 
-// Whether any query of the block (q0 .. q0 + 127) selected a key of tile kt (block-uniform; a
-// barrier: every thread of a 256-thread block calls it).
-__device__ __forceinline__ bool tile_needed(const uint32_t* __restrict__ mask, int64_t mwords, int T, int q0, int tid,
-                                            int kt) {
-  if (!mask) return true;
+// This thread's share of "does any query of the block (q0 .. q0 + 127) select a key of tile
+// kt": one mask word (query q0 + tid / 2, word 2 kt + tid % 2); nonzero = yes. The block ORs
+// the shares with __syncthreads_or (every thread of the 256-thread block). The kernels load the
+// share of the tile after next one tile ahead: loaded right before the reduction, its L2
+// latency stalled the whole block once per tile (ncu: long-scoreboard the top stall reason).
+__device__ __forceinline__ uint32_t need_word(const uint32_t* __restrict__ mask, int64_t mwords, int T, int q0,
+                                              int tid, int kt) {
   const int t = q0 + (tid >> 1);
   const int64_t w = int64_t(kt) * 2 + (tid & 1);
-  const bool any = t < T && w < mwords && mask[int64_t(t) * mwords + w] != 0u;
-  return __syncthreads_or(int(any)) != 0;
+  return t < T && w < mwords ? mask[int64_t(t) * mwords + w] : 0u;
+}
+// The first tile >= kt some query of the block selected (kt_end: none); a barrier per tile tried.
+__device__ __forceinline__ int next_needed_tile(const uint32_t* __restrict__ mask, int64_t mwords, int T, int q0,
+                                                int tid, int kt, int kt_end) {
+  if (!mask) return kt;
+  while (kt < kt_end && !__syncthreads_or(need_word(mask, mwords, T, q0, tid, kt) != 0u)) ++kt;
+  return kt;
+}
+// The block's Q rows q0 .. q0 + 127 of head h as bf16 into shared memory (zero beyond T and qw):
+// elements d .. d + 3 of row r at base + dst(r, d) (8 bytes). 16-byte loads, eight in flight per
+// thread (two scalar loads at a time made this prologue a long-scoreboard stall per block).
+template <int D, int THREADS, class Dst>
+__device__ __forceinline__ void load_q(const float* __restrict__ q, int T, int H, int h, int qw, int q0, int tid,
+                                       unsigned char* base, Dst dst) {
+  constexpr int Q4 = D / 4, N = kFBQ * Q4;
+#pragma unroll 1
+  for (int i0 = tid; i0 < N; i0 += 8 * THREADS) {
+    float4 v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int i = i0 + j * THREADS, r = i / Q4, d = 4 * (i % Q4), t = q0 + r;
+      v[j] = i < N && t < T && d < qw ? *reinterpret_cast<const float4*>(q + (int64_t(t) * H + h) * qw + d)
+                                      : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int i = i0 + j * THREADS, r = i / Q4, d = 4 * (i % Q4);
+      if (i < N) *reinterpret_cast<uint2*>(base + dst(r, d)) = make_uint2(pack_bf16x2(v[j].x, v[j].y), pack_bf16x2(v[j].z, v[j].w));
+    }
+  }
 }
 // This thread's rows' mask words of tile kt (row a: w[0], w[1]; row b: w[2], w[3]).
 __device__ __forceinline__ void load_words(const uint32_t* __restrict__ mask, int64_t mwords, int T, int ta, int tb,
@@ -277,7 +308,6 @@ __global__ void __launch_bounds__(kFThreads, 1) prefill_fast_kernel(
     int64_t mwords, float sl2, float* __restrict__ out) {
   constexpr int RS = D + 8;      // shared row stride in bf16 (16-byte pad: conflict-free ldmatrix)
   constexpr int NT = D / 8;      // 8-column tiles of O
-  constexpr int P = D / 2;
   extern __shared__ __align__(16) unsigned char fast_smem[];
   __nv_bfloat16* Qs = reinterpret_cast<__nv_bfloat16*>(fast_smem);  // [kFBQ][RS]
   __nv_bfloat16* Ks = Qs + kFBQ * RS;                                 // [2][kFBK][RS]
@@ -299,27 +329,14 @@ __global__ void __launch_bounds__(kFThreads, 1) prefill_fast_kernel(
   auto load_tile = [&](int kt, int buf) {
     fetch.issue(kt, n_keys, smem_u32(Ks + buf * kFBK * RS) + soff, smem_u32(Vs + buf * kFBK * RS) + soff, dstep);
   };
-  auto next_tile = [&](int kt) {
-    while (kt < kt_end && !tile_needed(mask, mwords, T, q0, tid, kt)) ++kt;
-    return kt;
-  };
-
-  int kt = next_tile(0);
-  uint32_t nw[4] = {~0u, ~0u, ~0u, ~0u};
+  int kt = next_needed_tile(mask, mwords, T, q0, tid, 0, kt_end);
+  uint32_t nw[4] = {~0u, ~0u, ~0u, ~0u}, cand = 1u;
   if (kt < kt_end) {
     load_tile(kt, 0);  // in flight while Q is converted
     load_words(mask, mwords, T, ta, tb, kt, nw);
+    if (mask && kt + 1 < kt_end) cand = need_word(mask, mwords, T, q0, tid, kt + 1);
   }
-  for (int i = tid; i < kFBQ * P; i += kFThreads) {
-    const int r = i / P, d = 2 * (i % P), t = q0 + r;
-    float x = 0.0f, y = 0.0f;
-    if (t < T) {
-      const float* qr = q + (int64_t(t) * H + h) * qw;
-      if (d < qw) x = qr[d];
-      if (d + 1 < qw) y = qr[d + 1];
-    }
-    *reinterpret_cast<__nv_bfloat162*>(Qs + r * RS + d) = __floats2bfloat162_rn(x, y);
-  }
+  load_q<D, kFThreads>(q, T, H, h, qw, q0, tid, fast_smem, [](int r, int d) { return (r * RS + d) * 2; });
 
   float o[NT][4];
 #pragma unroll
@@ -334,13 +351,16 @@ __global__ void __launch_bounds__(kFThreads, 1) prefill_fast_kernel(
 
   int buf = 0;
   while (kt < kt_end) {
-    const int nxt = next_tile(kt + 1);
+    int nxt = kt + 1;
+    if (mask && nxt < kt_end && !__syncthreads_or(cand != 0u))
+      nxt = next_needed_tile(mask, mwords, T, q0, tid, nxt + 1, kt_end);
     const uint32_t cw[4] = {nw[0], nw[1], nw[2], nw[3]};
     cp_async_wait_all();
     __syncthreads();  // tile kt (and Q) visible to all; every warp is done with buffer buf ^ 1
     if (nxt < kt_end) {
       load_tile(nxt, buf ^ 1);
       load_words(mask, mwords, T, ta, tb, nxt, nw);
+      if (mask && nxt + 1 < kt_end) cand = need_word(mask, mwords, T, q0, tid, nxt + 1);
     }
     const int k0 = kt * kFBK;
     bool work = k0 <= warp_hi;
@@ -520,27 +540,14 @@ __global__ void __launch_bounds__(kWThreads, 1) prefill_wgmma_kernel(
   auto load_tile = [&](int kt, int buf) {
     fetch.issue(kt, n_keys, sK + uint32_t(buf) * kTileBytes + soff, sV + uint32_t(buf) * kTileBytes + soff, dstep);
   };
-  auto next_tile = [&](int kt) {
-    while (kt < kt_end && !tile_needed(mask, mwords, T, q0, tid, kt)) ++kt;
-    return kt;
-  };
-
-  int kt = next_tile(0);
-  uint32_t nw[4] = {~0u, ~0u, ~0u, ~0u};
+  int kt = next_needed_tile(mask, mwords, T, q0, tid, 0, kt_end);
+  uint32_t nw[4] = {~0u, ~0u, ~0u, ~0u}, cand = 1u;
   if (kt < kt_end) {
     load_tile(kt, 0);  // in flight while Q is converted
     load_words(mask, mwords, T, ta, tb, kt, nw);
+    if (mask && kt + 1 < kt_end) cand = need_word(mask, mwords, T, q0, tid, kt + 1);
   }
-  for (int i = tid; i < kFBQ * (D / 2); i += kWThreads) {
-    const int r = i / (D / 2), d = 2 * (i % (D / 2)), t = q0 + r;
-    float x = 0.0f, y = 0.0f;
-    if (t < T) {
-      const float* qr = q + (int64_t(t) * H + h) * qw;
-      if (d < qw) x = qr[d];
-      if (d + 1 < qw) y = qr[d + 1];
-    }
-    *reinterpret_cast<__nv_bfloat162*>(base + swz<kFBQ>(r, d >> 3) + (d & 7) * 2) = __floats2bfloat162_rn(x, y);
-  }
+  load_q<D, kWThreads>(q, T, H, h, qw, q0, tid, base, [](int r, int d) { return swz<kFBQ>(r, d >> 3) + (d & 7) * 2; });
 
   float o[NT][4];
 #pragma unroll
@@ -550,7 +557,9 @@ __global__ void __launch_bounds__(kWThreads, 1) prefill_wgmma_kernel(
 
   int buf = 0;
   while (kt < kt_end) {
-    const int nxt = next_tile(kt + 1);
+    int nxt = kt + 1;
+    if (mask && nxt < kt_end && !__syncthreads_or(cand != 0u))
+      nxt = next_needed_tile(mask, mwords, T, q0, tid, nxt + 1, kt_end);
     const uint32_t cw[4] = {nw[0], nw[1], nw[2], nw[3]};
     wgmma_wait_all();  // this warpgroup's P V of the last tile: its V buffer is refilled next
     cp_async_wait_all();
@@ -559,6 +568,7 @@ __global__ void __launch_bounds__(kWThreads, 1) prefill_wgmma_kernel(
     if (nxt < kt_end) {
       load_tile(nxt, buf ^ 1);
       load_words(mask, mwords, T, ta, tb, nxt, nw);
+      if (mask && nxt + 1 < kt_end) cand = need_word(mask, mwords, T, q0, tid, nxt + 1);
     }
     const int k0 = kt * kFBK;
     const bool mine = k0 <= wg_hi;
