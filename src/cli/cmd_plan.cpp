@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -50,6 +51,27 @@ uint64_t estimate_scratch_bytes(const GlmDsaConfig& c, int64_t T, int64_t out_ro
     attn += T * H * L + T * H * ((keys + 63) / 64) * (L + 2) + T * H * ((keys + 31) / 32 * 32);
   }
   return uint64_t(T * per_token + out_rows * c.vocab_size + attn) * 4;
+}
+
+uint64_t estimate_backend_bytes(const GlmDsaConfig& c, int64_t T, bool fp8_weights) {
+  if (T <= 8) T = 0;  // decode-sized steps: GEMVs, no conversions, no side lanes
+  const int64_t D = c.hidden_size, I = c.moe_intermediate_size, H = c.n_heads;
+  const int64_t lane_ws = int64_t(32) << 20, lanes = 4, chunk = int64_t(256) << 20;
+  // The widest product input (a conversion of T rows of it) and the largest FP8 weight (its
+  // exact-mode bf16 hi + lo copy, dequantized in row chunks of at most 256 MiB).
+  const int64_t in_max = std::max({D, c.q_lora_rank, c.kv_lora_rank, H * c.v_head_dim, c.intermediate_size, I});
+  const int64_t w_max = std::max({H * c.qk_head_dim() * (c.q_lora_rank > 0 ? c.q_lora_rank : D), D * H * c.v_head_dim,
+                                  H * (c.qk_nope_dim + c.v_head_dim) * c.kv_lora_rank, c.intermediate_size * D, I * D});
+  // Main stream: x as bf16 hi + lo (T x in_max x 4 bytes), the FP8 weight copy, e4m3 x + padded
+  // output (--math fast-fp8: T x (in_max + D) x ~5 bytes, counted as 8).
+  int64_t main = T * in_max * 4 + T * (in_max + D) * 8 + (fp8_weights && T ? std::min(chunk, w_max * 4) : 0);
+  // Each of experts_add's lanes: its workspace, and its largest job's rows (up to all T tokens
+  // routed to one expert): gathered x, gate, up, the down product's rows (padded to 4), the bf16
+  // hi + lo conversions, e4m3 inputs and the fast-fp8 gate | up outputs, and the FP8 expert
+  // weight's bf16 copy in exact mode.
+  const int64_t lane_rows = (T + 3) / 4 * 4 * (3 * D + 6 * I + 2 * std::max(D, I)) * 4;
+  const int64_t lane = lane_ws + lane_rows + (fp8_weights && T ? std::min(chunk, I * D * 4) : 0);
+  return uint64_t(main + (c.n_routed_experts > 0 ? lanes * lane : 0));
 }
 
 int64_t step_tokens_for(int64_t chunk, int64_t context, int64_t batch) {
@@ -139,6 +161,11 @@ MemoryPlan plan_for(const Checkpoint& ck, const GlmDsaConfig& c, uint64_t budget
   in.step_tokens = std::max(step_tokens, batch);
   in.scratch_bytes = estimate_scratch_bytes(c, in.step_tokens, logit_rows > 0 ? logit_rows : batch, context,
                                             gpu_budget > 0);
+  if (gpu_budget) {
+    bool fp8 = false;
+    for (const auto& [name, t] : ck.tensors()) fp8 = fp8 || t->dtype == DType::F8_E4M3;
+    in.backend_bytes = estimate_backend_bytes(c, in.step_tokens, fp8);
+  }
   return make_memory_plan(in);
 }
 

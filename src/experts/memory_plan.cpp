@@ -24,7 +24,7 @@ void plan_gpu(MemoryPlan& p) {
   GpuPlan& g = p.g;
   p.gpu = true;
   g.reserve = gpu_reserve_for(in.gpu_budget);
-  const uint64_t fixed = in.dense_bytes + in.cache_bytes + in.scratch_bytes + g.reserve;
+  const uint64_t fixed = in.dense_bytes + in.cache_bytes + in.scratch_bytes + in.backend_bytes + g.reserve;
   const uint64_t dev_slot = in.device_slot_bytes ? in.device_slot_bytes : in.slot_bytes;
   const uint64_t slot = std::max<uint64_t>(dev_slot, 1);
   // The reserve grows with the budget: solve B >= fixed_without_the_2% + B / 50 + top_k slots.
@@ -155,6 +155,8 @@ std::string MemoryPlan::table() const {
     row("expert pool", format_bytes(g.pinned_bytes), format_bytes(g.pool_bytes), note);
     row("MLA cache", none, format_bytes(in.cache_bytes), str(in.context, " tokens x ", in.batch, " sequences"));
     row("scratch", none, format_bytes(in.scratch_bytes), scratch_note(in));
+    row("op buffers", none, format_bytes(in.backend_bytes),
+        "backend: input conversions, FP8 weight copies, 4 expert lanes (workspace + rows), at most");
     row("reserve", format_bytes(reserve_for(in.budget)), format_bytes(g.reserve),
         "RAM: 48 MiB + 2% of budget; GPU: CUDA context, cuBLASLt workspace (640 MiB) + 2% of budget");
     row("total", format_bytes(g.host_total), format_bytes(g.total),

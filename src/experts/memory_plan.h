@@ -22,6 +22,7 @@ struct MemoryPlanInputs {
   int n_moe_layers = 0, n_experts = 0, top_k = 0;
   uint64_t cache_bytes = 0;    // MLA cache for context x batch
   uint64_t scratch_bytes = 0;  // activations of one step
+  uint64_t backend_bytes = 0;  // GPU plans: the backend's op buffers (conversions, side lanes)
   int64_t context = 0, batch = 1;
   int64_t step_tokens = 0;     // tokens of the largest step scratch_bytes is sized for (the table's note)
   uint64_t gpu_budget = 0;     // bytes of device memory; 0: no GPU column
