@@ -660,10 +660,19 @@ TEST(CudaOps, ExpertRowsMatchesComposedOps) {
       std::vector<float> got[3];
       for (CudaGemmMode mode : {CudaGemmMode::Split, CudaGemmMode::Bf16, CudaGemmMode::Fp8}) {
         cuda_set_gemm_mode(*p.gpu, mode);
-        float* rows = p.g.up(std::vector<float>(size_t(m * D), NAN));
-        p.gpu->expert_rows(p.g.up(x), p.g.up_i(index), m, gg, gu, gd, p.g.zeros(size_t(m * D)),
-                           p.g.zeros(size_t(m * I)), p.g.zeros(size_t(m * I)), rows);
-        got[mode == CudaGemmMode::Split ? 0 : mode == CudaGemmMode::Bf16 ? 1 : 2] = p.g.down(rows, size_t(m * D));
+        // gate | up in one buffer: u after g (the products run as one batch of 2, whichever
+        // weight lies first in memory), then u before g (two products); the same rows either way.
+        float* gu_buf = p.g.zeros(size_t(2 * m * I));
+        std::vector<float> pair[2];
+        for (int order = 0; order < 2; ++order) {
+          float* rows = p.g.up(std::vector<float>(size_t(m * D), NAN));
+          float *gb = gu_buf + (order ? m * I : 0), *ub = gu_buf + (order ? 0 : m * I);
+          p.gpu->expert_rows(p.g.up(x), p.g.up_i(index), m, gg, gu, gd, p.g.zeros(size_t(m * D)), gb, ub, rows);
+          pair[order] = p.g.down(rows, size_t(m * D));
+        }
+        const double apart = nmse(pair[0], pair[1]);
+        EXPECT_LT(apart, mode == CudaGemmMode::Split ? 1e-12 : 1e-9) << "batched vs separate gate/up, mode " << int(mode);
+        got[mode == CudaGemmMode::Split ? 0 : mode == CudaGemmMode::Bf16 ? 1 : 2] = pair[0];
       }
       cuda_set_gemm_mode(*p.gpu, CudaGemmMode::Split);
       const std::string what = std::string(dt_name(dt)) + " I " + std::to_string(I) + " m " + std::to_string(m);
@@ -724,7 +733,8 @@ TEST(CudaOps, ExpertsAddConcurrentEqualsSerial) {
     cuda_set_gemm_mode(*p.gpu, mode);
     float *gx = p.g.up(x), *gs = p.g.up(scale);
     int32_t* gi = p.g.up_i(index);
-    float *gxs = p.g.zeros(size_t(N * D)), *gg = p.g.zeros(size_t(N * I)), *gu = p.g.zeros(size_t(N * I));
+    // gate | up in one buffer as the model passes them (the backend pairs the two products).
+    float *gxs = p.g.zeros(size_t(N * D)), *gg = p.g.zeros(size_t(2 * N * I)), *gu = gg + N * I;
     float* gy = p.g.zeros(size_t(N * D));
     float* serial = p.g.up(out0);
     for (const Backend::ExpertJob& j : gpu_jobs) p.gpu->experts_add(gx, gi, gs, &j, 1, gxs, gg, gu, gy, serial);

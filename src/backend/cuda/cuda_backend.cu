@@ -689,13 +689,40 @@ class CudaBackend final : public Backend {
       gather_split_kernel<<<unsigned(m), 256, 0, stream_>>>(x, index, D, hi, lo);
       VIREO_CUDA_LAUNCHED();
     }
-    product(wg, g);
-    product(wu, u);
+    // Gate and up as one strided batch of 2 (u >= g + m I, both 16-byte apart multiples): one
+    // launch with twice the tiles, which an expert of a few hundred rows needs to fill the SMs.
+    // Batch item 0 is the weight lower in memory (strides must be >= 0), its output goes to g and
+    // the other's to u; when that is up (weights uploaded up first), g holds up and u gate, and
+    // the SwiGLU reads them so. The strides do not change the arithmetic, and a shape's batch
+    // algorithm is planned once, so serial and concurrent runs stay bit-identical.
+    const char *ag = static_cast<const char*>(wg.w), *au = static_cast<const char*>(wu.w);
+    const bool up_first = au < ag;
+    const void* w0 = up_first ? wu.w : wg.w;
+    const int64_t wgap = up_first ? ag - au : au - ag;
+    const bool pair = u >= g + m * I && wgap > 0 && wgap % 16 == 0;
+    bool paired = false;
+    if (pair) {
+      ProfScope ps(
+          prof_, stream_,
+          [&] { return "matmul bf16 2 x " + std::to_string(I) + "x" + std::to_string(D) + " lt (expert_rows, gate | up)"; },
+          4.0 * double(m) * double(I) * double(D));
+      const int64_t sa = wgap / 2, sd = u - g;
+      paired = lt_matmul(lt_, lt_ws_.get(), lt_ws_bytes_, stream_, I, m, D, w0, CUDA_R_16BF, hi, CUDA_R_16BF, g,
+                         CUDA_R_32F, 1.0f, 0.0f, 0, 2, sa, sd);
+      if (paired && lo)
+        paired = lt_matmul(lt_, lt_ws_.get(), lt_ws_bytes_, stream_, I, m, D, w0, CUDA_R_16BF, lo, CUDA_R_16BF, g,
+                           CUDA_R_32F, 1.0f, 1.0f, 0, 2, sa, sd);
+    }
+    const bool swapped = paired && up_first;  // g holds up's output, u gate's
+    if (!paired) {  // (a batch cuBLASLt refused is redone whole: the products overwrite g and u)
+      product(wg, g);
+      product(wu, u);
+    }
     {
       ProfScope ps(prof_, stream_, [] { return std::string("swiglu + convert"); }, 0.0);
-      swiglu_split_kernel<<<grid_for(m * I / 2), 256, 0, stream_>>>(reinterpret_cast<const float2*>(g),
-                                                                     reinterpret_cast<const float2*>(u), m * I / 2,
-                                                                     hi, lo);
+      swiglu_split_kernel<<<grid_for(m * I / 2), 256, 0, stream_>>>(reinterpret_cast<const float2*>(swapped ? u : g),
+                                                                     reinterpret_cast<const float2*>(swapped ? g : u),
+                                                                     m * I / 2, hi, lo);
       VIREO_CUDA_LAUNCHED();
     }
     product(wd, rows);
@@ -716,7 +743,7 @@ class CudaBackend final : public Backend {
     cudaStream_t s = nullptr;
     cudaEvent_t done = nullptr, consumed = nullptr;
     std::shared_ptr<char> ws;
-    Scratch xbf16, wbf16, f8x, f8d, f8s, f8gu, xs, g, u, rows;
+    Scratch xbf16, wbf16, f8x, f8d, f8s, f8gu, xs, g, rows;  // g: gate and up
   };
   void experts_add(const float* x, const int32_t* index, const float* scale, const ExpertJob* jobs, int n, float* xs,
                    float* g, float* u, float* y, float* out) override {
@@ -736,8 +763,8 @@ class CudaBackend final : public Backend {
       const int64_t rows_cap = (e.m + 3) / 4 * 4;  // the FP8 down product's padded height
       float* rows = L.rows.get<float>(size_t(rows_cap * D));
       float* lxs = L.xs.get<float>(size_t(e.m * D));
-      float* lg = L.g.get<float>(size_t(e.m * I));
-      float* lu = L.u.get<float>(size_t(e.m * I));
+      float* lg = L.g.get<float>(size_t(2 * e.m * I));  // gate | up adjacent: expert_rows pairs them
+      float* lu = lg + e.m * I;
       {
         LaneSwap on_lane(*this, L);
         expert_rows_padded(x, index + e.at, e.m, *e.gate, *e.up, *e.down, lxs, lg, lu, rows, rows_cap);

@@ -29,9 +29,12 @@ void split_bf16(const float* x, int64_t n, void* hi, void* lo, cudaStream_t st);
 // Rows [row0, row0 + rows) of an FP8 weight as bf16 hi + lo of the f32 w * scale ([rows, in]
 // each; lo may be null). Needs in % 4 == 0.
 void dequant_split_fp8(const DevW& w, int64_t row0, int64_t rows, void* hi, void* lo, cudaStream_t st);
+// batch > 1: `batch` products sharing B (stride 0), A and D strided by stride_a / stride_d
+// elements (>= 0: A + i stride_a, D + i stride_d).
 bool lt_matmul(cublasLtHandle_t lt, void* workspace, size_t ws_bytes, cudaStream_t st, int64_t m, int64_t n,
                int64_t k, const void* A, cudaDataType_t at, const void* B, cudaDataType_t bt, void* D,
-               cudaDataType_t dt, float alpha, float beta, int64_t ldd = 0);
+               cudaDataType_t dt, float alpha, float beta, int64_t ldd = 0, int batch = 1, int64_t stride_a = 0,
+               int64_t stride_d = 0);
 
 // The CUDA backend's one compute stream (cuda_backend.cu); fails for another backend.
 cudaStream_t compute_stream_of(Backend& b);

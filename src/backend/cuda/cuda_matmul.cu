@@ -14,6 +14,9 @@
 #include <cublasLt.h>
 
 #include <algorithm>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "backend/cuda/cuda_internal.h"
 #include "backend/cuda/cuda_kernels.cuh"
@@ -269,44 +272,92 @@ void split_bf16(const float* x, int64_t n, void* hi, void* lo, cudaStream_t st) 
     split_bf16_kernel<<<blocks, 256, 0, st>>>(x, n, static_cast<__nv_bfloat16*>(hi), static_cast<__nv_bfloat16*>(lo));
 }
 
-// D[m = rows of A^T op, n] (column-major, ldd = m unless given) = alpha * op(A) op(B) + beta * D via cuBLASLt.
-// A is [k, m] column-major read transposed (a row-major [m, k] matrix), B is [k, n] column-major
-// (a row-major [n, k] matrix). Returns false when cuBLASLt has no algorithm for it.
-bool lt_matmul(cublasLtHandle_t lt, void* workspace, size_t ws_bytes, cudaStream_t st, int64_t m, int64_t n,
-               int64_t k, const void* A, cudaDataType_t at, const void* B, cudaDataType_t bt, void* D,
-               cudaDataType_t dt, float alpha, float beta, int64_t ldd) {
-  if (ldd == 0) ldd = m;
+namespace {
+
+// A planned cuBLASLt product: descriptors and the heuristic's algorithm for one shape. Planning
+// (descriptor creation plus cublasLtMatmulAlgoGetHeuristic) costs the host far more than the
+// launch; a 512-token prefill runs ~100 products of a dozen shapes, so each shape is planned
+// once per process and reused (pointers, alpha and beta are arguments of each call).
+struct LtPlan {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t la = nullptr, lb = nullptr, ld = nullptr;
-  cublasLtMatmulPreference_t pref = nullptr;
+  cublasLtMatmulAlgo_t algo{};
   bool ok = false;
-  auto cleanup = [&]() {
-    if (pref) cublasLtMatmulPreferenceDestroy(pref);
-    if (la) cublasLtMatrixLayoutDestroy(la);
-    if (lb) cublasLtMatrixLayoutDestroy(lb);
-    if (ld) cublasLtMatrixLayoutDestroy(ld);
-    if (op) cublasLtMatmulDescDestroy(op);
-  };
+};
+using LtKey = std::tuple<cublasLtHandle_t, int64_t, int64_t, int64_t, int, int, int, int64_t, size_t, bool, int>;
+
+// batch > 1: a strided batch (A's stride set per call; B's 0, the shared input; D's m x ldd... as
+// given per call too).
+LtPlan plan_lt(cublasLtHandle_t lt, size_t ws_bytes, int64_t m, int64_t n, int64_t k, cudaDataType_t at,
+               cudaDataType_t bt, cudaDataType_t dt, int64_t ldd, int batch, int64_t stride_a, int64_t stride_d) {
+  LtPlan p;
+  cublasLtMatmulPreference_t pref = nullptr;
   do {
-    if (cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS) break;
+    if (cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS) break;
     const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-    cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta);
-    cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb);
-    if (cublasLtMatrixLayoutCreate(&la, at, uint64_t(k), uint64_t(m), k) != CUBLAS_STATUS_SUCCESS) break;
-    if (cublasLtMatrixLayoutCreate(&lb, bt, uint64_t(k), uint64_t(n), k) != CUBLAS_STATUS_SUCCESS) break;
-    if (cublasLtMatrixLayoutCreate(&ld, dt, uint64_t(m), uint64_t(n), ldd) != CUBLAS_STATUS_SUCCESS) break;
+    cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta);
+    cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb);
+    if (cublasLtMatrixLayoutCreate(&p.la, at, uint64_t(k), uint64_t(m), k) != CUBLAS_STATUS_SUCCESS) break;
+    if (cublasLtMatrixLayoutCreate(&p.lb, bt, uint64_t(k), uint64_t(n), k) != CUBLAS_STATUS_SUCCESS) break;
+    if (cublasLtMatrixLayoutCreate(&p.ld, dt, uint64_t(m), uint64_t(n), ldd) != CUBLAS_STATUS_SUCCESS) break;
+    if (batch > 1) {
+      const int64_t zero = 0;
+      bool set = true;
+      for (cublasLtMatrixLayout_t l : {p.la, p.lb, p.ld})
+        set = set && cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch, sizeof batch) ==
+                         CUBLAS_STATUS_SUCCESS;
+      set = set && cublasLtMatrixLayoutSetAttribute(p.la, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride_a,
+                                                    sizeof stride_a) == CUBLAS_STATUS_SUCCESS;
+      set = set && cublasLtMatrixLayoutSetAttribute(p.lb, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &zero,
+                                                    sizeof zero) == CUBLAS_STATUS_SUCCESS;
+      set = set && cublasLtMatrixLayoutSetAttribute(p.ld, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride_d,
+                                                    sizeof stride_d) == CUBLAS_STATUS_SUCCESS;
+      if (!set) break;
+    }
     if (cublasLtMatmulPreferenceCreate(&pref) != CUBLAS_STATUS_SUCCESS) break;
     cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof ws_bytes);
     cublasLtMatmulHeuristicResult_t res{};
     int found = 0;
-    if (cublasLtMatmulAlgoGetHeuristic(lt, op, la, lb, ld, ld, pref, 1, &res, &found) != CUBLAS_STATUS_SUCCESS ||
+    if (cublasLtMatmulAlgoGetHeuristic(lt, p.op, p.la, p.lb, p.ld, p.ld, pref, 1, &res, &found) !=
+            CUBLAS_STATUS_SUCCESS ||
         found == 0)
       break;
-    ok = cublasLtMatmul(lt, op, &alpha, A, la, B, lb, &beta, D, ld, D, ld, &res.algo, workspace, ws_bytes, st) ==
-         CUBLAS_STATUS_SUCCESS;
+    p.algo = res.algo;
+    p.ok = true;
   } while (false);
-  cleanup();
-  return ok;
+  if (pref) cublasLtMatmulPreferenceDestroy(pref);
+  return p;
+}
+
+}  // namespace
+
+// D[m = rows of A^T op, n] (column-major, ldd = m unless given) = alpha * op(A) op(B) + beta * D via cuBLASLt.
+// A is [k, m] column-major read transposed (a row-major [m, k] matrix), B is [k, n] column-major
+// (a row-major [n, k] matrix). Returns false when cuBLASLt has no algorithm for it (remembered:
+// that shape returns false from then on without asking again).
+bool lt_matmul(cublasLtHandle_t lt, void* workspace, size_t ws_bytes, cudaStream_t st, int64_t m, int64_t n,
+               int64_t k, const void* A, cudaDataType_t at, const void* B, cudaDataType_t bt, void* D,
+               cudaDataType_t dt, float alpha, float beta, int64_t ldd, int batch, int64_t stride_a,
+               int64_t stride_d) {
+  if (ldd == 0) ldd = m;
+  static std::mutex mu;  // backends on several host threads share the cache
+  static std::map<LtKey, LtPlan> plans;  // kept for the process (descriptors are host objects)
+  // (beta != 0, which reads D as C, keyed apart: the heuristic was asked without knowing it.)
+  const LtKey key{lt, m, n, k, int(at), int(bt), int(dt), ldd, ws_bytes, beta != 0.0f, batch};
+  std::lock_guard<std::mutex> g(mu);  // (held through the enqueue: a batch's strides are set per call)
+  auto it = plans.find(key);
+  if (it == plans.end())
+    it = plans.emplace(key, plan_lt(lt, ws_bytes, m, n, k, at, bt, dt, ldd, batch, stride_a, stride_d)).first;
+  const LtPlan& p = it->second;
+  if (!p.ok) return false;
+  if (batch > 1 &&
+      (cublasLtMatrixLayoutSetAttribute(p.la, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride_a, sizeof stride_a) !=
+           CUBLAS_STATUS_SUCCESS ||
+       cublasLtMatrixLayoutSetAttribute(p.ld, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride_d, sizeof stride_d) !=
+           CUBLAS_STATUS_SUCCESS))
+    return false;
+  return cublasLtMatmul(lt, p.op, &alpha, A, p.la, B, p.lb, &beta, D, p.ld, D, p.ld, &p.algo, workspace, ws_bytes,
+                        st) == CUBLAS_STATUS_SUCCESS;
 }
 
 }  // namespace vireo::cuda

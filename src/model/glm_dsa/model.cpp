@@ -694,8 +694,9 @@ void GlmDsaModel::moe_grouped(int layer, const float* xn, int64_t N, const int32
     if (offsets[size_t(e) + 1] > offsets[size_t(e)]) used.push_back(e);
   backend_.fill(out, 0.0f, N * D);
   float* xs = scratch(22, size_t(N * D));
-  float* g = scratch(23, size_t(N * I));
-  float* u = scratch(24, size_t(N * I));
+  // gate and up in one buffer, up after gate: a backend may run the two products as one batch.
+  float* g = scratch(23, size_t(2 * N * I));
+  float* u = g + N * I;
   float* y = scratch(25, size_t(N * D));
   auto run_expert = [&](const ExpertWeights* e, int expert, float* rows) {
     const int64_t at = offsets[size_t(expert)], m = offsets[size_t(expert) + 1] - at;
