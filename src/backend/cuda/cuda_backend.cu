@@ -735,9 +735,9 @@ class CudaBackend final : public Backend {
   // takes its next job only after the addition of its last one (its rows buffer is reused).
   // Serial (the composed default) while profiling, while recording, and for a single job.
   // Memory: each lane keeps a 32 MiB cuBLASLt workspace and buffers for its largest job (rows,
-  // gathered x, gate, up, the bf16 operands: m x (2 D + 2 I + max(D, I)) x 4 bytes), which the
-  // memory plan does not count yet: 128 MiB of workspaces, plus up to ~180 MB of lane buffers in
-  // a 512-token step of GLM-5 where one expert gets every row (typically 1/32 of that).
+  // gathered x, gate | up, the bf16 / e4m3 operands), which the memory plan counts in its "op
+  // buffers" row (estimate_backend_bytes, cli/cmd_plan.cpp) as if one expert got every row of
+  // the step (typically it gets 1/32 of them).
   static constexpr int kLanes = 4;
   struct Lane {
     cudaStream_t s = nullptr;
