@@ -301,6 +301,58 @@ __device__ __forceinline__ void write_rows(const float (&o)[NT][4], RowState st,
   }
 }
 
+// This thread's place in a 128-query block: its warp's 16 rows from r0, its rows ta and tb (g
+// and g + 8 of the warp), the last key each of them sees (-1: no such row; the warp's first row
+// sees the fewest), and the block's end in key tiles (the longest rows' blocks run first).
+struct BlockRows {
+  int tid, warp, g, tq, h, q0, r0, ta, tb, kt_end, lim_a, lim_b, warp_lo;
+  __device__ BlockRows(int T, int n_keys, int pos0) {
+    tid = int(threadIdx.x);
+    warp = tid >> 5;
+    g = (tid & 31) >> 2;
+    tq = tid & 3;
+    h = int(blockIdx.y);
+    q0 = int(gridDim.x - 1 - blockIdx.x) * kFBQ;
+    r0 = q0 + warp * 16;
+    ta = r0 + g;
+    tb = ta + 8;
+    kt_end = (min(n_keys, pos0 + min(T, q0 + kFBQ)) + kFBK - 1) / kFBK;
+    lim_a = ta < T ? min(n_keys - 1, pos0 + ta) : -1;
+    lim_b = tb < T ? min(n_keys - 1, pos0 + tb) : -1;
+    warp_lo = r0 < T ? min(n_keys - 1, pos0 + r0) : -1;
+  }
+};
+// The walk over the key tiles some query of the block selected (every tile without DSA): the
+// thread's rows' mask words of the next tile and its share of the vote on the tile after it are
+// loaded a tile ahead, so neither load's latency stalls the block.
+struct TileWalk {
+  const uint32_t* mask;
+  int64_t mwords;
+  int T;
+  const BlockRows& b;
+  uint32_t nw[4] = {~0u, ~0u, ~0u, ~0u}, cand = 1u;
+  // The first tile (b.kt_end: none); `fetch(kt)` issues its loads.
+  template <class Fetch>
+  __device__ int first(Fetch fetch) {
+    const int kt = next_needed_tile(mask, mwords, T, b.q0, b.tid, 0, b.kt_end);
+    if (kt < b.kt_end) prefetch(kt, fetch);
+    return kt;
+  }
+  // The tile after kt (a block-wide vote when DSA may skip it).
+  __device__ int next(int kt) {
+    int nxt = kt + 1;
+    if (mask && nxt < b.kt_end && !__syncthreads_or(cand != 0u))
+      nxt = next_needed_tile(mask, mwords, T, b.q0, b.tid, nxt + 1, b.kt_end);
+    return nxt;
+  }
+  template <class Fetch>
+  __device__ void prefetch(int kt, Fetch fetch) {
+    fetch(kt);
+    load_words(mask, mwords, T, b.ta, b.tb, kt, nw);
+    if (mask && kt + 1 < b.kt_end) cand = need_word(mask, mwords, T, b.q0, b.tid, kt + 1);
+  }
+};
+
 template <int D>
 __global__ void __launch_bounds__(kFThreads, 1) prefill_fast_kernel(
     const float* __restrict__ q, int T, int H, int qw, int nope, int vd, const __nv_bfloat16* __restrict__ kvxb,
@@ -312,30 +364,16 @@ __global__ void __launch_bounds__(kFThreads, 1) prefill_fast_kernel(
   __nv_bfloat16* Qs = reinterpret_cast<__nv_bfloat16*>(fast_smem);  // [kFBQ][RS]
   __nv_bfloat16* Ks = Qs + kFBQ * RS;                                 // [2][kFBK][RS]
   __nv_bfloat16* Vs = Ks + 2 * kFBK * RS;                             // [2][kFBK][RS]
-  const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
-  const int h = int(blockIdx.y);
-  const int q0 = int(gridDim.x - 1 - blockIdx.x) * kFBQ;  // the longest rows first
-  const int r0 = q0 + warp * 16, ta = r0 + g, tb = ta + 8;
-  const int kmax = min(n_keys, pos0 + min(T, q0 + kFBQ));
-  const int kt_end = (kmax + kFBK - 1) / kFBK;
-  // Last key each of this thread's rows sees (-1: no such row); the warp's first row sees the
-  // fewest, its last the most.
-  const int lim_a = ta < T ? min(n_keys - 1, pos0 + ta) : -1;
-  const int lim_b = tb < T ? min(n_keys - 1, pos0 + tb) : -1;
-  const int warp_lo = r0 < T ? min(n_keys - 1, pos0 + r0) : -1;
-  const int warp_hi = r0 < T ? min(n_keys - 1, pos0 + min(T - 1, r0 + 15)) : -1;
+  const BlockRows b(T, n_keys, pos0);
+  const int tid = b.tid, warp = b.warp, lane = tid & 31, tq = b.tq, h = b.h, q0 = b.q0;
+  const int warp_hi = b.r0 < T ? min(n_keys - 1, pos0 + min(T - 1, b.r0 + 15)) : -1;
   const TileFetch<D, kFThreads> fetch(tid, h, H, qw, nope, vd, hw, kvxb, ropeb);
   const uint32_t soff = uint32_t(fetch.rf * RS + fetch.xc) * 2, dstep = uint32_t(fetch.kRStep * RS * 2);
   auto load_tile = [&](int kt, int buf) {
     fetch.issue(kt, n_keys, smem_u32(Ks + buf * kFBK * RS) + soff, smem_u32(Vs + buf * kFBK * RS) + soff, dstep);
   };
-  int kt = next_needed_tile(mask, mwords, T, q0, tid, 0, kt_end);
-  uint32_t nw[4] = {~0u, ~0u, ~0u, ~0u}, cand = 1u;
-  if (kt < kt_end) {
-    load_tile(kt, 0);  // in flight while Q is converted
-    load_words(mask, mwords, T, ta, tb, kt, nw);
-    if (mask && kt + 1 < kt_end) cand = need_word(mask, mwords, T, q0, tid, kt + 1);
-  }
+  TileWalk walk{mask, mwords, T, b};
+  int kt = walk.first([&](int k) { load_tile(k, 0); });  // in flight while Q is converted
   load_q<D, kFThreads>(q, T, H, h, qw, q0, tid, fast_smem, [](int r, int d) { return (r * RS + d) * 2; });
 
   float o[NT][4];
@@ -350,18 +388,12 @@ __global__ void __launch_bounds__(kFThreads, 1) prefill_fast_kernel(
   const int voff = (lane & 15) * RS + (lane >> 4) * 8;
 
   int buf = 0;
-  while (kt < kt_end) {
-    int nxt = kt + 1;
-    if (mask && nxt < kt_end && !__syncthreads_or(cand != 0u))
-      nxt = next_needed_tile(mask, mwords, T, q0, tid, nxt + 1, kt_end);
-    const uint32_t cw[4] = {nw[0], nw[1], nw[2], nw[3]};
+  while (kt < b.kt_end) {
+    const int nxt = walk.next(kt);
+    const uint32_t cw[4] = {walk.nw[0], walk.nw[1], walk.nw[2], walk.nw[3]};
     cp_async_wait_all();
     __syncthreads();  // tile kt (and Q) visible to all; every warp is done with buffer buf ^ 1
-    if (nxt < kt_end) {
-      load_tile(nxt, buf ^ 1);
-      load_words(mask, mwords, T, ta, tb, nxt, nw);
-      if (mask && nxt + 1 < kt_end) cand = need_word(mask, mwords, T, q0, tid, nxt + 1);
-    }
+    if (nxt < b.kt_end) walk.prefetch(nxt, [&](int k) { load_tile(k, buf ^ 1); });
     const int k0 = kt * kFBK;
     bool work = k0 <= warp_hi;
     if (mask) work = __any_sync(0xffffffffu, (cw[0] | cw[1] | cw[2] | cw[3]) != 0u) && work;
@@ -384,7 +416,7 @@ __global__ void __launch_bounds__(kFThreads, 1) prefill_fast_kernel(
         }
       }
       float alpha_a, alpha_b;
-      softmax_tile(s, k0, lim_a, lim_b, k0 + kFBK - 1 > warp_lo, mask, cw, tq, sl2, st, alpha_a, alpha_b);
+      softmax_tile(s, k0, b.lim_a, b.lim_b, k0 + kFBK - 1 > b.warp_lo, mask, cw, tq, sl2, st, alpha_a, alpha_b);
       rescale_rows(o, alpha_a, alpha_b);
 #pragma unroll
       for (int kk = 0; kk < kFBK / 16; ++kk) {  // O += P V, 16 keys per step
@@ -402,7 +434,7 @@ __global__ void __launch_bounds__(kFThreads, 1) prefill_fast_kernel(
     kt = nxt;
     buf ^= 1;
   }
-  write_rows(o, st, T, H, h, vd, ta, tb, tq, out);
+  write_rows(o, st, T, H, h, vd, b.ta, b.tb, tq, out);
 }
 
 // --- The wgmma kernel (sm_90a) --------------------------------------------------------------------
@@ -521,16 +553,9 @@ __global__ void __launch_bounds__(kWThreads, 1) prefill_wgmma_kernel(
   const uint32_t raw = smem_u32(wg_smem), sbase = (raw + 1023u) & ~1023u;  // the swizzle repeats per 1 KB
   unsigned char* base = wg_smem + (sbase - raw);
   const uint32_t sQ = sbase, sK = sbase + kQBytes, sV = sK + 2 * kTileBytes;  // Q; K[2]; V[2]
-  const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
-  const int wgi = warp >> 2;  // warpgroup: rows 64 wgi .. + 63 of the block
-  const int h = int(blockIdx.y);
-  const int q0 = int(gridDim.x - 1 - blockIdx.x) * kFBQ;  // the longest rows first
-  const int r0 = q0 + warp * 16, ta = r0 + g, tb = ta + 8;
-  const int kmax = min(n_keys, pos0 + min(T, q0 + kFBQ));
-  const int kt_end = (kmax + kFBK - 1) / kFBK;
-  const int lim_a = ta < T ? min(n_keys - 1, pos0 + ta) : -1;
-  const int lim_b = tb < T ? min(n_keys - 1, pos0 + tb) : -1;
-  const int warp_lo = r0 < T ? min(n_keys - 1, pos0 + r0) : -1;
+  const BlockRows b(T, n_keys, pos0);
+  const int tid = b.tid, tq = b.tq, h = b.h, q0 = b.q0;
+  const int wgi = b.warp >> 2;  // warpgroup: rows 64 wgi .. + 63 of the block
   // The warpgroup's last row's limit: tiles past it hold no key of any of its rows (uniform over
   // the warpgroup, as wgmma needs).
   const int g0 = q0 + wgi * 64;
@@ -540,13 +565,8 @@ __global__ void __launch_bounds__(kWThreads, 1) prefill_wgmma_kernel(
   auto load_tile = [&](int kt, int buf) {
     fetch.issue(kt, n_keys, sK + uint32_t(buf) * kTileBytes + soff, sV + uint32_t(buf) * kTileBytes + soff, dstep);
   };
-  int kt = next_needed_tile(mask, mwords, T, q0, tid, 0, kt_end);
-  uint32_t nw[4] = {~0u, ~0u, ~0u, ~0u}, cand = 1u;
-  if (kt < kt_end) {
-    load_tile(kt, 0);  // in flight while Q is converted
-    load_words(mask, mwords, T, ta, tb, kt, nw);
-    if (mask && kt + 1 < kt_end) cand = need_word(mask, mwords, T, q0, tid, kt + 1);
-  }
+  TileWalk walk{mask, mwords, T, b};
+  int kt = walk.first([&](int k) { load_tile(k, 0); });  // in flight while Q is converted
   load_q<D, kWThreads>(q, T, H, h, qw, q0, tid, base, [](int r, int d) { return swz<kFBQ>(r, d >> 3) + (d & 7) * 2; });
 
   float o[NT][4];
@@ -556,20 +576,14 @@ __global__ void __launch_bounds__(kWThreads, 1) prefill_wgmma_kernel(
   const uint64_t qdesc = gmma_desc(sQ + uint32_t(wgi * 64 * 128), 16, 1024);  // this warpgroup's rows of atom 0
 
   int buf = 0;
-  while (kt < kt_end) {
-    int nxt = kt + 1;
-    if (mask && nxt < kt_end && !__syncthreads_or(cand != 0u))
-      nxt = next_needed_tile(mask, mwords, T, q0, tid, nxt + 1, kt_end);
-    const uint32_t cw[4] = {nw[0], nw[1], nw[2], nw[3]};
+  while (kt < b.kt_end) {
+    const int nxt = walk.next(kt);
+    const uint32_t cw[4] = {walk.nw[0], walk.nw[1], walk.nw[2], walk.nw[3]};
     wgmma_wait_all();  // this warpgroup's P V of the last tile: its V buffer is refilled next
     cp_async_wait_all();
     fence_proxy_async();
     __syncthreads();  // tile kt (and Q) visible to all; both warpgroups are done with buffer buf ^ 1
-    if (nxt < kt_end) {
-      load_tile(nxt, buf ^ 1);
-      load_words(mask, mwords, T, ta, tb, nxt, nw);
-      if (mask && nxt + 1 < kt_end) cand = need_word(mask, mwords, T, q0, tid, nxt + 1);
-    }
+    if (nxt < b.kt_end) walk.prefetch(nxt, [&](int k) { load_tile(k, buf ^ 1); });
     const int k0 = kt * kFBK;
     const bool mine = k0 <= wg_hi;
     const uint64_t kdesc = gmma_desc(sK + uint32_t(buf) * kTileBytes, 16, 1024);
@@ -598,7 +612,7 @@ __global__ void __launch_bounds__(kWThreads, 1) prefill_wgmma_kernel(
     else wg_bar_arrive<2>();
     if (mine) {
       float alpha_a, alpha_b;
-      softmax_tile(s, k0, lim_a, lim_b, k0 + kFBK - 1 > warp_lo, mask, cw, tq, sl2, st, alpha_a, alpha_b);
+      softmax_tile(s, k0, b.lim_a, b.lim_b, k0 + kFBK - 1 > b.warp_lo, mask, cw, tq, sl2, st, alpha_a, alpha_b);
       rescale_rows(o, alpha_a, alpha_b);
     }
     uint32_t p[kFBK / 16][4];
@@ -618,7 +632,7 @@ __global__ void __launch_bounds__(kWThreads, 1) prefill_wgmma_kernel(
   }
   wgmma_wait_all();
   pin(o);
-  write_rows(o, st, T, H, h, vd, ta, tb, tq, out);
+  write_rows(o, st, T, H, h, vd, b.ta, b.tb, tq, out);
 }
 
 template <int D>
