@@ -296,6 +296,15 @@ TEST(MemoryPlan, GpuColumnArithmetic) {
   EXPECT_EQ(p.g.total, fixed + p.g.pool_bytes);
   EXPECT_LE(p.g.total, in.gpu_budget);
   EXPECT_TRUE(p.g.fits);
+  {  // The backend's op buffers come out of the pool, and raise the minimum by as much.
+    MemoryPlanInputs ob = in;
+    ob.backend_bytes = uint64_t(300) << 20;
+    const MemoryPlan q = make_memory_plan(ob);
+    EXPECT_EQ(q.g.slots, int64_t((in.gpu_budget - fixed - ob.backend_bytes) / in.slot_bytes));
+    EXPECT_EQ(q.g.total, fixed + ob.backend_bytes + q.g.pool_bytes);
+    EXPECT_NEAR(double(q.g.minimum - p.g.minimum), double(ob.backend_bytes) / 0.98, 2.0);
+    EXPECT_TRUE(std::regex_search(q.table(), std::regex("op buffers +- +300\\.00 MiB"))) << q.table();
+  }
   // No RAM budget, nothing known about RAM: a pinned copy of every expert.
   EXPECT_TRUE(p.g.host_copy);
   EXPECT_EQ(p.g.pinned_bytes, 256 * in.slot_bytes);
