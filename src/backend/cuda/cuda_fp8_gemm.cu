@@ -125,7 +125,6 @@ void Fp8BlockGemm::destroy(Entry& e) {
 // (ldd = M). The scale modes are the ones measured to work (shared/notes): BLK128x128 for the
 // weight, VEC128 (K-block-major) for the activations.
 bool Fp8BlockGemm::try_plan(Entry& e, int64_t M, int64_t N, int64_t K, cudaDataType_t dt) {
-  cublasLtMatmulPreference_t pref = nullptr;
   bool ok = false;
   do {
     if (cublasLtMatmulDescCreate(&e.op, CUBLAS_COMPUTE_32F, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS) break;
@@ -148,25 +147,10 @@ bool Fp8BlockGemm::try_plan(Entry& e, int64_t M, int64_t N, int64_t K, cudaDataT
     if (cublasLtMatrixLayoutCreate(&e.la, CUDA_R_8F_E4M3, uint64_t(K), uint64_t(M), K) != CUBLAS_STATUS_SUCCESS) break;
     if (cublasLtMatrixLayoutCreate(&e.lb, CUDA_R_8F_E4M3, uint64_t(K), uint64_t(N), K) != CUBLAS_STATUS_SUCCESS) break;
     if (cublasLtMatrixLayoutCreate(&e.ld, dt, uint64_t(M), uint64_t(N), M) != CUBLAS_STATUS_SUCCESS) break;
-    if (cublasLtMatmulPreferenceCreate(&pref) != CUBLAS_STATUS_SUCCESS) break;
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes_, sizeof ws_bytes_);
     // The callers guarantee 16-byte alignment of every pointer (not the 256 the heuristic would
     // otherwise assume: y can be a row of a larger buffer).
-    const uint32_t align = 16;
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align, sizeof align);
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align, sizeof align);
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align, sizeof align);
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align, sizeof align);
-    cublasLtMatmulHeuristicResult_t res{};
-    int found = 0;
-    if (cublasLtMatmulAlgoGetHeuristic(lt_, e.op, e.la, e.lb, e.ld, e.ld, pref, 1, &res, &found) !=
-            CUBLAS_STATUS_SUCCESS ||
-        found == 0)
-      break;
-    e.algo = res.algo;
-    ok = true;
+    ok = lt_heuristic(lt_, e.op, e.la, e.lb, e.ld, ws_bytes_, 16, e.algo);
   } while (false);
-  if (pref) cublasLtMatmulPreferenceDestroy(pref);
   if (!ok) destroy(e);
   return ok;
 }

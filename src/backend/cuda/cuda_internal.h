@@ -29,6 +29,11 @@ void split_bf16(const float* x, int64_t n, void* hi, void* lo, cudaStream_t st);
 // Rows [row0, row0 + rows) of an FP8 weight as bf16 hi + lo of the f32 w * scale ([rows, in]
 // each; lo may be null). Needs in % 4 == 0.
 void dequant_split_fp8(const DevW& w, int64_t row0, int64_t rows, void* hi, void* lo, cudaStream_t st);
+// The heuristic's first algorithm for op on these layouts (D also as C) within ws_bytes of
+// workspace; min_align > 0: the callers guarantee that alignment of every pointer (else cuBLASLt
+// assumes 256 bytes). False when there is none.
+bool lt_heuristic(cublasLtHandle_t lt, cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t la, cublasLtMatrixLayout_t lb,
+                  cublasLtMatrixLayout_t ld, size_t ws_bytes, uint32_t min_align, cublasLtMatmulAlgo_t& algo);
 // batch > 1: `batch` products sharing B (stride 0), A and D strided by stride_a / stride_d
 // elements (>= 0: A + i stride_a, D + i stride_d).
 bool lt_matmul(cublasLtHandle_t lt, void* workspace, size_t ws_bytes, cudaStream_t st, int64_t m, int64_t n,

@@ -291,7 +291,6 @@ using LtKey = std::tuple<cublasLtHandle_t, int64_t, int64_t, int64_t, int, int, 
 LtPlan plan_lt(cublasLtHandle_t lt, size_t ws_bytes, int64_t m, int64_t n, int64_t k, cudaDataType_t at,
                cudaDataType_t bt, cudaDataType_t dt, int64_t ldd, int batch, int64_t stride_a, int64_t stride_d) {
   LtPlan p;
-  cublasLtMatmulPreference_t pref = nullptr;
   do {
     if (cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS) break;
     const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
@@ -314,22 +313,37 @@ LtPlan plan_lt(cublasLtHandle_t lt, size_t ws_bytes, int64_t m, int64_t n, int64
                                                     sizeof stride_d) == CUBLAS_STATUS_SUCCESS;
       if (!set) break;
     }
-    if (cublasLtMatmulPreferenceCreate(&pref) != CUBLAS_STATUS_SUCCESS) break;
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof ws_bytes);
-    cublasLtMatmulHeuristicResult_t res{};
-    int found = 0;
-    if (cublasLtMatmulAlgoGetHeuristic(lt, p.op, p.la, p.lb, p.ld, p.ld, pref, 1, &res, &found) !=
-            CUBLAS_STATUS_SUCCESS ||
-        found == 0)
-      break;
-    p.algo = res.algo;
-    p.ok = true;
+    p.ok = lt_heuristic(lt, p.op, p.la, p.lb, p.ld, ws_bytes, 0, p.algo);
   } while (false);
-  if (pref) cublasLtMatmulPreferenceDestroy(pref);
+  if (!p.ok) {  // (remembered as a failure: nothing of it is kept)
+    if (p.la) cublasLtMatrixLayoutDestroy(p.la);
+    if (p.lb) cublasLtMatrixLayoutDestroy(p.lb);
+    if (p.ld) cublasLtMatrixLayoutDestroy(p.ld);
+    if (p.op) cublasLtMatmulDescDestroy(p.op);
+    p = LtPlan{};
+  }
   return p;
 }
 
 }  // namespace
+
+bool lt_heuristic(cublasLtHandle_t lt, cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t la, cublasLtMatrixLayout_t lb,
+                  cublasLtMatrixLayout_t ld, size_t ws_bytes, uint32_t min_align, cublasLtMatmulAlgo_t& algo) {
+  cublasLtMatmulPreference_t pref = nullptr;
+  if (cublasLtMatmulPreferenceCreate(&pref) != CUBLAS_STATUS_SUCCESS) return false;
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof ws_bytes);
+  if (min_align)
+    for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+      cublasLtMatmulPreferenceSetAttribute(pref, attr, &min_align, sizeof min_align);
+  cublasLtMatmulHeuristicResult_t res{};
+  int found = 0;
+  const bool ok = cublasLtMatmulAlgoGetHeuristic(lt, op, la, lb, ld, ld, pref, 1, &res, &found) == CUBLAS_STATUS_SUCCESS &&
+                  found > 0;
+  if (ok) algo = res.algo;
+  cublasLtMatmulPreferenceDestroy(pref);
+  return ok;
+}
 
 // D[m = rows of A^T op, n] (column-major, ldd = m unless given) = alpha * op(A) op(B) + beta * D via cuBLASLt.
 // A is [k, m] column-major read transposed (a row-major [m, k] matrix), B is [k, n] column-major
