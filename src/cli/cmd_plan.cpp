@@ -44,11 +44,16 @@ uint64_t estimate_scratch_bytes(const GlmDsaConfig& c, int64_t T, int64_t out_ro
     // keys per thread in N-sized vectors, too small to count: 8 bytes a key a thread against
     // kv_b's H x (nope + v) x 4), and the absorbed path's (decode rows; chunks appended to a long
     // cache take it too, see choose_path): the absorbed queries [T, H, kv_lora], the split
-    // partials [T, H, splits of 64 keys, kv_lora + 2] and the scores [T, H, keys rounded to 32],
-    // over at most index_topk keys under DSA.
+    // partials [rows, H, splits of 64 keys, kv_lora + 2] and the scores [rows, H, keys rounded to
+    // 32] for the rows of one pass, over at most index_topk keys under DSA.
     if (c.has_indexer) attn += T * ((N + 31) / 32) + T * N;
     const int64_t keys = c.has_indexer ? std::min<int64_t>(N, c.index_topk) : N;
-    attn += T * H * L + T * H * ((keys + 63) / 64) * (L + 2) + T * H * ((keys + 31) / 32 * 32);
+    // (The partials and scores are sized for one pass of rows: at most 256 MiB, at least a row;
+    // attention_absorbed in cuda_backend.cu.)
+    const int64_t per_row = H * ((keys + 63) / 64) * (L + 2) + H * ((keys + 31) / 32 * 32);
+    const int64_t rows = std::clamp<int64_t>((int64_t(256) << 20) / 4 / std::max<int64_t>(per_row, 1), 1,
+                                             std::max<int64_t>(T, 1));
+    attn += T * H * L + rows * per_row;
   }
   return uint64_t(T * per_token + out_rows * c.vocab_size + attn) * 4;
 }

@@ -356,6 +356,7 @@ class CudaBackend final : public Backend {
   bool fast_math() const { return mode_ == CudaGemmMode::Bf16 || mode_ == CudaGemmMode::Fp8; }
   const char* last_prefill_kernel() const { return last_prefill_; }
   void set_prefill_wgmma(bool on) { prefill_wgmma_ = on; }
+  void set_absorbed_pass_bytes(size_t b) { absorbed_pass_bytes_ = b ? b : kAbsorbedPassBytes; }
   void set_fast_decode(bool attention, bool scores, bool topk) {
     fast_attention_ = attention;
     fast_scores_ = scores;
@@ -1226,19 +1227,36 @@ class CudaBackend final : public Backend {
     d.sel_stride = a.selection.stride;
     d.scale = a.scale;
     d.nsplit = decode_splits(max_keys);
-    const size_t parts = size_t(a.T * H * d.nsplit);
+    // Rows per pass: all T rows' split partials and scores at once would be T x H x (splits x
+    // (L + 2) + keys) floats, 2.15 GB for a 512-token chunk over 2048 selected keys at GLM-5
+    // shapes; passes of at most absorbed_pass_bytes_ (256 MiB) each instead. Rows are computed
+    // independently, so the passes give the same bits. (Run-time positions, a recorded decode
+    // step of a few rows: one pass, the row offset of a pass being a host value.)
+    const int64_t keys32 = (max_keys + 31) / 32 * 32;
+    const int64_t per_row = H * (int64_t(d.nsplit) * (L + 2) + keys32);
+    const int64_t rows =
+        a.pos0_dev ? a.T : std::clamp<int64_t>(int64_t(absorbed_pass_bytes_ / 4) / per_row, 1, std::max<int64_t>(a.T, 1));
+    const size_t parts = size_t(rows * H * d.nsplit);
     float* buf = part_.get<float>(parts * size_t(L + 2));
     d.opart = buf;
     d.mpart = buf + parts * size_t(L);
     d.lpart = d.mpart + parts;
     d.kvb = kvb;
-    d.out = a.out;
     d.pos0_dev = a.pos0_dev;
     d.max_keys = max_keys;
-    d.scores = dscores_.get<float>(size_t(a.T * H * ((max_keys + 31) / 32 * 32)));
+    d.scores = dscores_.get<float>(size_t(rows * H * keys32));
     d.fast = fast_attention_;
     VIREO_PROF("decode kernels");
-    mla_decode(d, stream_);
+    for (int64_t t0 = 0; t0 < a.T; t0 += rows) {
+      d.T = std::min(rows, a.T - t0);
+      d.qlat = qlat + t0 * H * L;
+      d.q = a.q + t0 * H * qw;
+      d.pos0 = a.pos0 + t0;
+      d.sel = a.selection.keys ? a.selection.keys + t0 * a.selection.stride : nullptr;
+      d.counts = a.selection.counts ? a.selection.counts + t0 : nullptr;
+      d.out = a.out + t0 * H * a.v_dim;
+      mla_decode(d, stream_);
+    }
   }
 
   // Fast mode's kv_b expansion: y [T, w.out] written as bf16 by the GEMM itself (one bf16 pass,
@@ -1337,6 +1355,8 @@ class CudaBackend final : public Backend {
   CudaGemmMode mode_ = CudaGemmMode::Split;
   bool fast_attention_ = true, fast_scores_ = true, fast_topk_ = true;
   bool prefill_wgmma_ = true;  // fast-mode prefill attention on wgmma (else the mma.sync kernel)
+  static constexpr size_t kAbsorbedPassBytes = size_t(256) << 20;
+  size_t absorbed_pass_bytes_ = kAbsorbedPassBytes;  // attention_absorbed's partials + scores per pass
   int64_t fp8_chunk_bytes_ = int64_t(256) << 20;
   OpProfiler prof_;
   std::vector<std::shared_ptr<char>> owned_;
@@ -1393,6 +1413,7 @@ void cuda_synchronize(Backend& b) { VIREO_CUDA_CHECK(cudaStreamSynchronize(as_cu
 
 void cuda_set_gemm_mode(Backend& b, CudaGemmMode mode) { as_cuda(b).set_gemm_mode(mode); }
 void cuda_set_prefill_wgmma(Backend& b, bool on) { as_cuda(b).set_prefill_wgmma(on); }
+void cuda_set_absorbed_pass_bytes(Backend& b, size_t bytes) { as_cuda(b).set_absorbed_pass_bytes(bytes); }
 void cuda_set_fast_decode(Backend& b, bool attention, bool indexer_scores, bool indexer_topk) {
   as_cuda(b).set_fast_decode(attention, indexer_scores, indexer_topk);
 }

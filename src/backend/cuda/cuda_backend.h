@@ -50,6 +50,9 @@ std::string cuda_last_prefill_attention(Backend& cuda);
 // The fast modes' prefill attention: on Hopper's wgmma (default), or the mma.sync kernel (off;
 // tests run both).
 void cuda_set_prefill_wgmma(Backend& cuda, bool on);
+// The absorbed attention path runs its rows in passes whose split partials and scores fit this
+// many bytes (0: the default, 256 MiB). Tests set it small to cover the passes.
+void cuda_set_absorbed_pass_bytes(Backend& cuda, size_t bytes);
 // Decode attention (absorbed path) and indexer kernels, each on (default) or off: the absorbed
 // attention with all heads of a query per block, the indexer scores' blocked kernel with run-time
 // positions, the register-resident top-k (cuda_decode_attention.cu); off: the kernels they
