@@ -779,9 +779,11 @@ __global__ void __launch_bounds__(512) indexer_topk_kernel(const float* __restri
 
 constexpr int kMaxGroups = 64, kMaxTopK = 64;
 
-// One block per token: sigmoid in parallel, then one thread makes the (sequential, tiny) choice
-// exactly as the CPU reference: group scores, topk_group groups, top_k experts, ties to the lower
-// index, ids ascending, weights normalized in that order.
+// One block per token: sigmoid in parallel, then one warp makes the choice exactly as the CPU
+// reference: group scores, topk_group groups, top_k experts (each a warp argmax over the experts
+// not taken: the largest, the lower index on ties), ids ascending, weights normalized in that
+// order. NaN scores are chosen only when nothing else is left (the reference's order is undefined
+// for them). (One thread choosing took 10 us a layer at 16 experts; H200, ncu.)
 __global__ void moe_route_kernel(const float* __restrict__ logits, int E, int G, int topk_group, int K,
                                  const float* __restrict__ bias, bool norm, float rsf, int32_t* __restrict__ ids,
                                  float* __restrict__ weights) {
@@ -789,6 +791,7 @@ __global__ void moe_route_kernel(const float* __restrict__ logits, int E, int G,
   float* p = sm;
   float* ch = sm + E;
   unsigned char* taken = reinterpret_cast<unsigned char*>(sm + 2 * E);
+  __shared__ int id[kMaxTopK];
   const int64_t t = blockIdx.x;
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     const float pv = 1.0f / (1.0f + expf(-logits[t * E + e]));
@@ -797,37 +800,56 @@ __global__ void moe_route_kernel(const float* __restrict__ logits, int E, int G,
     taken[e] = 0;
   }
   __syncthreads();
-  if (threadIdx.x != 0) return;
-  const int per_group = E / G;
-  if (G > 1) {
-    float gs[kMaxGroups];
-    bool keep[kMaxGroups];
-    for (int g = 0; g < G; ++g) {
+  if (threadIdx.x >= 32) return;
+  const int lane = threadIdx.x, per_group = E / G;
+  if (G > 1) {  // lane holds groups lane and lane + 32 (G <= kMaxGroups = 64)
+    float gs[2];
+    bool keep[2] = {false, false};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int g = lane + 32 * h;
       float m1 = -INFINITY, m2 = -INFINITY;
-      for (int e = g * per_group; e < (g + 1) * per_group; ++e) {
-        const float v = ch[e];
-        if (v > m1) { m2 = m1; m1 = v; } else if (v > m2) { m2 = v; }
-      }
-      gs[g] = per_group >= 2 ? m1 + m2 : m1;
-      keep[g] = false;
+      if (g < G)
+        for (int e = g * per_group; e < (g + 1) * per_group; ++e) {
+          const float v = ch[e];
+          if (v > m1) { m2 = m1; m1 = v; } else if (v > m2) { m2 = v; }
+        }
+      gs[h] = per_group >= 2 ? m1 + m2 : m1;
     }
     for (int i = 0; i < topk_group; ++i) {
-      int bi = -1;
-      for (int g = 0; g < G; ++g)
-        if (!keep[g] && (bi < 0 || gs[g] > gs[bi])) bi = g;
-      keep[bi] = true;
+      Best b{0.0f, -1};
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        if (lane + 32 * h < G && !keep[h]) consider(b, gs[h], lane + 32 * h);
+      b = warp_best(b);
+      if (b.i < 0) {  // only NaN scores left: the lowest group not kept
+        const unsigned low = __ballot_sync(0xffffffffu, lane < G && !keep[0]);
+        b.i = low ? __ffs(low) - 1 : 32 + __ffs(__ballot_sync(0xffffffffu, lane + 32 < G && !keep[1])) - 1;
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        if (b.i == lane + 32 * h) keep[h] = true;
     }
-    for (int e = 0; e < E; ++e)
-      if (!keep[e / per_group]) ch[e] = -INFINITY;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      if (lane + 32 * h < G && !keep[h])
+        for (int e = (lane + 32 * h) * per_group; e < (lane + 32 * h + 1) * per_group; ++e) ch[e] = -INFINITY;
+    __syncwarp();
   }
-  int id[kMaxTopK];
   for (int k = 0; k < K; ++k) {
-    int bi = -1;
-    for (int e = 0; e < E; ++e)
-      if (!taken[e] && (bi < 0 || ch[e] > ch[bi])) bi = e;
-    taken[bi] = 1;
-    id[k] = bi;
+    Best b{0.0f, -1};
+    for (int e = lane; e < E; e += 32)
+      if (!taken[e]) consider(b, ch[e], e);
+    b = warp_best(b);
+    if (lane == 0) {
+      if (b.i < 0)  // only NaN scores left: the lowest expert not taken (always a valid id)
+        for (b.i = 0; taken[b.i]; ++b.i) {}
+      taken[b.i] = 1;
+      id[k] = b.i;
+    }
+    __syncwarp();
   }
+  if (lane != 0) return;
   for (int i = 1; i < K; ++i)  // ascending ids
     for (int j = i; j > 0 && id[j - 1] > id[j]; --j) {
       const int x = id[j];

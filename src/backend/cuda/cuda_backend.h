@@ -65,6 +65,9 @@ void cuda_set_fp8_chunk_bytes(Backend& cuda, size_t bytes);
 // (the outermost waits for the stream first), and time, calls and FLOPs accumulate per op name and
 // per matmul dtype/shape/path. Turning it on or off clears it. Off: no syncs, nothing recorded.
 void cuda_set_profile(Backend& cuda, bool on);
+// Marks where an external profiler started with `--profile-from-start off` (ncu, nsys) records:
+// on = cudaProfilerStart, off = cudaProfilerStop. A no-op when no profiler is attached.
+void cuda_profiler_range(Backend& cuda, bool on);
 // The accumulated profile as a table sorted by time; `wall_ms` is the host time of the region.
 std::string cuda_profile_report(Backend& cuda, double wall_ms);
 #endif

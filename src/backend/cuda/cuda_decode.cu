@@ -384,15 +384,12 @@ __global__ void add_rms_norm_kernel(float* __restrict__ h, const float* __restri
   float* hr = h + int64_t(blockIdx.x) * n;
   const float* xr = x + int64_t(blockIdx.x) * n;
   float* yr = y + int64_t(blockIdx.x) * n;
-  float ss = 0.0f;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+  auto add = [&](int64_t i) {
     const float v = hr[i] + xr[i];
     hr[i] = v;
-    ss += v * v;
-  }
-  ss = block_sum(ss);
-  const float inv = 1.0f / sqrtf(ss / float(n) + eps);
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) yr[i] = w[i] * (hr[i] * inv);
+    return v;
+  };
+  rms_norm_row(n, w, eps, add, [&](int64_t i) { return hr[i]; }, [&](int64_t i, float v) { yr[i] = v; });
 }
 
 // One block per token: rms-normalize the latent, rotate k_rope, both straight into the cache row.
@@ -404,11 +401,8 @@ __global__ void mla_cache_append_kernel(const float* __restrict__ kva, int64_t L
   const int64_t t = blockIdx.x, kvw = L + rope, half = rope / 2;
   const float* xr = kva + t * kvw;
   float* yr = cache + ((pos0_dev ? int64_t(*pos0_dev) : pos0) + t) * kvw;
-  float ss = 0.0f;
-  for (int64_t i = threadIdx.x; i < L; i += blockDim.x) ss += xr[i] * xr[i];
-  ss = block_sum(ss);
-  const float inv = 1.0f / sqrtf(ss / float(L) + eps);
-  for (int64_t i = threadIdx.x; i < L; i += blockDim.x) yr[i] = w[i] * (xr[i] * inv);
+  auto at = [&](int64_t i) { return xr[i]; };
+  rms_norm_row(L, w, eps, at, at, [&](int64_t i, float v) { yr[i] = v; });
   const float* c = cs + t * rope;
   for (int64_t i = threadIdx.x; i < half; i += blockDim.x) {
     const float a = interleaved ? xr[L + 2 * i] : xr[L + i], b = interleaved ? xr[L + 2 * i + 1] : xr[L + half + i];
@@ -446,34 +440,52 @@ __global__ void __launch_bounds__(256) index_key_append_kernel(const float* __re
   }
 }
 
-// One block per row: each thread's best (largest, then lowest index), then a tree over the block.
-__global__ void __launch_bounds__(1024) argmax_kernel(const float* __restrict__ x, int64_t n, int32_t* __restrict__ out) {
-  __shared__ float bv[1024];
-  __shared__ int64_t bi[1024];
-  const float* xr = x + int64_t(blockIdx.x) * n;
-  float best = -INFINITY;
-  int64_t at = -1;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
-    if (at < 0 || xr[i] > best) {
-      best = xr[i];
-      at = i;
+// Argmax as the CPU reference defines it: the largest value, the lowest index among equals; a
+// NaN never wins, except that a row starting with NaN gives 0 (the reference compares against
+// x[0] first). Both are order-independent, so the row is split over many blocks: one block
+// reading a 620 KB vocabulary row alone took 65 us of a 1 ms decode step (H200, ncu), latency
+// bound on one SM.
+constexpr int kArgmaxThreads = 256, kArgmaxPerThread = 16;
+
+// Block (b, row): the best of elements [b * chunk, (b + 1) * chunk) into part[row * gridDim.x + b].
+__global__ void __launch_bounds__(kArgmaxThreads) argmax_part_kernel(const float* __restrict__ x, int64_t n,
+                                                                     int64_t chunk, Best* __restrict__ part) {
+  const int64_t row = blockIdx.y;
+  const float* xr = x + row * n;
+  const int64_t lo = int64_t(blockIdx.x) * chunk, hi = min(n, lo + chunk);
+  Best b{0.0f, -1};
+  if ((reinterpret_cast<uintptr_t>(xr) & 15) == 0 && chunk % 4 == 0) {
+    const float4* x4 = reinterpret_cast<const float4*>(xr);
+    for (int64_t j = lo / 4 + threadIdx.x; j < hi / 4; j += kArgmaxThreads) {
+      const float4 v = x4[j];
+      consider(b, v.x, 4 * j);
+      consider(b, v.y, 4 * j + 1);
+      consider(b, v.z, 4 * j + 2);
+      consider(b, v.w, 4 * j + 3);
     }
-  bv[threadIdx.x] = best;
-  bi[threadIdx.x] = at;
-  __syncthreads();
-  for (int o = blockDim.x / 2; o > 0; o >>= 1) {
-    if (int(threadIdx.x) < o) {
-      const float v = bv[threadIdx.x + o];
-      const int64_t j = bi[threadIdx.x + o];
-      const int64_t mine = bi[threadIdx.x];
-      if (j >= 0 && (mine < 0 || v > bv[threadIdx.x] || (v == bv[threadIdx.x] && j < mine))) {
-        bv[threadIdx.x] = v;
-        bi[threadIdx.x] = j;
-      }
-    }
-    __syncthreads();
+    for (int64_t i = max(lo, hi / 4 * 4) + threadIdx.x; i < hi; i += kArgmaxThreads) consider(b, xr[i], i);
+  } else {
+    for (int64_t i = lo + threadIdx.x; i < hi; i += kArgmaxThreads) consider(b, xr[i], i);
   }
-  if (threadIdx.x == 0) out[blockIdx.x] = int32_t(bi[0] < 0 ? 0 : bi[0]);
+  b = warp_best(b);
+  __shared__ Best wb[kArgmaxThreads / 32];
+  if ((threadIdx.x & 31) == 0) wb[threadIdx.x >> 5] = b;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    b = threadIdx.x < kArgmaxThreads / 32 ? wb[threadIdx.x] : Best{0.0f, -1};
+    b = warp_best(b);
+    if (threadIdx.x == 0) part[row * gridDim.x + blockIdx.x] = b;
+  }
+}
+
+// One warp per row: the best of the row's parts.
+__global__ void argmax_final_kernel(const float* __restrict__ x, int64_t n, const Best* __restrict__ part, int parts,
+                                    int32_t* __restrict__ out) {
+  const int64_t row = blockIdx.x;
+  Best b{0.0f, -1};
+  for (int j = threadIdx.x; j < parts; j += 32) b = better(b, part[row * parts + j]);
+  b = warp_best(b);
+  if (threadIdx.x == 0) out[row] = (b.i < 0 || x[row * n] != x[row * n]) ? 0 : b.i;
 }
 
 }  // namespace
@@ -542,9 +554,21 @@ void gemv_many(const float* x, const ManyW& m, cudaStream_t st) {
   VIREO_CUDA_LAUNCHED();
 }
 
-void argmax_rows(const float* x, int64_t rows, int64_t n, int32_t* out, cudaStream_t st) {
+int argmax_parts(int64_t n) {
+  const int64_t per_block = int64_t(kArgmaxThreads) * kArgmaxPerThread;
+  return int(std::min<int64_t>(std::max<int64_t>((n + per_block - 1) / per_block, 1), 1024));
+}
+
+void argmax_rows(const float* x, int64_t rows, int64_t n, int32_t* out, void* parts_buf, cudaStream_t st) {
   if (rows <= 0) return;
-  argmax_kernel<<<unsigned(rows), 1024, 0, st>>>(x, n, out);
+  if (n <= 0 || n > INT32_MAX) fail("argmax_rows: row length ", n, " is outside 1..2^31-1");
+  if (rows > 65535) fail("argmax_rows: ", rows, " rows (at most 65535)");
+  const int parts = argmax_parts(n);
+  const int64_t chunk = ((n + parts - 1) / parts + 3) / 4 * 4;  // a multiple of 4: float4 loads stay aligned
+  Best* part = static_cast<Best*>(parts_buf);
+  argmax_part_kernel<<<dim3(unsigned(parts), unsigned(rows)), kArgmaxThreads, 0, st>>>(x, n, chunk, part);
+  VIREO_CUDA_LAUNCHED();
+  argmax_final_kernel<<<unsigned(rows), 32, 0, st>>>(x, n, part, parts, out);
   VIREO_CUDA_LAUNCHED();
 }
 

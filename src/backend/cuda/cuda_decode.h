@@ -46,6 +46,10 @@ void gemv_many(const float* x, const ManyW& m, cudaStream_t st);
 // shape or alignment does not allow it (nothing launched).
 bool gemv_rows2(const float* x, const DevW& w, float* y, cudaStream_t st);
 
-void argmax_rows(const float* x, int64_t rows, int64_t n, int32_t* out, cudaStream_t st);
+// out[r] = the index of row r's largest value (the lowest on ties), as the CPU reference. Two
+// launches: blocks over parts of each row, then one warp per row; parts_buf holds
+// rows x argmax_parts(n) x 8 bytes.
+int argmax_parts(int64_t n);
+void argmax_rows(const float* x, int64_t rows, int64_t n, int32_t* out, void* parts_buf, cudaStream_t st);
 
 }  // namespace vireo::cuda
