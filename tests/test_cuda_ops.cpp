@@ -52,8 +52,9 @@ TEST(CudaOps, MatmulAllDtypesAndShapes) {
   Pair p;
   struct Shape { int64_t out, in; };
   for (DType dt : {DType::F32, DType::BF16, DType::F16, DType::F8_E4M3})
-    // 4098 x 512: one token runs two rows per warp (large matrices), 300 x 520 the fallback.
-    for (Shape s : {Shape{300, 520}, Shape{256, 1024}, Shape{1000, 384}, Shape{4098, 512}})
+    // 4098 x 512 and x 1152: one token runs two rows per warp (large matrices; FP8 by 4-byte
+    // words, 1152 = 9 words a lane: one unrolled pass and a tail), 300 x 520 the fallback.
+    for (Shape s : {Shape{300, 520}, Shape{256, 1024}, Shape{1000, 384}, Shape{4098, 512}, Shape{4098, 1152}})
       for (int64_t T : {1, 3, 8, 9, 70}) {
         HostWeight hw = make_weight(dt, s.out, s.in, uint32_t(s.out * 7 + T));
         auto x = randv(size_t(T * s.in), uint32_t(T * 13 + s.in));
