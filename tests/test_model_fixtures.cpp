@@ -289,7 +289,9 @@ TEST(Generate, ChunkedPrefillGivesTheSameTokens) {
       }
       MlaCache c0(*be, m->cache_shape(), 1, P + n);
       const std::vector<int32_t> one_step = generate(*m, c0, 0, prompt, opt).tokens;
-      if (!sampled) EXPECT_EQ(one_step, std::vector<int32_t>(want.begin(), want.begin() + n));
+      if (!sampled) {
+        EXPECT_EQ(one_step, std::vector<int32_t>(want.begin(), want.begin() + n));
+      }
       for (int64_t chunk : {int64_t(1), int64_t(3), P / 2, P - 1, P, P + 5}) {
         MlaCache c(*be, m->cache_shape(), 1, P + n);
         opt.prefill_chunk = chunk;
