@@ -497,10 +497,11 @@ class CudaBackend final : public Backend {
   // beside its FP8 projections made 4 launches of ~4-11 us each, H200).
   void matmul_many(const float* x, int64_t T, const Weight* const* ws, float* const* ys, int n) override {
     bool one = T == 1 && n <= kMaxMany && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+    DevW dw[kMaxMany];
     for (int i = 0; one && i < n; ++i) {
-      const DevW w = devw(*ws[i]);
-      const int vec = 16 / (w.dt == W_F32 ? 4 : w.dt == W_FP8 ? 1 : 2);
-      one = w.in == ws[0]->in() && w.in % vec == 0 && reinterpret_cast<uintptr_t>(w.w) % 16 == 0;
+      dw[i] = devw(*ws[i]);
+      const int vec = 16 / (dw[i].dt == W_F32 ? 4 : dw[i].dt == W_FP8 ? 1 : 2);
+      one = dw[i].in == dw[0].in && dw[i].in % vec == 0 && reinterpret_cast<uintptr_t>(dw[i].w) % 16 == 0;
     }
     if (!one) {
       if (lt_bf16_many(x, T, ws, ys, n) || lt_fp8_fast_many(x, T, ws, ys, n)) return;
@@ -513,18 +514,16 @@ class CudaBackend final : public Backend {
       ManyW m;
       m.n = 0;
       m.row0[0] = 0;
-      const int dt = devw(*ws[i]).dt;
       for (int j = i; j < n; ++j) {
-        const DevW w = devw(*ws[j]);
-        if (done[j] || w.dt != dt) continue;
+        if (done[j] || dw[j].dt != dw[i].dt) continue;
         done[j] = true;
-        m.w[m.n] = w;
+        m.w[m.n] = dw[j];
         m.y[m.n] = ys[j];
-        m.row0[m.n + 1] = m.row0[m.n] + w.out;
+        m.row0[m.n + 1] = m.row0[m.n] + dw[j].out;
         ++m.n;
       }
-      // A weight alone in its dtype takes the one-matrix GEMV: gemv_many's 8 rows a block left
-      // 2 blocks for a 32-row matrix (13.8 us against 3.9).
+      // A weight alone in its dtype takes the one-matrix GEMV (measured when gemv_many ran
+      // blocks of 8 warps: 2 blocks for a 32-row matrix, 13.8 us against 3.9).
       if (m.n == 1) matmul(x, 1, *ws[i], ys[i]);
       else gemv_many(x, m, stream_);
     }
