@@ -635,7 +635,7 @@ void GlmDsaModel::moe_streamed(int layer, const float* xn, int64_t N, const int3
   bool all_ready = true;
   for (size_t i = 0; i < ew.size(); ++i) all_ready = all_ready && experts_->ready(i);
   if (!all_ready) {
-    moe_grouped(layer, xn, N, ids_dev, wts_dev, out, &ew);
+    moe_grouped(layer, xn, N, ids_dev, wts_dev, out, &ew, &ids);
     return;
   }
   for (size_t i = 0; i < ew.size(); ++i) experts_->await(i);
@@ -672,7 +672,8 @@ void GlmDsaModel::moe_bank(int layer, const float* xn, int64_t N, const int32_t*
 }
 
 void GlmDsaModel::moe_grouped(int layer, const float* xn, int64_t N, const int32_t* ids_dev, const float* wts_dev,
-                              float* out, const std::vector<const ExpertWeights*>* prepared) {
+                              float* out, const std::vector<const ExpertWeights*>* prepared,
+                              const std::vector<int32_t>* host_ids) {
   const GlmDsaConfig& c = config_;
   const LayerWeights& L = weights_.layers[size_t(layer)];
   const int64_t D = c.hidden_size, K = c.experts_per_token, I = c.moe_intermediate_size;
@@ -684,8 +685,19 @@ void GlmDsaModel::moe_grouped(int layer, const float* xn, int64_t N, const int32
   int32_t* token_of = scratch_i32(5, size_t(N * K));
   float* weight_of = scratch(28, size_t(N * K));
   backend_.moe_group(ids_dev, wts_dev, N, int(K), E, offsets_dev, token_of, weight_of);
-  std::vector<int32_t> offsets(static_cast<size_t>(E + 1));
-  backend_.copy_to_host_i32(offsets.data(), offsets_dev, offsets.size());
+  std::vector<int32_t> offsets(static_cast<size_t>(E + 1), 0);
+  if (host_ids) {
+    // The same counts moe_group makes, from the ids the host already holds: no second wait for
+    // the device in this layer (a streamed layer with copies in flight).
+    VIREO_ASSERT(host_ids->size() == size_t(N * K));
+    for (int32_t id : *host_ids) {
+      if (id < 0 || id >= E) fail("moe: expert id ", id, " out of range [0, ", E, ")");
+      ++offsets[size_t(id) + 1];
+    }
+    for (int e = 0; e < E; ++e) offsets[size_t(e) + 1] += offsets[size_t(e)];
+  } else {
+    backend_.copy_to_host_i32(offsets.data(), offsets_dev, offsets.size());
+  }
 
   // One pass per distinct expert over the tokens routed to it (the expert union of the whole
   // step), in ascending expert order as the oracle accumulates.

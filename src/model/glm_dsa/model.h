@@ -127,9 +127,12 @@ class GlmDsaModel {
   void moe(int layer, const float* xn, int64_t N, float* out);
   // Routed experts grouped by expert (the union of the step's experts, one product each), then
   // the shared expert; with a streaming store, compute overlaps the experts' transfers.
-  // `prepared`: the step's expert union (ascending), already asked of the store by the caller.
+  // `prepared`: the step's expert union (ascending), already asked of the store by the caller;
+  // `host_ids`: the step's ids [N, top_k], already read back by the caller (the experts' row
+  // counts then come from them, not from a second round trip).
   void moe_grouped(int layer, const float* xn, int64_t N, const int32_t* ids, const float* weights, float* out,
-                   const std::vector<const ExpertWeights*>* prepared = nullptr);
+                   const std::vector<const ExpertWeights*>* prepared = nullptr,
+                   const std::vector<int32_t>* host_ids = nullptr);
   // Few tokens, a streaming store (streams_fused): the expert ids come back to the host and the
   // store makes those experts ready; when all are already in slots they run by id in the
   // backend's fused launches from a bank pointing at their slots (as resident experts run), else
