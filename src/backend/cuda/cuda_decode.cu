@@ -8,9 +8,41 @@
 #include "backend/cuda/cuda_decode.h"
 #include "backend/cuda/cuda_internal.h"
 
+#include <cstdlib>
+#include <string>
+#include <type_traits>
+
 namespace vireo::cuda {
 
 namespace {
+
+// Where a GEMV lane's x comes from, as float4 number q of the input row. XGlobal: through L1.
+// XShared: from the block's copy in shared memory, swizzled so that the 8 lanes of a quarter-warp
+// reading float4 j of their 64-byte chunks (an FP8 lane's 16 weights) hit 8 different bank groups.
+// Why: through L1 those reads touch 16 cache lines an instruction (lanes 64 bytes apart), 64
+// wavefronts for the 2 KB of x a warp's 512 FP8 weight bytes need; from shared memory, 16.
+struct XGlobal {
+  const float* x;
+  __device__ __forceinline__ float4 operator()(int64_t q) const { return __ldg(reinterpret_cast<const float4*>(x) + q); }
+};
+__device__ __forceinline__ int xs_slot(int q) { return q ^ ((q >> 3) & 3); }
+struct XShared {
+  const float4* xs;
+  int q0;  // first float4 of this input within the staged rows
+  __device__ __forceinline__ float4 operator()(int64_t q) const { return xs[xs_slot(q0 + int(q))]; }
+};
+// The block copies n floats (n % 4 == 0, 16-byte aligned) into xs, swizzled; then a barrier.
+__device__ __forceinline__ void stage_x(const float* __restrict__ x, int64_t n, float4* xs) {
+  const float4* x4 = reinterpret_cast<const float4*>(x);
+  for (int q = int(threadIdx.x); q < int(n / 4); q += int(blockDim.x)) xs[xs_slot(q)] = __ldg(x4 + q);
+  __syncthreads();
+}
+
+// Blocks of WARPS warps a multiprocessor must hold (registers permitting) for the kernels that
+// stage x in shared memory (XS): 32 warps' worth, at most 64 registers a thread. Left alone, nvcc
+// gave them ~100 registers: one 16-warp block an SM, too few loads in flight. 0: no minimum, as
+// the other kernels were measured with (an explicit minimum of 1 doubled their registers).
+template <bool XS, int WARPS> constexpr int kMinBlocks = XS ? 32 / WARPS : 0;
 
 // This lane's share of dot(w[row, :], x) (reduce over the warp afterwards).
 template <int DT, bool VEC>
@@ -65,9 +97,8 @@ __device__ __forceinline__ float dot_chunk(const uint4& w, const float4* xv) {
 // This lane's shares of dot(a[row, :], x) and dot(b[row, :], x), reading x once for both rows:
 // the GEMV's x reads come from L1 and, at 2-4x the weight bytes, are what L1 is busy with (ncu,
 // FP8 experts: L1 95.8% busy, DRAM 35%).
-template <int DT, bool VEC>
-__device__ __forceinline__ float2 lane_dot2(const DevW& a, const DevW& b, int64_t row, const float* __restrict__ x,
-                                            int lane) {
+template <int DT, bool VEC, class XF = XGlobal>
+__device__ __forceinline__ float2 lane_dot2(const DevW& a, const DevW& b, int64_t row, const XF& xf, int lane) {
   float acc_a = 0.0f, acc_b = 0.0f;
   if constexpr (VEC) {
     constexpr int N = GemvVec<DT>::n;
@@ -78,10 +109,9 @@ __device__ __forceinline__ float2 lane_dot2(const DevW& a, const DevW& b, int64_
     const float* sb = DT == W_FP8 ? b.s + (row >> 7) * b.s_cols : nullptr;
     const int64_t nv = a.in / N;
     auto consume = [&](const uint4& wa, const uint4& wb, int64_t v) {
-      const float4* xp = reinterpret_cast<const float4*>(x + v * N);
       float4 xv[N / 4];
 #pragma unroll
-      for (int j = 0; j < N / 4; ++j) xv[j] = __ldg(xp + j);
+      for (int j = 0; j < N / 4; ++j) xv[j] = xf(v * (N / 4) + j);
       const float pa = dot_chunk<DT>(wa, xv), pb = dot_chunk<DT>(wb, xv);
       if constexpr (DT == W_FP8) {
         acc_a += sa[(v * N) >> 7] * pa;
@@ -104,6 +134,8 @@ __device__ __forceinline__ float2 lane_dot2(const DevW& a, const DevW& b, int64_
     }
     for (; v < nv; v += 32) consume(ldg_stream(ar + v), ldg_stream(br + v), v);
   } else {
+    static_assert(std::is_same_v<XF, XGlobal>, "scalar GEMV rows read x through L1");
+    const float* __restrict__ x = xf.x;
     for (int64_t k = lane; k < a.in; k += 32) {
       acc_a += wget<DT>(a, row, k) * x[k];
       acc_b += wget<DT>(b, row, k) * x[k];
@@ -113,16 +145,22 @@ __device__ __forceinline__ float2 lane_dot2(const DevW& a, const DevW& b, int64_
 }
 
 // h[s, row] = silu(gate_e[row] . x[t]) * (up_e[row] . x[t]) for slot s = (t, k), k < K + S.
-template <int DT, bool VEC>
-__global__ void __launch_bounds__(256) moe_gate_up_kernel(const float* __restrict__ x, int64_t D, int64_t I, int K,
-                                                          int S, int n_routed, const int32_t* __restrict__ ids,
-                                                          const DevExpert* __restrict__ bank, float* __restrict__ h) {
+// A warp per row; XS: x[t] staged in shared memory by the block (D floats of dynamic shared memory).
+template <int DT, bool VEC, bool XS = false, int WARPS = 8>
+__global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>) moe_gate_up_kernel(const float* __restrict__ x, int64_t D, int64_t I,
+                                                                 int K, int S, int n_routed,
+                                                                 const int32_t* __restrict__ ids,
+                                                                 const DevExpert* __restrict__ bank,
+                                                                 float* __restrict__ h) {
+  extern __shared__ float4 xs[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t row = int64_t(blockIdx.x) * 8 + warp, s = blockIdx.y, t = s / (K + S);
+  const int64_t row = int64_t(blockIdx.x) * WARPS + warp, s = blockIdx.y, t = s / (K + S);
+  if constexpr (XS) stage_x(x + t * D, D, xs);
   if (row >= I) return;
   const DevExpert& e = bank[slot_expert(ids, t, int(s % (K + S)), K, n_routed)];
-  const float* xt = x + t * D;
-  const float2 gu = lane_dot2<DT, VEC>(e.gate, e.up, row, xt, lane);
+  float2 gu;
+  if constexpr (XS) gu = lane_dot2<DT, true>(e.gate, e.up, row, XShared{xs, 0}, lane);
+  else gu = lane_dot2<DT, VEC>(e.gate, e.up, row, XGlobal{x + t * D}, lane);
   const float g = warp_sum(gu.x), u = warp_sum(gu.y);
   if (lane == 0) h[s * I + row] = g / (1.0f + expf(-g)) * u;
 }
@@ -146,13 +184,18 @@ __global__ void __launch_bounds__(256) moe_down_kernel(const float* __restrict__
 }
 
 // As moe_down_kernel, a warp per two output rows (2i, 2i + 1): each slot's h read once for both.
-template <int DT>
-__global__ void __launch_bounds__(256) moe_down2_kernel(const float* __restrict__ h, int64_t D, int64_t I, int K,
-                                                        int S, int n_routed, const int32_t* __restrict__ ids,
-                                                        const float* __restrict__ wts,
-                                                        const DevExpert* __restrict__ bank, float* __restrict__ out) {
+// XS: the token's K + S rows of h staged in shared memory by the block ((K + S) x I floats).
+template <int DT, bool XS = false, int WARPS = 8>
+__global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>) moe_down2_kernel(const float* __restrict__ h, int64_t D, int64_t I,
+                                                               int K, int S, int n_routed,
+                                                               const int32_t* __restrict__ ids,
+                                                               const float* __restrict__ wts,
+                                                               const DevExpert* __restrict__ bank,
+                                                               float* __restrict__ out) {
+  extern __shared__ float4 xs[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t row = (int64_t(blockIdx.x) * 8 + warp) * 2, t = blockIdx.y;
+  const int64_t row = (int64_t(blockIdx.x) * WARPS + warp) * 2, t = blockIdx.y;
+  if constexpr (XS) stage_x(h + t * (K + S) * I, (K + S) * I, xs);
   if (row >= D) return;
   float acc0 = 0.0f, acc1 = 0.0f;
   for (int k = 0; k < K + S; ++k) {
@@ -160,7 +203,9 @@ __global__ void __launch_bounds__(256) moe_down2_kernel(const float* __restrict_
     const DevW& w = bank[slot_expert(ids, t, k, K, n_routed)].down;
     DevW next = w;
     next.w = static_cast<const char*>(w.w) + size_t(w.in) * elem_bytes<DT>();
-    const float2 v = lane_dot2<DT, true>(w, next, row, h + s * I, lane);
+    float2 v;
+    if constexpr (XS) v = lane_dot2<DT, true>(w, next, row, XShared{xs, int(k * I / 4)}, lane);
+    else v = lane_dot2<DT, true>(w, next, row, XGlobal{h + s * I}, lane);
     const float y0 = warp_sum(v.x), y1 = warp_sum(v.y);
     if (k < K) {
       acc0 = __fadd_rn(acc0, __fmul_rn(wts[t * K + k], y0));
@@ -292,10 +337,59 @@ __global__ void __launch_bounds__(512) moe_down_slots_kernel(const float* __rest
 // 85% / 81%: nothing to gain there), so BF16, F16 and F32 keep them.
 constexpr int kFp8GateUpRows = 2, kFp8DownRows = 8, kFp8Depth = 2;
 
+// FP8 GEMVs with x staged in shared memory (XShared): blocks of kXsWarps warps, so that a block's
+// copy of x (read from L2) is small next to the weight rows it serves; inputs up to kXsMaxBytes.
+// VIREO_FP8_XS=0 selects the kernels that read x through L1 (for comparison).
+constexpr int kXsWarps = 16;
+constexpr size_t kXsMaxBytes = 96 << 10;
+bool fp8_x_shared() {
+  static const bool on = [] {
+    const char* e = std::getenv("VIREO_FP8_XS");
+    return !(e && std::string(e) == "0");
+  }();
+  return on;
+}
+int fp8_xs_warps() {  // blocks of the XS down-projection and rows2 kernels (A/B: VIREO_FP8_XS_WARPS=8)
+  static const int w = [] {
+    const char* e = std::getenv("VIREO_FP8_XS_WARPS");
+    return e ? std::atoi(e) : 16;
+  }();
+  return w;
+}
+// Lets `Kernel` take up to kXsMaxBytes of dynamic shared memory (once per kernel).
+template <auto Kernel>
+void allow_xs() {
+  static const bool done = [] {
+    VIREO_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kXsMaxBytes)));
+    return true;
+  }();
+  (void)done;
+}
+
+template <int DT, int WARPS>
+void launch_down_xs(const float* h, int64_t N, int64_t D, int64_t I, int K, int S, int n_routed, const int32_t* ids,
+                    const float* wts, const DevExpert* bank, float* out, cudaStream_t st) {
+  allow_xs<moe_down2_kernel<DT, true, WARPS>>();
+  moe_down2_kernel<DT, true, WARPS><<<dim3(unsigned((D / 2 + WARPS - 1) / WARPS), unsigned(N)), 32 * WARPS,
+                                      size_t(K + S) * size_t(I) * 4, st>>>(h, D, I, K, S, n_routed, ids, wts, bank, out);
+  VIREO_CUDA_LAUNCHED();
+}
+
 template <int DT, bool VEC>
 void launch_moe(const float* x, int64_t N, int64_t D, int64_t I, int K, int S, int n_routed, const int32_t* ids,
                 const float* wts, const DevExpert* bank, float* h, float* out, cudaStream_t st) {
   if constexpr (DT == W_FP8 && VEC) {
+    const size_t x_bytes = size_t(D) * 4, h_bytes = size_t(K + S) * size_t(I) * 4;
+    if (fp8_x_shared() && D % 2 == 0 && x_bytes <= kXsMaxBytes && h_bytes <= kXsMaxBytes) {
+      allow_xs<moe_gate_up_kernel<DT, true, true, kXsWarps>>();
+      moe_gate_up_kernel<DT, true, true, kXsWarps>
+          <<<dim3(unsigned((I + kXsWarps - 1) / kXsWarps), unsigned(N * (K + S))), 32 * kXsWarps, x_bytes, st>>>(
+              x, D, I, K, S, n_routed, ids, bank, h);
+      VIREO_CUDA_LAUNCHED();
+      if (fp8_xs_warps() == 8) launch_down_xs<DT, 8>(h, N, D, I, K, S, n_routed, ids, wts, bank, out, st);
+      else launch_down_xs<DT, kXsWarps>(h, N, D, I, K, S, n_routed, ids, wts, bank, out, st);
+      return;
+    }
     if (I % kFp8GateUpRows == 0 && D % kFp8DownRows == 0 && K + S <= 16) {
       moe_gate_up_rows_kernel<DT, kFp8GateUpRows, kFp8Depth>
           <<<dim3(unsigned((I / kFp8GateUpRows + 7) / 8), unsigned(N * (K + S))), 256, 0, st>>>(
@@ -329,14 +423,20 @@ void launch_moe_dt(bool vec, const float* x, int64_t N, int64_t D, int64_t I, in
 }
 
 // y[row] for rows 2i and 2i + 1 by one warp, x read once for both (T = 1, rows 16-byte aligned).
-template <int DT>
-__global__ void __launch_bounds__(256) gemv_rows2_kernel(const float* __restrict__ x, DevW w, float* __restrict__ y) {
+// XS: x staged in shared memory by the block (w.in floats).
+template <int DT, bool XS = false, int WARPS = 8>
+__global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>) gemv_rows2_kernel(const float* __restrict__ x, DevW w,
+                                                                float* __restrict__ y) {
+  extern __shared__ float4 xs[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t row = (int64_t(blockIdx.x) * 8 + warp) * 2;
+  const int64_t row = (int64_t(blockIdx.x) * WARPS + warp) * 2;
+  if constexpr (XS) stage_x(x, w.in, xs);
   if (row >= w.out) return;
   DevW next = w;  // the same matrix one row on: FP8 rows 2i, 2i + 1 share a 128-row scale block
   next.w = static_cast<const char*>(w.w) + size_t(w.in) * elem_bytes<DT>();
-  const float2 v = lane_dot2<DT, true>(w, next, row, x, lane);
+  float2 v;
+  if constexpr (XS) v = lane_dot2<DT, true>(w, next, row, XShared{xs, 0}, lane);
+  else v = lane_dot2<DT, true>(w, next, row, XGlobal{x}, lane);
   const float a = warp_sum(v.x), b = warp_sum(v.y);
   if (lane == 0) {
     y[row] = a;
@@ -361,7 +461,7 @@ __global__ void __launch_bounds__(32 * kManyWarps) gemv_many_kernel(const float*
   if constexpr (PAIRS) {
     DevW next = m.w[i];
     next.w = static_cast<const char*>(next.w) + size_t(next.in) * elem_bytes<DT>();
-    const float2 v = lane_dot2<DT, true>(m.w[i], next, row, x, lane);
+    const float2 v = lane_dot2<DT, true>(m.w[i], next, row, XGlobal{x}, lane);
     const float a = warp_sum(v.x), b = warp_sum(v.y);
     if (lane == 0) {
       m.y[i][row] = a;
@@ -532,11 +632,26 @@ void index_key_append(const float* k, int64_t T, int64_t d, const float* w, cons
   VIREO_CUDA_LAUNCHED();
 }
 
+namespace {
+template <int WARPS>
+void launch_rows2_xs(const float* x, const DevW& w, float* y, cudaStream_t st) {
+  allow_xs<gemv_rows2_kernel<W_FP8, true, WARPS>>();
+  gemv_rows2_kernel<W_FP8, true, WARPS>
+      <<<unsigned((w.out / 2 + WARPS - 1) / WARPS), 32 * WARPS, size_t(w.in) * 4, st>>>(x, w, y);
+  VIREO_CUDA_LAUNCHED();
+}
+}  // namespace
+
 bool gemv_rows2(const float* x, const DevW& w, float* y, cudaStream_t st) {
   const int n = 16 / (w.dt == W_F32 ? 4 : w.dt == W_FP8 ? 1 : 2);
   if (w.out % 2 != 0 || w.in % n != 0 || reinterpret_cast<uintptr_t>(w.w) % 16 != 0 ||
       reinterpret_cast<uintptr_t>(x) % 16 != 0)
     return false;
+  if (w.dt == W_FP8 && fp8_x_shared() && size_t(w.in) * 4 <= kXsMaxBytes) {
+    if (fp8_xs_warps() == 8) launch_rows2_xs<8>(x, w, y, st);
+    else launch_rows2_xs<kXsWarps>(x, w, y, st);
+    return true;
+  }
   const unsigned blocks = unsigned((w.out / 2 + 7) / 8);
   switch (w.dt) {
     case W_F32: gemv_rows2_kernel<W_F32><<<blocks, 256, 0, st>>>(x, w, y); break;
