@@ -64,8 +64,17 @@ TEST(CudaOps, MatmulAllDtypesAndShapes) {
         float* gx = p.g.up(x);
         float* gy = p.g.zeros(want.size());
         p.gpu->matmul(gx, T, gw, gy);
-        const double e = nmse(p.g.down(gy, want.size()), want);
+        const std::vector<float> got = p.g.down(gy, want.size());
+        const double e = nmse(got, want);
         EXPECT_LT(e, 1e-9) << dt_name(dt) << " out " << s.out << " in " << s.in << " T " << T;
+#ifdef VIREO_HAVE_CUDA
+        // x through L1 instead of shared memory: the same sums in the same order, the same bits.
+        cuda_set_gemv_x_shared(*p.gpu, false);
+        float* gy_l1 = p.g.zeros(want.size());
+        p.gpu->matmul(gx, T, gw, gy_l1);
+        cuda_set_gemv_x_shared(*p.gpu, true);
+        EXPECT_EQ(p.g.down(gy_l1, want.size()), got) << dt_name(dt) << " x via L1, out " << s.out << " T " << T;
+#endif
         // Host-resident weights (routed experts) are uploaded on first use.
         float* gy2 = p.g.zeros(want.size());
         p.gpu->matmul(gx, T, hw.w, gy2);
@@ -532,10 +541,22 @@ TEST(CudaOps, MoeExpertsMatchesCpu) {
       auto x = randv(size_t(cfg.N * cfg.D), 61, 2.0f), w = randv(ids.size(), 62);
       std::vector<float> want(size_t(cfg.N * cfg.D));
       p.cpu->moe_experts(x.data(), cfg.N, ids.data(), w.data(), cfg.K, cb, want.data());
+      float* gx = p.g.up(x);
+      int32_t* gids = p.g.up_i(ids);
+      float* gw = p.g.up(w);
       float* gout = p.g.up(std::vector<float>(want.size(), NAN));
-      p.gpu->moe_experts(p.g.up(x), cfg.N, p.g.up_i(ids), p.g.up(w), cfg.K, gb, gout);
-      EXPECT_LT(nmse(p.g.down(gout, want.size()), want), 1e-10)
-          << dt_name(dt) << " D " << cfg.D << " N " << cfg.N << " shared " << n_shared;
+      p.gpu->moe_experts(gx, cfg.N, gids, gw, cfg.K, gb, gout);
+      const std::vector<float> got = p.g.down(gout, want.size());
+      EXPECT_LT(nmse(got, want), 1e-10) << dt_name(dt) << " D " << cfg.D << " N " << cfg.N << " shared " << n_shared;
+#ifdef VIREO_HAVE_CUDA
+      // x and h through L1 (FP8: the rows / slots kernels) instead of shared memory: each lane
+      // sums its chunks in the same order and the slots combine in order of k, so the same bits.
+      cuda_set_gemv_x_shared(*p.gpu, false);
+      float* gout_l1 = p.g.up(std::vector<float>(want.size(), NAN));
+      p.gpu->moe_experts(gx, cfg.N, gids, gw, cfg.K, gb, gout_l1);
+      cuda_set_gemv_x_shared(*p.gpu, true);
+      EXPECT_EQ(p.g.down(gout_l1, want.size()), got) << dt_name(dt) << " x via L1, D " << cfg.D << " N " << cfg.N;
+#endif
     }
 }
 

@@ -357,6 +357,7 @@ class CudaBackend final : public Backend {
   const char* last_prefill_kernel() const { return last_prefill_; }
   void set_prefill_wgmma(bool on) { prefill_wgmma_ = on; }
   void set_absorbed_pass_bytes(size_t b) { absorbed_pass_bytes_ = b ? b : kAbsorbedPassBytes; }
+  void set_gemv_x_shared(bool on) { gemv_x_shared_ = on; }
   void set_fast_decode(bool attention, bool scores, bool topk) {
     fast_attention_ = attention;
     fast_scores_ = scores;
@@ -479,7 +480,7 @@ class CudaBackend final : public Backend {
                  " " + path + (T <= 8 ? " T=" + std::to_string(T) : std::string());
         },
         2.0 * double(T) * double(w.out) * double(w.in));
-    if (T == 1 && w.out >= 4096 && gemv_rows2(x, w, y, stream_)) {
+    if (T == 1 && w.out >= 4096 && gemv_rows2(x, w, y, gemv_x_shared_, stream_)) {
       // done: two rows per warp
     } else if (T <= 8) {
       matmul_small(x, T, w, y, stream_, sms_);
@@ -591,7 +592,7 @@ class CudaBackend final : public Backend {
     const DeviceBank& b = device_bank(bank);
     float* h = moe_h_.get<float>(size_t(N * (top_k + bank.n_shared) * b.I));
     cuda::moe_experts(x, N, b.D, b.I, top_k, bank.n_shared, int(bank.gate.size()) - bank.n_shared, ids, weights,
-                      b.table.get(), b.dtype, b.vec, h, out, stream_);
+                      b.table.get(), b.dtype, b.vec, gemv_x_shared_, h, out, stream_);
   }
   bool prefers_moe_experts(int64_t N) const override { return N <= 8; }
 
@@ -1372,6 +1373,12 @@ class CudaBackend final : public Backend {
   bool prefill_wgmma_ = true;  // fast-mode prefill attention on wgmma (else the mma.sync kernel)
   static constexpr size_t kAbsorbedPassBytes = size_t(256) << 20;
   size_t absorbed_pass_bytes_ = kAbsorbedPassBytes;  // attention_absorbed's partials + scores per pass
+  // Decode GEMVs read x from shared memory (cuda_decode.cu); VIREO_GEMV_XS=0 (for A/B runs of
+  // `vireo bench`) reads it through L1 instead.
+  bool gemv_x_shared_ = [] {
+    const char* e = std::getenv("VIREO_GEMV_XS");
+    return !(e && std::string(e) == "0");
+  }();
   int64_t fp8_chunk_bytes_ = int64_t(256) << 20;
   OpProfiler prof_;
   std::vector<std::shared_ptr<char>> owned_;
@@ -1429,6 +1436,7 @@ void cuda_synchronize(Backend& b) { VIREO_CUDA_CHECK(cudaStreamSynchronize(as_cu
 void cuda_set_gemm_mode(Backend& b, CudaGemmMode mode) { as_cuda(b).set_gemm_mode(mode); }
 void cuda_set_prefill_wgmma(Backend& b, bool on) { as_cuda(b).set_prefill_wgmma(on); }
 void cuda_set_absorbed_pass_bytes(Backend& b, size_t bytes) { as_cuda(b).set_absorbed_pass_bytes(bytes); }
+void cuda_set_gemv_x_shared(Backend& b, bool on) { as_cuda(b).set_gemv_x_shared(on); }
 void cuda_set_fast_decode(Backend& b, bool attention, bool indexer_scores, bool indexer_topk) {
   as_cuda(b).set_fast_decode(attention, indexer_scores, indexer_topk);
 }

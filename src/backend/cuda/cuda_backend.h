@@ -53,6 +53,10 @@ void cuda_set_prefill_wgmma(Backend& cuda, bool on);
 // The absorbed attention path runs its rows in passes whose split partials and scores fit this
 // many bytes (0: the default, 256 MiB). Tests set it small to cover the passes.
 void cuda_set_absorbed_pass_bytes(Backend& cuda, size_t bytes);
+// One-token BF16/FP8 products and experts read x from a copy in shared memory (on, the default;
+// VIREO_GEMV_XS=0 turns it off) or through L1 (off: the kernels for shapes too large for shared
+// memory; the same sums in the same order, so tests compare the two bit for bit).
+void cuda_set_gemv_x_shared(Backend& cuda, bool on);
 // Decode attention (absorbed path) and indexer kernels, each on (default) or off: the absorbed
 // attention with all heads of a query per block, the indexer scores' blocked kernel with run-time
 // positions, the register-resident top-k (cuda_decode_attention.cu); off: the kernels they

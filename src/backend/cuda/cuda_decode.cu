@@ -337,20 +337,14 @@ __global__ void __launch_bounds__(512) moe_down_slots_kernel(const float* __rest
 // 85% / 81%: nothing to gain there), so BF16, F16 and F32 keep them.
 constexpr int kFp8GateUpRows = 2, kFp8DownRows = 8, kFp8Depth = 2;
 
-// FP8 GEMVs with x staged in shared memory (XShared): blocks of kXsWarps warps, so that a block's
-// copy of x (read from L2) is small next to the weight rows it serves; inputs up to kXsMaxBytes.
-// 16 warps measured better than 8 (H200, session 8 call 4, 8 layers: fp8 decode 61.5-61.6% vs
-// 60.7-61.1% of copy at context 0; o_proj 28.6 vs 32.3 us, expert down 37.6 vs 40.7 us).
-// VIREO_FP8_XS=0 selects the kernels that read x through L1 (for comparison).
+// FP8 and BF16 GEMVs with x staged in shared memory (XShared, x_shared): blocks of kXsWarps warps,
+// so that a block's copy of x (read from L2) is small next to the weight rows it serves; inputs up
+// to kXsMaxBytes (larger ones, and F32/F16 weights, read x through L1). Measured on the H200
+// (session 8, 8 layers x 16 experts, % of copy at context 0): fp8 58.7 -> 61.7%, bf16 76.3-76.8 ->
+// 78.0%. 16 warps a block measured better than 8 (fp8 61.5-61.6% vs 60.7-61.1%; o_proj 28.6 vs
+// 32.3 us, expert down 37.6 vs 40.7 us).
 constexpr int kXsWarps = 16;
 constexpr size_t kXsMaxBytes = 96 << 10;
-bool fp8_x_shared() {
-  static const bool on = [] {
-    const char* e = std::getenv("VIREO_FP8_XS");
-    return !(e && std::string(e) == "0");
-  }();
-  return on;
-}
 // Lets `Kernel` take up to kXsMaxBytes of dynamic shared memory (once per kernel).
 template <auto Kernel>
 void allow_xs() {
@@ -371,11 +365,11 @@ void launch_down_xs(const float* h, int64_t N, int64_t D, int64_t I, int K, int 
 }
 
 template <int DT, bool VEC>
-void launch_moe(const float* x, int64_t N, int64_t D, int64_t I, int K, int S, int n_routed, const int32_t* ids,
-                const float* wts, const DevExpert* bank, float* h, float* out, cudaStream_t st) {
-  if constexpr (DT == W_FP8 && VEC) {
+void launch_moe(bool x_shared, const float* x, int64_t N, int64_t D, int64_t I, int K, int S, int n_routed,
+                const int32_t* ids, const float* wts, const DevExpert* bank, float* h, float* out, cudaStream_t st) {
+  if constexpr ((DT == W_FP8 || DT == W_BF16) && VEC) {
     const size_t x_bytes = size_t(D) * 4, h_bytes = size_t(K + S) * size_t(I) * 4;
-    if (fp8_x_shared() && D % 2 == 0 && x_bytes <= kXsMaxBytes && h_bytes <= kXsMaxBytes) {
+    if (x_shared && D % 2 == 0 && x_bytes <= kXsMaxBytes && h_bytes <= kXsMaxBytes) {
       allow_xs<moe_gate_up_kernel<DT, true, true, kXsWarps>>();
       moe_gate_up_kernel<DT, true, true, kXsWarps>
           <<<dim3(unsigned((I + kXsWarps - 1) / kXsWarps), unsigned(N * (K + S))), 32 * kXsWarps, x_bytes, st>>>(
@@ -384,7 +378,7 @@ void launch_moe(const float* x, int64_t N, int64_t D, int64_t I, int K, int S, i
       launch_down_xs<DT, kXsWarps>(h, N, D, I, K, S, n_routed, ids, wts, bank, out, st);
       return;
     }
-    if (I % kFp8GateUpRows == 0 && D % kFp8DownRows == 0 && K + S <= 16) {
+    if (DT == W_FP8 && I % kFp8GateUpRows == 0 && D % kFp8DownRows == 0 && K + S <= 16) {
       moe_gate_up_rows_kernel<DT, kFp8GateUpRows, kFp8Depth>
           <<<dim3(unsigned((I / kFp8GateUpRows + 7) / 8), unsigned(N * (K + S))), 256, 0, st>>>(
               x, D, I, K, S, n_routed, ids, bank, h);
@@ -409,11 +403,11 @@ void launch_moe(const float* x, int64_t N, int64_t D, int64_t I, int K, int S, i
 }
 
 template <int DT>
-void launch_moe_dt(bool vec, const float* x, int64_t N, int64_t D, int64_t I, int K, int S, int n_routed,
+void launch_moe_dt(bool vec, bool x_shared, const float* x, int64_t N, int64_t D, int64_t I, int K, int S, int n_routed,
                    const int32_t* ids, const float* wts, const DevExpert* bank, float* h, float* out,
                    cudaStream_t st) {
-  if (vec) launch_moe<DT, true>(x, N, D, I, K, S, n_routed, ids, wts, bank, h, out, st);
-  else launch_moe<DT, false>(x, N, D, I, K, S, n_routed, ids, wts, bank, h, out, st);
+  if (vec) launch_moe<DT, true>(x_shared, x, N, D, I, K, S, n_routed, ids, wts, bank, h, out, st);
+  else launch_moe<DT, false>(x_shared, x, N, D, I, K, S, n_routed, ids, wts, bank, h, out, st);
 }
 
 // y[row] for rows 2i and 2i + 1 by one warp, x read once for both (T = 1, rows 16-byte aligned).
@@ -589,14 +583,14 @@ __global__ void argmax_final_kernel(const float* __restrict__ x, int64_t n, cons
 }  // namespace
 
 void moe_experts(const float* x, int64_t N, int64_t D, int64_t I, int K, int S, int n_routed, const int32_t* ids,
-                 const float* weights, const DevExpert* bank, int dtype, bool vec, float* h, float* out,
-                 cudaStream_t st) {
+                 const float* weights, const DevExpert* bank, int dtype, bool vec, bool x_shared, float* h,
+                 float* out, cudaStream_t st) {
   if (N <= 0) return;
   switch (dtype) {
-    case W_F32: launch_moe_dt<W_F32>(vec, x, N, D, I, K, S, n_routed, ids, weights, bank, h, out, st); break;
-    case W_BF16: launch_moe_dt<W_BF16>(vec, x, N, D, I, K, S, n_routed, ids, weights, bank, h, out, st); break;
-    case W_F16: launch_moe_dt<W_F16>(vec, x, N, D, I, K, S, n_routed, ids, weights, bank, h, out, st); break;
-    default: launch_moe_dt<W_FP8>(vec, x, N, D, I, K, S, n_routed, ids, weights, bank, h, out, st); break;
+    case W_F32: launch_moe_dt<W_F32>(vec, x_shared, x, N, D, I, K, S, n_routed, ids, weights, bank, h, out, st); break;
+    case W_BF16: launch_moe_dt<W_BF16>(vec, x_shared, x, N, D, I, K, S, n_routed, ids, weights, bank, h, out, st); break;
+    case W_F16: launch_moe_dt<W_F16>(vec, x_shared, x, N, D, I, K, S, n_routed, ids, weights, bank, h, out, st); break;
+    default: launch_moe_dt<W_FP8>(vec, x_shared, x, N, D, I, K, S, n_routed, ids, weights, bank, h, out, st); break;
   }
 }
 
@@ -627,22 +621,26 @@ void index_key_append(const float* k, int64_t T, int64_t d, const float* w, cons
 }
 
 namespace {
-template <int WARPS>
+template <int DT, int WARPS>
 void launch_rows2_xs(const float* x, const DevW& w, float* y, cudaStream_t st) {
-  allow_xs<gemv_rows2_kernel<W_FP8, true, WARPS>>();
-  gemv_rows2_kernel<W_FP8, true, WARPS>
+  allow_xs<gemv_rows2_kernel<DT, true, WARPS>>();
+  gemv_rows2_kernel<DT, true, WARPS>
       <<<unsigned((w.out / 2 + WARPS - 1) / WARPS), 32 * WARPS, size_t(w.in) * 4, st>>>(x, w, y);
   VIREO_CUDA_LAUNCHED();
 }
 }  // namespace
 
-bool gemv_rows2(const float* x, const DevW& w, float* y, cudaStream_t st) {
+bool gemv_rows2(const float* x, const DevW& w, float* y, bool x_shared, cudaStream_t st) {
   const int n = 16 / (w.dt == W_F32 ? 4 : w.dt == W_FP8 ? 1 : 2);
   if (w.out % 2 != 0 || w.in % n != 0 || reinterpret_cast<uintptr_t>(w.w) % 16 != 0 ||
       reinterpret_cast<uintptr_t>(x) % 16 != 0)
     return false;
-  if (w.dt == W_FP8 && fp8_x_shared() && size_t(w.in) * 4 <= kXsMaxBytes) {
-    launch_rows2_xs<kXsWarps>(x, w, y, st);
+  if (x_shared && w.dt == W_FP8 && size_t(w.in) * 4 <= kXsMaxBytes) {
+    launch_rows2_xs<W_FP8, kXsWarps>(x, w, y, st);
+    return true;
+  }
+  if (x_shared && w.dt == W_BF16 && size_t(w.in) * 4 <= kXsMaxBytes) {
+    launch_rows2_xs<W_BF16, kXsWarps>(x, w, y, st);
     return true;
   }
   const unsigned blocks = unsigned((w.out / 2 + 7) / 8);

@@ -15,9 +15,10 @@ struct DevExpert {
 
 // out[t] = sum_k weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]), e = ids[t, k], k in order,
 // then + the S shared experts (bank[n_routed ..], weight 1). h is scratch [N * (K + S), I].
+// x_shared: BF16/FP8 kernels read x from a copy in shared memory (else through L1; same sums).
 void moe_experts(const float* x, int64_t N, int64_t D, int64_t I, int K, int S, int n_routed, const int32_t* ids,
-                 const float* weights, const DevExpert* bank, int dtype, bool vec, float* h, float* out,
-                 cudaStream_t st);
+                 const float* weights, const DevExpert* bank, int dtype, bool vec, bool x_shared, float* h,
+                 float* out, cudaStream_t st);
 
 // h += x; y = rms_norm(h) * w, row by row (bit-identical to add then rms_norm).   [T, n]
 void add_rms_norm(float* h, const float* x, int64_t T, int64_t n, const float* w, float eps, float* y,
@@ -43,8 +44,8 @@ void gemv_many(const float* x, const ManyW& m, cudaStream_t st);
 
 // y = W x for one token, a warp per two rows (x read once for both): large matrices, where the
 // x reads from L1 rather than the weight bytes limit the one-row-per-warp GEMV. False when the
-// shape or alignment does not allow it (nothing launched).
-bool gemv_rows2(const float* x, const DevW& w, float* y, cudaStream_t st);
+// shape or alignment does not allow it (nothing launched). x_shared: as moe_experts.
+bool gemv_rows2(const float* x, const DevW& w, float* y, bool x_shared, cudaStream_t st);
 
 // out[r] = the index of row r's largest value (the lowest on ties), as the CPU reference. Two
 // launches: blocks over parts of each row, then one warp per row; parts_buf holds
