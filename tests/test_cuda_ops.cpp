@@ -686,11 +686,23 @@ TEST(CudaOps, MatmulManyMatchesCpu) {
     std::vector<const Weight*> ws;
     for (const Weight& w : gw) ws.push_back(&w);
     p.gpu->matmul_many(gx, c.T, ws.data(), gy.data(), int(ws.size()));
+#ifdef VIREO_HAVE_CUDA
+    // x through L1 instead of shared memory (one token: pairs of rows a warp where the row
+    // counts allow): each row's sums in the same order, the same bits.
+    std::vector<float*> gy_l1;
+    for (size_t i = 0; i < hw.size(); ++i) gy_l1.push_back(p.g.up(std::vector<float>(size_t(c.T * c.outs[i]), NAN)));
+    cuda_set_gemv_x_shared(*p.gpu, false);
+    p.gpu->matmul_many(gx, c.T, ws.data(), gy_l1.data(), int(ws.size()));
+    cuda_set_gemv_x_shared(*p.gpu, true);
+#endif
     for (size_t i = 0; i < hw.size(); ++i) {
       std::vector<float> want(size_t(c.T * c.outs[i]));
       cpu_matmul(x.data(), c.T, hw[i].w, want.data(), ThreadPool::global());
-      EXPECT_LT(nmse(p.g.down(gy[i], want.size()), want), 1e-9) << "weight " << i << " of " << hw.size() << " rows "
-                                                                << c.outs[i] << " T " << c.T;
+      const std::vector<float> got = p.g.down(gy[i], want.size());
+      EXPECT_LT(nmse(got, want), 1e-9) << "weight " << i << " of " << hw.size() << " rows " << c.outs[i] << " T " << c.T;
+#ifdef VIREO_HAVE_CUDA
+      EXPECT_EQ(p.g.down(gy_l1[i], want.size()), got) << "x via L1, weight " << i << " T " << c.T;
+#endif
     }
   }
 }

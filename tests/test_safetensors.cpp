@@ -199,6 +199,8 @@ TEST(Npy, MalformedFilesFailCleanly) {
     if (i % 2) s.resize(rng() % s.size());
     else s[rng() % s.size()] = char(rng() % 256);
     const std::string err = error_of(s);
-    if (!err.empty()) EXPECT_NE(err.find("x.npy"), std::string::npos) << err;
+    if (!err.empty()) {
+      EXPECT_NE(err.find("x.npy"), std::string::npos) << err;
+    }
   }
 }

@@ -526,7 +526,7 @@ class CudaBackend final : public Backend {
       // A weight alone in its dtype takes the one-matrix GEMV (measured when gemv_many ran
       // blocks of 8 warps: 2 blocks for a 32-row matrix, 13.8 us against 3.9).
       if (m.n == 1) matmul(x, 1, *ws[i], ys[i]);
-      else gemv_many(x, m, stream_);
+      else gemv_many(x, m, gemv_x_shared_, stream_);
     }
   }
 

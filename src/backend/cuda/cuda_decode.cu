@@ -45,42 +45,6 @@ __device__ __forceinline__ void stage_x(const float* __restrict__ x, int64_t n, 
 template <bool XS, int WARPS> constexpr int kMinBlocks = XS ? 32 / WARPS : 0;
 
 // This lane's share of dot(w[row, :], x) (reduce over the warp afterwards).
-template <int DT, bool VEC>
-__device__ __forceinline__ float lane_dot(const DevW& w, int64_t row, const float* __restrict__ x, int lane) {
-  float acc[1] = {0.0f};
-  if constexpr (VEC) {
-    constexpr int N = GemvVec<DT>::n;
-    const uint4* wr = reinterpret_cast<const uint4*>(static_cast<const char*>(w.w) + row * w.in * elem_bytes<DT>());
-    const float* srow = DT == W_FP8 ? w.s + (row >> 7) * w.s_cols : nullptr;
-    const int64_t nv = w.in / N;
-    int64_t v = lane;
-    for (; v + 224 < nv; v += 256) {  // eight (then four) loads in flight before the first use
-      uint4 a[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) a[i] = ldg_stream(wr + v + 32 * i);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) gemv_consume<DT, 1>(a[i], x, w.in, (v + 32 * i) * N, srow, acc);
-    }
-    for (; v + 96 < nv; v += 128) {
-      const uint4 a0 = ldg_stream(wr + v), a1 = ldg_stream(wr + v + 32), a2 = ldg_stream(wr + v + 64),
-                  a3 = ldg_stream(wr + v + 96);
-      gemv_consume<DT, 1>(a0, x, w.in, v * N, srow, acc);
-      gemv_consume<DT, 1>(a1, x, w.in, (v + 32) * N, srow, acc);
-      gemv_consume<DT, 1>(a2, x, w.in, (v + 64) * N, srow, acc);
-      gemv_consume<DT, 1>(a3, x, w.in, (v + 96) * N, srow, acc);
-    }
-    for (; v < nv; v += 32) gemv_consume<DT, 1>(ldg_stream(wr + v), x, w.in, v * N, srow, acc);
-  } else {
-    for (int64_t k = lane; k < w.in; k += 32) acc[0] += wget<DT>(w, row, k) * x[k];
-  }
-  return acc[0];
-}
-
-// Slot k of a token: routed expert ids[t, k] for k < K, else shared expert n_routed + k - K.
-__device__ __forceinline__ int slot_expert(const int32_t* ids, int64_t t, int k, int K, int n_routed) {
-  return k < K ? ids[t * K + k] : n_routed + (k - K);
-}
-
 // One 16-byte chunk of a weight row against its N inputs (already loaded), summed as
 // gemv_consume sums (the block scale, for FP8, is applied by the caller).
 template <int DT>
@@ -92,6 +56,58 @@ __device__ __forceinline__ float dot_chunk(const uint4& w, const float4* xv) {
 #pragma unroll
   for (int i = 0; i < N / 4; ++i) p += wf[4 * i] * xv[i].x + wf[4 * i + 1] * xv[i].y + wf[4 * i + 2] * xv[i].z + wf[4 * i + 3] * xv[i].w;
   return p;
+}
+
+// XF: where x comes from (x is a raw pointer through L1, or an XShared copy).
+template <int DT, bool VEC, class XF = const float*>
+__device__ __forceinline__ float lane_dot(const DevW& w, int64_t row, XF x, int lane) {
+  float acc[1] = {0.0f};
+  if constexpr (VEC) {
+    constexpr int N = GemvVec<DT>::n;
+    const uint4* wr = reinterpret_cast<const uint4*>(static_cast<const char*>(w.w) + row * w.in * elem_bytes<DT>());
+    const float* srow = DT == W_FP8 ? w.s + (row >> 7) * w.s_cols : nullptr;
+    const int64_t nv = w.in / N;
+    // Chunk v of the row into acc: gemv_consume's sum (x through L1), or the same expression over
+    // the shared copy (dot_chunk sums as gemv_consume does).
+    auto consume = [&](const uint4& a, int64_t v) {
+      if constexpr (std::is_same_v<XF, const float*>) {
+        gemv_consume<DT, 1>(a, x, w.in, v * N, srow, acc);
+      } else {
+        float4 xv[N / 4];
+#pragma unroll
+        for (int j = 0; j < N / 4; ++j) xv[j] = x(v * (N / 4) + j);
+        const float p = dot_chunk<DT>(a, xv);
+        if constexpr (DT == W_FP8) acc[0] += srow[(v * N) >> 7] * p;
+        else acc[0] += p;
+      }
+    };
+    int64_t v = lane;
+    for (; v + 224 < nv; v += 256) {  // eight (then four) loads in flight before the first use
+      uint4 a[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) a[i] = ldg_stream(wr + v + 32 * i);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) consume(a[i], v + 32 * i);
+    }
+    for (; v + 96 < nv; v += 128) {
+      const uint4 a0 = ldg_stream(wr + v), a1 = ldg_stream(wr + v + 32), a2 = ldg_stream(wr + v + 64),
+                  a3 = ldg_stream(wr + v + 96);
+      consume(a0, v);
+      consume(a1, v + 32);
+      consume(a2, v + 64);
+      consume(a3, v + 96);
+    }
+    for (; v < nv; v += 32) consume(ldg_stream(wr + v), v);
+  } else {
+    static_assert(std::is_same_v<XF, const float*>, "scalar GEMV rows read x through L1");
+    for (int64_t k = lane; k < w.in; k += 32) acc[0] += wget<DT>(w, row, k) * x[k];
+  }
+  return acc[0];
+}
+
+// Slot k of a token: routed expert ids[t, k] for k < K, else shared expert n_routed + k - K.
+__device__ __forceinline__ int slot_expert(const int32_t* ids, int64_t t, int k, int K, int n_routed) {
+  return k < K ? ids[t * K + k] : n_routed + (k - K);
 }
 
 // This lane's shares of dot(a[row, :], x) and dot(b[row, :], x), reading x once for both rows:
@@ -437,11 +453,16 @@ __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>) gemv_rows2_
 // at GLM-5 shapes) made 174 blocks of 8 warps, 1-2 per SM, a third of the SMs doing twice the
 // work of the rest (bf16: 15.9 us for 34 MB, 2.1 TB/s; H200, ncu). With blocks of 2 warps the
 // whole decode step moved by +0.5 points fp8 and none bf16 (one run: within run-to-run spread).
+// XS: x staged in shared memory by blocks of WARPS warps, a warp per row (the shared copy makes
+// x reads cheap, so rows need not share them in pairs: twice the warps in flight).
 constexpr int kManyWarps = 2;
-template <int DT, bool PAIRS>
-__global__ void __launch_bounds__(32 * kManyWarps) gemv_many_kernel(const float* __restrict__ x, ManyW m) {
+template <int DT, bool PAIRS, bool XS = false, int WARPS = kManyWarps>
+__global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>) gemv_many_kernel(const float* __restrict__ x,
+                                                                                     ManyW m) {
+  extern __shared__ float4 xs[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t r = (int64_t(blockIdx.x) * kManyWarps + warp) * (PAIRS ? 2 : 1);
+  const int64_t r = (int64_t(blockIdx.x) * WARPS + warp) * (PAIRS ? 2 : 1);
+  if constexpr (XS) stage_x(x, m.w[0].in, xs);
   if (r >= m.row0[m.n]) return;
   int i = 0;
   while (r >= m.row0[i + 1]) ++i;
@@ -456,13 +477,25 @@ __global__ void __launch_bounds__(32 * kManyWarps) gemv_many_kernel(const float*
       m.y[i][row + 1] = b;
     }
   } else {
-    const float v = warp_sum(lane_dot<DT, true>(m.w[i], row, x, lane));
+    float v;
+    if constexpr (XS) v = warp_sum(lane_dot<DT, true>(m.w[i], row, XShared{xs, 0}, lane));
+    else v = warp_sum(lane_dot<DT, true>(m.w[i], row, x, lane));
     if (lane == 0) m.y[i][row] = v;
   }
 }
 
+constexpr int kManyXsWarps = 8;
 template <int DT>
-void launch_many(const float* x, const ManyW& m, cudaStream_t st) {
+void launch_many(const float* x, const ManyW& m, bool x_shared, cudaStream_t st) {
+  if constexpr (DT == W_FP8 || DT == W_BF16) {
+    const size_t x_bytes = size_t(m.w[0].in) * 4;
+    if (x_shared && x_bytes <= kXsMaxBytes) {
+      allow_xs<gemv_many_kernel<DT, false, true, kManyXsWarps>>();
+      gemv_many_kernel<DT, false, true, kManyXsWarps>
+          <<<unsigned((m.row0[m.n] + kManyXsWarps - 1) / kManyXsWarps), 32 * kManyXsWarps, x_bytes, st>>>(x, m);
+      return;
+    }
+  }
   bool pairs = true;
   for (int i = 0; i <= m.n; ++i) pairs = pairs && m.row0[i] % 2 == 0;
   const unsigned blocks = unsigned((m.row0[m.n] / (pairs ? 2 : 1) + kManyWarps - 1) / kManyWarps);
@@ -654,12 +687,12 @@ bool gemv_rows2(const float* x, const DevW& w, float* y, bool x_shared, cudaStre
   return true;
 }
 
-void gemv_many(const float* x, const ManyW& m, cudaStream_t st) {
+void gemv_many(const float* x, const ManyW& m, bool x_shared, cudaStream_t st) {
   switch (m.w[0].dt) {
-    case W_F32: launch_many<W_F32>(x, m, st); break;
-    case W_BF16: launch_many<W_BF16>(x, m, st); break;
-    case W_F16: launch_many<W_F16>(x, m, st); break;
-    default: launch_many<W_FP8>(x, m, st); break;
+    case W_F32: launch_many<W_F32>(x, m, x_shared, st); break;
+    case W_BF16: launch_many<W_BF16>(x, m, x_shared, st); break;
+    case W_F16: launch_many<W_F16>(x, m, x_shared, st); break;
+    default: launch_many<W_FP8>(x, m, x_shared, st); break;
   }
   VIREO_CUDA_LAUNCHED();
 }

@@ -40,7 +40,7 @@ struct ManyW {
   int64_t row0[kMaxMany + 1];  // first global row of each weight; row0[n] = total rows
   int n = 0;
 };
-void gemv_many(const float* x, const ManyW& m, cudaStream_t st);
+void gemv_many(const float* x, const ManyW& m, bool x_shared, cudaStream_t st);  // x_shared: as moe_experts
 
 // y = W x for one token, a warp per two rows (x read once for both): large matrices, where the
 // x reads from L1 rather than the weight bytes limit the one-row-per-warp GEMV. False when the
