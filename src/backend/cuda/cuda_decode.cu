@@ -484,6 +484,8 @@ __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>) gemv_many_k
   }
 }
 
+// Shared x, blocks of 8 warps, a warp per row: fp8 layer input's products 10.7 -> 9.2-10.0 us
+// (H200, 2752 rows of 6144, ncu; session 8).
 constexpr int kManyXsWarps = 8;
 template <int DT>
 void launch_many(const float* x, const ManyW& m, bool x_shared, cudaStream_t st) {
