@@ -23,7 +23,9 @@ namespace {
 // wavefronts for the 2 KB of x a warp's 512 FP8 weight bytes need; from shared memory, 16.
 struct XGlobal {
   const float* x;
-  __device__ __forceinline__ float4 operator()(int64_t q) const { return __ldg(reinterpret_cast<const float4*>(x) + q); }
+  __device__ __forceinline__ float4 operator()(int64_t q) const {
+    return __ldg(reinterpret_cast<const float4*>(x) + q);
+  }
 };
 __device__ __forceinline__ int xs_slot(int q) { return q ^ ((q >> 3) & 3); }
 struct XShared {
@@ -44,7 +46,6 @@ __device__ __forceinline__ void stage_x(const float* __restrict__ x, int64_t n, 
 // the other kernels were measured with (an explicit minimum of 1 doubled their registers).
 template <bool XS, int WARPS> constexpr int kMinBlocks = XS ? 32 / WARPS : 0;
 
-// This lane's share of dot(w[row, :], x) (reduce over the warp afterwards).
 // One 16-byte chunk of a weight row against its N inputs (already loaded), summed as
 // gemv_consume sums (the block scale, for FP8, is applied by the caller).
 template <int DT>
@@ -58,7 +59,8 @@ __device__ __forceinline__ float dot_chunk(const uint4& w, const float4* xv) {
   return p;
 }
 
-// XF: where x comes from (x is a raw pointer through L1, or an XShared copy).
+// This lane's share of dot(w[row, :], x) (reduce over the warp afterwards). XF: where x comes
+// from (a raw pointer: through L1; or an XShared copy).
 template <int DT, bool VEC, class XF = const float*>
 __device__ __forceinline__ float lane_dot(const DevW& w, int64_t row, XF x, int lane) {
   float acc[1] = {0.0f};
@@ -163,11 +165,9 @@ __device__ __forceinline__ float2 lane_dot2(const DevW& a, const DevW& b, int64_
 // h[s, row] = silu(gate_e[row] . x[t]) * (up_e[row] . x[t]) for slot s = (t, k), k < K + S.
 // A warp per row; XS: x[t] staged in shared memory by the block (D floats of dynamic shared memory).
 template <int DT, bool VEC, bool XS = false, int WARPS = 8>
-__global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>) moe_gate_up_kernel(const float* __restrict__ x, int64_t D, int64_t I,
-                                                                 int K, int S, int n_routed,
-                                                                 const int32_t* __restrict__ ids,
-                                                                 const DevExpert* __restrict__ bank,
-                                                                 float* __restrict__ h) {
+__global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
+    moe_gate_up_kernel(const float* __restrict__ x, int64_t D, int64_t I, int K, int S, int n_routed,
+                       const int32_t* __restrict__ ids, const DevExpert* __restrict__ bank, float* __restrict__ h) {
   extern __shared__ float4 xs[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t row = int64_t(blockIdx.x) * WARPS + warp, s = blockIdx.y, t = s / (K + S);
@@ -202,12 +202,10 @@ __global__ void __launch_bounds__(256) moe_down_kernel(const float* __restrict__
 // As moe_down_kernel, a warp per two output rows (2i, 2i + 1): each slot's h read once for both.
 // XS: the token's K + S rows of h staged in shared memory by the block ((K + S) x I floats).
 template <int DT, bool XS = false, int WARPS = 8>
-__global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>) moe_down2_kernel(const float* __restrict__ h, int64_t D, int64_t I,
-                                                               int K, int S, int n_routed,
-                                                               const int32_t* __restrict__ ids,
-                                                               const float* __restrict__ wts,
-                                                               const DevExpert* __restrict__ bank,
-                                                               float* __restrict__ out) {
+__global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
+    moe_down2_kernel(const float* __restrict__ h, int64_t D, int64_t I, int K, int S, int n_routed,
+                     const int32_t* __restrict__ ids, const float* __restrict__ wts,
+                     const DevExpert* __restrict__ bank, float* __restrict__ out) {
   extern __shared__ float4 xs[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t row = (int64_t(blockIdx.x) * WARPS + warp) * 2, t = blockIdx.y;
@@ -375,8 +373,9 @@ template <int DT, int WARPS>
 void launch_down_xs(const float* h, int64_t N, int64_t D, int64_t I, int K, int S, int n_routed, const int32_t* ids,
                     const float* wts, const DevExpert* bank, float* out, cudaStream_t st) {
   allow_xs<moe_down2_kernel<DT, true, WARPS>>();
-  moe_down2_kernel<DT, true, WARPS><<<dim3(unsigned((D / 2 + WARPS - 1) / WARPS), unsigned(N)), 32 * WARPS,
-                                      size_t(K + S) * size_t(I) * 4, st>>>(h, D, I, K, S, n_routed, ids, wts, bank, out);
+  const size_t h_bytes = size_t(K + S) * size_t(I) * 4;
+  moe_down2_kernel<DT, true, WARPS><<<dim3(unsigned((D / 2 + WARPS - 1) / WARPS), unsigned(N)), 32 * WARPS, h_bytes,
+                                      st>>>(h, D, I, K, S, n_routed, ids, wts, bank, out);
   VIREO_CUDA_LAUNCHED();
 }
 
@@ -429,8 +428,8 @@ void launch_moe_dt(bool vec, bool x_shared, const float* x, int64_t N, int64_t D
 // y[row] for rows 2i and 2i + 1 by one warp, x read once for both (T = 1, rows 16-byte aligned).
 // XS: x staged in shared memory by the block (w.in floats).
 template <int DT, bool XS = false, int WARPS = 8>
-__global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>) gemv_rows2_kernel(const float* __restrict__ x, DevW w,
-                                                                float* __restrict__ y) {
+__global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
+    gemv_rows2_kernel(const float* __restrict__ x, DevW w, float* __restrict__ y) {
   extern __shared__ float4 xs[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t row = (int64_t(blockIdx.x) * WARPS + warp) * 2;
@@ -457,8 +456,8 @@ __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>) gemv_rows2_
 // x reads cheap, so rows need not share them in pairs: twice the warps in flight).
 constexpr int kManyWarps = 2;
 template <int DT, bool PAIRS, bool XS = false, int WARPS = kManyWarps>
-__global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>) gemv_many_kernel(const float* __restrict__ x,
-                                                                                     ManyW m) {
+__global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
+    gemv_many_kernel(const float* __restrict__ x, ManyW m) {
   extern __shared__ float4 xs[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t r = (int64_t(blockIdx.x) * WARPS + warp) * (PAIRS ? 2 : 1);
@@ -621,11 +620,12 @@ void moe_experts(const float* x, int64_t N, int64_t D, int64_t I, int K, int S, 
                  const float* weights, const DevExpert* bank, int dtype, bool vec, bool x_shared, float* h,
                  float* out, cudaStream_t st) {
   if (N <= 0) return;
+  auto run = [&](auto launch) { launch(vec, x_shared, x, N, D, I, K, S, n_routed, ids, weights, bank, h, out, st); };
   switch (dtype) {
-    case W_F32: launch_moe_dt<W_F32>(vec, x_shared, x, N, D, I, K, S, n_routed, ids, weights, bank, h, out, st); break;
-    case W_BF16: launch_moe_dt<W_BF16>(vec, x_shared, x, N, D, I, K, S, n_routed, ids, weights, bank, h, out, st); break;
-    case W_F16: launch_moe_dt<W_F16>(vec, x_shared, x, N, D, I, K, S, n_routed, ids, weights, bank, h, out, st); break;
-    default: launch_moe_dt<W_FP8>(vec, x_shared, x, N, D, I, K, S, n_routed, ids, weights, bank, h, out, st); break;
+    case W_F32: run(launch_moe_dt<W_F32>); break;
+    case W_BF16: run(launch_moe_dt<W_BF16>); break;
+    case W_F16: run(launch_moe_dt<W_F16>); break;
+    default: run(launch_moe_dt<W_FP8>); break;
   }
 }
 
