@@ -48,11 +48,11 @@ uint64_t estimate_scratch_bytes(const GlmDsaConfig& c, int64_t T, int64_t out_ro
     // 32] for the rows of one pass, over at most index_topk keys under DSA.
     if (c.has_indexer) attn += T * ((N + 31) / 32) + T * N;
     const int64_t keys = c.has_indexer ? std::min<int64_t>(N, c.index_topk) : N;
-    // (The partials and scores are sized for one pass of rows: at most 256 MiB, at least a row;
+    // (The partials and scores are sized for one pass of rows: at most kAbsorbedPassBytes, at least a row;
     // attention_absorbed in cuda_backend.cu.)
     const int64_t per_row = H * ((keys + 63) / 64) * (L + 2) + H * ((keys + 31) / 32 * 32);
-    const int64_t rows = std::clamp<int64_t>((int64_t(256) << 20) / 4 / std::max<int64_t>(per_row, 1), 1,
-                                             std::max<int64_t>(T, 1));
+    const int64_t pass_floats = int64_t(CudaBufferSizes::kAbsorbedPassBytes) / 4;
+    const int64_t rows = std::clamp<int64_t>(pass_floats / std::max<int64_t>(per_row, 1), 1, std::max<int64_t>(T, 1));
     attn += T * H * L + rows * per_row;
   }
   return uint64_t(T * per_token + out_rows * c.vocab_size + attn) * 4;
@@ -61,7 +61,8 @@ uint64_t estimate_scratch_bytes(const GlmDsaConfig& c, int64_t T, int64_t out_ro
 uint64_t estimate_backend_bytes(const GlmDsaConfig& c, int64_t T, bool fp8_weights) {
   if (T <= 8) T = 0;  // decode-sized steps: GEMVs, no conversions, no side lanes
   const int64_t D = c.hidden_size, I = c.moe_intermediate_size, H = c.n_heads;
-  const int64_t lane_ws = int64_t(32) << 20, lanes = 4, chunk = int64_t(256) << 20;
+  const int64_t lane_ws = int64_t(CudaBufferSizes::kLtWorkspaceBytes), lanes = CudaBufferSizes::kExpertLanes,
+                chunk = int64_t(CudaBufferSizes::kFp8ChunkBytes);
   // The widest product input (a conversion of T rows of it) and the largest FP8 weight (its
   // exact-mode bf16 hi + lo copy, dequantized in row chunks of at most 256 MiB).
   const int64_t in_max = std::max({D, c.q_lora_rank, c.kv_lora_rank, H * c.v_head_dim, c.intermediate_size, I});

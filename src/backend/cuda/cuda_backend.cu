@@ -337,7 +337,7 @@ class CudaBackend final : public Backend {
     VIREO_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     VIREO_CUDA_CHECK(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, 0));
     if (cublasLtCreate(&lt_) != CUBLAS_STATUS_SUCCESS) fail("cuda: cublasLtCreate failed");
-    lt_ws_bytes_ = size_t(32) << 20;
+    lt_ws_bytes_ = CudaBufferSizes::kLtWorkspaceBytes;
     lt_ws_ = device_alloc<char>(lt_ws_bytes_);
     fp8g_ = std::make_unique<Fp8BlockGemm>(lt_, lt_ws_.get(), lt_ws_bytes_);
   }
@@ -492,10 +492,10 @@ class CudaBackend final : public Backend {
     VIREO_CUDA_LAUNCHED();
   }
 
-  // One decode token, several weights of one dtype on the same input: one launch. Otherwise (or
-  // for rows that don't allow 16-byte loads) one matmul each.
-  // One token: one GEMV launch per weight dtype (an FP8 checkpoint's bf16 indexer head weights
-  // beside its FP8 projections made 4 launches of ~4-11 us each, H200).
+  // One decode token, several weights on the same input: one GEMV launch per weight dtype (an FP8
+  // checkpoint's bf16 indexer head weights beside its FP8 projections made 4 launches of ~4-11 us
+  // each, H200). Otherwise (several tokens, or rows that don't allow 16-byte loads) one batched
+  // tensor-core product, or one matmul each.
   void matmul_many(const float* x, int64_t T, const Weight* const* ws, float* const* ys, int n) override {
     bool one = T == 1 && n <= kMaxMany && reinterpret_cast<uintptr_t>(x) % 16 == 0;
     DevW dw[kMaxMany];
@@ -755,7 +755,7 @@ class CudaBackend final : public Backend {
   // gathered x, gate | up, the bf16 / e4m3 operands), which the memory plan counts in its "op
   // buffers" row (estimate_backend_bytes, cli/cmd_plan.cpp) as if one expert got every row of
   // the step (typically it gets 1/32 of them).
-  static constexpr int kLanes = 4;
+  static constexpr int kLanes = CudaBufferSizes::kExpertLanes;
   struct Lane {
     cudaStream_t s = nullptr;
     cudaEvent_t done = nullptr, consumed = nullptr;
@@ -1371,7 +1371,7 @@ class CudaBackend final : public Backend {
   CudaGemmMode mode_ = CudaGemmMode::Split;
   bool fast_attention_ = true, fast_scores_ = true, fast_topk_ = true;
   bool prefill_wgmma_ = true;  // fast-mode prefill attention on wgmma (else the mma.sync kernel)
-  static constexpr size_t kAbsorbedPassBytes = size_t(256) << 20;
+  static constexpr size_t kAbsorbedPassBytes = CudaBufferSizes::kAbsorbedPassBytes;
   size_t absorbed_pass_bytes_ = kAbsorbedPassBytes;  // attention_absorbed's partials + scores per pass
   // Decode GEMVs read x from shared memory (cuda_decode.cu); VIREO_GEMV_XS=0 (for A/B runs of
   // `vireo bench`) reads it through L1 instead.
@@ -1379,7 +1379,7 @@ class CudaBackend final : public Backend {
     const char* e = std::getenv("VIREO_GEMV_XS");
     return !(e && std::string(e) == "0");
   }();
-  int64_t fp8_chunk_bytes_ = int64_t(256) << 20;
+  int64_t fp8_chunk_bytes_ = int64_t(CudaBufferSizes::kFp8ChunkBytes);
   OpProfiler prof_;
   std::vector<std::shared_ptr<char>> owned_;
   uint64_t weight_bytes_ = 0;  // bytes of weights uploaded (owned_)

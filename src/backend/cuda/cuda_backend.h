@@ -3,6 +3,7 @@
 // weights are uploaded once in their stored dtype (BF16, F16, F32, or F8_E4M3 with its 128x128
 // block scales) and converted in registers as they stream through. Built when nvcc is found
 // (VIREO_HAVE_CUDA); this header is usable either way, so callers need no #ifdefs.
+#include <cstddef>
 #include <memory>
 #include <string>
 
@@ -11,6 +12,16 @@
 #include "core/error.h"
 
 namespace vireo {
+
+// Sizes the CUDA backend builds its own buffers from, shared with the memory plan
+// (cli/cmd_plan.cpp, estimate_scratch_bytes / estimate_backend_bytes), which counts them in any
+// build.
+struct CudaBufferSizes {
+  static constexpr size_t kAbsorbedPassBytes = size_t(256) << 20;  // absorbed attention's partials + scores a pass
+  static constexpr size_t kFp8ChunkBytes = size_t(256) << 20;      // exact mode's bf16 copy of an FP8 weight, a chunk
+  static constexpr size_t kLtWorkspaceBytes = size_t(32) << 20;    // a cuBLASLt workspace (the stream's, each lane's)
+  static constexpr int kExpertLanes = 4;                           // experts_add's side streams
+};
 
 #ifdef VIREO_HAVE_CUDA
 // True when a CUDA device can be used; otherwise `why` (if given) says why not.
