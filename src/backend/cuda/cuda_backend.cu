@@ -1453,13 +1453,6 @@ std::atomic<bool> g_programmatic_launch{[] {
 }  // namespace
 bool cuda::programmatic_launch() { return g_programmatic_launch.load(std::memory_order_relaxed); }
 void cuda::set_programmatic_launch(bool on) { g_programmatic_launch.store(on, std::memory_order_relaxed); }
-int cuda::pdl_prefetch_bytes() {
-  static const int bytes = [] {
-    const char* e = std::getenv("VIREO_PDL_PREFETCH");
-    return e ? std::max(0, std::atoi(e)) : 4096;
-  }();
-  return programmatic_launch() ? bytes : 0;
-}
 void cuda_set_programmatic_launch(bool on) { set_programmatic_launch(on); }
 
 uint64_t cuda_weight_bytes(Backend& b) { return as_cuda(b).weight_bytes(); }

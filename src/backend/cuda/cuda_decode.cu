@@ -46,24 +46,6 @@ __device__ __forceinline__ void stage_x(const float* __restrict__ x, int64_t n, 
 // the other kernels were measured with (an explicit minimum of 1 doubled their registers).
 template <bool XS, int WARPS> constexpr int kMinBlocks = XS ? 32 / WARPS : 0;
 
-// Requests bytes [0, min(bytes, row bytes)) of `rows` consecutive weight rows from row `row` on
-// into L2, lane-strided 128-byte lines, without waiting for them; then pdl_begin. Weights are
-// written by no kernel, so a one-token product may ask for them before its predecessor is done:
-// under programmatic launches its first blocks are resident while that kernel (a norm, the
-// attention's merge) still runs, and DRAM streams the rows they will read instead of idling.
-// Reads only kernel parameters and weights before the wait.
-template <int DT>
-__device__ __forceinline__ void pdl_begin_prefetch_rows(const DevW& w, int64_t row, int rows, int bytes) {
-  if (bytes > 0 && row >= 0 && row + rows <= w.out) {
-    const int64_t row_bytes = w.in * elem_bytes<DT>(), n = bytes < row_bytes ? bytes : row_bytes;
-    const char* base = static_cast<const char*>(w.w) + row * row_bytes;
-    for (int r = 0; r < rows; ++r)
-      for (int64_t off = int64_t(threadIdx.x & 31) * 128; off < n; off += 32 * 128)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(base + r * row_bytes + off));
-  }
-  pdl_begin();
-}
-
 // One 16-byte chunk of a weight row against its N inputs (already loaded), summed as
 // gemv_consume sums (the block scale, for FP8, is applied by the caller).
 template <int DT>
@@ -451,8 +433,8 @@ void launch_moe_dt(bool vec, bool x_shared, const float* x, int64_t N, int64_t D
 // XS: x staged in shared memory by the block (w.in floats).
 template <int DT, bool XS = false, int WARPS = 8>
 __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
-    gemv_rows2_kernel(const float* __restrict__ x, DevW w, float* __restrict__ y, int prefetch_bytes) {
-  pdl_begin_prefetch_rows<DT>(w, (int64_t(blockIdx.x) * WARPS + (threadIdx.x >> 5)) * 2, 2, prefetch_bytes);
+    gemv_rows2_kernel(const float* __restrict__ x, DevW w, float* __restrict__ y) {
+  pdl_begin();
   extern __shared__ float4 xs[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t row = (int64_t(blockIdx.x) * WARPS + warp) * 2;
@@ -478,19 +460,10 @@ __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
 // XS: x staged in shared memory by blocks of WARPS warps, a warp per row (the shared copy makes
 // x reads cheap, so rows need not share them in pairs: twice the warps in flight).
 constexpr int kManyWarps = 2;
-// pdl_begin_prefetch_rows for this warp's ROWS rows of gemv_many's weights.
-template <int DT, int ROWS, int WARPS>
-__device__ __forceinline__ void pdl_begin_prefetch_many(const ManyW& m, int prefetch_bytes) {
-  const int64_t r = (int64_t(blockIdx.x) * WARPS + (threadIdx.x >> 5)) * ROWS;
-  int i = 0;
-  while (i < m.n && r >= m.row0[i + 1]) ++i;
-  if (i < m.n) pdl_begin_prefetch_rows<DT>(m.w[i], r - m.row0[i], ROWS, prefetch_bytes);
-  else pdl_begin();
-}
 template <int DT, bool PAIRS, bool XS = false, int WARPS = kManyWarps>
 __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
-    gemv_many_kernel(const float* __restrict__ x, ManyW m, int prefetch_bytes) {
-  pdl_begin_prefetch_many<DT, PAIRS ? 2 : 1, WARPS>(m, prefetch_bytes);
+    gemv_many_kernel(const float* __restrict__ x, ManyW m) {
+  pdl_begin();
   extern __shared__ float4 xs[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t r = (int64_t(blockIdx.x) * WARPS + warp) * (PAIRS ? 2 : 1);
@@ -526,15 +499,15 @@ void launch_many(const float* x, const ManyW& m, bool x_shared, cudaStream_t st)
     if (x_shared && x_bytes <= kXsMaxBytes) {
       allow_xs<gemv_many_kernel<DT, false, true, kManyXsWarps>>();
       launch(gemv_many_kernel<DT, false, true, kManyXsWarps>, unsigned((m.row0[m.n] + kManyXsWarps - 1) / kManyXsWarps),
-             32 * kManyXsWarps, x_bytes, st, x, m, pdl_prefetch_bytes());
+             32 * kManyXsWarps, x_bytes, st, x, m);
       return;
     }
   }
   bool pairs = true;
   for (int i = 0; i <= m.n; ++i) pairs = pairs && m.row0[i] % 2 == 0;
   const unsigned blocks = unsigned((m.row0[m.n] / (pairs ? 2 : 1) + kManyWarps - 1) / kManyWarps);
-  if (pairs) launch(gemv_many_kernel<DT, true>, blocks, 32 * kManyWarps, 0, st, x, m, pdl_prefetch_bytes());
-  else launch(gemv_many_kernel<DT, false>, blocks, 32 * kManyWarps, 0, st, x, m, pdl_prefetch_bytes());
+  if (pairs) launch(gemv_many_kernel<DT, true>, blocks, 32 * kManyWarps, 0, st, x, m);
+  else launch(gemv_many_kernel<DT, false>, blocks, 32 * kManyWarps, 0, st, x, m);
 }
 
 // One block per row: h += x, then the same arithmetic as rms_norm_kernel on the new h.
@@ -698,7 +671,7 @@ template <int DT, int WARPS>
 void launch_rows2_xs(const float* x, const DevW& w, float* y, cudaStream_t st) {
   allow_xs<gemv_rows2_kernel<DT, true, WARPS>>();
   launch(gemv_rows2_kernel<DT, true, WARPS>, unsigned((w.out / 2 + WARPS - 1) / WARPS), 32 * WARPS, size_t(w.in) * 4,
-         st, x, w, y, pdl_prefetch_bytes());
+         st, x, w, y);
   VIREO_CUDA_LAUNCHED();
 }
 }  // namespace
@@ -718,10 +691,10 @@ bool gemv_rows2(const float* x, const DevW& w, float* y, bool x_shared, cudaStre
   }
   const unsigned blocks = unsigned((w.out / 2 + 7) / 8);
   switch (w.dt) {
-    case W_F32: launch(gemv_rows2_kernel<W_F32>, blocks, 256, 0, st, x, w, y, pdl_prefetch_bytes()); break;
-    case W_BF16: launch(gemv_rows2_kernel<W_BF16>, blocks, 256, 0, st, x, w, y, pdl_prefetch_bytes()); break;
-    case W_F16: launch(gemv_rows2_kernel<W_F16>, blocks, 256, 0, st, x, w, y, pdl_prefetch_bytes()); break;
-    default: launch(gemv_rows2_kernel<W_FP8>, blocks, 256, 0, st, x, w, y, pdl_prefetch_bytes()); break;
+    case W_F32: launch(gemv_rows2_kernel<W_F32>, blocks, 256, 0, st, x, w, y); break;
+    case W_BF16: launch(gemv_rows2_kernel<W_BF16>, blocks, 256, 0, st, x, w, y); break;
+    case W_F16: launch(gemv_rows2_kernel<W_F16>, blocks, 256, 0, st, x, w, y); break;
+    default: launch(gemv_rows2_kernel<W_FP8>, blocks, 256, 0, st, x, w, y); break;
   }
   VIREO_CUDA_LAUNCHED();
   return true;

@@ -24,10 +24,6 @@ namespace vireo::cuda {
 // pdl_begin either way; only when their blocks are dispatched changes.
 bool programmatic_launch();
 void set_programmatic_launch(bool on);
-// Bytes of each weight row a one-token product asks L2 for before it waits for its predecessor
-// (pdl_begin_prefetch_rows, cuda_decode.cu): VIREO_PDL_PREFETCH, default 4096; 0 when
-// programmatic launches are off (the kernel then starts only after its predecessor).
-int pdl_prefetch_bytes();
 
 // kernel<<<grid, block, smem, st>>>(args...), as a programmatic dependent launch when
 // programmatic_launch() is on (the kernel must begin with pdl_begin(); tests/test_cuda_sources.cpp
