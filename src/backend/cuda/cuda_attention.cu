@@ -790,11 +790,18 @@ __global__ void __launch_bounds__(512) indexer_topk_kernel(const float* __restri
 
 constexpr int kMaxGroups = 64, kMaxTopK = 64;
 
-// One block per token: sigmoid in parallel, then one warp makes the choice exactly as the CPU
-// reference: group scores, topk_group groups, top_k experts (each a warp argmax over the experts
-// not taken: the largest, the lower index on ties), ids ascending, weights normalized in that
-// order. NaN scores are chosen only when nothing else is left (the reference's order is undefined
-// for them). (One thread choosing took 10 us a layer at 16 experts; H200, ncu.)
+// One block per token: sigmoid in parallel; group scores and the topk_group groups by one warp;
+// then the top_k experts exactly as the CPU reference chooses them (the largest score, the lower
+// index on ties; NaN scores only when nothing else is left, lowest index first, since the
+// reference's order is undefined for them) by rank: each thread counts the experts that come
+// before its own in that order, and those of rank < top_k are taken. Ids ascending, weights
+// normalized in that order. (One thread choosing took 10 us a layer at 16 experts; a warp taking
+// the top_k one argmax after another, 8.5 us: K dependent rounds of shuffles. H200, ncu.)
+__device__ __forceinline__ bool route_before(float a, int ia, float b, int ib) {
+  if (a != a) return b != b && ia < ib;  // NaN: after every number, by index among NaNs
+  if (b != b) return true;
+  return a > b || (a == b && ia < ib);
+}
 __global__ void moe_route_kernel(const float* __restrict__ logits, int E, int G, int topk_group, int K,
                                  const float* __restrict__ bias, bool norm, float rsf, int32_t* __restrict__ ids,
                                  float* __restrict__ weights) {
@@ -809,12 +816,10 @@ __global__ void moe_route_kernel(const float* __restrict__ logits, int E, int G,
     const float pv = 1.0f / (1.0f + expf(-logits[t * E + e]));
     p[e] = pv;
     ch[e] = pv + (bias ? bias[e] : 0.0f);
-    taken[e] = 0;
   }
   __syncthreads();
-  if (threadIdx.x >= 32) return;
-  const int lane = threadIdx.x, per_group = E / G;
-  if (G > 1) {  // lane holds groups lane and lane + 32 (G <= kMaxGroups = 64)
+  const int lane = threadIdx.x & 31, per_group = E / G;
+  if (G > 1 && threadIdx.x < 32) {  // lane holds groups lane and lane + 32 (G <= kMaxGroups = 64)
     float gs[2];
     bool keep[2] = {false, false};
 #pragma unroll
@@ -846,28 +851,25 @@ __global__ void moe_route_kernel(const float* __restrict__ logits, int E, int G,
     for (int h = 0; h < 2; ++h)
       if (lane + 32 * h < G && !keep[h])
         for (int e = (lane + 32 * h) * per_group; e < (lane + 32 * h + 1) * per_group; ++e) ch[e] = -INFINITY;
-    __syncwarp();
   }
-  for (int k = 0; k < K; ++k) {
-    Best b{0.0f, -1};
-    for (int e = lane; e < E; e += 32)
-      if (!taken[e]) consider(b, ch[e], e);
-    b = warp_best(b);
-    if (lane == 0) {
-      if (b.i < 0)  // only NaN scores left: the lowest expert not taken (always a valid id)
-        for (b.i = 0; taken[b.i]; ++b.i) {}
-      taken[b.i] = 1;
-      id[k] = b.i;
-    }
-    __syncwarp();
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    const float v = ch[e];
+    int rank = 0;
+    for (int f = 0; f < E; ++f) rank += route_before(ch[f], f, v, e) ? 1 : 0;
+    taken[e] = rank < K ? 1 : 0;
   }
+  __syncthreads();
+  if (threadIdx.x >= 32) return;
+  int k = 0;  // the taken experts in ascending order, 32 at a time
+  for (int e0 = 0; e0 < E; e0 += 32) {
+    const bool mine = e0 + lane < E && taken[e0 + lane];
+    const unsigned m = __ballot_sync(0xffffffffu, mine);
+    if (mine) id[k + __popc(m & ((1u << lane) - 1u))] = e0 + lane;
+    k += __popc(m);
+  }
+  __syncwarp();
   if (lane != 0) return;
-  for (int i = 1; i < K; ++i)  // ascending ids
-    for (int j = i; j > 0 && id[j - 1] > id[j]; --j) {
-      const int x = id[j];
-      id[j] = id[j - 1];
-      id[j - 1] = x;
-    }
   float sum = 0.0f;
   for (int k = 0; k < K; ++k) sum += p[id[k]];
   for (int k = 0; k < K; ++k) {
@@ -1040,7 +1042,7 @@ void moe_route(const float* logits, int64_t T, int E, int G, int topk_group, int
     fail("moe_route: unsupported routing shape (", E, " experts, ", G, " groups, top ", topk_group, " groups, top_k ",
          K, ")");
   const size_t smem = size_t(E) * 8 + size_t(E);
-  launch(moe_route_kernel, unsigned(T), 128, smem, st, logits, E, G, topk_group, K, bias, norm, rsf, ids, weights);
+  launch(moe_route_kernel, unsigned(T), 256, smem, st, logits, E, G, topk_group, K, bias, norm, rsf, ids, weights);
   VIREO_CUDA_LAUNCHED();
 }
 
