@@ -6,6 +6,7 @@
 // Without a GPU (or without CUDA in the build) every test skips, saying so.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "backend/backend.h"
@@ -189,6 +190,38 @@ TEST(CudaFixtures, RecordedDecodeStepsEqualEagerSteps) {
     GenerateOptions opt;
     opt.max_new_tokens = int64_t(want.size());
     EXPECT_EQ(generate(*m, cache, 0, prompt, opt).tokens, want) << name;
+  }
+#endif
+}
+
+// Programmatic dependent launches (every kernel's blocks dispatched while its predecessor runs,
+// waiting for it in pdl_begin) change only when work starts, never what is computed: a prefill
+// and recorded decode steps give the same bits with them on and off. A kernel that read its
+// inputs before waiting would race with the kernel writing them, and differ here.
+TEST(CudaFixtures, ProgrammaticLaunchesChangeNoBits) {
+  REQUIRE_CUDA();
+#ifdef VIREO_HAVE_CUDA
+  for (const char* name : {"glm_dsa_full_f32", "dsv3_f32", "glm_dsa_fp8"}) {
+    const std::string dir = kFixtures + "/" + name;
+    Json expected = read_json_file(dir + "/expected.json");
+    auto ids = expected["tokens"].get<std::vector<int32_t>>();
+    const int64_t n = std::min<int64_t>(int64_t(ids.size()), 40), prompt = n / 2;
+    std::vector<std::vector<float>> runs;
+    for (bool pdl : {false, true}) {
+      cuda_set_programmatic_launch(pdl);
+      auto be = make_cuda_backend();
+      auto m = GlmDsaModel::load(dir, *be);
+      const int64_t V = m->config().vocab_size;
+      MlaCache cache(*be, m->cache_shape(), 1, 64);
+      std::vector<float> all(static_cast<size_t>((n - prompt + 1) * V));
+      m->forward(ids.data(), prompt, cache, 0, all.data());  // prefill: the last position's logits
+      for (int64_t t = prompt; t < n; ++t)
+        m->forward(&ids[size_t(t)], 1, cache, 0, all.data() + (t - prompt + 1) * V, false, AttentionPath::Absorbed);
+      EXPECT_GE(m->recorded_steps_run(), n - prompt - 2) << name;
+      runs.push_back(all);
+    }
+    cuda_set_programmatic_launch(true);
+    EXPECT_TRUE(runs[0] == runs[1]) << name << ": logits differ with programmatic launches on";
   }
 #endif
 }

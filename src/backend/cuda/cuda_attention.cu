@@ -32,6 +32,7 @@ constexpr int kQT = 32, kKT = 32;  // prefill attention tile: queries x keys
 
 __global__ void absorb_q_kernel(const float* __restrict__ q, int64_t H, int64_t qw, int64_t nope, DevW kvb,
                                 int64_t hw, int64_t L, float* __restrict__ qlat) {
+  pdl_begin();
   extern __shared__ float qs[];  // [nope]
   const int64_t h = blockIdx.x, t = blockIdx.y;
   const float* qp = q + (t * H + h) * qw;
@@ -54,6 +55,7 @@ template <int DT>
 __global__ void __launch_bounds__(kAqW * 32) absorb_q_vec_kernel(const float* __restrict__ q, int64_t H, int64_t qw,
                                                            int64_t nope, DevW kvb, int64_t hw, int64_t L,
                                                            float* __restrict__ qlat) {
+  pdl_begin();
   constexpr int N = GemvVec<DT>::n;
   __shared__ float red[kAqW][32 * N];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -100,6 +102,7 @@ __global__ void __launch_bounds__(256) mla_decode_partial_kernel(
     const float* __restrict__ kv, int64_t kvw, int64_t pos0, const int32_t* __restrict__ pos0_dev,
     const int32_t* __restrict__ sel, const int32_t* __restrict__ counts, int64_t sel_stride, float scale, int nsplit,
     float* __restrict__ opart, float* __restrict__ mpart, float* __restrict__ lpart) {
+  pdl_begin();
   extern __shared__ float sm[];
   const int kp = int(kvw) + 1;                       // padded row: lanes reading one row hit distinct banks
   float* qs = sm;                                    // [kHG][kvw]: q_lat | q_rope
@@ -230,6 +233,7 @@ __global__ void __launch_bounds__(256) mla_decode_partial_kernel(
 __global__ void __launch_bounds__(256) mla_decode_combine_kernel(
     const float* __restrict__ opart, const float* __restrict__ mpart, const float* __restrict__ lpart, int nsplit,
     int64_t H, int64_t L, float* __restrict__ olat) {
+  pdl_begin();
   const int64_t h = blockIdx.x, t = blockIdx.y;
   const int64_t base = (t * H + h) * nsplit;
   float M = -INFINITY;
@@ -251,6 +255,7 @@ template <int DT, bool VEC>
 __global__ void __launch_bounds__(256) apply_wuv_kernel(const float* __restrict__ olat, int64_t H, int64_t L,
                                                         DevW kvb, int64_t hw, int64_t nope, int64_t vd,
                                                         float* __restrict__ out) {
+  pdl_begin();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t r = int64_t(blockIdx.x) * 8 + warp, t = blockIdx.y;
   if (r >= H * vd) return;
@@ -273,8 +278,8 @@ template <int DT>
 void launch_wuv(bool vec, const float* olat, int64_t T, int64_t H, int64_t L, const DevW& kvb, int64_t hw,
                 int64_t nope, int64_t vd, float* out, cudaStream_t st) {
   const dim3 grid(unsigned((H * vd + 7) / 8), unsigned(T));
-  if (vec) apply_wuv_kernel<DT, true><<<grid, 256, 0, st>>>(olat, H, L, kvb, hw, nope, vd, out);
-  else apply_wuv_kernel<DT, false><<<grid, 256, 0, st>>>(olat, H, L, kvb, hw, nope, vd, out);
+  if (vec) launch(apply_wuv_kernel<DT, true>, grid, 256, 0, st, olat, H, L, kvb, hw, nope, vd, out);
+  else launch(apply_wuv_kernel<DT, false>, grid, 256, 0, st, olat, H, L, kvb, hw, nope, vd, out);
 }
 
 // 16-byte loads along kv_b rows of length L need L a multiple of the vector and an aligned base.
@@ -285,6 +290,7 @@ bool kvb_rows_vectorizable(const DevW& w, int64_t L) {
 
 __global__ void build_mask_kernel(const int32_t* __restrict__ sel, const int32_t* __restrict__ counts,
                                   int64_t stride, int64_t mwords, uint32_t* __restrict__ mask) {
+  pdl_begin();
   const int64_t t = blockIdx.x;
   const int n = counts[t];
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
@@ -297,6 +303,7 @@ __global__ void __launch_bounds__(256) mla_prefill_kernel(
     const float* __restrict__ q, int64_t T, int64_t H, int64_t qw, int64_t nope, int64_t vd, int64_t L,
     const float* __restrict__ kv, int64_t kvw, const float* __restrict__ kvx, int64_t hw, int64_t n_keys,
     int64_t pos0, const uint32_t* __restrict__ mask, int64_t mwords, float scale, float* __restrict__ out) {
+  pdl_begin();
   extern __shared__ float sm[];
   const int64_t qp = qw + 1;  // padded rows: lane j reading row j hits bank (j + d) % 32
   float* Qs = sm;              // [kQT][qp]
@@ -400,6 +407,7 @@ __global__ void __launch_bounds__(256, 1) mla_prefill_tc_kernel(
     const float* __restrict__ q, int64_t T, int64_t H, int64_t qw, int64_t qp, int64_t nope, int64_t vd, int64_t L,
     const float* __restrict__ kv, int64_t kvw, const float* __restrict__ kvx, int64_t hw, int64_t n_keys,
     int64_t pos0, const uint32_t* __restrict__ mask, int64_t mwords, float scale, float* __restrict__ out) {
+  pdl_begin();
   extern __shared__ uint32_t smw[];
   const int qp2 = int(qp / 2), qsw = qp2 + 4;  // words per Q/K row
   uint32_t* Qh = smw;                          // [kTcBQ][qsw]
@@ -565,6 +573,7 @@ __global__ void indexer_score_kernel(const float* __restrict__ q, const float* _
                                      const float* __restrict__ keys, int64_t nI, int64_t d, int64_t n_keys,
                                      int64_t pos0, const int32_t* __restrict__ pos0_dev, int64_t topk, float scale,
                                      float* __restrict__ scores) {
+  pdl_begin();
   extern __shared__ float sm[];
   if (pos0_dev) pos0 = *pos0_dev;
   const int64_t t = blockIdx.y, n_causal = pos0 + t + 1, u0 = int64_t(blockIdx.x) * 32;
@@ -614,6 +623,7 @@ __global__ void __launch_bounds__(kV4Threads) indexer_score_v4_kernel(const floa
                                                                const int32_t* __restrict__ pos0_dev, int64_t topk,
                                                                float scale, int64_t t_first,
                                                                float* __restrict__ scores) {
+  pdl_begin();
   extern __shared__ float4 sm4[];
   if (pos0_dev) pos0 = *pos0_dev;  // then t_first is 0 and the grid covers the bound's keys
   const int64_t t = t_first + blockIdx.y, n_causal = pos0 + t + 1, u0 = int64_t(blockIdx.x) * 32;
@@ -678,6 +688,7 @@ __global__ void __launch_bounds__(512) indexer_topk_kernel(const float* __restri
                                                            int64_t pos0, const int32_t* __restrict__ pos0_dev,
                                                            int64_t topk, int32_t* __restrict__ selected,
                                                            int32_t* __restrict__ counts, int64_t cache_cap) {
+  pdl_begin();
   extern __shared__ uint64_t key_cache[];  // [cache_cap]: the row's keys, when they fit
   if (pos0_dev) pos0 = *pos0_dev;
   const int64_t t = blockIdx.x, n = pos0 + t + 1;
@@ -779,14 +790,22 @@ __global__ void __launch_bounds__(512) indexer_topk_kernel(const float* __restri
 
 constexpr int kMaxGroups = 64, kMaxTopK = 64;
 
-// One block per token: sigmoid in parallel, then one warp makes the choice exactly as the CPU
-// reference: group scores, topk_group groups, top_k experts (each a warp argmax over the experts
-// not taken: the largest, the lower index on ties), ids ascending, weights normalized in that
-// order. NaN scores are chosen only when nothing else is left (the reference's order is undefined
-// for them). (One thread choosing took 10 us a layer at 16 experts; H200, ncu.)
+// One block per token: sigmoid in parallel; group scores and the topk_group groups by one warp;
+// then the top_k experts exactly as the CPU reference chooses them (the largest score, the lower
+// index on ties; NaN scores only when nothing else is left, lowest index first, since the
+// reference's order is undefined for them) by rank: each thread counts the experts that come
+// before its own in that order, and those of rank < top_k are taken. Ids ascending, weights
+// normalized in that order. (One thread choosing took 10 us a layer at 16 experts; a warp taking
+// the top_k one argmax after another, 8.5 us: K dependent rounds of shuffles. H200, ncu.)
+__device__ __forceinline__ bool route_before(float a, int ia, float b, int ib) {
+  if (a != a) return b != b && ia < ib;  // NaN: after every number, by index among NaNs
+  if (b != b) return true;
+  return a > b || (a == b && ia < ib);
+}
 __global__ void moe_route_kernel(const float* __restrict__ logits, int E, int G, int topk_group, int K,
                                  const float* __restrict__ bias, bool norm, float rsf, int32_t* __restrict__ ids,
                                  float* __restrict__ weights) {
+  pdl_begin();
   extern __shared__ float sm[];
   float* p = sm;
   float* ch = sm + E;
@@ -797,12 +816,10 @@ __global__ void moe_route_kernel(const float* __restrict__ logits, int E, int G,
     const float pv = 1.0f / (1.0f + expf(-logits[t * E + e]));
     p[e] = pv;
     ch[e] = pv + (bias ? bias[e] : 0.0f);
-    taken[e] = 0;
   }
   __syncthreads();
-  if (threadIdx.x >= 32) return;
-  const int lane = threadIdx.x, per_group = E / G;
-  if (G > 1) {  // lane holds groups lane and lane + 32 (G <= kMaxGroups = 64)
+  const int lane = threadIdx.x & 31, per_group = E / G;
+  if (G > 1 && threadIdx.x < 32) {  // lane holds groups lane and lane + 32 (G <= kMaxGroups = 64)
     float gs[2];
     bool keep[2] = {false, false};
 #pragma unroll
@@ -834,28 +851,25 @@ __global__ void moe_route_kernel(const float* __restrict__ logits, int E, int G,
     for (int h = 0; h < 2; ++h)
       if (lane + 32 * h < G && !keep[h])
         for (int e = (lane + 32 * h) * per_group; e < (lane + 32 * h + 1) * per_group; ++e) ch[e] = -INFINITY;
-    __syncwarp();
   }
-  for (int k = 0; k < K; ++k) {
-    Best b{0.0f, -1};
-    for (int e = lane; e < E; e += 32)
-      if (!taken[e]) consider(b, ch[e], e);
-    b = warp_best(b);
-    if (lane == 0) {
-      if (b.i < 0)  // only NaN scores left: the lowest expert not taken (always a valid id)
-        for (b.i = 0; taken[b.i]; ++b.i) {}
-      taken[b.i] = 1;
-      id[k] = b.i;
-    }
-    __syncwarp();
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    const float v = ch[e];
+    int rank = 0;
+    for (int f = 0; f < E; ++f) rank += route_before(ch[f], f, v, e) ? 1 : 0;
+    taken[e] = rank < K ? 1 : 0;
   }
+  __syncthreads();
+  if (threadIdx.x >= 32) return;
+  int k = 0;  // the taken experts in ascending order, 32 at a time
+  for (int e0 = 0; e0 < E; e0 += 32) {
+    const bool mine = e0 + lane < E && taken[e0 + lane];
+    const unsigned m = __ballot_sync(0xffffffffu, mine);
+    if (mine) id[k + __popc(m & ((1u << lane) - 1u))] = e0 + lane;
+    k += __popc(m);
+  }
+  __syncwarp();
   if (lane != 0) return;
-  for (int i = 1; i < K; ++i)  // ascending ids
-    for (int j = i; j > 0 && id[j - 1] > id[j]; --j) {
-      const int x = id[j];
-      id[j] = id[j - 1];
-      id[j - 1] = x;
-    }
   float sum = 0.0f;
   for (int k = 0; k < K; ++k) sum += p[id[k]];
   for (int k = 0; k < K; ++k) {
@@ -874,13 +888,14 @@ void absorb_q(const float* q, int64_t T, int64_t H, int64_t qw, int64_t nope, co
     const int n = 16 / (kvb.dt == W_F32 ? 4 : kvb.dt == W_FP8 ? 1 : 2);
     const dim3 grid(unsigned(H), unsigned((L + 32 * n - 1) / (32 * n)), unsigned(T));
     switch (kvb.dt) {
-      case W_F32: absorb_q_vec_kernel<W_F32><<<grid, kAqW * 32, 0, st>>>(q, H, qw, nope, kvb, hw, L, qlat); break;
-      case W_BF16: absorb_q_vec_kernel<W_BF16><<<grid, kAqW * 32, 0, st>>>(q, H, qw, nope, kvb, hw, L, qlat); break;
-      case W_F16: absorb_q_vec_kernel<W_F16><<<grid, kAqW * 32, 0, st>>>(q, H, qw, nope, kvb, hw, L, qlat); break;
-      default: absorb_q_vec_kernel<W_FP8><<<grid, kAqW * 32, 0, st>>>(q, H, qw, nope, kvb, hw, L, qlat); break;
+      case W_F32: launch(absorb_q_vec_kernel<W_F32>, grid, kAqW * 32, 0, st, q, H, qw, nope, kvb, hw, L, qlat); break;
+      case W_BF16: launch(absorb_q_vec_kernel<W_BF16>, grid, kAqW * 32, 0, st, q, H, qw, nope, kvb, hw, L, qlat); break;
+      case W_F16: launch(absorb_q_vec_kernel<W_F16>, grid, kAqW * 32, 0, st, q, H, qw, nope, kvb, hw, L, qlat); break;
+      default: launch(absorb_q_vec_kernel<W_FP8>, grid, kAqW * 32, 0, st, q, H, qw, nope, kvb, hw, L, qlat); break;
     }
   } else {
-    absorb_q_kernel<<<dim3(unsigned(H), unsigned(T)), 256, size_t(nope) * 4, st>>>(q, H, qw, nope, kvb, hw, L, qlat);
+    launch(absorb_q_kernel, dim3(unsigned(H), unsigned(T)), 256, size_t(nope) * 4, st, q, H, qw, nope, kvb, hw, L,
+           qlat);
   }
   VIREO_CUDA_LAUNCHED();
 }
@@ -899,14 +914,13 @@ void mla_decode(const DecodeAttnArgs& a, cudaStream_t st) {
   if (smem > 200 * 1024 || a.L > 1024)
     fail("mla_attention: latent width ", a.kvw, " is too wide for the decode kernel");
   dim3 grid(unsigned(a.nsplit), unsigned((a.H + kHG - 1) / kHG), unsigned(a.T));
-  mla_decode_partial_kernel<<<grid, 256, smem, st>>>(a.qlat, a.q, a.H, a.qw, a.nope, a.L, a.kv, a.kvw, a.pos0,
-                                                    a.pos0_dev, a.sel, a.counts, a.sel_stride, a.scale, a.nsplit,
-                                                    a.opart, a.mpart, a.lpart);
+  launch(mla_decode_partial_kernel, grid, 256, smem, st, a.qlat, a.q, a.H, a.qw, a.nope, a.L, a.kv, a.kvw, a.pos0,
+         a.pos0_dev, a.sel, a.counts, a.sel_stride, a.scale, a.nsplit, a.opart, a.mpart, a.lpart);
   VIREO_CUDA_LAUNCHED();
   // q_lat is not read after the partial kernel: the merged o_lat goes in its place.
   float* olat = const_cast<float*>(a.qlat);
-  mla_decode_combine_kernel<<<dim3(unsigned(a.H), unsigned(a.T)), 256, 0, st>>>(a.opart, a.mpart, a.lpart, a.nsplit,
-                                                                               a.H, a.L, olat);
+  launch(mla_decode_combine_kernel, dim3(unsigned(a.H), unsigned(a.T)), 256, 0, st, a.opart, a.mpart, a.lpart, a.nsplit,
+         a.H, a.L, olat);
   VIREO_CUDA_LAUNCHED();
   const bool vec = kvb_rows_vectorizable(a.kvb, a.L);
   switch (a.kvb.dt) {
@@ -921,7 +935,7 @@ void mla_decode(const DecodeAttnArgs& a, cudaStream_t st) {
 void build_mask(const int32_t* sel, const int32_t* counts, int64_t T, int64_t stride, int64_t mwords, uint32_t* mask,
                 cudaStream_t st) {
   VIREO_CUDA_CHECK(cudaMemsetAsync(mask, 0, size_t(T * mwords) * 4, st));
-  build_mask_kernel<<<unsigned(T), 256, 0, st>>>(sel, counts, stride, mwords, mask);
+  launch(build_mask_kernel, unsigned(T), 256, 0, st, sel, counts, stride, mwords, mask);
   VIREO_CUDA_LAUNCHED();
 }
 
@@ -939,8 +953,8 @@ bool launch_prefill_tc(const PrefillAttnArgs& a, cudaStream_t st) {
     configured = true;
   }
   dim3 grid(unsigned((a.T + kTcBQ - 1) / kTcBQ), unsigned(a.H));
-  mla_prefill_tc_kernel<NV><<<grid, 256, smem, st>>>(a.q, a.T, a.H, a.qw, qp, a.nope, a.vd, a.L, a.kv, a.kvw, a.kvx,
-                                                     a.hw, a.n_keys, a.pos0, a.mask, a.mwords, a.scale, a.out);
+  launch(mla_prefill_tc_kernel<NV>, grid, 256, smem, st, a.q, a.T, a.H, a.qw, qp, a.nope, a.vd, a.L, a.kv, a.kvw, a.kvx,
+         a.hw, a.n_keys, a.pos0, a.mask, a.mwords, a.scale, a.out);
   VIREO_CUDA_LAUNCHED();
   return true;
 }
@@ -965,8 +979,8 @@ void mla_prefill(const PrefillAttnArgs& a, cudaStream_t st) {
   }
   if (smem > 220 * 1024) fail("mla_attention: head dims ", a.qw, "/", a.vd, " are too wide for the prefill kernel");
   dim3 grid(unsigned((a.T + kQT - 1) / kQT), unsigned(a.H));
-  mla_prefill_kernel<<<grid, 256, smem, st>>>(a.q, a.T, a.H, a.qw, a.nope, a.vd, a.L, a.kv, a.kvw, a.kvx, a.hw,
-                                              a.n_keys, a.pos0, a.mask, a.mwords, a.scale, a.out);
+  launch(mla_prefill_kernel, grid, 256, smem, st, a.q, a.T, a.H, a.qw, a.nope, a.vd, a.L, a.kv, a.kvw, a.kvx, a.hw,
+         a.n_keys, a.pos0, a.mask, a.mwords, a.scale, a.out);
   VIREO_CUDA_LAUNCHED();
 }
 
@@ -988,8 +1002,8 @@ void indexer_scores(const float* q, const float* wts, const float* keys, int64_t
     const int64_t t_first = pos0_dev ? 0 : std::max<int64_t>(0, topk - pos0);
     if (t_first >= T) return;
     dim3 grid(unsigned((n_keys + 31) / 32), unsigned(T - t_first));
-    indexer_score_v4_kernel<<<grid, kV4Threads, smem4, st>>>(q, wts, keys, nI, d, n_keys, pos0, pos0_dev, topk, scale,
-                                                      t_first, scores);
+    launch(indexer_score_v4_kernel, grid, kV4Threads, smem4, st, q, wts, keys, nI, d, n_keys, pos0, pos0_dev, topk,
+           scale, t_first, scores);
     VIREO_CUDA_LAUNCHED();
     return;
   }
@@ -1002,7 +1016,7 @@ void indexer_scores(const float* q, const float* wts, const float* keys, int64_t
   }
   if (smem > 200 * 1024) fail("indexer: ", nI, " heads x ", d, " are too wide for the score kernel");
   dim3 grid(unsigned((n_keys + 31) / 32), unsigned(T));
-  indexer_score_kernel<<<grid, 256, smem, st>>>(q, wts, keys, nI, d, n_keys, pos0, pos0_dev, topk, scale, scores);
+  launch(indexer_score_kernel, grid, 256, smem, st, q, wts, keys, nI, d, n_keys, pos0, pos0_dev, topk, scale, scores);
   VIREO_CUDA_LAUNCHED();
 }
 
@@ -1017,8 +1031,8 @@ void indexer_topk(const float* scores, int64_t T, int64_t n_keys, int64_t pos0, 
     configured = true;
   }
   const int64_t cap = std::min(n_keys, kMaxCached);
-  indexer_topk_kernel<<<unsigned(T), 512, size_t(cap) * 8, st>>>(scores, n_keys, pos0, pos0_dev, topk, selected,
-                                                                 counts, cap);
+  launch(indexer_topk_kernel, unsigned(T), 512, size_t(cap) * 8, st, scores, n_keys, pos0, pos0_dev, topk, selected,
+         counts, cap);
   VIREO_CUDA_LAUNCHED();
 }
 
@@ -1028,7 +1042,7 @@ void moe_route(const float* logits, int64_t T, int E, int G, int topk_group, int
     fail("moe_route: unsupported routing shape (", E, " experts, ", G, " groups, top ", topk_group, " groups, top_k ",
          K, ")");
   const size_t smem = size_t(E) * 8 + size_t(E);
-  moe_route_kernel<<<unsigned(T), 128, smem, st>>>(logits, E, G, topk_group, K, bias, norm, rsf, ids, weights);
+  launch(moe_route_kernel, unsigned(T), 256, smem, st, logits, E, G, topk_group, K, bias, norm, rsf, ids, weights);
   VIREO_CUDA_LAUNCHED();
 }
 

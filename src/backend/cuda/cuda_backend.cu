@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -32,18 +33,22 @@ namespace {
 // --- element-wise and row kernels -------------------------------------------------------------
 
 __global__ void fill_kernel(float* y, float v, int64_t n) {
+  pdl_begin();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     y[i] = v;
 }
 __global__ void add_kernel(float* y, const float* x, int64_t n) {
+  pdl_begin();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     y[i] += x[i];
 }
 __global__ void scale_kernel(float* y, float s, int64_t n) {
+  pdl_begin();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     y[i] *= s;
 }
 __global__ void swiglu_kernel(const float* gate, const float* up, float* out, int64_t n) {
+  pdl_begin();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const float g = gate[i];
     out[i] = g / (1.0f + expf(-g)) * up[i];
@@ -63,6 +68,7 @@ __device__ __forceinline__ void store_split2(float a, float b, int64_t i2, __nv_
 // rows i of x[index[i]] (n even), straight to bf16: the gather's f32 copy is never written.
 __global__ void gather_split_kernel(const float* __restrict__ x, const int32_t* __restrict__ index, int64_t n,
                                     __nv_bfloat162* __restrict__ hi, __nv_bfloat162* __restrict__ lo) {
+  pdl_begin();
   const int64_t i = blockIdx.x, src = index[i], n2 = n / 2;
   const float2* row = reinterpret_cast<const float2*>(x + src * n);
   for (int64_t j = threadIdx.x; j < n2; j += blockDim.x) {
@@ -73,6 +79,7 @@ __global__ void gather_split_kernel(const float* __restrict__ x, const int32_t* 
 // silu(gate) * up with swiglu_kernel's arithmetic (n even), converted for the down product.
 __global__ void swiglu_split_kernel(const float2* __restrict__ gate, const float2* __restrict__ up, int64_t n2,
                                     __nv_bfloat162* __restrict__ hi, __nv_bfloat162* __restrict__ lo) {
+  pdl_begin();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n2; i += int64_t(gridDim.x) * blockDim.x) {
     const float2 g = gate[i], u = up[i];
     store_split2(g.x / (1.0f + expf(-g.x)) * u.x, g.y / (1.0f + expf(-g.y)) * u.y, i, hi, lo);
@@ -82,12 +89,14 @@ __global__ void swiglu_split_kernel(const float2* __restrict__ gate, const float
 // Block (t, c): columns [c * blockDim, (c + 1) * blockDim) of token t's row (one block per token
 // took 12 us for a 6144-wide row).
 __global__ void embed_kernel(DevW table, const int32_t* ids, float* out) {
+  pdl_begin();
   const int64_t t = blockIdx.x, n = table.in, id = ids[t], j = int64_t(blockIdx.y) * blockDim.x + threadIdx.x;
   if (j < n) out[t * n + j] = wget_rt(table, id, j);
 }
 
 __global__ void rms_norm_kernel(const float* x, int64_t xs, int64_t n, const float* w, float eps, float* y,
                                 int64_t ys) {
+  pdl_begin();
   const float* xr = x + int64_t(blockIdx.x) * xs;
   float* yr = y + int64_t(blockIdx.x) * ys;
   auto at = [&](int64_t i) { return xr[i]; };
@@ -95,6 +104,7 @@ __global__ void rms_norm_kernel(const float* x, int64_t xs, int64_t n, const flo
 }
 
 __global__ void layer_norm_kernel(const float* x, int64_t n, const float* w, const float* b, float eps, float* y) {
+  pdl_begin();
   layer_norm_row(x + int64_t(blockIdx.x) * n, n, w, b, eps, y + int64_t(blockIdx.x) * n);
 }
 
@@ -104,6 +114,7 @@ __global__ void layer_norm_kernel(const float* x, int64_t n, const float* w, con
 // (the interleaved layout writes what other threads read: the warp or block syncs in between).
 __global__ void rope_kernel(float* x, int64_t TH, int64_t H, int64_t ts, int64_t hs, int64_t offset, int64_t width,
                             const float* cs, int interleaved, int per_block) {
+  pdl_begin();
   const int64_t item = int64_t(blockIdx.x) * per_block + (per_block > 1 ? threadIdx.x / 32 : 0);
   const int64_t i = per_block > 1 ? threadIdx.x % 32 : threadIdx.x;
   if (item >= TH) return;  // (whole warps; per_block == 1 never returns here)
@@ -125,12 +136,14 @@ __global__ void rope_kernel(float* x, int64_t TH, int64_t H, int64_t ts, int64_t
 }
 
 __global__ void gather_rows_kernel(const float* x, const int32_t* index, int64_t n, float* rows) {
+  pdl_begin();
   const int64_t i = blockIdx.x, src = index[i];
   for (int64_t j = threadIdx.x; j < n; j += blockDim.x) rows[i * n + j] = x[src * n + j];
 }
 // *distinct = 1 when index[0..m) is strictly increasing (so no two rows add into one row of y),
 // as moe_group's per-expert token lists are. One block.
 __global__ void strictly_increasing_kernel(const int32_t* index, int64_t m, int32_t* distinct) {
+  pdl_begin();
   const int bad = [&] {
     for (int64_t i = int64_t(threadIdx.x) + 1; i < m; i += blockDim.x)
       if (index[i] <= index[i - 1]) return 1;
@@ -145,6 +158,7 @@ __global__ void strictly_increasing_kernel(const int32_t* index, int64_t m, int3
 // reference's order.
 __global__ void scatter_add_rows_kernel(float* y, const int32_t* index, const float* s, const float* rows, int64_t m,
                                         int64_t n, const int32_t* distinct) {
+  pdl_begin();
   const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (j >= n) return;
   const bool par = distinct && *distinct != 0;
@@ -163,6 +177,7 @@ __global__ void scatter_add_rows_kernel(float* y, const int32_t* index, const fl
 __global__ void moe_group_kernel(const int32_t* __restrict__ ids, const float* __restrict__ weights, int64_t S,
                                  int K, int E, int64_t seg, int32_t* __restrict__ offsets,
                                  int32_t* __restrict__ token_of, float* __restrict__ weight_of) {
+  pdl_begin();
   extern __shared__ int32_t sh[];
   const int W = int(blockDim.x >> 5), w = int(threadIdx.x >> 5), lane = int(threadIdx.x & 31);
   int32_t* cnt = sh;
@@ -228,6 +243,7 @@ __global__ void moe_group_kernel(const int32_t* __restrict__ ids, const float* _
 }
 
 __global__ void random_bf16_kernel(__nv_bfloat16* p, int64_t n, uint32_t seed) {
+  pdl_begin();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     uint32_t h = uint32_t(i) * 2654435761u ^ seed;
     h ^= h >> 15;
@@ -429,14 +445,14 @@ class CudaBackend final : public Backend {
   void fill(float* y, float v, int64_t n) override {
     if (n <= 0) return;
     VIREO_PROF("fill");
-    fill_kernel<<<grid_for(n), 256, 0, stream_>>>(y, v, n);
+    launch(fill_kernel, grid_for(n), 256, 0, stream_, y, v, n);
     VIREO_CUDA_LAUNCHED();
   }
 
   void embed(const Weight& table, const int32_t* ids, int64_t T, float* out) override {
     if (T <= 0) return;
     VIREO_PROF("embed");
-    embed_kernel<<<dim3(unsigned(T), unsigned((table.in() + 255) / 256)), 256, 0, stream_>>>(devw(table), ids, out);
+    launch(embed_kernel, dim3(unsigned(T), unsigned((table.in() + 255) / 256)), 256, 0, stream_, devw(table), ids, out);
     VIREO_CUDA_LAUNCHED();
   }
 
@@ -444,7 +460,7 @@ class CudaBackend final : public Backend {
                 int64_t ys) override {
     if (T <= 0) return;
     VIREO_PROF("rms_norm");
-    rms_norm_kernel<<<unsigned(T), n >= 2048 ? 512 : 256, 0, stream_>>>(x, xs, n, w, eps, y, ys);
+    launch(rms_norm_kernel, unsigned(T), n >= 2048 ? 512 : 256, 0, stream_, x, xs, n, w, eps, y, ys);
     VIREO_CUDA_LAUNCHED();
   }
   void add_rms_norm(float* h, const float* x, int64_t T, int64_t n, const float* w, float eps, float* y) override {
@@ -455,7 +471,7 @@ class CudaBackend final : public Backend {
                   float* y) override {
     if (T <= 0) return;
     VIREO_PROF("layer_norm");
-    layer_norm_kernel<<<unsigned(T), 256, 0, stream_>>>(x, n, w, b, eps, y);
+    launch(layer_norm_kernel, unsigned(T), 256, 0, stream_, x, n, w, b, eps, y);
     VIREO_CUDA_LAUNCHED();
   }
 
@@ -539,27 +555,27 @@ class CudaBackend final : public Backend {
     const int per_block = half <= 32 ? 8 : 1;
     const unsigned threads = per_block > 1 ? 256u : unsigned((half + 31) / 32 * 32);
     const int64_t TH = T * H;
-    rope_kernel<<<unsigned((TH + per_block - 1) / per_block), threads, 0, stream_>>>(
-        x, TH, H, ts, hs, offset, width, cs, kind == RopeKind::Interleaved, per_block);
+    launch(rope_kernel, unsigned((TH + per_block - 1) / per_block), threads, 0, stream_, x, TH, H, ts, hs, offset,
+           width, cs, kind == RopeKind::Interleaved, per_block);
     VIREO_CUDA_LAUNCHED();
   }
 
   void add(float* y, const float* x, int64_t n) override {
     if (n <= 0) return;
     VIREO_PROF("add");
-    add_kernel<<<grid_for(n), 256, 0, stream_>>>(y, x, n);
+    launch(add_kernel, grid_for(n), 256, 0, stream_, y, x, n);
     VIREO_CUDA_LAUNCHED();
   }
   void scale(float* y, float s, int64_t n) override {
     if (n <= 0) return;
     VIREO_PROF("scale");
-    scale_kernel<<<grid_for(n), 256, 0, stream_>>>(y, s, n);
+    launch(scale_kernel, grid_for(n), 256, 0, stream_, y, s, n);
     VIREO_CUDA_LAUNCHED();
   }
   void swiglu(const float* gate, const float* up, float* out, int64_t n) override {
     if (n <= 0) return;
     VIREO_PROF("swiglu");
-    swiglu_kernel<<<grid_for(n), 256, 0, stream_>>>(gate, up, out, n);
+    launch(swiglu_kernel, grid_for(n), 256, 0, stream_, gate, up, out, n);
     VIREO_CUDA_LAUNCHED();
   }
 
@@ -662,8 +678,8 @@ class CudaBackend final : public Backend {
     const int W = int(std::max<int64_t>(1, std::min<int64_t>({32, fit, (S + 31) / 32})));
     const int64_t seg = S > 0 ? (S + W - 1) / W : 0;
     const size_t smem = size_t(int64_t(W + 1) * n_experts) * 4;
-    moe_group_kernel<<<1, unsigned(32 * W), smem, stream_>>>(ids, weights, S, top_k, n_experts, seg, offsets,
-                                                               token_of, weight_of);
+    launch(moe_group_kernel, 1, unsigned(32 * W), smem, stream_, ids, weights, S, top_k, n_experts, seg, offsets,
+           token_of, weight_of);
     VIREO_CUDA_LAUNCHED();
   }
 
@@ -703,7 +719,7 @@ class CudaBackend final : public Backend {
     };
     {
       ProfScope ps(prof_, stream_, [] { return std::string("gather + convert"); }, 0.0);
-      gather_split_kernel<<<unsigned(m), 256, 0, stream_>>>(x, index, D, hi, lo);
+      launch(gather_split_kernel, unsigned(m), 256, 0, stream_, x, index, D, hi, lo);
       VIREO_CUDA_LAUNCHED();
     }
     // Gate and up as one strided batch of 2 (u >= g + m I, both 16-byte apart multiples): one
@@ -737,9 +753,9 @@ class CudaBackend final : public Backend {
     }
     {
       ProfScope ps(prof_, stream_, [] { return std::string("swiglu + convert"); }, 0.0);
-      swiglu_split_kernel<<<grid_for(m * I / 2), 256, 0, stream_>>>(reinterpret_cast<const float2*>(swapped ? u : g),
-                                                                     reinterpret_cast<const float2*>(swapped ? g : u),
-                                                                     m * I / 2, hi, lo);
+      launch(swiglu_split_kernel, grid_for(m * I / 2), 256, 0, stream_,
+             reinterpret_cast<const float2*>(swapped ? u : g), reinterpret_cast<const float2*>(swapped ? g : u),
+             m * I / 2, hi, lo);
       VIREO_CUDA_LAUNCHED();
     }
     product(wd, rows);
@@ -834,7 +850,7 @@ class CudaBackend final : public Backend {
   void gather_rows(const float* x, const int32_t* index, int64_t m, int64_t n, float* rows) override {
     if (m <= 0) return;
     VIREO_PROF("gather_rows");
-    gather_rows_kernel<<<unsigned(m), 256, 0, stream_>>>(x, index, n, rows);
+    launch(gather_rows_kernel, unsigned(m), 256, 0, stream_, x, index, n, rows);
     VIREO_CUDA_LAUNCHED();
   }
   void scatter_add_rows(float* y, const int32_t* index, const float* s, const float* rows, int64_t m,
@@ -845,10 +861,10 @@ class CudaBackend final : public Backend {
     int32_t* distinct = nullptr;
     if (m >= 32) {
       distinct = flag_.get<int32_t>(1);
-      strictly_increasing_kernel<<<1, 1024, 0, stream_>>>(index, m, distinct);
+      launch(strictly_increasing_kernel, 1, 1024, 0, stream_, index, m, distinct);
     }
     const dim3 grid(unsigned((n + 255) / 256), distinct ? unsigned(std::min<int64_t>(m, 256)) : 1u);
-    scatter_add_rows_kernel<<<grid, 256, 0, stream_>>>(y, index, s, rows, m, n, distinct);
+    launch(scatter_add_rows_kernel, grid, 256, 0, stream_, y, index, s, rows, m, n, distinct);
     VIREO_CUDA_LAUNCHED();
   }
 
@@ -1429,6 +1445,16 @@ std::unique_ptr<Backend> make_cuda_backend() {
 
 cudaStream_t cuda::compute_stream_of(Backend& b) { return as_cuda(b).stream(); }
 
+namespace {
+std::atomic<bool> g_programmatic_launch{[] {
+  const char* e = std::getenv("VIREO_PDL");
+  return !(e && std::string(e) == "0");
+}()};
+}  // namespace
+bool cuda::programmatic_launch() { return g_programmatic_launch.load(std::memory_order_relaxed); }
+void cuda::set_programmatic_launch(bool on) { g_programmatic_launch.store(on, std::memory_order_relaxed); }
+void cuda_set_programmatic_launch(bool on) { set_programmatic_launch(on); }
+
 uint64_t cuda_weight_bytes(Backend& b) { return as_cuda(b).weight_bytes(); }
 
 void cuda_synchronize(Backend& b) { VIREO_CUDA_CHECK(cudaStreamSynchronize(as_cuda(b).stream())); }
@@ -1516,8 +1542,8 @@ double cuda_measure_bf16_gemm_tflops(Backend& b, int n) {
   CudaBackend& c = as_cuda(b);
   const size_t nn = size_t(n) * size_t(n);
   auto A = device_alloc<__nv_bfloat16>(nn), B = device_alloc<__nv_bfloat16>(nn), D = device_alloc<__nv_bfloat16>(nn);
-  random_bf16_kernel<<<4096, 256, 0, c.stream()>>>(A.get(), int64_t(nn), 1u);
-  random_bf16_kernel<<<4096, 256, 0, c.stream()>>>(B.get(), int64_t(nn), 2u);
+  launch(random_bf16_kernel, 4096, 256, 0, c.stream(), A.get(), int64_t(nn), 1u);
+  launch(random_bf16_kernel, 4096, 256, 0, c.stream(), B.get(), int64_t(nn), 2u);
   VIREO_CUDA_LAUNCHED();
   cudaEvent_t e0, e1;
   VIREO_CUDA_CHECK(cudaEventCreate(&e0));

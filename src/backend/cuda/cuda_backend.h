@@ -68,6 +68,10 @@ void cuda_set_absorbed_pass_bytes(Backend& cuda, size_t bytes);
 // VIREO_GEMV_XS=0 turns it off) or through L1 (off: the kernels for shapes too large for shared
 // memory; the same sums in the same order, so tests compare the two bit for bit).
 void cuda_set_gemv_x_shared(Backend& cuda, bool on);
+// Programmatic dependent launches for every CUDA kernel of the process (on, the default;
+// VIREO_PDL=0 turns them off for A/B runs): a kernel's blocks are dispatched while the kernel
+// before it runs and wait for it on the device. The same kernels and sums either way.
+void cuda_set_programmatic_launch(bool on);
 // Decode attention (absorbed path) and indexer kernels, each on (default) or off: the absorbed
 // attention with all heads of a query per block, the indexer scores' blocked kernel with run-time
 // positions, the register-resident top-k (cuda_decode_attention.cu); off: the kernels they

@@ -168,6 +168,7 @@ template <int DT, bool VEC, bool XS = false, int WARPS = 8>
 __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
     moe_gate_up_kernel(const float* __restrict__ x, int64_t D, int64_t I, int K, int S, int n_routed,
                        const int32_t* __restrict__ ids, const DevExpert* __restrict__ bank, float* __restrict__ h) {
+  pdl_begin();
   extern __shared__ float4 xs[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t row = int64_t(blockIdx.x) * WARPS + warp, s = blockIdx.y, t = s / (K + S);
@@ -187,6 +188,7 @@ __global__ void __launch_bounds__(256) moe_down_kernel(const float* __restrict__
                                                        int S, int n_routed, const int32_t* __restrict__ ids,
                                                        const float* __restrict__ wts,
                                                        const DevExpert* __restrict__ bank, float* __restrict__ out) {
+  pdl_begin();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t row = int64_t(blockIdx.x) * 8 + warp, t = blockIdx.y;
   if (row >= D) return;
@@ -206,6 +208,7 @@ __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
     moe_down2_kernel(const float* __restrict__ h, int64_t D, int64_t I, int K, int S, int n_routed,
                      const int32_t* __restrict__ ids, const float* __restrict__ wts,
                      const DevExpert* __restrict__ bank, float* __restrict__ out) {
+  pdl_begin();
   extern __shared__ float4 xs[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t row = (int64_t(blockIdx.x) * WARPS + warp) * 2, t = blockIdx.y;
@@ -293,6 +296,7 @@ __global__ void __launch_bounds__(256) moe_gate_up_rows_kernel(const float* __re
                                                                const int32_t* __restrict__ ids,
                                                                const DevExpert* __restrict__ bank,
                                                                float* __restrict__ h) {
+  pdl_begin();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t row = (int64_t(blockIdx.x) * 8 + warp) * RG, s = blockIdx.y, t = s / (K + S);
   if (row >= I) return;
@@ -321,6 +325,7 @@ __global__ void __launch_bounds__(512) moe_down_slots_kernel(const float* __rest
                                                              const float* __restrict__ wts,
                                                              const DevExpert* __restrict__ bank,
                                                              float* __restrict__ out) {
+  pdl_begin();
   __shared__ float y[16][RD];
   const int k = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t row = int64_t(blockIdx.x) * RD, t = blockIdx.y, s = t * (K + S) + k;
@@ -374,8 +379,8 @@ void launch_down_xs(const float* h, int64_t N, int64_t D, int64_t I, int K, int 
                     const float* wts, const DevExpert* bank, float* out, cudaStream_t st) {
   allow_xs<moe_down2_kernel<DT, true, WARPS>>();
   const size_t h_bytes = size_t(K + S) * size_t(I) * 4;
-  moe_down2_kernel<DT, true, WARPS><<<dim3(unsigned((D / 2 + WARPS - 1) / WARPS), unsigned(N)), 32 * WARPS, h_bytes,
-                                      st>>>(h, D, I, K, S, n_routed, ids, wts, bank, out);
+  launch(moe_down2_kernel<DT, true, WARPS>, dim3(unsigned((D / 2 + WARPS - 1) / WARPS), unsigned(N)), 32 * WARPS,
+         h_bytes, st, h, D, I, K, S, n_routed, ids, wts, bank, out);
   VIREO_CUDA_LAUNCHED();
 }
 
@@ -386,34 +391,33 @@ void launch_moe(bool x_shared, const float* x, int64_t N, int64_t D, int64_t I, 
     const size_t x_bytes = size_t(D) * 4, h_bytes = size_t(K + S) * size_t(I) * 4;
     if (x_shared && D % 2 == 0 && x_bytes <= kXsMaxBytes && h_bytes <= kXsMaxBytes) {
       allow_xs<moe_gate_up_kernel<DT, true, true, kXsWarps>>();
-      moe_gate_up_kernel<DT, true, true, kXsWarps>
-          <<<dim3(unsigned((I + kXsWarps - 1) / kXsWarps), unsigned(N * (K + S))), 32 * kXsWarps, x_bytes, st>>>(
-              x, D, I, K, S, n_routed, ids, bank, h);
+      launch(moe_gate_up_kernel<DT, true, true, kXsWarps>,
+             dim3(unsigned((I + kXsWarps - 1) / kXsWarps), unsigned(N * (K + S))), 32 * kXsWarps, x_bytes, st, x, D, I,
+             K, S, n_routed, ids, bank, h);
       VIREO_CUDA_LAUNCHED();
       launch_down_xs<DT, kXsWarps>(h, N, D, I, K, S, n_routed, ids, wts, bank, out, st);
       return;
     }
     if (DT == W_FP8 && I % kFp8GateUpRows == 0 && D % kFp8DownRows == 0 && K + S <= 16) {
-      moe_gate_up_rows_kernel<DT, kFp8GateUpRows, kFp8Depth>
-          <<<dim3(unsigned((I / kFp8GateUpRows + 7) / 8), unsigned(N * (K + S))), 256, 0, st>>>(
-              x, D, I, K, S, n_routed, ids, bank, h);
+      launch(moe_gate_up_rows_kernel<DT, kFp8GateUpRows, kFp8Depth>,
+             dim3(unsigned((I / kFp8GateUpRows + 7) / 8), unsigned(N * (K + S))), 256, 0, st, x, D, I, K, S, n_routed,
+             ids, bank, h);
       VIREO_CUDA_LAUNCHED();
-      moe_down_slots_kernel<DT, kFp8DownRows, kFp8Depth>
-          <<<dim3(unsigned(D / kFp8DownRows), unsigned(N)), unsigned(32 * (K + S)), 0, st>>>(h, D, I, K, S, n_routed,
-                                                                                             ids, wts, bank, out);
+      launch(moe_down_slots_kernel<DT, kFp8DownRows, kFp8Depth>, dim3(unsigned(D / kFp8DownRows), unsigned(N)),
+             unsigned(32 * (K + S)), 0, st, h, D, I, K, S, n_routed, ids, wts, bank, out);
       VIREO_CUDA_LAUNCHED();
       return;
     }
   }
-  moe_gate_up_kernel<DT, VEC><<<dim3(unsigned((I + 7) / 8), unsigned(N * (K + S))), 256, 0, st>>>(
-      x, D, I, K, S, n_routed, ids, bank, h);
+  launch(moe_gate_up_kernel<DT, VEC>, dim3(unsigned((I + 7) / 8), unsigned(N * (K + S))), 256, 0, st, x, D, I, K, S,
+         n_routed, ids, bank, h);
   VIREO_CUDA_LAUNCHED();
   if (VEC && D % 2 == 0)
-    moe_down2_kernel<DT><<<dim3(unsigned((D / 2 + 7) / 8), unsigned(N)), 256, 0, st>>>(h, D, I, K, S, n_routed, ids,
-                                                                                       wts, bank, out);
+    launch(moe_down2_kernel<DT>, dim3(unsigned((D / 2 + 7) / 8), unsigned(N)), 256, 0, st, h, D, I, K, S, n_routed, ids,
+           wts, bank, out);
   else
-    moe_down_kernel<DT, VEC><<<dim3(unsigned((D + 7) / 8), unsigned(N)), 256, 0, st>>>(h, D, I, K, S, n_routed, ids,
-                                                                                        wts, bank, out);
+    launch(moe_down_kernel<DT, VEC>, dim3(unsigned((D + 7) / 8), unsigned(N)), 256, 0, st, h, D, I, K, S, n_routed, ids,
+           wts, bank, out);
   VIREO_CUDA_LAUNCHED();
 }
 
@@ -430,6 +434,7 @@ void launch_moe_dt(bool vec, bool x_shared, const float* x, int64_t N, int64_t D
 template <int DT, bool XS = false, int WARPS = 8>
 __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
     gemv_rows2_kernel(const float* __restrict__ x, DevW w, float* __restrict__ y) {
+  pdl_begin();
   extern __shared__ float4 xs[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t row = (int64_t(blockIdx.x) * WARPS + warp) * 2;
@@ -458,6 +463,7 @@ constexpr int kManyWarps = 2;
 template <int DT, bool PAIRS, bool XS = false, int WARPS = kManyWarps>
 __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
     gemv_many_kernel(const float* __restrict__ x, ManyW m) {
+  pdl_begin();
   extern __shared__ float4 xs[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t r = (int64_t(blockIdx.x) * WARPS + warp) * (PAIRS ? 2 : 1);
@@ -492,21 +498,22 @@ void launch_many(const float* x, const ManyW& m, bool x_shared, cudaStream_t st)
     const size_t x_bytes = size_t(m.w[0].in) * 4;
     if (x_shared && x_bytes <= kXsMaxBytes) {
       allow_xs<gemv_many_kernel<DT, false, true, kManyXsWarps>>();
-      gemv_many_kernel<DT, false, true, kManyXsWarps>
-          <<<unsigned((m.row0[m.n] + kManyXsWarps - 1) / kManyXsWarps), 32 * kManyXsWarps, x_bytes, st>>>(x, m);
+      launch(gemv_many_kernel<DT, false, true, kManyXsWarps>, unsigned((m.row0[m.n] + kManyXsWarps - 1) / kManyXsWarps),
+             32 * kManyXsWarps, x_bytes, st, x, m);
       return;
     }
   }
   bool pairs = true;
   for (int i = 0; i <= m.n; ++i) pairs = pairs && m.row0[i] % 2 == 0;
   const unsigned blocks = unsigned((m.row0[m.n] / (pairs ? 2 : 1) + kManyWarps - 1) / kManyWarps);
-  if (pairs) gemv_many_kernel<DT, true><<<blocks, 32 * kManyWarps, 0, st>>>(x, m);
-  else gemv_many_kernel<DT, false><<<blocks, 32 * kManyWarps, 0, st>>>(x, m);
+  if (pairs) launch(gemv_many_kernel<DT, true>, blocks, 32 * kManyWarps, 0, st, x, m);
+  else launch(gemv_many_kernel<DT, false>, blocks, 32 * kManyWarps, 0, st, x, m);
 }
 
 // One block per row: h += x, then the same arithmetic as rms_norm_kernel on the new h.
 __global__ void add_rms_norm_kernel(float* __restrict__ h, const float* __restrict__ x, int64_t n,
                                     const float* __restrict__ w, float eps, float* __restrict__ y) {
+  pdl_begin();
   float* hr = h + int64_t(blockIdx.x) * n;
   const float* xr = x + int64_t(blockIdx.x) * n;
   float* yr = y + int64_t(blockIdx.x) * n;
@@ -524,6 +531,7 @@ __global__ void mla_cache_append_kernel(const float* __restrict__ kva, int64_t L
                                         const float* __restrict__ w, float eps, const float* __restrict__ cs,
                                         int interleaved, float* __restrict__ cache, int64_t pos0,
                                         const int32_t* __restrict__ pos0_dev) {
+  pdl_begin();
   const int64_t t = blockIdx.x, kvw = L + rope, half = rope / 2;
   const float* xr = kva + t * kvw;
   float* yr = cache + ((pos0_dev ? int64_t(*pos0_dev) : pos0) + t) * kvw;
@@ -546,6 +554,7 @@ __global__ void __launch_bounds__(256) index_key_append_kernel(const float* __re
                                                                const float* __restrict__ cs, int interleaved,
                                                                float* __restrict__ keys, int64_t pos0,
                                                                const int32_t* __restrict__ pos0_dev) {
+  pdl_begin();
   const int64_t t = blockIdx.x, half = rope / 2;
   const float* xr = k + t * d;
   float* yr = keys + ((pos0_dev ? int64_t(*pos0_dev) : pos0) + t) * d;
@@ -576,6 +585,7 @@ constexpr int kArgmaxThreads = 256, kArgmaxPerThread = 16;
 // Block (b, row): the best of elements [b * chunk, (b + 1) * chunk) into part[row * gridDim.x + b].
 __global__ void __launch_bounds__(kArgmaxThreads) argmax_part_kernel(const float* __restrict__ x, int64_t n,
                                                                      int64_t chunk, Best* __restrict__ part) {
+  pdl_begin();
   const int64_t row = blockIdx.y;
   const float* xr = x + row * n;
   const int64_t lo = int64_t(blockIdx.x) * chunk, hi = min(n, lo + chunk);
@@ -607,6 +617,7 @@ __global__ void __launch_bounds__(kArgmaxThreads) argmax_part_kernel(const float
 // One warp per row: the best of the row's parts.
 __global__ void argmax_final_kernel(const float* __restrict__ x, int64_t n, const Best* __restrict__ part, int parts,
                                     int32_t* __restrict__ out) {
+  pdl_begin();
   const int64_t row = blockIdx.x;
   Best b{0.0f, -1};
   for (int j = threadIdx.x; j < parts; j += 32) b = better(b, part[row * parts + j]);
@@ -632,7 +643,7 @@ void moe_experts(const float* x, int64_t N, int64_t D, int64_t I, int K, int S, 
 void add_rms_norm(float* h, const float* x, int64_t T, int64_t n, const float* w, float eps, float* y,
                   cudaStream_t st) {
   if (T <= 0) return;
-  add_rms_norm_kernel<<<unsigned(T), n >= 2048 ? 512 : 256, 0, st>>>(h, x, n, w, eps, y);
+  launch(add_rms_norm_kernel, unsigned(T), n >= 2048 ? 512 : 256, 0, st, h, x, n, w, eps, y);
   VIREO_CUDA_LAUNCHED();
 }
 
@@ -640,8 +651,8 @@ void mla_cache_append(const float* kva, int64_t T, int64_t L, int64_t rope, cons
                       const float* cs, bool interleaved, float* cache, int64_t pos0, const int32_t* pos0_dev,
                       cudaStream_t st) {
   if (T <= 0) return;
-  mla_cache_append_kernel<<<unsigned(T), L >= 2048 ? 512 : 256, 0, st>>>(kva, L, rope, norm_w, eps, cs,
-                                                                          interleaved ? 1 : 0, cache, pos0, pos0_dev);
+  launch(mla_cache_append_kernel, unsigned(T), L >= 2048 ? 512 : 256, 0, st, kva, L, rope, norm_w, eps, cs,
+         interleaved ? 1 : 0, cache, pos0, pos0_dev);
   VIREO_CUDA_LAUNCHED();
 }
 
@@ -650,8 +661,8 @@ void index_key_append(const float* k, int64_t T, int64_t d, const float* w, cons
                       cudaStream_t st) {
   if (T <= 0) return;
   if (rope / 2 > 256) fail("index_key_append: rope width ", rope, " is too wide");
-  index_key_append_kernel<<<unsigned(T), 256, 0, st>>>(k, d, w, b, eps, rope, cs, interleaved ? 1 : 0, keys, pos0,
-                                                       pos0_dev);
+  launch(index_key_append_kernel, unsigned(T), 256, 0, st, k, d, w, b, eps, rope, cs, interleaved ? 1 : 0, keys, pos0,
+         pos0_dev);
   VIREO_CUDA_LAUNCHED();
 }
 
@@ -659,8 +670,8 @@ namespace {
 template <int DT, int WARPS>
 void launch_rows2_xs(const float* x, const DevW& w, float* y, cudaStream_t st) {
   allow_xs<gemv_rows2_kernel<DT, true, WARPS>>();
-  gemv_rows2_kernel<DT, true, WARPS>
-      <<<unsigned((w.out / 2 + WARPS - 1) / WARPS), 32 * WARPS, size_t(w.in) * 4, st>>>(x, w, y);
+  launch(gemv_rows2_kernel<DT, true, WARPS>, unsigned((w.out / 2 + WARPS - 1) / WARPS), 32 * WARPS, size_t(w.in) * 4,
+         st, x, w, y);
   VIREO_CUDA_LAUNCHED();
 }
 }  // namespace
@@ -680,10 +691,10 @@ bool gemv_rows2(const float* x, const DevW& w, float* y, bool x_shared, cudaStre
   }
   const unsigned blocks = unsigned((w.out / 2 + 7) / 8);
   switch (w.dt) {
-    case W_F32: gemv_rows2_kernel<W_F32><<<blocks, 256, 0, st>>>(x, w, y); break;
-    case W_BF16: gemv_rows2_kernel<W_BF16><<<blocks, 256, 0, st>>>(x, w, y); break;
-    case W_F16: gemv_rows2_kernel<W_F16><<<blocks, 256, 0, st>>>(x, w, y); break;
-    default: gemv_rows2_kernel<W_FP8><<<blocks, 256, 0, st>>>(x, w, y); break;
+    case W_F32: launch(gemv_rows2_kernel<W_F32>, blocks, 256, 0, st, x, w, y); break;
+    case W_BF16: launch(gemv_rows2_kernel<W_BF16>, blocks, 256, 0, st, x, w, y); break;
+    case W_F16: launch(gemv_rows2_kernel<W_F16>, blocks, 256, 0, st, x, w, y); break;
+    default: launch(gemv_rows2_kernel<W_FP8>, blocks, 256, 0, st, x, w, y); break;
   }
   VIREO_CUDA_LAUNCHED();
   return true;
@@ -711,9 +722,9 @@ void argmax_rows(const float* x, int64_t rows, int64_t n, int32_t* out, void* pa
   const int parts = argmax_parts(n);
   const int64_t chunk = ((n + parts - 1) / parts + 3) / 4 * 4;  // a multiple of 4: float4 loads stay aligned
   Best* part = static_cast<Best*>(parts_buf);
-  argmax_part_kernel<<<dim3(unsigned(parts), unsigned(rows)), kArgmaxThreads, 0, st>>>(x, n, chunk, part);
+  launch(argmax_part_kernel, dim3(unsigned(parts), unsigned(rows)), kArgmaxThreads, 0, st, x, n, chunk, part);
   VIREO_CUDA_LAUNCHED();
-  argmax_final_kernel<<<unsigned(rows), 32, 0, st>>>(x, n, part, parts, out);
+  launch(argmax_final_kernel, unsigned(rows), 32, 0, st, x, n, part, parts, out);
   VIREO_CUDA_LAUNCHED();
 }
 

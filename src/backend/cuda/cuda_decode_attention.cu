@@ -57,6 +57,7 @@ __global__ void __launch_bounds__(64 * KQ) mla_decode_scores_kernel(
     const float* __restrict__ kv, int kvw, int64_t pos0, const int32_t* __restrict__ pos0_dev,
     const int32_t* __restrict__ sel, const int32_t* __restrict__ counts, int64_t sel_stride, float scale,
     int64_t sstride, float* __restrict__ scores) {
+  pdl_begin();
   extern __shared__ __align__(16) float sm[];
   const int P = score_tile_stride(kvw);
   float* qs = sm;                                        // [kSH][P]: q_lat | q_rope
@@ -153,6 +154,7 @@ __global__ void __launch_bounds__(64 * KG) mla_decode_pv_kernel(
     int64_t pos0, const int32_t* __restrict__ pos0_dev, const int32_t* __restrict__ sel,
     const int32_t* __restrict__ counts, int64_t sel_stride, int nks, float* __restrict__ opart,
     float* __restrict__ mpart, float* __restrict__ lpart) {
+  pdl_begin();
   extern __shared__ __align__(16) float sm[];
   float* ps = sm;                                   // [kPH][kPS]
   float* vs = ps + kPH * kPS;                       // [kPK][kPC]
@@ -272,6 +274,7 @@ template <int DT>
 __global__ void __launch_bounds__(256) mla_decode_merge_wuv_kernel(
     const float* __restrict__ opart, const float* __restrict__ mpart, const float* __restrict__ lpart, int nks,
     int H, int L, DevW kvb, int hw, int nope, int vd, float* __restrict__ out) {
+  pdl_begin();
   extern __shared__ __align__(16) float olat[];  // [L], then [nks] split weights
   constexpr int N = GemvVec<DT>::n;
   constexpr int RPW = kWR / 8;
@@ -373,6 +376,7 @@ __global__ void __launch_bounds__(1024) indexer_topk_reg_kernel(const float* __r
                                                                 int64_t pos0, const int32_t* __restrict__ pos0_dev,
                                                                 int topk, int32_t* __restrict__ selected,
                                                                 int32_t* __restrict__ counts) {
+  pdl_begin();
   static_assert(R % 4 == 0 && 1024 * R < 65536, "16-bit packed counts");
   __shared__ unsigned hist[2][256];
   __shared__ int s_bin, s_rem;
@@ -536,34 +540,32 @@ bool mla_decode_fast(const DecodeAttnArgs& a, cudaStream_t st) {
   const int H = int(a.H), nhg = int((a.H + kPH - 1) / kPH);
   const dim3 sgrid(unsigned(sstride / kSK), unsigned((a.H + kSH - 1) / kSH), unsigned(a.T));
   const float scale2 = float(double(a.scale) * 1.4426950408889634);  // base-2 scores: see the top
-  mla_decode_scores_kernel<KQ><<<sgrid, 64 * KQ, smem_s, st>>>(a.qlat, a.q, H, int(a.qw), int(a.nope), int(L), a.kv,
-                                                                int(kvw), a.pos0, a.pos0_dev, a.sel, a.counts,
-                                                                a.sel_stride, scale2, sstride, a.scores);
+  launch(mla_decode_scores_kernel<KQ>, sgrid, 64 * KQ, smem_s, st, a.qlat, a.q, H, int(a.qw), int(a.nope), int(L), a.kv,
+         int(kvw), a.pos0, a.pos0_dev, a.sel, a.counts, a.sel_stride, scale2, sstride, a.scores);
   VIREO_CUDA_LAUNCHED();
   const dim3 pgrid(unsigned(L / kPC), unsigned(nks), unsigned(a.T * nhg));
-  mla_decode_pv_kernel<KG><<<pgrid, 64 * KG, smem_p, st>>>(a.scores, sstride, H, nhg, int(L), a.kv, int(kvw),
-                                                            a.pos0, a.pos0_dev, a.sel, a.counts, a.sel_stride, nks,
-                                                            a.opart, a.mpart, a.lpart);
+  launch(mla_decode_pv_kernel<KG>, pgrid, 64 * KG, smem_p, st, a.scores, sstride, H, nhg, int(L), a.kv, int(kvw),
+         a.pos0, a.pos0_dev, a.sel, a.counts, a.sel_stride, nks, a.opart, a.mpart, a.lpart);
   VIREO_CUDA_LAUNCHED();
   const dim3 grid(unsigned(a.H), unsigned((a.vd + kWR - 1) / kWR), unsigned(a.T));
   const size_t smem_m = size_t(L + nks) * 4;
   const int hw = int(a.hw), nope = int(a.nope), vd = int(a.vd);
   switch (a.kvb.dt) {
     case W_F32:
-      mla_decode_merge_wuv_kernel<W_F32><<<grid, 256, smem_m, st>>>(a.opart, a.mpart, a.lpart, nks, H, int(L), a.kvb,
-                                                                    hw, nope, vd, a.out);
+      launch(mla_decode_merge_wuv_kernel<W_F32>, grid, 256, smem_m, st, a.opart, a.mpart, a.lpart, nks, H, int(L),
+             a.kvb, hw, nope, vd, a.out);
       break;
     case W_BF16:
-      mla_decode_merge_wuv_kernel<W_BF16><<<grid, 256, smem_m, st>>>(a.opart, a.mpart, a.lpart, nks, H, int(L),
-                                                                     a.kvb, hw, nope, vd, a.out);
+      launch(mla_decode_merge_wuv_kernel<W_BF16>, grid, 256, smem_m, st, a.opart, a.mpart, a.lpart, nks, H, int(L),
+             a.kvb, hw, nope, vd, a.out);
       break;
     case W_F16:
-      mla_decode_merge_wuv_kernel<W_F16><<<grid, 256, smem_m, st>>>(a.opart, a.mpart, a.lpart, nks, H, int(L), a.kvb,
-                                                                    hw, nope, vd, a.out);
+      launch(mla_decode_merge_wuv_kernel<W_F16>, grid, 256, smem_m, st, a.opart, a.mpart, a.lpart, nks, H, int(L),
+             a.kvb, hw, nope, vd, a.out);
       break;
     default:
-      mla_decode_merge_wuv_kernel<W_FP8><<<grid, 256, smem_m, st>>>(a.opart, a.mpart, a.lpart, nks, H, int(L), a.kvb,
-                                                                    hw, nope, vd, a.out);
+      launch(mla_decode_merge_wuv_kernel<W_FP8>, grid, 256, smem_m, st, a.opart, a.mpart, a.lpart, nks, H, int(L),
+             a.kvb, hw, nope, vd, a.out);
       break;
   }
   VIREO_CUDA_LAUNCHED();
@@ -575,12 +577,15 @@ bool indexer_topk_fast(const float* scores, int64_t T, int64_t n_keys, int64_t p
   // n_keys bounds every row's causal count (pos0 + T with host positions, the bound with run-time ones).
   const int64_t bound = std::max(n_keys, pos0 + T);
   if (topk < 1) return false;
-  if (bound <= 1024 * 4) indexer_topk_reg_kernel<4><<<unsigned(T), 1024, 0, st>>>(scores, n_keys, pos0, pos0_dev,
-                                                                                  int(topk), selected, counts);
-  else if (bound <= 1024 * 8) indexer_topk_reg_kernel<8><<<unsigned(T), 1024, 0, st>>>(scores, n_keys, pos0, pos0_dev,
-                                                                                      int(topk), selected, counts);
-  else if (bound <= 1024 * 16) indexer_topk_reg_kernel<16><<<unsigned(T), 1024, 0, st>>>(
-      scores, n_keys, pos0, pos0_dev, int(topk), selected, counts);
+  if (bound <= 1024 * 4)
+    launch(indexer_topk_reg_kernel<4>, unsigned(T), 1024, 0, st, scores, n_keys, pos0, pos0_dev, int(topk), selected,
+           counts);
+  else if (bound <= 1024 * 8)
+    launch(indexer_topk_reg_kernel<8>, unsigned(T), 1024, 0, st, scores, n_keys, pos0, pos0_dev, int(topk), selected,
+           counts);
+  else if (bound <= 1024 * 16)
+    launch(indexer_topk_reg_kernel<16>, unsigned(T), 1024, 0, st, scores, n_keys, pos0, pos0_dev, int(topk), selected,
+           counts);
   else return false;
   VIREO_CUDA_LAUNCHED();
   return true;

@@ -29,6 +29,7 @@ __global__ void __launch_bounds__(256) act_quant_kernel(const float* __restrict_
                                                         const float* __restrict__ up, int64_t T, int64_t Tp,
                                                         int64_t K, int KB, uint8_t* __restrict__ q,
                                                         float* __restrict__ s) {
+  pdl_begin();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t item = int64_t(blockIdx.x) * 8 + warp;
   if (item >= Tp * KB) return;
@@ -86,6 +87,7 @@ __global__ void __launch_bounds__(256) act_quant_kernel(const float* __restrict_
 }
 
 __global__ void widen_bf16_kernel(const __nv_bfloat16* __restrict__ src, int64_t n, float* __restrict__ dst) {
+  pdl_begin();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     dst[i] = __bfloat162float(src[i]);
 }
@@ -98,13 +100,13 @@ void act_quant(const float* x, int64_t T, int64_t Tp, int64_t K, uint8_t* q, flo
   const unsigned blocks = unsigned((Tp * KB + 7) / 8);
   const bool vec = K % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(up) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(q) % 4 == 0;
-  if (vec) act_quant_kernel<true><<<blocks, 256, 0, st>>>(x, index, up, T, Tp, K, KB, q, s);
-  else act_quant_kernel<false><<<blocks, 256, 0, st>>>(x, index, up, T, Tp, K, KB, q, s);
+  if (vec) launch(act_quant_kernel<true>, blocks, 256, 0, st, x, index, up, T, Tp, K, KB, q, s);
+  else launch(act_quant_kernel<false>, blocks, 256, 0, st, x, index, up, T, Tp, K, KB, q, s);
 }
 
 void widen_bf16(const void* src, int64_t n, float* dst, cudaStream_t st) {
   const unsigned blocks = unsigned(std::clamp<int64_t>((n + 255) / 256, 1, 65536));
-  widen_bf16_kernel<<<blocks, 256, 0, st>>>(static_cast<const __nv_bfloat16*>(src), n, dst);
+  launch(widen_bf16_kernel, blocks, 256, 0, st, static_cast<const __nv_bfloat16*>(src), n, dst);
 }
 
 Fp8BlockGemm::~Fp8BlockGemm() {

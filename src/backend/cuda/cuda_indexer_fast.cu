@@ -31,6 +31,7 @@ constexpr int kIxQ = 64, kIxK = 128, kIxThreads = 256;
 __global__ void __launch_bounds__(kIxThreads, 2) indexer_scores_bf16_kernel(
     const float* __restrict__ q, const float* __restrict__ wts, const float* __restrict__ keys, int64_t T, int nI,
     int d, int64_t n_keys, int64_t pos0, int64_t topk, float scale, float* __restrict__ scores) {
+  pdl_begin();
   extern __shared__ uint32_t smw[];
   const int dw = d / 2 + 4;  // words per K row
   const int qs = d + 8;      // floats per Q row (float2 fragment loads of a half-warp on distinct banks)
@@ -136,8 +137,8 @@ bool indexer_scores_bf16(const float* q, const float* wts, const float* keys, in
     configured = smem;
   }
   dim3 grid(unsigned((n_keys + kIxK - 1) / kIxK), unsigned((T + kIxQ - 1) / kIxQ));
-  indexer_scores_bf16_kernel<<<grid, kIxThreads, smem, st>>>(q, wts, keys, T, int(nI), int(d), n_keys, pos0, topk,
-                                                             scale, scores);
+  launch(indexer_scores_bf16_kernel, grid, kIxThreads, smem, st, q, wts, keys, T, int(nI), int(d), n_keys, pos0, topk,
+         scale, scores);
   VIREO_CUDA_LAUNCHED();
   return true;
 }

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <utility>
 
 #include "backend/cuda/cuda_kernels.cuh"
 #include "backend/backend.h"
@@ -17,6 +18,30 @@ namespace vireo::cuda {
     if (e_ != cudaSuccess) ::vireo::fail("CUDA error: ", cudaGetErrorString(e_), " (", #call, ")"); \
   } while (0)
 #define VIREO_CUDA_LAUNCHED() VIREO_CUDA_CHECK(cudaGetLastError())
+
+// Programmatic dependent launches on or off for the whole process (default on; VIREO_PDL=0 turns
+// them off, for A/B runs). Results do not depend on it: kernels wait for their predecessors in
+// pdl_begin either way; only when their blocks are dispatched changes.
+bool programmatic_launch();
+void set_programmatic_launch(bool on);
+
+// kernel<<<grid, block, smem, st>>>(args...), as a programmatic dependent launch when
+// programmatic_launch() is on (the kernel must begin with pdl_begin(); tests/test_cuda_sources.cpp
+// checks that every kernel does). Launch errors fail at once.
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, Args&&... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = programmatic_launch() ? 1 : 0;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = st;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  VIREO_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
 
 // Median time in ms of `runs` copies of `bytes` on `st`, after `warmup` untimed ones (cuda_backend.cu).
 double median_copy_ms(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, cudaStream_t st, int warmup,

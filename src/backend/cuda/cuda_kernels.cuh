@@ -36,6 +36,20 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float x, float y) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// Programmatic dependent launch (PDL). `launch` (cuda_internal.h) lets a kernel's blocks start
+// while the kernel before it in the stream is still running, so the launch and the block dispatch
+// of a decode step's ~20 kernels a layer overlap the kernel before instead of following it. Every
+// kernel calls this first, before it reads or writes anything another kernel touches and before
+// any early return: griddepcontrol.wait returns once the kernels this one depends on have finished
+// and their writes are visible (at once where it was launched without the attribute); a kernel
+// that returned before waiting could finish before its predecessor, and the kernel after it,
+// which waits only for this one, would read stale data. Then launch_dependents lets the next
+// kernel's blocks be dispatched while this one runs (they wait in their own pdl_begin).
+__device__ __forceinline__ void pdl_begin() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
 template <int DT> __host__ __device__ constexpr int elem_bytes() { return DT == W_F32 ? 4 : DT == W_FP8 ? 1 : 2; }
 
 // e4m3 -> f16 by moving sign, exponent and mantissa into place: the f16 holds the e4m3 value

@@ -29,6 +29,7 @@ namespace {
 template <int DT, int TT>
 __global__ void __launch_bounds__(256) gemv_kernel(const float* __restrict__ x, DevW w, float* __restrict__ y,
                                                    int wpr) {
+  pdl_begin();
   constexpr int N = GemvVec<DT>::n;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int rpb = 8 / wpr;
@@ -78,6 +79,7 @@ __global__ void __launch_bounds__(256) gemv_kernel(const float* __restrict__ x, 
 // Any shape, any alignment: one warp per output row, scalar loads.
 template <int DT>
 __global__ void gemv_scalar_kernel(const float* __restrict__ x, int T, DevW w, float* __restrict__ y) {
+  pdl_begin();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t row = int64_t(blockIdx.x) * 8 + warp;
   if (row >= w.out) return;
@@ -99,6 +101,7 @@ __global__ void gemv_scalar_kernel(const float* __restrict__ x, int T, DevW w, f
 template <int DT>
 __global__ void __launch_bounds__(256) gemm_simt_kernel(const float* __restrict__ x, int64_t T, DevW w,
                                                         float* __restrict__ y) {
+  pdl_begin();
   __shared__ float As[16][64 + 4];  // [k][t]
   __shared__ float Bs[16][64 + 4];  // [k][o]
   const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
@@ -142,6 +145,7 @@ __global__ void __launch_bounds__(256) gemm_simt_kernel(const float* __restrict_
 // x f32 -> hi = bf16(x), lo = bf16(x - hi): x = hi + lo within 2^-16 relative.
 __global__ void split_bf16_kernel(const float* __restrict__ x, int64_t n, __nv_bfloat16* __restrict__ hi,
                                   __nv_bfloat16* __restrict__ lo) {
+  pdl_begin();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const float v = x[i];
     const __nv_bfloat16 h = __float2bfloat16_rn(v);
@@ -154,6 +158,7 @@ __global__ void split_bf16_kernel(const float* __restrict__ x, int64_t n, __nv_b
 // w * s is the f32 product the CPU reference uses. Four consecutive weights per thread (in % 4 == 0).
 __global__ void dequant_split_fp8_kernel(DevW w, int64_t row0, int64_t rows, __nv_bfloat16* __restrict__ hi,
                                          __nv_bfloat16* __restrict__ lo) {
+  pdl_begin();
   const int64_t n4 = rows * w.in / 4;
   const uint32_t* src = reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(w.w) + row0 * w.in);
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n4; i += int64_t(gridDim.x) * blockDim.x) {
@@ -184,7 +189,7 @@ void launch_gemv_t(const float* x, const DevW& w, float* y, cudaStream_t st, int
   while (wpr < 8 && (w.out + (8 / wpr) - 1) / (8 / wpr) < 2 * sms) wpr *= 2;
   const int rpb = 8 / wpr;
   const unsigned blocks = unsigned((w.out + rpb - 1) / rpb);
-  gemv_kernel<DT, TT><<<blocks, 256, 0, st>>>(x, w, y, wpr);
+  launch(gemv_kernel<DT, TT>, blocks, 256, 0, st, x, w, y, wpr);
 }
 
 template <int DT>
@@ -207,13 +212,13 @@ void launch_small(const float* x, int64_t T, const DevW& w, float* y, cudaStream
   const bool vec = w.in % N == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(w.w) % 16 == 0;
   if (vec) launch_gemv<DT>(x, int(T), w, y, st, sms);
-  else gemv_scalar_kernel<DT><<<unsigned((w.out + 7) / 8), 256, 0, st>>>(x, int(T), w, y);
+  else launch(gemv_scalar_kernel<DT>, unsigned((w.out + 7) / 8), 256, 0, st, x, int(T), w, y);
 }
 
 template <int DT>
 void launch_simt(const float* x, int64_t T, const DevW& w, float* y, cudaStream_t st) {
   dim3 grid(unsigned((w.out + 63) / 64), unsigned((T + 63) / 64));
-  gemm_simt_kernel<DT><<<grid, 256, 0, st>>>(x, T, w, y);
+  launch(gemm_simt_kernel<DT>, grid, 256, 0, st, x, T, w, y);
 }
 
 }  // namespace
@@ -239,14 +244,15 @@ void matmul_simt(const float* x, int64_t T, const DevW& w, float* y, cudaStream_
 void dequant_split_fp8(const DevW& w, int64_t row0, int64_t rows, void* hi, void* lo, cudaStream_t st) {
   const int64_t n4 = rows * w.in / 4;
   const unsigned blocks = unsigned(std::clamp<int64_t>((n4 + 255) / 256, 1, 65536));
-  dequant_split_fp8_kernel<<<blocks, 256, 0, st>>>(w, row0, rows, static_cast<__nv_bfloat16*>(hi),
-                                                   static_cast<__nv_bfloat16*>(lo));
+  launch(dequant_split_fp8_kernel, blocks, 256, 0, st, w, row0, rows, static_cast<__nv_bfloat16*>(hi),
+         static_cast<__nv_bfloat16*>(lo));
 }
 
 // The same, 4 elements per thread: 16-byte loads, 8-byte stores (the scalar kernel's 4-byte loads
 // and 2-byte stores ran at ~2 TB/s; this pass is a prefill product's only extra memory traffic).
 __global__ void split_bf16_x4_kernel(const float4* __restrict__ x, int64_t n4, uint2* __restrict__ hi,
                                      uint2* __restrict__ lo) {
+  pdl_begin();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n4; i += int64_t(gridDim.x) * blockDim.x) {
     const float4 v = x[i];
     const __nv_bfloat162 h01 = __floats2bfloat162_rn(v.x, v.y), h23 = __floats2bfloat162_rn(v.z, v.w);
@@ -266,10 +272,11 @@ void split_bf16(const float* x, int64_t n, void* hi, void* lo, cudaStream_t st) 
   const int64_t items = vec ? n / 4 : n;
   const unsigned blocks = unsigned(std::min<int64_t>((items + 255) / 256, 4 * 132 * 8));
   if (vec)
-    split_bf16_x4_kernel<<<blocks, 256, 0, st>>>(reinterpret_cast<const float4*>(x), n / 4, static_cast<uint2*>(hi),
-                                                 static_cast<uint2*>(lo));
+    launch(split_bf16_x4_kernel, blocks, 256, 0, st, reinterpret_cast<const float4*>(x), n / 4, static_cast<uint2*>(hi),
+           static_cast<uint2*>(lo));
   else
-    split_bf16_kernel<<<blocks, 256, 0, st>>>(x, n, static_cast<__nv_bfloat16*>(hi), static_cast<__nv_bfloat16*>(lo));
+    launch(split_bf16_kernel, blocks, 256, 0, st, x, n, static_cast<__nv_bfloat16*>(hi),
+           static_cast<__nv_bfloat16*>(lo));
 }
 
 namespace {

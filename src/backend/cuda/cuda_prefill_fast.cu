@@ -84,6 +84,7 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t addr, uint32_t& r0, uint32_t&
 // k_rope (kv[u, L : L + rope], shared by all heads) as bf16 [n_keys][rope].
 __global__ void prefill_fast_rope_kernel(const float* __restrict__ kv, int64_t kvw, int64_t L, int64_t rope,
                                          int64_t n, __nv_bfloat16* __restrict__ out) {
+  pdl_begin();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n * rope; i += int64_t(gridDim.x) * blockDim.x)
     out[i] = __float2bfloat16_rn(kv[(i / rope) * kvw + L + i % rope]);
 }
@@ -358,6 +359,7 @@ __global__ void __launch_bounds__(kFThreads, 1) prefill_fast_kernel(
     const float* __restrict__ q, int T, int H, int qw, int nope, int vd, const __nv_bfloat16* __restrict__ kvxb,
     int hw, const __nv_bfloat16* __restrict__ ropeb, int n_keys, int pos0, const uint32_t* __restrict__ mask,
     int64_t mwords, float sl2, float* __restrict__ out) {
+  pdl_begin();
   constexpr int RS = D + 8;      // shared row stride in bf16 (16-byte pad: conflict-free ldmatrix)
   constexpr int NT = D / 8;      // 8-column tiles of O
   extern __shared__ __align__(16) unsigned char fast_smem[];
@@ -547,6 +549,7 @@ __global__ void __launch_bounds__(kWThreads, 1) prefill_wgmma_kernel(
     const float* __restrict__ q, int T, int H, int qw, int nope, int vd, const __nv_bfloat16* __restrict__ kvxb,
     int hw, const __nv_bfloat16* __restrict__ ropeb, int n_keys, int pos0, const uint32_t* __restrict__ mask,
     int64_t mwords, float sl2, float* __restrict__ out) {
+  pdl_begin();
   constexpr int NT = D / 8;                       // 8-column tiles of O
   constexpr uint32_t kQBytes = kFBQ * D * 2, kTileBytes = kFBK * D * 2;
   extern __shared__ unsigned char wg_smem[];
@@ -646,10 +649,10 @@ void launch_attend(const PrefillAttnArgs& a, const void* kvx_bf16, const void* r
     configured[wgmma] = true;
   }
   const dim3 grid(unsigned((a.T + kFBQ - 1) / kFBQ), unsigned(a.H));
-  kernel<<<grid, wgmma ? kWThreads : kFThreads, smem, st>>>(
-      a.q, int(a.T), int(a.H), int(a.qw), int(a.nope), int(a.vd), static_cast<const __nv_bfloat16*>(kvx_bf16),
-      int(a.hw), static_cast<const __nv_bfloat16*>(rope_bf16), int(a.n_keys), int(a.pos0), a.mask, a.mwords,
-      a.scale * 1.4426950408889634f, a.out);
+  launch(kernel, grid, wgmma ? kWThreads : kFThreads, smem, st, a.q, int(a.T), int(a.H), int(a.qw), int(a.nope),
+         int(a.vd), static_cast<const __nv_bfloat16*>(kvx_bf16), int(a.hw),
+         static_cast<const __nv_bfloat16*>(rope_bf16), int(a.n_keys), int(a.pos0), a.mask, a.mwords,
+         a.scale * 1.4426950408889634f, a.out);
   VIREO_CUDA_LAUNCHED();
 }
 
@@ -668,8 +671,8 @@ void mla_prefill_fast_rope(const PrefillAttnArgs& a, void* rope_bf16, cudaStream
   const int64_t rope = a.qw - a.nope, n = a.n_keys * rope;
   if (n <= 0) return;
   const unsigned blocks = unsigned(std::min<int64_t>((n + 255) / 256, 4096));
-  prefill_fast_rope_kernel<<<blocks, 256, 0, st>>>(a.kv, a.kvw, a.L, rope, a.n_keys,
-                                                  static_cast<__nv_bfloat16*>(rope_bf16));
+  launch(prefill_fast_rope_kernel, blocks, 256, 0, st, a.kv, a.kvw, a.L, rope, a.n_keys,
+         static_cast<__nv_bfloat16*>(rope_bf16));
   VIREO_CUDA_LAUNCHED();
 }
 

@@ -47,6 +47,7 @@ __device__ __forceinline__ float key_logit(uint64_t key) {
 
 __global__ void sample_keys_kernel(const float* __restrict__ x, int64_t rows, int64_t n, uint64_t* __restrict__ keys,
                                    int32_t* __restrict__ ids) {
+  pdl_begin();
   const int64_t total = rows * n;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / n;
@@ -153,6 +154,7 @@ struct SampleScratch {
 // Step 3. grid (blocks per row, rows), kTileWarps warps.
 __global__ void __launch_bounds__(kTileWarps * 32)
     sample_weights_kernel(int64_t n, const SampleRowArgs* __restrict__ args, SampleScratch s) {
+  pdl_begin();
   __shared__ float sh[kTileWarps][kSumBlock][kSumBlock + 1];
   const int64_t r = blockIdx.y;
   const SampleRowArgs a = args[r];
@@ -171,6 +173,7 @@ __global__ void __launch_bounds__(kTileWarps * 32)
 // Step 4. One block per row.
 __global__ void __launch_bounds__(kRowThreads)
     sample_weight_total_kernel(int64_t n, const SampleRowArgs* __restrict__ args, SampleScratch s) {
+  pdl_begin();
   const int64_t r = blockIdx.x;
   const int64_t cand = candidates(args[r], n);
   if (cand == 1) return;
@@ -180,6 +183,7 @@ __global__ void __launch_bounds__(kRowThreads)
 // Step 5. grid (blocks per row, rows), kTileWarps warps.
 __global__ void __launch_bounds__(kTileWarps * 32)
     sample_probs_kernel(int64_t n, const SampleRowArgs* __restrict__ args, SampleScratch s) {
+  pdl_begin();
   __shared__ float sh[kTileWarps][kSumBlock][kSumBlock + 1];
   const int64_t r = blockIdx.y;
   const SampleRowArgs a = args[r];
@@ -207,6 +211,7 @@ __global__ void __launch_bounds__(kTileWarps * 32)
 // Step 6. One block per row.
 __global__ void __launch_bounds__(kRowThreads)
     sample_draw_kernel(int64_t n, const SampleRowArgs* __restrict__ args, SampleScratch s, int32_t* __restrict__ out) {
+  pdl_begin();
   const int64_t r = blockIdx.x;
   const SampleRowArgs a = args[r];
   const int64_t cand = candidates(a, n);
@@ -300,7 +305,7 @@ void SampleRowsOp::run(const float* x, int64_t rows, int64_t n, const SampleRowA
   VIREO_CUDA_CHECK(cudaEventRecord(args_copied_, st));
 
   const unsigned grid = unsigned(std::clamp<int64_t>((total + 255) / 256, 1, 4096));
-  sample_keys_kernel<<<grid, 256, 0, st>>>(x, rows, n, keys, ids);
+  launch(sample_keys_kernel, grid, 256, 0, st, x, rows, n, keys, ids);
   VIREO_CUDA_LAUNCHED();
   // Bits that vary: the 32 of the logit key and enough for the row index above them.
   const int end_bit = 32 + int(std::bit_width(uint64_t(rows - 1)));
@@ -311,13 +316,13 @@ void SampleRowsOp::run(const float* x, int64_t rows, int64_t n, const SampleRowA
   VIREO_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp, temp_bytes, keys, keys_sorted, ids, ids_sorted, int(total), 0,
                                                    end_bit, st));
   const dim3 tiles(unsigned((n + kTile * kTileWarps - 1) / (kTile * kTileWarps)), unsigned(rows));
-  sample_weights_kernel<<<tiles, kTileWarps * 32, 0, st>>>(n, args_dev, s);
+  launch(sample_weights_kernel, tiles, kTileWarps * 32, 0, st, n, args_dev, s);
   VIREO_CUDA_LAUNCHED();
-  sample_weight_total_kernel<<<unsigned(rows), kRowThreads, 0, st>>>(n, args_dev, s);
+  launch(sample_weight_total_kernel, unsigned(rows), kRowThreads, 0, st, n, args_dev, s);
   VIREO_CUDA_LAUNCHED();
-  sample_probs_kernel<<<tiles, kTileWarps * 32, 0, st>>>(n, args_dev, s);
+  launch(sample_probs_kernel, tiles, kTileWarps * 32, 0, st, n, args_dev, s);
   VIREO_CUDA_LAUNCHED();
-  sample_draw_kernel<<<unsigned(rows), kRowThreads, 0, st>>>(n, args_dev, s, out);
+  launch(sample_draw_kernel, unsigned(rows), kRowThreads, 0, st, n, args_dev, s, out);
   VIREO_CUDA_LAUNCHED();
 }
 

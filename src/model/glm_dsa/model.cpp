@@ -483,10 +483,17 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
     backend_.matmul_many(xn, N, ws.data(), ys.data(), int(ws.size()));
   }
   float* q_resid = nullptr;
+  float* qi = own_indexer ? scratch(15, size_t(N * nI * d)) : nullptr;  // the indexer's queries
   if (qa) {
     q_resid = scratch(13, size_t(N * c.q_lora_rank));
     backend_.rms_norm(qa, c.q_lora_rank, N, c.q_lora_rank, vec(a.q_a_norm), eps_lora, q_resid, c.q_lora_rank);
-    backend_.matmul(q_resid, N, a.q_b_proj, q);
+    if (own_indexer) {  // the queries and the indexer's queries from one q_resid: one launch at decode
+      const Weight* ws[2] = {&a.q_b_proj, &a.idx_wq_b};
+      float* ys[2] = {q, qi};
+      backend_.matmul_many(q_resid, N, ws, ys, 2);
+    } else {
+      backend_.matmul(q_resid, N, a.q_b_proj, q);
+    }
   }
   backend_.rope(q, N, H, H * qw, qw, nope, rope, cs, rope_kind(c.mla_rope_style));
 
@@ -506,8 +513,7 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
     selected = scratch_i32(0, size_t(N * topk));
     counts = scratch_i32(1, size_t(N));
     if (own_indexer) {
-      float* qi = scratch(15, size_t(N * nI * d));
-      backend_.matmul(q_resid, N, a.idx_wq_b, qi);
+      VIREO_ASSERT(q_resid);  // the indexer's queries come from the low-rank query (config checks)
       backend_.rope(qi, N, nI, nI * d, d, 0, rope, cs, rope_kind(c.indexer_rope_style));
       backend_.scale(wts, float(1.0 / std::sqrt(double(nI))), N * nI);
       for (const Segment& s : segs) {
