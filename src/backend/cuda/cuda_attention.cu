@@ -49,8 +49,8 @@ __global__ void absorb_q_kernel(const float* __restrict__ q, int64_t H, int64_t 
 // the N columns c0 + l N .. of this block and rows i = w, w + kAqW, ..; the kAqW warps' partial
 // sums are added in a fixed order. Grid (H, ceil(L / (32 N)), T): ~one block per SM for GLM-5
 // shapes, so the loads in flight per SM are those of one block: 16 warps, each with several rows'
-// loads issued ahead (8 warps, one row at a time: 12.6 MB of W_UK in 8.8 us, ~1.4 TB/s; 16 warps,
-// 4 rows ahead: FP8 6.3 MB in 6.6 us on 64 blocks, so 8 rows ahead).
+// loads issued ahead (8 warps, one row at a time: 12.6 MB of W_UK in 8.8 us, ~1.4 TB/s). 8 rows
+// ahead instead of 4 measured slower (FP8, 6.3 MB: 6.6 -> 8.0 us; H200, ncu, session 9).
 constexpr int kAqW = 16;
 template <int DT>
 __global__ void __launch_bounds__(kAqW * 32) absorb_q_vec_kernel(const float* __restrict__ q, int64_t H, int64_t qw,
@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(kAqW * 32) absorb_q_vec_kernel(const float* __
   for (int j = 0; j < N; ++j) acc[j] = 0.0f;
   if (c0 < L) {
     // Unrolled so that several rows' 16-byte loads are in flight per thread.
-#pragma unroll 8
+#pragma unroll 4
     for (int64_t i = warp; i < nope; i += kAqW) {
       const int64_t row = h * hw + i;
       const uint4 v = ldg_stream(reinterpret_cast<const uint4*>(static_cast<const char*>(kvb.w) +
