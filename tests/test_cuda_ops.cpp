@@ -825,7 +825,8 @@ TEST(CudaOps, ExpertsAddConcurrentEqualsSerial) {
 
 #ifdef VIREO_HAVE_CUDA
 // The absorbed decode attention at GLM-5 head shapes (qk 192 + 64, v 256, kv_lora 512) on 2048
-// selected keys of 4200, with host and run-time positions, on the fast kernels (all heads per
+// selected keys of 4200 and (64 heads, BF16) on all 4200 (more key tiles than the scores kernel
+// has blocks, so each loops over several), with host and run-time positions, on the fast kernels (all heads per
 // block: 64 heads, and 80 = a partial group of 32 and of 64) and the reference ones, BF16 and FP8
 // W_UV; output poisoned first, so every element is written.
 TEST(CudaOps, DecodeAttentionGlmShapesFastAndReference) {
@@ -840,46 +841,49 @@ TEST(CudaOps, DecodeAttentionGlmShapesFastAndReference) {
       if (H == 80 && dt == DType::F8_E4M3) continue;
       HostWeight kvb = make_weight(dt, H * hw, L, uint32_t(91 + H));
       Weight gkvb = p.gpu->upload_weight(kvb.w);
-      for (int64_t T : {int64_t(1), int64_t(3)}) {
-        const int64_t pos0 = N - T;
-        auto q = randv(size_t(T * H * qw), uint32_t(92 + T));
-        std::vector<int32_t> keys, counts;
-        random_selection(T, stride, pos0, uint32_t(93 + T), keys, counts);
-        MlaAttentionArgs a = mla_shape(T, H, nope, rope, vd, L, N, pos0, 1.0f / std::sqrt(float(qw)), true);
-        std::vector<float> want(size_t(T * H * vd));
-        MlaAttentionArgs c = a;
-        c.q = q.data();
-        c.kv = kv.data();
-        c.kv_b = &kvb.w;
-        c.out = want.data();
-        c.selection = KeySelection{keys.data(), counts.data(), stride};
-        p.cpu->mla_attention(c);
-        MlaAttentionArgs g = a;
-        g.q = p.g.up(q);
-        g.kv = gkv;
-        g.kv_b = &gkvb;
-        g.out = p.g.zeros(want.size());
-        g.selection = KeySelection{p.g.up_i(keys), p.g.up_i(counts), stride};
-        int32_t* gpos = p.g.up_i({int32_t(pos0)});
-        for (bool fast : {true, false})
-          for (bool dev_pos : {false, true}) {
-            cuda_set_fast_decode(*p.gpu, fast, true, true);
-            MlaAttentionArgs gg = g;
-            if (dev_pos) {  // as a recorded step: the bound is larger than the real position
-              gg.pos0_dev = gpos;
-              gg.pos0 = N + 100 - T;
-              gg.n_keys = N + 100;
+      for (int64_t T : {int64_t(1), int64_t(3)})
+        for (bool dense : {false, true}) {
+          if (dense && (H != 64 || dt != DType::BF16)) continue;
+          const int64_t pos0 = N - T;
+          auto q = randv(size_t(T * H * qw), uint32_t(92 + T));
+          std::vector<int32_t> keys, counts;
+          random_selection(T, stride, pos0, uint32_t(93 + T), keys, counts);
+          MlaAttentionArgs a = mla_shape(T, H, nope, rope, vd, L, N, pos0, 1.0f / std::sqrt(float(qw)), true);
+          std::vector<float> want(size_t(T * H * vd));
+          MlaAttentionArgs c = a;
+          c.q = q.data();
+          c.kv = kv.data();
+          c.kv_b = &kvb.w;
+          c.out = want.data();
+          if (!dense) c.selection = KeySelection{keys.data(), counts.data(), stride};
+          p.cpu->mla_attention(c);
+          MlaAttentionArgs g = a;
+          g.q = p.g.up(q);
+          g.kv = gkv;
+          g.kv_b = &gkvb;
+          g.out = p.g.zeros(want.size());
+          if (!dense) g.selection = KeySelection{p.g.up_i(keys), p.g.up_i(counts), stride};
+          int32_t* gpos = p.g.up_i({int32_t(pos0)});
+          for (bool fast : {true, false})
+            for (bool dev_pos : {false, true}) {
+              cuda_set_fast_decode(*p.gpu, fast, true, true);
+              MlaAttentionArgs gg = g;
+              if (dev_pos) {  // as a recorded step: the bound is larger than the real position
+                gg.pos0_dev = gpos;
+                gg.pos0 = N + 100 - T;
+                gg.n_keys = N + 100;
+              }
+              p.gpu->fill(gg.out, NAN, int64_t(want.size()));
+              p.gpu->mla_attention(gg);
+              const double e = nmse(p.g.down(gg.out, want.size()), want);
+              EXPECT_LT(e, 1e-10) << "H " << H << " " << dt_name(dt) << " T " << T << (fast ? " fast" : " reference")
+                                  << (dev_pos ? " run-time pos" : "") << (dense ? " dense" : "");
+              std::printf("  decode attention H %lld %-8s T %lld %-9s %s %s NMSE %.3g\n", (long long)H, dt_name(dt),
+                          (long long)T, fast ? "fast" : "reference", dev_pos ? "run-time" : "host    ",
+                          dense ? "dense " : "select", e);
             }
-            p.gpu->fill(gg.out, NAN, int64_t(want.size()));
-            p.gpu->mla_attention(gg);
-            const double e = nmse(p.g.down(gg.out, want.size()), want);
-            EXPECT_LT(e, 1e-10) << "H " << H << " " << dt_name(dt) << " T " << T << (fast ? " fast" : " reference")
-                                << (dev_pos ? " run-time pos" : "");
-            std::printf("  decode attention H %lld %-8s T %lld %-9s %s NMSE %.3g\n", (long long)H, dt_name(dt),
-                        (long long)T, fast ? "fast" : "reference", dev_pos ? "run-time" : "host    ", e);
-          }
-        cuda_set_fast_decode(*p.gpu, true, true, true);
-      }
+          cuda_set_fast_decode(*p.gpu, true, true, true);
+        }
     }
 }
 

@@ -46,9 +46,10 @@ __device__ __forceinline__ void cp_async_wait() {
 // 4 (heads) or 8 (keys) distinct rows one warp reads with a 16-byte load sit in distinct banks.
 __host__ __device__ inline int score_tile_stride(int kvw) { return (kvw + 31) / 32 * 32 + 4; }
 
-// Grid (key tiles, head groups of 32, T); 64 KQ threads: kq = tid / 64 takes every KQ-th 16-byte
-// column of the row, ht = (tid / 8) % 8 the heads ht + 8i, kt = tid % 8 the keys kt + 8j (i, j < 4):
-// the strided sets put a warp's distinct rows on distinct banks. The tiles arrive by cp.async in
+// Grid (key tiles, at most 64, a block taking every gridDim.x-th tile; head groups of 32; T); 64 KQ
+// threads: kq = tid / 64 takes every KQ-th 16-byte column of the row, ht = (tid / 8) % 8 the heads
+// ht + 8i, kt = tid % 8 the keys kt + 8j (i, j < 4): the strided sets put a warp's distinct rows on
+// distinct banks. The tiles arrive by cp.async in
 // two column halves, the first half's products overlapping the second half's loads; the KQ column
 // groups' sums meet in shared memory at the end.
 template <int KQ>
@@ -65,36 +66,36 @@ __global__ void __launch_bounds__(64 * KQ) mla_decode_scores_kernel(
   int* us = reinterpret_cast<int*>(ks + kSK * P);        // [kSK]
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   const int64_t t = blockIdx.z;
-  const int64_t k0 = int64_t(blockIdx.x) * kSK;
   const int hg0 = int(blockIdx.y) * kSH;
   if (pos0_dev) pos0 = *pos0_dev;
   const int64_t n = sel ? int64_t(counts[t]) : pos0 + t + 1;
-  const int cnt = int(n - k0 < 0 ? 0 : n - k0 > kSK ? kSK : n - k0);
-  if (cnt == 0) return;  // uniform over the block
-  if (tid < cnt) us[tid] = sel ? sel[t * sel_stride + k0 + tid] : int(k0 + tid);
-  __syncthreads();
-  const int C4 = kvw / 4, L4 = L / 4, CA = (C4 / 2) / 4 * 4;  // 16-byte columns; first half
-  constexpr int NT = 64 * KQ, NW = NT / 32;
-  auto load = [&](int c4a, int c4b) {
-    for (int r = warp; r < kSH; r += NW) {
-      const int h = hg0 + r;
-      for (int c4 = c4a + lane; c4 < c4b; c4 += 32) {
-        float* d = qs + r * P + 4 * c4;
-        if (h >= H) *reinterpret_cast<float4*>(d) = make_float4(0.f, 0.f, 0.f, 0.f);
-        else if (c4 < L4) cp_async16(d, qlat + ((t * H + h) * L + 4 * c4));
-        else cp_async16(d, q + ((t * H + h) * qw + nope + 4 * (c4 - L4)));
+  for (int64_t k0 = int64_t(blockIdx.x) * kSK; k0 < n; k0 += int64_t(gridDim.x) * kSK) {  // uniform over the block
+    const int cnt = int(n - k0 > kSK ? kSK : n - k0);
+    __syncthreads();  // the previous tile's reads of shared memory are done
+    if (tid < cnt) us[tid] = sel ? sel[t * sel_stride + k0 + tid] : int(k0 + tid);
+    __syncthreads();
+    const int C4 = kvw / 4, L4 = L / 4, CA = (C4 / 2) / 4 * 4;  // 16-byte columns; first half
+    constexpr int NT = 64 * KQ, NW = NT / 32;
+    auto load = [&](int c4a, int c4b) {
+      for (int r = warp; r < kSH; r += NW) {
+        const int h = hg0 + r;
+        for (int c4 = c4a + lane; c4 < c4b; c4 += 32) {
+          float* d = qs + r * P + 4 * c4;
+          if (h >= H) *reinterpret_cast<float4*>(d) = make_float4(0.f, 0.f, 0.f, 0.f);
+          else if (c4 < L4) cp_async16(d, qlat + ((t * H + h) * L + 4 * c4));
+          else cp_async16(d, q + ((t * H + h) * qw + nope + 4 * (c4 - L4)));
+        }
       }
-    }
-    for (int r = warp; r < cnt; r += NW) {  // rows past cnt stay stale: their scores are never written
-      const float* src = kv + int64_t(us[r]) * kvw;
-      for (int c4 = c4a + lane; c4 < c4b; c4 += 32) cp_async16(ks + r * P + 4 * c4, src + 4 * c4);
-    }
-    cp_async_commit();
-  };
-  load(0, CA);
-  load(CA, C4);
-  const int kq = tid >> 6, ht = (tid >> 3) & 7, kt = tid & 7;
-  float acc[4][4];
+      for (int r = warp; r < cnt; r += NW) {  // rows past cnt stay stale: their scores are never written
+        const float* src = kv + int64_t(us[r]) * kvw;
+        for (int c4 = c4a + lane; c4 < c4b; c4 += 32) cp_async16(ks + r * P + 4 * c4, src + 4 * c4);
+      }
+      cp_async_commit();
+    };
+    load(0, CA);
+    load(CA, C4);
+    const int kq = tid >> 6, ht = (tid >> 3) & 7, kt = tid & 7;
+    float acc[4][4];
 #pragma unroll
   for (int i = 0; i < 4; ++i)
 #pragma unroll
@@ -139,6 +140,7 @@ __global__ void __launch_bounds__(64 * KQ) mla_decode_scores_kernel(
 #pragma unroll
     for (int x = 0; x < KQ; ++x) s += red[(x * kSH + h) * (kSK + 1) + j];
     scores[(t * H + hg0 + h) * sstride + k0 + j] = s * scale;
+  }
   }
 }
 
@@ -538,7 +540,12 @@ bool mla_decode_fast(const DecodeAttnArgs& a, cudaStream_t st) {
   const int64_t sstride = (a.max_keys + kSK - 1) / kSK * kSK;
   const int nks = int((a.max_keys + kPK - 1) / kPK);
   const int H = int(a.H), nhg = int((a.H + kPH - 1) / kPH);
-  const dim3 sgrid(unsigned(sstride / kSK), unsigned((a.H + kSH - 1) / kSH), unsigned(a.T));
+  // At most kScoreTiles blocks per (head group, query), each looping over every kScoreTiles-th
+  // key tile: a recorded step sizes the launch for the cache capacity (the length comes at run
+  // time), and one block per tile put a short context's few live tiles among two waves of empty
+  // blocks of ~150 KB shared memory each (1 per SM).
+  constexpr int64_t kScoreTiles = 64;
+  const dim3 sgrid(unsigned(std::min(sstride / kSK, kScoreTiles)), unsigned((a.H + kSH - 1) / kSH), unsigned(a.T));
   const float scale2 = float(double(a.scale) * 1.4426950408889634);  // base-2 scores: see the top
   launch(mla_decode_scores_kernel<KQ>, sgrid, 64 * KQ, smem_s, st, a.qlat, a.q, H, int(a.qw), int(a.nope), int(L), a.kv,
          int(kvw), a.pos0, a.pos0_dev, a.sel, a.counts, a.sel_stride, scale2, sstride, a.scores);

@@ -173,24 +173,28 @@ __device__ __forceinline__ void rms_norm_row(int64_t n, const float* __restrict_
   for (int64_t i = t; i < n; i += bd) store(i, w[i] * (reload(i) * inv));
 }
 
-// The mean of per-thread partial sums in f64, added in thread order (blockDim <= 256, every
-// thread gets it): the layer norm's reductions, deterministic for a given block size.
+// The mean of per-thread partial sums in f64 (blockDim a multiple of 32, <= 1024; every thread gets
+// it): the layer norm's reductions, a fixed tree (xor shuffles in each warp, then the warps' sums
+// in warp order), so deterministic for a given block size. (Thread 0 adding the 256 partials one
+// after another made the indexer's key append 6 us a token on its own; H200, ncu.)
 __device__ __forceinline__ double block_mean_f64(double v, int64_t n) {
-  __shared__ double red[256];
-  red[threadIdx.x] = v;
+  __shared__ double red[33];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (lane == 0) red[warp] = v;
   __syncthreads();
   if (threadIdx.x == 0) {
     double m = 0;
-    for (int i = 0; i < int(blockDim.x); ++i) m += red[i];
-    red[0] = m / double(n);
+    for (int i = 0; i < nw; ++i) m += red[i];
+    red[32] = m / double(n);
   }
   __syncthreads();
-  const double r = red[0];
+  const double r = red[32];
   __syncthreads();  // `red` may be written again by the next call
   return r;
 }
 
-// y = (x - mean) / sqrt(var + eps) * w + b over one row, by the whole block (blockDim <= 256).
 __device__ __forceinline__ void layer_norm_row(const float* __restrict__ xr, int64_t n, const float* __restrict__ w,
                                                const float* __restrict__ b, float eps, float* __restrict__ yr) {
   double s = 0;
