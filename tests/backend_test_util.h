@@ -96,6 +96,20 @@ inline MlaAttentionArgs mla_shape(int64_t T, int64_t H, int64_t nope, int64_t ro
   return a;
 }
 
+// The CPU reference's attention output for `a` on host inputs (selection: none = every causal key).
+inline std::vector<float> cpu_mla_attention(Backend& cpu, MlaAttentionArgs a, const std::vector<float>& q,
+                                            const std::vector<float>& kv, const Weight& kv_b,
+                                            const KeySelection* selection) {
+  std::vector<float> out(static_cast<size_t>(a.T * a.n_heads * a.v_dim));
+  a.q = q.data();
+  a.kv = kv.data();
+  a.kv_b = &kv_b;
+  a.out = out.data();
+  if (selection) a.selection = *selection;
+  cpu.mla_attention(a);
+  return out;
+}
+
 // Host vectors <-> a backend's buffers (kept alive as long as this is).
 struct Dev {
   explicit Dev(Backend& b) : be(b) {}

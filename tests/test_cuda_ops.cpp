@@ -25,6 +25,7 @@ using namespace vireo;
 using vireo::test::Dev;
 using vireo::test::HostWeight;
 using vireo::test::make_weight;
+using vireo::test::cpu_mla_attention;
 using vireo::test::mla_shape;
 using vireo::test::nmse;
 using vireo::test::randv;
@@ -340,14 +341,8 @@ TEST(CudaOps, PrefillAttentionGlmShapes) {
         }
       }
       MlaAttentionArgs a = mla_shape(T, H, nope, rope, vd, L, N, pos0, 1.0f / std::sqrt(float(qw)), false);
-      std::vector<float> want(size_t(T * H * vd));
-      MlaAttentionArgs c = a;
-      c.q = q.data();
-      c.kv = kv.data();
-      c.kv_b = &kvb.w;
-      c.out = want.data();
-      if (sel) c.selection = KeySelection{keys.data(), counts.data(), stride};
-      p.cpu->mla_attention(c);
+      const KeySelection host_sel{keys.data(), counts.data(), stride};
+      const std::vector<float> want = cpu_mla_attention(*p.cpu, a, q, kv, kvb.w, sel ? &host_sel : nullptr);
       MlaAttentionArgs g = a;
       g.q = p.g.up(q);
       g.kv = gkv;
@@ -849,14 +844,8 @@ TEST(CudaOps, DecodeAttentionGlmShapesFastAndReference) {
           std::vector<int32_t> keys, counts;
           random_selection(T, stride, pos0, uint32_t(93 + T), keys, counts);
           MlaAttentionArgs a = mla_shape(T, H, nope, rope, vd, L, N, pos0, 1.0f / std::sqrt(float(qw)), true);
-          std::vector<float> want(size_t(T * H * vd));
-          MlaAttentionArgs c = a;
-          c.q = q.data();
-          c.kv = kv.data();
-          c.kv_b = &kvb.w;
-          c.out = want.data();
-          if (!dense) c.selection = KeySelection{keys.data(), counts.data(), stride};
-          p.cpu->mla_attention(c);
+          const KeySelection host_sel{keys.data(), counts.data(), stride};
+          const std::vector<float> want = cpu_mla_attention(*p.cpu, a, q, kv, kvb.w, dense ? nullptr : &host_sel);
           MlaAttentionArgs g = a;
           g.q = p.g.up(q);
           g.kv = gkv;
