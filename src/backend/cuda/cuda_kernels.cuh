@@ -195,6 +195,8 @@ __device__ __forceinline__ double block_mean_f64(double v, int64_t n) {
   return r;
 }
 
+// y = (x - mean) / sqrt(var + eps) * w + b over one row, by the whole block (blockDim a multiple of
+// 32, <= 1024).
 __device__ __forceinline__ void layer_norm_row(const float* __restrict__ xr, int64_t n, const float* __restrict__ w,
                                                const float* __restrict__ b, float eps, float* __restrict__ yr) {
   double s = 0;
