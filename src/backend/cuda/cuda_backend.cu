@@ -30,6 +30,12 @@ using namespace vireo::cuda;
 
 namespace {
 
+// A switch for A/B runs that is on unless the environment sets `name` to "0".
+bool env_switch(const char* name) {
+  const char* e = std::getenv(name);
+  return !(e && std::string(e) == "0");
+}
+
 // --- element-wise and row kernels -------------------------------------------------------------
 
 __global__ void fill_kernel(float* y, float v, int64_t n) {
@@ -1391,10 +1397,7 @@ class CudaBackend final : public Backend {
   size_t absorbed_pass_bytes_ = kAbsorbedPassBytes;  // attention_absorbed's partials + scores per pass
   // Decode GEMVs read x from shared memory (cuda_decode.cu); VIREO_GEMV_XS=0 (for A/B runs of
   // `vireo bench`) reads it through L1 instead.
-  bool gemv_x_shared_ = [] {
-    const char* e = std::getenv("VIREO_GEMV_XS");
-    return !(e && std::string(e) == "0");
-  }();
+  bool gemv_x_shared_ = env_switch("VIREO_GEMV_XS");
   int64_t fp8_chunk_bytes_ = int64_t(CudaBufferSizes::kFp8ChunkBytes);
   OpProfiler prof_;
   std::vector<std::shared_ptr<char>> owned_;
@@ -1446,10 +1449,7 @@ std::unique_ptr<Backend> make_cuda_backend() {
 cudaStream_t cuda::compute_stream_of(Backend& b) { return as_cuda(b).stream(); }
 
 namespace {
-std::atomic<bool> g_programmatic_launch{[] {
-  const char* e = std::getenv("VIREO_PDL");
-  return !(e && std::string(e) == "0");
-}()};
+std::atomic<bool> g_programmatic_launch{env_switch("VIREO_PDL")};
 }  // namespace
 bool cuda::programmatic_launch() { return g_programmatic_launch.load(std::memory_order_relaxed); }
 void cuda::set_programmatic_launch(bool on) { g_programmatic_launch.store(on, std::memory_order_relaxed); }

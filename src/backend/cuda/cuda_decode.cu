@@ -631,7 +631,9 @@ void moe_experts(const float* x, int64_t N, int64_t D, int64_t I, int K, int S, 
                  const float* weights, const DevExpert* bank, int dtype, bool vec, bool x_shared, float* h,
                  float* out, cudaStream_t st) {
   if (N <= 0) return;
-  auto run = [&](auto launch) { launch(vec, x_shared, x, N, D, I, K, S, n_routed, ids, weights, bank, h, out, st); };
+  auto run = [&](auto launch_dt) {
+    launch_dt(vec, x_shared, x, N, D, I, K, S, n_routed, ids, weights, bank, h, out, st);
+  };
   switch (dtype) {
     case W_F32: run(launch_moe_dt<W_F32>); break;
     case W_BF16: run(launch_moe_dt<W_BF16>); break;
