@@ -55,7 +55,9 @@ TEST(CudaOps, MatmulAllDtypesAndShapes) {
   for (DType dt : {DType::F32, DType::BF16, DType::F16, DType::F8_E4M3})
     // 4098 x 512 and x 1152: one token runs two rows per warp (large matrices; FP8 by 4-byte
     // words, 1152 = 9 words a lane: one unrolled pass and a tail), 300 x 520 the fallback.
-    for (Shape s : {Shape{300, 520}, Shape{256, 1024}, Shape{1000, 384}, Shape{4098, 512}, Shape{4098, 1152}})
+    // 200 x 400: rows ending in a 16-element piece of a 128-element FP8 scale block.
+    for (Shape s : {Shape{300, 520}, Shape{256, 1024}, Shape{1000, 384}, Shape{4098, 512}, Shape{4098, 1152},
+                    Shape{200, 400}})
       for (int64_t T : {1, 3, 8, 9, 70}) {
         HostWeight hw = make_weight(dt, s.out, s.in, uint32_t(s.out * 7 + T));
         auto x = randv(size_t(T * s.in), uint32_t(T * 13 + s.in));
@@ -506,7 +508,8 @@ TEST(CudaOps, MoeExpertsMatchesCpu) {
   Pair p;
   struct Cfg { int64_t D, I, N; int K, E; };
   for (DType dt : {DType::BF16, DType::F8_E4M3, DType::F32})
-    for (Cfg cfg : {Cfg{256, 128, 1, 4, 8}, Cfg{384, 256, 3, 8, 16}, Cfg{100, 36, 2, 3, 5}})
+    // 272 x 80: both products' rows end in a 16-element piece of an FP8 scale block.
+    for (Cfg cfg : {Cfg{256, 128, 1, 4, 8}, Cfg{384, 256, 3, 8, 16}, Cfg{100, 36, 2, 3, 5}, Cfg{272, 80, 2, 3, 6}})
       for (int n_shared : {0, 1}) {
       std::vector<HostWeight> hw;
       ExpertBank cb, gb;
