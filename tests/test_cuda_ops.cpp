@@ -821,6 +821,80 @@ TEST(CudaOps, ExpertsAddConcurrentEqualsSerial) {
 #endif
 }
 
+// The fast modes' grouped expert products (cuda_grouped.h): every BF16 expert of a run in one
+// launch a product, SwiGLU in the gate | up epilogue, the additions in job order by one launch.
+// Against the CPU and the side lanes (cuBLASLt) within the bf16 operands' bound; run to run, and
+// in chunks (a run split at job boundaries, a job larger than a chunk alone) against one chunk,
+// bit for bit (each output element is the same dot product wherever its row falls in a tile).
+// Rows 1 to 600 (partial tiles of 128, a warpgroup's 64 rows empty, several tiles), a token in
+// several jobs, K of 2 to 32 k-steps (fewer than the ring's loads ahead), more tiles than SMs
+// (the persistent blocks' k-steps run on into their next tile).
+TEST(CudaOps, GroupedExpertsMatchLanesAndCpu) {
+  REQUIRE_CUDA();
+#ifdef VIREO_HAVE_CUDA
+  Pair p;
+  struct Shape {
+    int64_t D, I;
+  };
+  for (const Shape sh : {Shape{256, 128}, Shape{2048, 1024}}) {
+    const int64_t D = sh.D, I = sh.I, N = 600;
+    const std::vector<int64_t> ms = {137, 3, 1, 600, 20, 129, 64, 255, 400, 300};
+    std::vector<HostWeight> hw;
+    std::vector<Weight> gw;
+    std::vector<int32_t> index;
+    std::vector<Backend::ExpertJob> cpu_jobs, gpu_jobs;
+    hw.reserve(3 * ms.size());
+    for (size_t j = 0; j < ms.size(); ++j) {
+      for (int k = 0; k < 3; ++k)
+        hw.push_back(make_weight(DType::BF16, k == 2 ? D : I, k == 2 ? I : D, uint32_t(400 + 3 * j + size_t(k))));
+      const int64_t at = int64_t(index.size());
+      for (int64_t i = 0; i < ms[j]; ++i) index.push_back(int32_t((i * 13 + int64_t(j) * 7) % N));
+      std::sort(index.begin() + at, index.end());
+      index.erase(std::unique(index.begin() + at, index.end()), index.end());
+      cpu_jobs.push_back({&hw[3 * j].w, &hw[3 * j + 1].w, &hw[3 * j + 2].w, at, int64_t(index.size()) - at});
+    }
+    for (HostWeight& h : hw) gw.push_back(p.gpu->upload_weight(h.w));
+    for (size_t j = 0; j < ms.size(); ++j)
+      gpu_jobs.push_back({&gw[3 * j], &gw[3 * j + 1], &gw[3 * j + 2], cpu_jobs[j].at, cpu_jobs[j].m});
+    const auto x = randv(size_t(N * D), 501), scale = randv(index.size(), 502), out0 = randv(size_t(N * D), 503);
+    std::vector<float> want(out0), xs(size_t(N * D)), g(size_t(N * I)), u(size_t(N * I)), y(size_t(N * D));
+    p.cpu->experts_add(x.data(), index.data(), scale.data(), cpu_jobs.data(), int(cpu_jobs.size()), xs.data(), g.data(),
+                       u.data(), y.data(), want.data());
+    float *gx = p.g.up(x), *gs = p.g.up(scale);
+    int32_t* gi = p.g.up_i(index);
+    float *gxs = p.g.zeros(size_t(N * D)), *gg = p.g.zeros(size_t(2 * N * I)), *gu = gg + N * I;
+    float* gy = p.g.zeros(size_t(N * D));
+    auto run = [&](bool grouped, int64_t chunk_rows) {
+      cuda_set_grouped_experts(*p.gpu, grouped, chunk_rows);
+      float* out = p.g.up(out0);
+      cuda_set_profile(*p.gpu, true);
+      p.gpu->experts_add(gx, gi, gs, gpu_jobs.data(), int(gpu_jobs.size()), gxs, gg, gu, gy, out);
+      const std::string report = cuda_profile_report(*p.gpu, 1.0);
+      cuda_set_profile(*p.gpu, false);
+      EXPECT_EQ(report.find("grouped experts: down") != std::string::npos, grouped) << report;
+      return p.g.down(out, out0.size());
+    };
+    for (CudaGemmMode mode : {CudaGemmMode::Bf16, CudaGemmMode::Fp8}) {
+      cuda_set_gemm_mode(*p.gpu, mode);
+      const std::string what =
+          "D " + std::to_string(D) + " I " + std::to_string(I) + " mode " + std::to_string(int(mode));
+      const std::vector<float> lanes = run(false, 0), grouped = run(true, 0);
+      EXPECT_EQ(run(true, 0), grouped) << what << ": run to run";
+      EXPECT_EQ(run(true, 700), grouped) << what << ": in chunks of at most 700 rows";
+      EXPECT_EQ(run(true, 1), grouped) << what << ": a job a chunk";
+      const double to_cpu = nmse(grouped, want), to_lanes = nmse(grouped, lanes);
+      std::printf("  %s: grouped NMSE %.2e against the CPU, %.2e against the lanes (lanes %.2e)\n", what.c_str(),
+                  to_cpu, to_lanes, nmse(lanes, want));
+      EXPECT_LT(to_cpu, 1e-4) << what;
+      EXPECT_LT(to_lanes, 1e-4) << what;
+      EXPECT_GT(to_cpu, 1e-9) << what << ": no bf16 rounding seen (did the products run in f32?)";
+    }
+    cuda_set_gemm_mode(*p.gpu, CudaGemmMode::Split);
+    cuda_set_grouped_experts(*p.gpu, true);
+  }
+#endif
+}
+
 #ifdef VIREO_HAVE_CUDA
 // The absorbed decode attention at GLM-5 head shapes (qk 192 + 64, v 256, kv_lora 512) on 2048
 // selected keys of 4200 and (64 heads, BF16) on all 4200 (more key tiles than the scores kernel

@@ -20,6 +20,7 @@
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_decode.h"
 #include "backend/cuda/cuda_fp8_gemm.h"
+#include "backend/cuda/cuda_grouped.h"
 #include "backend/cuda/cuda_internal.h"
 #include "backend/cuda/cuda_profile.h"
 #include "backend/cuda/cuda_sampling.h"
@@ -380,6 +381,10 @@ class CudaBackend final : public Backend {
   void set_prefill_wgmma(bool on) { prefill_wgmma_ = on; }
   void set_absorbed_pass_bytes(size_t b) { absorbed_pass_bytes_ = b ? b : kAbsorbedPassBytes; }
   void set_gemv_x_shared(bool on) { gemv_x_shared_ = on; }
+  void set_grouped_experts(bool on, int64_t chunk_rows) {
+    grouped_on_ = on;
+    grouped_rows_ = chunk_rows > 0 ? chunk_rows : CudaBufferSizes::kGroupedRows;
+  }
   void set_fast_decode(bool attention, bool scores, bool topk) {
     fast_attention_ = attention;
     fast_scores_ = scores;
@@ -788,6 +793,7 @@ class CudaBackend final : public Backend {
                    float* g, float* u, float* y, float* out) override {
     cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
     VIREO_CUDA_CHECK(cudaStreamIsCapturing(stream_, &cs));
+    if (cs == cudaStreamCaptureStatusNone && grouped_experts_add(x, index, scale, jobs, n, out)) return;
     if (n < 2 || prof_.on() || cs != cudaStreamCaptureStatusNone || mode_ == CudaGemmMode::Simt)
       return Backend::experts_add(x, index, scale, jobs, n, xs, g, u, y, out);
     if (!lanes_ready_) make_lanes();
@@ -813,6 +819,85 @@ class CudaBackend final : public Backend {
       scatter_add_rows(out, index + e.at, scale + e.at, rows, e.m, D);
       VIREO_CUDA_CHECK(cudaEventRecord(L.consumed, stream_));
     }
+  }
+  // The fast modes' BF16 experts as grouped products (cuda_grouped.h): a few launches for the
+  // whole run instead of ~5 per expert on the side lanes. The run goes in chunks of consecutive
+  // jobs of at most kGroupedRows rows (a larger job alone), each chunk's additions after the
+  // previous chunk's, so the order of additions into out is the job order throughout. False
+  // (nothing done) where it does not apply: exact or f32 math, another dtype, shapes the kernel
+  // does not take, or VIREO_GROUPED=0.
+  bool grouped_experts_add(const float* x, const int32_t* index, const float* scale, const ExpertJob* jobs, int n,
+                           float* out) {
+    if (!grouped_on_ || !fast_math() || n < 2) return false;
+    const int64_t D = jobs[0].gate->in(), I = jobs[0].gate->out(), at0 = jobs[0].at;
+    std::vector<GroupedJob> all;
+    for (int j = 0; j < n; ++j) {
+      const ExpertJob& e = jobs[j];
+      const DevW wg = devw(*e.gate), wu = devw(*e.up), wd = devw(*e.down);
+      const bool bf16 = wg.dt == W_BF16 && wu.dt == W_BF16 && wd.dt == W_BF16;
+      if (!bf16 || wg.in != D || wg.out != I || wu.in != D || wu.out != I || wd.in != I || wd.out != D || e.m < 0 ||
+          e.m >= (int64_t(1) << 30))
+        return false;
+      all.push_back({wg.w, wu.w, wd.w, int32_t(e.at - at0), int32_t(e.m)});
+    }
+    // Experts of many rows each fill the SMs one at a time: cuBLASLt's kernels on the side lanes
+    // are faster there (measured: 2048 rows an expert, lanes ahead; 256, grouped ahead).
+    int64_t total = 0;
+    for (const GroupedJob& e : all) total += e.rows;
+    if (total > grouped_max_mean_rows_ * n) return false;
+    if (!grouped_experts_fit(D, I, all) || reinterpret_cast<uintptr_t>(x) % 16 != 0 ||
+        reinterpret_cast<uintptr_t>(out) % 16 != 0)
+      return false;
+    for (size_t j0 = 0; j0 < all.size();) {
+      size_t j1 = j0;
+      int64_t rows = 0;
+      while (j1 < all.size() && (j1 == j0 || rows + all[j1].rows <= grouped_rows_)) rows += all[j1++].rows;
+      std::vector<GroupedJob> part(all.begin() + long(j0), all.begin() + long(j1));
+      const int32_t base = part[0].row0;
+      for (GroupedJob& p : part) p.row0 -= base;
+      j0 = j1;
+      if (rows == 0) continue;
+      const GroupedTables tb = grouped_tables(part, D, I);
+      // (Buffers first: growing one syncs the device, never between the chunk's launches.)
+      GroupedRun r;
+      r.xb = grouped_xb_.get<__nv_bfloat16>(size_t(rows * D));
+      r.h = grouped_h_.get<__nv_bfloat16>(size_t(rows * I));
+      r.y = grouped_y_.get<float>(size_t(rows * D));
+      char* table = grouped_table_.get<char>(tb.bytes.size());
+      h2d(table, tb.bytes.data(), tb.bytes.size());  // ordered after the last chunk's reads of it
+      r.x = x;
+      r.index = index + at0 + base;
+      r.scale = scale + at0 + base;
+      r.R = rows;
+      r.D = D;
+      r.I = I;
+      r.tables = &tb;
+      r.table = table;
+      r.out = out;
+      {
+        ProfScope ps(
+            prof_, stream_, [] { return std::string("grouped experts: gather + convert"); }, 0.0);
+        grouped_gather(r, stream_);
+      }
+      {
+        ProfScope ps(
+            prof_, stream_, [] { return std::string("grouped experts: gate | up + swiglu"); },
+            4.0 * double(rows) * double(I) * double(D));
+        grouped_gate_up(r, stream_);
+      }
+      {
+        ProfScope ps(
+            prof_, stream_, [] { return std::string("grouped experts: down"); },
+            2.0 * double(rows) * double(I) * double(D));
+        grouped_down(r, stream_);
+      }
+      {
+        ProfScope ps(
+            prof_, stream_, [] { return std::string("grouped experts: add in job order"); }, 0.0);
+        grouped_combine(r, stream_);
+      }
+    }
+    return true;
   }
   // While alive, the ops the backend queues go to the lane: its stream, workspace and the
   // product scratch are swapped in (and back out on destruction, also on a throw).
@@ -1398,6 +1483,15 @@ class CudaBackend final : public Backend {
   // Decode GEMVs read x from shared memory (cuda_decode.cu); VIREO_GEMV_XS=0 (for A/B runs of
   // `vireo bench`) reads it through L1 instead.
   bool gemv_x_shared_ = env_switch("VIREO_GEMV_XS");
+  // Prefill's routed BF16 experts in the fast modes as grouped products (cuda_grouped.h);
+  // VIREO_GROUPED=0 runs them on the side lanes instead (A/B runs).
+  bool grouped_on_ = env_switch("VIREO_GROUPED");
+  int64_t grouped_rows_ = CudaBufferSizes::kGroupedRows;  // rows a chunk (tests set fewer)
+  int64_t grouped_max_mean_rows_ = [] {                   // runs with more rows per expert take the lanes
+    const char* e = std::getenv("VIREO_GROUPED_MAX_ROWS");
+    return e ? std::atoll(e) : int64_t(1024);
+  }();
+  Scratch grouped_xb_, grouped_h_, grouped_y_, grouped_table_;  // grouped_experts_add's chunk buffers
   int64_t fp8_chunk_bytes_ = int64_t(CudaBufferSizes::kFp8ChunkBytes);
   OpProfiler prof_;
   std::vector<std::shared_ptr<char>> owned_;
@@ -1463,6 +1557,9 @@ void cuda_set_gemm_mode(Backend& b, CudaGemmMode mode) { as_cuda(b).set_gemm_mod
 void cuda_set_prefill_wgmma(Backend& b, bool on) { as_cuda(b).set_prefill_wgmma(on); }
 void cuda_set_absorbed_pass_bytes(Backend& b, size_t bytes) { as_cuda(b).set_absorbed_pass_bytes(bytes); }
 void cuda_set_gemv_x_shared(Backend& b, bool on) { as_cuda(b).set_gemv_x_shared(on); }
+void cuda_set_grouped_experts(Backend& b, bool on, int64_t chunk_rows) {
+  as_cuda(b).set_grouped_experts(on, chunk_rows);
+}
 void cuda_set_fast_decode(Backend& b, bool attention, bool indexer_scores, bool indexer_topk) {
   as_cuda(b).set_fast_decode(attention, indexer_scores, indexer_topk);
 }

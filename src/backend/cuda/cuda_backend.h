@@ -4,6 +4,7 @@
 // block scales) and converted in registers as they stream through. Built when nvcc is found
 // (VIREO_HAVE_CUDA); this header is usable either way, so callers need no #ifdefs.
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -21,6 +22,7 @@ struct CudaBufferSizes {
   static constexpr size_t kFp8ChunkBytes = size_t(256) << 20;      // exact mode's bf16 copy of an FP8 weight, a chunk
   static constexpr size_t kLtWorkspaceBytes = size_t(32) << 20;    // a cuBLASLt workspace (the stream's, each lane's)
   static constexpr int kExpertLanes = 4;                           // experts_add's side streams
+  static constexpr int64_t kGroupedRows = 16384;                   // grouped experts: rows a chunk (cuda_grouped.h)
 };
 
 #ifdef VIREO_HAVE_CUDA
@@ -68,6 +70,11 @@ void cuda_set_absorbed_pass_bytes(Backend& cuda, size_t bytes);
 // VIREO_GEMV_XS=0 turns it off) or through L1 (off: the kernels for shapes too large for shared
 // memory; the same sums in the same order, so tests compare the two bit for bit).
 void cuda_set_gemv_x_shared(Backend& cuda, bool on);
+// Prefill's routed experts in the fast modes (BF16 weights, shapes the kernels take) as grouped
+// products, every expert of a run in one launch a product (on, the default; VIREO_GROUPED=0 turns
+// it off), or one expert at a time on the side lanes (off). Tests compare the two, and set
+// chunk_rows (0: the default, kGroupedRows) small to cover a run split into chunks.
+void cuda_set_grouped_experts(Backend& cuda, bool on, int64_t chunk_rows = 0);
 // Programmatic dependent launches for every CUDA kernel of the process (on, the default;
 // VIREO_PDL=0 turns them off for A/B runs): a kernel's blocks are dispatched while the kernel
 // before it runs and wait for it on the device. The same kernels and sums either way.

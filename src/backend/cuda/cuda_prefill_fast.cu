@@ -54,6 +54,7 @@
 
 #include "backend/cuda/cuda_attention.h"
 #include "backend/cuda/cuda_internal.h"
+#include "backend/cuda/cuda_wgmma.cuh"
 
 namespace vireo::cuda {
 
@@ -472,51 +473,13 @@ template <int ROWS>
 __device__ __forceinline__ uint32_t swz(int r, int c) {
   return uint32_t((c >> 3) * (ROWS * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4));
 }
-// A wgmma shared-memory matrix descriptor, 128-byte swizzle; addresses and offsets in bytes.
-__device__ __forceinline__ uint64_t gmma_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-  return uint64_t((addr & 0x3FFFFu) >> 4) | (uint64_t((lbo & 0x3FFFFu) >> 4) << 16) |
-         (uint64_t((sbo & 0x3FFFFu) >> 4) << 32) | (uint64_t(1) << 62);
-}
-// A descriptor moved by `bytes` (< 256 KB in all: the 14-bit address field cannot carry over):
-// per-step operands are one 64-bit add from a base descriptor (ncu: the integer pipe was the
-// busiest, 35%, with each descriptor built from its address).
-__device__ __forceinline__ constexpr uint64_t desc_off(uint32_t bytes) { return uint64_t(bytes >> 4); }
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Named barriers 1 and 2 between the block's two warpgroups (256 threads: one arrives, the other
 // waits); barrier 0 is __syncthreads.
 template <int ID>
 __device__ __forceinline__ void wg_bar_sync() { asm volatile("bar.sync %0, 256;\n" ::"n"(ID) : "memory"); }
 template <int ID>
-__device__ __forceinline__ void wg_bar_arrive() { asm volatile("bar.arrive %0, 256;\n" ::"n"(ID) : "memory"); }
-// Keeps the compiler from moving reads or writes of accumulator registers across the
-// asynchronous MMA's issue / wait (their values change in between without an instruction).
-template <int N>
-__device__ __forceinline__ void pin(float (&d)[N][4]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
-}
-
-// d [64 x 64] (+)= A B^T: A [64 x 16] and B [64 x 16] K-major in shared memory; accumulate = 0
-// overwrites d. d[nt][e]: this thread's elements in the m16n8 layout per warp (rows 16 w + g,
-// + 8; columns 8 nt + 2 tq, + 1).
-__device__ __forceinline__ void wgmma_ss_m64n64(float (&d)[8][4], uint64_t da, uint64_t db, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0 + 0][0]), "+f"(d[0 + 0][1]), "+f"(d[0 + 0][2]), "+f"(d[0 + 0][3]),
-          "+f"(d[0 + 1][0]), "+f"(d[0 + 1][1]), "+f"(d[0 + 1][2]), "+f"(d[0 + 1][3]),
-          "+f"(d[0 + 2][0]), "+f"(d[0 + 2][1]), "+f"(d[0 + 2][2]), "+f"(d[0 + 2][3]),
-          "+f"(d[0 + 3][0]), "+f"(d[0 + 3][1]), "+f"(d[0 + 3][2]), "+f"(d[0 + 3][3]),
-          "+f"(d[0 + 4][0]), "+f"(d[0 + 4][1]), "+f"(d[0 + 4][2]), "+f"(d[0 + 4][3]),
-          "+f"(d[0 + 5][0]), "+f"(d[0 + 5][1]), "+f"(d[0 + 5][2]), "+f"(d[0 + 5][3]),
-          "+f"(d[0 + 6][0]), "+f"(d[0 + 6][1]), "+f"(d[0 + 6][2]), "+f"(d[0 + 6][3]),
-          "+f"(d[0 + 7][0]), "+f"(d[0 + 7][1]), "+f"(d[0 + 7][2]), "+f"(d[0 + 7][3])
-      : "l"(da), "l"(db), "r"(accumulate));
+__device__ __forceinline__ void wg_bar_arrive() {
+  asm volatile("bar.arrive %0, 256;\n" ::"n"(ID) : "memory");
 }
 // d [64 x 64] += A B: A [64 x 16] bf16 in registers (a[0..3] per thread, the m16k16 A fragment
 // layout per warp), B [16 x 64] N-major in shared memory (transpose flag). d = o[A0 .. A0 + 7].

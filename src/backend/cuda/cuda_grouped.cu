@@ -1,0 +1,316 @@
+// Grouped expert products for prefill (cuda_grouped.h): all routed experts of a MoE pass in one
+// launch per product, on warpgroup MMA.
+//
+// Why: at 512 prompt tokens an expert of the 16-expert bench gets ~256 rows (a GLM-5 expert ~16):
+// its gate | up product fills 32 of cuBLASLt's tiles and its down product 48, under a wave of
+// 132 SMs each, and every expert costs 4-5 launches and an event pair on a side stream (session
+// 10's profile: gate | up 35.8 us at 372 TFLOP/s, down 24.5 us, gather 11.6 us, SwiGLU 7 us, the
+// scatter-add 16.9 us, per expert and layer). Here every expert's tiles are one grid, the SwiGLU
+// runs in the gate | up epilogue (a tile's 256 weight rows are 128 gate rows and the same 128 up
+// rows, so a thread holds both of a column), the down epilogue scales by the routing weight, and
+// one launch adds every token's rows in job order.
+//
+// The GEMM kernel: y [rows, N] = a [rows, K] w^T, w [N, K], both K-major bf16, f32 accumulation.
+// A block computes a 128 x 256 tile as 2 warpgroups of 64 rows (wgmma m64n256k16, A and B from
+// shared memory); K in steps of 64 (one 128-byte swizzled line a row) through a ring of kStages
+// stages filled by cp.async, kStages - 2 ahead of the math (a stage is refilled two steps after
+// the MMA that read it was issued, once every warpgroup has waited for it: one barrier a step).
+// Rows past a tile's job are zero-filled and never written.
+//
+// Bound: a step moves 48 KB from L2 into shared memory for 4.2 MFLOP, so at the tensor cores'
+// ~790 TFLOP/s the SMs would pull ~9 TB/s from L2; cuBLASLt's kernels halve one operand's share
+// by TMA multicast across a 2-SM cluster. Measured (H200, session 11): gate | up 512 / 661
+// TFLOP/s at 256 / 2048 rows an expert, down 433 / 586 (a 128 x 128 tile: 480 / 599 and 426 /
+// 551). Next: TMA loads multicast within a cluster.
+#include <algorithm>
+#include <cstring>
+
+#include "backend/cuda/cuda_grouped.h"
+#include "backend/cuda/cuda_internal.h"
+#include "backend/cuda/cuda_wgmma.cuh"
+#include "core/error.h"
+
+namespace vireo::cuda {
+
+namespace {
+
+constexpr int kTM = 128, kTN = 256, kTK = 64;  // tile rows, columns, k-step
+constexpr int kStages = 4;                     // ring depth: 2 steps of loads in flight
+constexpr int kThreads = 256;                  // 2 warpgroups of 64 rows
+constexpr uint32_t kABytes = kTM * kTK * 2, kStageBytes = kABytes + kTN * kTK * 2;  // 16 + 32 KB
+constexpr size_t kSmem = size_t(kStages) * kStageBytes + 1024;
+
+struct JobW {
+  const __nv_bfloat16* gate;
+  const __nv_bfloat16* up;
+  const __nv_bfloat16* down;
+};
+
+// Where a block's loads of one tile come from: this thread's 16-byte chunk of 4 rows of A (rows
+// lr + 32 i) and 8 rows of B, k-step 0; A rows past the tile's job are zero-filled.
+struct TileLoads {
+  static constexpr int kB = kTN / 32;
+  const __nv_bfloat16* ap[4];
+  const __nv_bfloat16* bp[kB];
+  bool aok[4];
+  __device__ void at(const __nv_bfloat16* a, int K, const JobW& jw, int4 t, bool swiglu, int lr, int c) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int row = t.y + lr + 32 * i;
+      aok[i] = row < t.z;
+      ap[i] = a + int64_t(aok[i] ? row : t.y) * K + c * 8;
+    }
+#pragma unroll
+    for (int i = 0; i < kB; ++i) {
+      const int r = lr + 32 * i;  // gate | up: rows 0..127 gate, 128..255 up, of the same columns
+      const __nv_bfloat16* w = !swiglu       ? jw.down + int64_t(t.w + r) * K
+                               : r < kTN / 2 ? jw.gate + int64_t(t.w + r) * K
+                                             : jw.up + int64_t(t.w + r - kTN / 2) * K;
+      bp[i] = w + c * 8;
+    }
+  }
+  __device__ void load(uint32_t stage, uint32_t soff, int kt) const {
+    const uint32_t sa = stage + soff, sb = stage + kABytes + soff;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) cp_async16_zfill(sa + uint32_t(i) * 4096u, ap[i] + int64_t(kt) * kTK, aok[i]);
+#pragma unroll
+    for (int i = 0; i < kB; ++i) cp_async16_zfill(sb + uint32_t(i) * 4096u, bp[i] + int64_t(kt) * kTK, true);
+  }
+};
+
+// A tile's epilogue from the accumulators: d[nt][e] is row 16 warp + g (+ 8 for e >= 2) of the
+// warpgroup's 64, column 8 nt + 2 tq (+ 1).
+__device__ __forceinline__ void store_tile(const float (&d)[kTN / 8][4], int4 t, int wgi, int warp, int lane,
+                                           bool swiglu, const float* __restrict__ scale, int n_out,
+                                           void* __restrict__ out) {
+  constexpr int NT = kTN / 8;
+  const int g = lane >> 2, tq = lane & 3;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = t.y + wgi * 64 + warp * 16 + g + 8 * half;
+    if (row >= t.z) continue;
+    if (swiglu) {  // columns 0..127 gate, 128..255 up, of the same 128 intermediate columns
+      auto* h = static_cast<__nv_bfloat162*>(out) + (int64_t(row) * n_out + t.w) / 2;
+#pragma unroll
+      for (int nt = 0; nt < NT / 2; ++nt) {
+        const float g0 = d[nt][2 * half], g1 = d[nt][2 * half + 1];
+        const float u0 = d[nt + NT / 2][2 * half], u1 = d[nt + NT / 2][2 * half + 1];
+        // swiglu_kernel's arithmetic, rounded once to bf16 (the fast modes' operand)
+        h[nt * 4 + tq] = __floats2bfloat162_rn(g0 / (1.0f + expf(-g0)) * u0, g1 / (1.0f + expf(-g1)) * u1);
+      }
+    } else {  // the routing weight applied as scatter_add_rows does: s * y, rounded
+      const float sc = scale[row];
+      auto* y = reinterpret_cast<float2*>(static_cast<float*>(out) + int64_t(row) * n_out + t.w);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        y[nt * 4 + tq] = make_float2(__fmul_rn(sc, d[nt][2 * half]), __fmul_rn(sc, d[nt][2 * half + 1]));
+    }
+  }
+}
+
+// One tile a block. (A persistent form, each block's k-steps one ring across its tiles so the
+// next tile's loads overlap this one's epilogue, measured 10-15% slower: BENCHMARKS, session 11.)
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_gemm_kernel(const __nv_bfloat16* __restrict__ a, int K, const JobW* __restrict__ jobs,
+                        const int4* __restrict__ tiles, bool swiglu, const float* __restrict__ scale, int n_out,
+                        void* __restrict__ out) {
+  pdl_begin();
+  constexpr int NT = kTN / 8;
+  extern __shared__ unsigned char gg_smem[];
+  const uint32_t raw = smem_u32(gg_smem), sbase = (raw + 1023u) & ~1023u;
+  const int tid = int(threadIdx.x), wgi = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int c = tid & 7, lr = tid >> 3;
+  const uint32_t soff = uint32_t(lr * 128 + ((c ^ (lr & 7)) << 4));
+  const int4 t = tiles[blockIdx.x];
+  TileLoads ld;
+  ld.at(a, K, jobs[t.x], t, swiglu, lr, c);
+  const int KT = K / kTK;
+#pragma unroll
+  for (int s = 0; s < kStages - 2; ++s) {
+    if (s < KT) ld.load(sbase + uint32_t(s) * kStageBytes, soff, s);
+    cp_async_commit();  // (empty groups keep the count: group s is step s)
+  }
+  float d[NT][4];
+#pragma unroll
+  for (int i = 0; i < NT; ++i) d[i][0] = d[i][1] = d[i][2] = d[i][3] = 0.0f;
+  for (int kt = 0; kt < KT; ++kt) {
+    // Groups committed so far: steps 0 .. kt + kStages - 3; this step's must be complete.
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 3) : "memory");
+    fence_proxy_async();
+    __syncthreads();                     // this step's stage visible to both warpgroups; both are done with kt - 2's
+    const int ahead = kt + kStages - 2;  // into step kt - 2's stage
+    if (ahead < KT) ld.load(sbase + uint32_t(ahead % kStages) * kStageBytes, soff, ahead);
+    cp_async_commit();
+    const uint32_t st = sbase + uint32_t(kt % kStages) * kStageBytes;
+    const uint64_t da = gmma_desc(st + uint32_t(wgi * 64 * 128), 16, 1024), db = gmma_desc(st + kABytes, 16, 1024);
+    pin(d);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kTK / 16; ++kk)
+      wgmma_ss_m64n256(d, da + desc_off(uint32_t(kk * 32)), db + desc_off(uint32_t(kk * 32)), 1);
+    wgmma_commit();
+    wgmma_wait<1>();  // step kt - 1's MMA is done: its stage may be refilled after the next barrier
+    pin(d);
+  }
+  wgmma_wait<0>();
+  pin(d);
+  store_tile(d, t, wgi, warp, lane, swiglu, scale, n_out, out);
+}
+
+// xb[r] = bf16(x[index[r]]), one block a row.                      x [*, D], xb [R, D]; D % 4 == 0
+__global__ void grouped_gather_kernel(const float* __restrict__ x, const int32_t* __restrict__ index, int64_t D,
+                                      __nv_bfloat162* __restrict__ xb) {
+  pdl_begin();
+  const int64_t r = blockIdx.x;
+  const float4* src = reinterpret_cast<const float4*>(x + int64_t(index[r]) * D);
+  __nv_bfloat162* dst = xb + r * D / 2;
+  for (int64_t j = threadIdx.x; j < D / 4; j += blockDim.x) {
+    const float4 v = src[j];
+    dst[2 * j] = __floats2bfloat162_rn(v.x, v.y);
+    dst[2 * j + 1] = __floats2bfloat162_rn(v.z, v.w);
+  }
+}
+
+// out[t] += y rows of token t in job order (y already scaled): the same roundings, in the same
+// order, as one scatter_add_rows per job. Block r: row r's token t; the block of t's first row
+// (the lowest job holding t: rows are numbered job by job) does the additions, the others leave.
+// Each thread binary-searches t in its jobs' strictly increasing token lists. Shared: the
+// found row of every job [n_jobs], then the found rows in job order.
+__global__ void grouped_combine_kernel(const int32_t* __restrict__ index, const int2* __restrict__ spans, int n_jobs,
+                                       const float4* __restrict__ y, int64_t D4, float4* __restrict__ out) {
+  pdl_begin();
+  extern __shared__ int32_t found[];
+  int32_t* order = found + n_jobs;
+  __shared__ int n_found;
+  const int r = int(blockIdx.x), t = index[r];
+  bool earlier = false;
+  for (int j = int(threadIdx.x); j < n_jobs; j += blockDim.x) {
+    const int2 s = spans[j];
+    int lo = s.x, hi = s.x + s.y;  // first position with index >= t
+    while (lo < hi) {
+      const int mid = (lo + hi) >> 1;
+      if (index[mid] < t) lo = mid + 1;
+      else hi = mid;
+    }
+    const int at = lo < s.x + s.y && index[lo] == t ? lo : -1;
+    found[j] = at;
+    earlier |= at >= 0 && at < r;
+  }
+  if (__syncthreads_or(earlier)) return;  // not the token's first row
+  if (threadIdx.x < 32) {                 // warp 0 lists the found rows in job order
+    int n = 0;
+    for (int j0 = 0; j0 < n_jobs; j0 += 32) {
+      const int j = j0 + int(threadIdx.x);
+      const bool hit = j < n_jobs && found[j] >= 0;
+      const unsigned m = __ballot_sync(0xffffffffu, hit);
+      if (hit) order[n + __popc(m & ((1u << threadIdx.x) - 1u))] = found[j];
+      n += __popc(m);
+    }
+    if (threadIdx.x == 0) n_found = n;
+  }
+  __syncthreads();
+  const int n = n_found;
+  float4* o = out + int64_t(t) * D4;
+  for (int64_t c = threadIdx.x; c < D4; c += blockDim.x) {
+    float4 acc = o[c];
+    for (int k = 0; k < n; ++k) {
+      const float4 v = y[int64_t(order[k]) * D4 + c];
+      acc.x = __fadd_rn(acc.x, v.x);
+      acc.y = __fadd_rn(acc.y, v.y);
+      acc.z = __fadd_rn(acc.z, v.z);
+      acc.w = __fadd_rn(acc.w, v.w);
+    }
+    o[c] = acc;
+  }
+}
+
+template <class T>
+const T* table_at(const GroupedRun& r, size_t off) {
+  return reinterpret_cast<const T*>(r.table + off);
+}
+
+void gemm(const GroupedRun& r, bool swiglu, cudaStream_t st) {
+  const int tiles = swiglu ? r.tables->gate_up_tiles : r.tables->down_tiles;
+  if (tiles == 0) return;
+  static bool configured = false;
+  if (!configured) {
+    VIREO_CUDA_CHECK(
+        cudaFuncSetAttribute(grouped_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)));
+    configured = true;
+  }
+  const auto* a = static_cast<const __nv_bfloat16*>(swiglu ? r.xb : r.h);
+  launch(grouped_gemm_kernel, unsigned(tiles), kThreads, kSmem, st, a, int(swiglu ? r.D : r.I),
+         table_at<JobW>(r, r.tables->jobs_at), table_at<int4>(r, swiglu ? r.tables->gate_up_at : r.tables->down_at),
+         swiglu, r.scale, int(swiglu ? r.I : r.D), swiglu ? r.h : static_cast<void*>(r.y));
+  VIREO_CUDA_LAUNCHED();
+}
+
+}  // namespace
+
+bool grouped_experts_fit(int64_t D, int64_t I, const std::vector<GroupedJob>& jobs) {
+  if (D <= 0 || I <= 0 || D % kTN != 0 || I % (kTN / 2) != 0 || D % kTK != 0 || I % kTK != 0 || D > (1 << 20) ||
+      I > (1 << 20))
+    return false;
+  int64_t rows = 0;
+  for (const GroupedJob& j : jobs) {
+    for (const void* p : {j.gate, j.up, j.down})
+      if (!p || reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+    if (j.rows < 0 || j.row0 != rows) return false;
+    rows += j.rows;
+  }
+  return rows < (int64_t(1) << 30);
+}
+
+GroupedTables grouped_tables(const std::vector<GroupedJob>& jobs, int64_t D, int64_t I) {
+  GroupedTables t;
+  t.n_jobs = int(jobs.size());
+  std::vector<JobW> jw;
+  std::vector<int2> spans;
+  std::vector<int4> gu, dn;
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    const GroupedJob& e = jobs[j];
+    jw.push_back({static_cast<const __nv_bfloat16*>(e.gate), static_cast<const __nv_bfloat16*>(e.up),
+                  static_cast<const __nv_bfloat16*>(e.down)});
+    spans.push_back(make_int2(e.row0, e.rows));
+    // The m-tiles of one column tile adjacent: blocks on the chip together share its weight rows
+    // in L2 (each weight byte comes from DRAM about once per job).
+    for (int64_t n0 = 0; n0 < I; n0 += kTN / 2)
+      for (int64_t m0 = e.row0; m0 < e.row0 + e.rows; m0 += kTM)
+        gu.push_back(make_int4(int(j), int(m0), e.row0 + e.rows, int(n0)));
+    for (int64_t n0 = 0; n0 < D; n0 += kTN)
+      for (int64_t m0 = e.row0; m0 < e.row0 + e.rows; m0 += kTM)
+        dn.push_back(make_int4(int(j), int(m0), e.row0 + e.rows, int(n0)));
+  }
+  t.gate_up_tiles = int(gu.size());
+  t.down_tiles = int(dn.size());
+  auto put = [&](const void* p, size_t bytes) {
+    const size_t off = (t.bytes.size() + 15) / 16 * 16;
+    t.bytes.resize(off + bytes);
+    if (bytes) std::memcpy(t.bytes.data() + off, p, bytes);
+    return off;
+  };
+  t.jobs_at = put(jw.data(), jw.size() * sizeof(JobW));
+  t.spans_at = put(spans.data(), spans.size() * sizeof(int2));
+  t.gate_up_at = put(gu.data(), gu.size() * sizeof(int4));
+  t.down_at = put(dn.data(), dn.size() * sizeof(int4));
+  return t;
+}
+
+void grouped_gather(const GroupedRun& r, cudaStream_t st) {
+  if (r.R == 0) return;
+  launch(grouped_gather_kernel, unsigned(r.R), 256, 0, st, r.x, r.index, r.D, static_cast<__nv_bfloat162*>(r.xb));
+  VIREO_CUDA_LAUNCHED();
+}
+void grouped_gate_up(const GroupedRun& r, cudaStream_t st) { gemm(r, true, st); }
+void grouped_down(const GroupedRun& r, cudaStream_t st) { gemm(r, false, st); }
+
+void grouped_combine(const GroupedRun& r, cudaStream_t st) {
+  if (r.R == 0) return;
+  const int n = r.tables->n_jobs;
+  launch(grouped_combine_kernel, unsigned(r.R), 256, size_t(2 * n) * sizeof(int32_t), st, r.index,
+         table_at<int2>(r, r.tables->spans_at), n, reinterpret_cast<const float4*>(r.y), r.D / 4,
+         reinterpret_cast<float4*>(r.out));
+  VIREO_CUDA_LAUNCHED();
+}
+
+}  // namespace vireo::cuda

@@ -1,0 +1,60 @@
+#pragma once
+// Grouped expert products for prefill in the fast math modes (cuda_grouped.cu): a run of routed
+// experts' SwiGLU MLPs over their gathered rows in three launches for the whole run, instead of
+// four per expert (see experts_add in cuda_backend.cu):
+//   1. the run's rows of x gathered and rounded to bf16 once: xb [R, D];
+//   2. every expert's gate | up on warpgroup MMA, one launch, with silu(gate) * up in the
+//      epilogue (rounded to bf16 for the next product): h [R, I];
+//   3. every expert's down, one launch, each row scaled by its routing weight: y [R, D];
+//   4. the additions into out in job order, one launch (grouped_combine).
+// Rows are numbered from the run's first (index and scale point there); job j owns rows
+// [row0_j, row0_j + rows_j), consecutive, its tokens strictly increasing (moe_group's lists: a
+// token's top-k experts are distinct).
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace vireo::cuda {
+
+// One expert of a grouped run (device pointers to its BF16 weights: gate, up [I, D], down [D, I]).
+struct GroupedJob {
+  const void* gate = nullptr;
+  const void* up = nullptr;
+  const void* down = nullptr;
+  int32_t row0 = 0, rows = 0;
+};
+
+// Shapes and pointers the kernels take: D a multiple of 256, I of 128, weights 16-byte aligned,
+// jobs' rows consecutive from 0.
+bool grouped_experts_fit(int64_t D, int64_t I, const std::vector<GroupedJob>& jobs);
+
+// The device-side tables of a run (jobs, spans, tiles of both products), laid out by
+// grouped_tables into one byte buffer the caller uploads to `table` (grouped_table_bytes).
+struct GroupedTables {
+  std::vector<char> bytes;
+  int n_jobs = 0, gate_up_tiles = 0, down_tiles = 0;
+  size_t jobs_at = 0, spans_at = 0, gate_up_at = 0, down_at = 0;  // byte offsets into bytes
+};
+GroupedTables grouped_tables(const std::vector<GroupedJob>& jobs, int64_t D, int64_t I);
+
+// The four launches above on `st`. table: the uploaded GroupedTables bytes; xb [R, D] and h
+// [R, I] bf16 scratch, y [R, D] f32 scratch; out [*, D] accumulates.
+struct GroupedRun {
+  const float* x = nullptr;
+  const int32_t* index = nullptr;
+  const float* scale = nullptr;
+  int64_t R = 0, D = 0, I = 0;
+  const GroupedTables* tables = nullptr;
+  const char* table = nullptr;
+  void* xb = nullptr;
+  void* h = nullptr;
+  float* y = nullptr;
+  float* out = nullptr;
+};
+void grouped_gather(const GroupedRun& r, cudaStream_t st);
+void grouped_gate_up(const GroupedRun& r, cudaStream_t st);
+void grouped_down(const GroupedRun& r, cudaStream_t st);
+void grouped_combine(const GroupedRun& r, cudaStream_t st);
+
+}  // namespace vireo::cuda
