@@ -759,6 +759,34 @@ TEST(CudaOps, ExpertRowsMatchesComposedOps) {
 #endif
 }
 
+#ifdef VIREO_HAVE_CUDA
+// A run of experts for the experts_add tests: job j has weights of spec[j]'s dtype (gate, up
+// [I, D], down [D, I]) on the host and uploaded, and a strictly increasing list of about spec[j]'s
+// m tokens of N (overlapping between jobs, so a token is in several), all lists one index array.
+struct ExpertRun {
+  std::vector<HostWeight> hw;
+  std::vector<Weight> gw;
+  std::vector<int32_t> index;
+  std::vector<Backend::ExpertJob> cpu_jobs, gpu_jobs;
+  ExpertRun(Backend& gpu, int64_t D, int64_t I, int64_t N, const std::vector<std::pair<DType, int64_t>>& spec,
+            uint32_t seed) {
+    hw.reserve(3 * spec.size());
+    for (size_t j = 0; j < spec.size(); ++j) {
+      for (int k = 0; k < 3; ++k)
+        hw.push_back(make_weight(spec[j].first, k == 2 ? D : I, k == 2 ? I : D, uint32_t(seed + 3 * j + size_t(k))));
+      const int64_t at = int64_t(index.size());
+      for (int64_t i = 0; i < spec[j].second; ++i) index.push_back(int32_t((i * 13 + int64_t(j) * 7) % N));
+      std::sort(index.begin() + at, index.end());
+      index.erase(std::unique(index.begin() + at, index.end()), index.end());
+      cpu_jobs.push_back({&hw[3 * j].w, &hw[3 * j + 1].w, &hw[3 * j + 2].w, at, int64_t(index.size()) - at});
+    }
+    for (HostWeight& h : hw) gw.push_back(gpu.upload_weight(h.w));
+    for (size_t j = 0; j < spec.size(); ++j)
+      gpu_jobs.push_back({&gw[3 * j], &gw[3 * j + 1], &gw[3 * j + 2], cpu_jobs[j].at, cpu_jobs[j].m});
+  }
+};
+#endif
+
 // A run of experts added into one output: CUDA computes the jobs concurrently on side streams
 // and adds them in job order on its own stream, so the result equals job-by-job calls bit for bit
 // (including a token routed to several experts: the order of its additions is what is checked),
@@ -770,30 +798,18 @@ TEST(CudaOps, ExpertsAddConcurrentEqualsSerial) {
   // I = 128: FP8 experts take the FP8 x FP8 path in fast-fp8 (both dims >= 128), where a lane's
   // down product writes its padded height in place (m = 9, 137) but the serial run copies m rows.
   const int64_t D = 256, I = 128, N = 300;
-  struct Job { DType dt; int64_t m; };
-  const std::vector<Job> spec = {{DType::BF16, 137}, {DType::BF16, 3}, {DType::F8_E4M3, 40}, {DType::BF16, 300},
-                                 {DType::BF16, 20}, {DType::F8_E4M3, 9}, {DType::BF16, 64}, {DType::F8_E4M3, 137}};
-  std::vector<HostWeight> hw;
-  std::vector<Weight> gw;
-  std::vector<int32_t> index;
-  std::vector<Backend::ExpertJob> cpu_jobs, gpu_jobs;
-  hw.reserve(3 * spec.size());
-  for (size_t j = 0; j < spec.size(); ++j) {
-    for (int k = 0; k < 3; ++k)
-      hw.push_back(make_weight(spec[j].dt, k == 2 ? D : I, k == 2 ? I : D, uint32_t(200 + 3 * j + size_t(k))));
-    const int64_t at = int64_t(index.size());
-    for (int64_t i = 0; i < spec[j].m; ++i) index.push_back(int32_t((i * 13 + int64_t(j) * 7) % N));
-    std::sort(index.begin() + at, index.end());
-    index.erase(std::unique(index.begin() + at, index.end()), index.end());
-    cpu_jobs.push_back({nullptr, nullptr, nullptr, at, int64_t(index.size()) - at});
-  }
-  for (HostWeight& h : hw) gw.push_back(p.gpu->upload_weight(h.w));
-  for (size_t j = 0; j < spec.size(); ++j) {
-    cpu_jobs[j].gate = &hw[3 * j].w;
-    cpu_jobs[j].up = &hw[3 * j + 1].w;
-    cpu_jobs[j].down = &hw[3 * j + 2].w;
-    gpu_jobs.push_back({&gw[3 * j], &gw[3 * j + 1], &gw[3 * j + 2], cpu_jobs[j].at, cpu_jobs[j].m});
-  }
+  const ExpertRun er(*p.gpu, D, I, N,
+                     {{DType::BF16, 137},
+                      {DType::BF16, 3},
+                      {DType::F8_E4M3, 40},
+                      {DType::BF16, 300},
+                      {DType::BF16, 20},
+                      {DType::F8_E4M3, 9},
+                      {DType::BF16, 64},
+                      {DType::F8_E4M3, 137}},
+                     200);
+  const std::vector<int32_t>& index = er.index;
+  const std::vector<Backend::ExpertJob>&cpu_jobs = er.cpu_jobs, &gpu_jobs = er.gpu_jobs;
   const auto x = randv(size_t(N * D), 301), scale = randv(index.size(), 302), out0 = randv(size_t(N * D), 303);
   std::vector<float> want(out0), xs(size_t(N * D)), g(size_t(N * I)), u(size_t(N * I)), y(size_t(N * D));
   p.cpu->experts_add(x.data(), index.data(), scale.data(), cpu_jobs.data(), int(cpu_jobs.size()), xs.data(), g.data(),
@@ -838,24 +854,11 @@ TEST(CudaOps, GroupedExpertsMatchLanesAndCpu) {
   };
   for (const Shape sh : {Shape{256, 128}, Shape{2048, 1024}}) {
     const int64_t D = sh.D, I = sh.I, N = 600;
-    const std::vector<int64_t> ms = {137, 3, 1, 600, 20, 129, 64, 255, 400, 300};
-    std::vector<HostWeight> hw;
-    std::vector<Weight> gw;
-    std::vector<int32_t> index;
-    std::vector<Backend::ExpertJob> cpu_jobs, gpu_jobs;
-    hw.reserve(3 * ms.size());
-    for (size_t j = 0; j < ms.size(); ++j) {
-      for (int k = 0; k < 3; ++k)
-        hw.push_back(make_weight(DType::BF16, k == 2 ? D : I, k == 2 ? I : D, uint32_t(400 + 3 * j + size_t(k))));
-      const int64_t at = int64_t(index.size());
-      for (int64_t i = 0; i < ms[j]; ++i) index.push_back(int32_t((i * 13 + int64_t(j) * 7) % N));
-      std::sort(index.begin() + at, index.end());
-      index.erase(std::unique(index.begin() + at, index.end()), index.end());
-      cpu_jobs.push_back({&hw[3 * j].w, &hw[3 * j + 1].w, &hw[3 * j + 2].w, at, int64_t(index.size()) - at});
-    }
-    for (HostWeight& h : hw) gw.push_back(p.gpu->upload_weight(h.w));
-    for (size_t j = 0; j < ms.size(); ++j)
-      gpu_jobs.push_back({&gw[3 * j], &gw[3 * j + 1], &gw[3 * j + 2], cpu_jobs[j].at, cpu_jobs[j].m});
+    std::vector<std::pair<DType, int64_t>> spec;
+    for (int64_t m : {137, 3, 1, 600, 20, 129, 64, 255, 400, 300}) spec.push_back({DType::BF16, m});
+    const ExpertRun er(*p.gpu, D, I, N, spec, 400);
+    const std::vector<int32_t>& index = er.index;
+    const std::vector<Backend::ExpertJob>&cpu_jobs = er.cpu_jobs, &gpu_jobs = er.gpu_jobs;
     const auto x = randv(size_t(N * D), 501), scale = randv(index.size(), 502), out0 = randv(size_t(N * D), 503);
     std::vector<float> want(out0), xs(size_t(N * D)), g(size_t(N * I)), u(size_t(N * I)), y(size_t(N * D));
     p.cpu->experts_add(x.data(), index.data(), scale.data(), cpu_jobs.data(), int(cpu_jobs.size()), xs.data(), g.data(),
