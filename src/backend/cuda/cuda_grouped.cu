@@ -122,6 +122,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int c = tid & 7, lr = tid >> 3;
   const uint32_t soff = uint32_t(lr * 128 + ((c ^ (lr & 7)) << 4));
   const int4 t = tiles[blockIdx.x];
+  // A warpgroup whose 64 rows are all past the job (an expert's last tile of <= 64 rows) skips
+  // its MMAs; it still loads and waits with the other.
+  const bool active = t.y + wgi * 64 < t.z;
   TileLoads ld;
   ld.at(a, K, jobs[t.x], t, swiglu, lr, c);
   const int KT = K / kTK;
@@ -143,12 +146,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     cp_async_commit();
     const uint32_t st = sbase + uint32_t(kt % kStages) * kStageBytes;
     const uint64_t da = gmma_desc(st + uint32_t(wgi * 64 * 128), 16, 1024), db = gmma_desc(st + kABytes, 16, 1024);
-    pin(d);
-    wgmma_fence();
+    if (active) {  // (the wait stays outside: inside a branch, ptxas serializes every wgmma, C7518)
+      pin(d);
+      wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kTK / 16; ++kk)
-      wgmma_ss_m64n256(d, da + desc_off(uint32_t(kk * 32)), db + desc_off(uint32_t(kk * 32)), 1);
-    wgmma_commit();
+      for (int kk = 0; kk < kTK / 16; ++kk)
+        wgmma_ss_m64n256(d, da + desc_off(uint32_t(kk * 32)), db + desc_off(uint32_t(kk * 32)), 1);
+      wgmma_commit();
+    }
     wgmma_wait<1>();  // step kt - 1's MMA is done: its stage may be refilled after the next barrier
     pin(d);
   }
