@@ -77,12 +77,13 @@ uint64_t estimate_backend_bytes(const GlmDsaConfig& c, int64_t T, bool fp8_weigh
   // weight's bf16 copy in exact mode.
   const int64_t lane_rows = (T + 3) / 4 * 4 * (3 * D + 6 * I + 2 * std::max(D, I)) * 4;
   const int64_t lane = lane_ws + lane_rows + (fp8_weights && T ? std::min(chunk, I * D * 4) : 0);
-  // Or, in the fast modes with BF16 experts, the grouped products' chunk (cuda_grouped.h) in
-  // their place: gathered x and SwiGLU output in bf16, the scaled down rows in f32, for up to
-  // kGroupedRows routed rows (or one expert's T). A run takes one path or the other.
+  // And, in the fast modes with BF16 experts, the grouped products' chunk (cuda_grouped.h):
+  // gathered x and SwiGLU output in bf16, the scaled down rows in f32, for up to kGroupedRows
+  // routed rows (or one expert's T). A run takes one path or the other, but one process may take
+  // both (short prompts grouped, long ones with many rows an expert on the lanes).
   const int64_t grouped_rows = std::min(T * c.experts_per_token, std::max(CudaBufferSizes::kGroupedRows, T));
   const int64_t grouped = grouped_rows * (6 * D + 2 * I);
-  return uint64_t(main + (c.n_routed_experts > 0 ? std::max(lanes * lane, grouped) : 0));
+  return uint64_t(main + (c.n_routed_experts > 0 ? lanes * lane + grouped : 0));
 }
 
 int64_t step_tokens_for(int64_t chunk, int64_t context, int64_t batch) {

@@ -67,8 +67,8 @@ MemoryPlan plan_for(const Checkpoint& ck, const GlmDsaConfig& c, uint64_t budget
 // op) rather than the CPU's. An upper bound of what the step allocates.
 uint64_t estimate_scratch_bytes(const GlmDsaConfig& c, int64_t T, int64_t out_rows, int64_t n_keys, bool device);
 // The CUDA backend's own buffers for steps of T tokens (an upper bound): conversions of product
-// inputs, FP8 weight copies (exact mode), and experts_add's 4 side lanes (workspace and rows) or
-// its grouped products' chunk (the fast modes), whichever is larger.
+// inputs, FP8 weight copies (exact mode), experts_add's 4 side lanes (workspace and rows) and
+// its grouped products' chunk (the fast modes).
 uint64_t estimate_backend_bytes(const GlmDsaConfig& c, int64_t T, bool fp8_weights);
 // The largest step of a command feeding prompts in chunks of `chunk` tokens (a chunk may share
 // a step with the other batch - 1 rows' decode tokens), for `batch` sequences of `context`.

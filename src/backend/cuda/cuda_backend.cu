@@ -1487,7 +1487,9 @@ class CudaBackend final : public Backend {
   // VIREO_GROUPED=0 runs them on the side lanes instead (A/B runs).
   bool grouped_on_ = env_switch("VIREO_GROUPED");
   int64_t grouped_rows_ = CudaBufferSizes::kGroupedRows;  // rows a chunk (tests set fewer)
-  int64_t grouped_max_mean_rows_ = [] {                   // runs with more rows per expert take the lanes
+  // Runs with more rows an expert on average take the lanes (VIREO_GROUPED_MAX_ROWS=N sets the
+  // limit, for A/B runs).
+  int64_t grouped_max_mean_rows_ = [] {
     const char* e = std::getenv("VIREO_GROUPED_MAX_ROWS");
     return e ? std::atoll(e) : int64_t(1024);
   }();
