@@ -831,6 +831,7 @@ class CudaBackend final : public Backend {
     if (!grouped_on_ || !fast_math() || n < 2) return false;
     const int64_t D = jobs[0].gate->in(), I = jobs[0].gate->out(), at0 = jobs[0].at;
     std::vector<GroupedJob> all;
+    int64_t total = 0;
     for (int j = 0; j < n; ++j) {
       const ExpertJob& e = jobs[j];
       const DevW wg = devw(*e.gate), wu = devw(*e.up), wd = devw(*e.down);
@@ -839,11 +840,10 @@ class CudaBackend final : public Backend {
           e.m >= (int64_t(1) << 30))
         return false;
       all.push_back({wg.w, wu.w, wd.w, int32_t(e.at - at0), int32_t(e.m)});
+      total += e.m;
     }
     // Experts of many rows each fill the SMs one at a time: cuBLASLt's kernels on the side lanes
     // are faster there (measured: 2048 rows an expert, lanes ahead; 256, grouped ahead).
-    int64_t total = 0;
-    for (const GroupedJob& e : all) total += e.rows;
     if (total > grouped_max_mean_rows_ * n) return false;
     if (!grouped_experts_fit(D, I, all) || reinterpret_cast<uintptr_t>(x) % 16 != 0 ||
         reinterpret_cast<uintptr_t>(out) % 16 != 0)

@@ -1,7 +1,7 @@
 #pragma once
 // Grouped expert products for prefill in the fast math modes (cuda_grouped.cu): a run of routed
-// experts' SwiGLU MLPs over their gathered rows in three launches for the whole run, instead of
-// four per expert (see experts_add in cuda_backend.cu):
+// experts' SwiGLU MLPs over their gathered rows in four launches for the whole run, instead of
+// ~5 per expert on the side lanes (see experts_add in cuda_backend.cu):
 //   1. the run's rows of x gathered and rounded to bf16 once: xb [R, D];
 //   2. every expert's gate | up on warpgroup MMA, one launch, with silu(gate) * up in the
 //      epilogue (rounded to bf16 for the next product): h [R, I];
@@ -30,7 +30,7 @@ struct GroupedJob {
 bool grouped_experts_fit(int64_t D, int64_t I, const std::vector<GroupedJob>& jobs);
 
 // The device-side tables of a run (jobs, spans, tiles of both products), laid out by
-// grouped_tables into one byte buffer the caller uploads to `table` (grouped_table_bytes).
+// grouped_tables into one byte buffer the caller uploads (GroupedRun::table).
 struct GroupedTables {
   std::vector<char> bytes;
   int n_jobs = 0, gate_up_tiles = 0, down_tiles = 0;
