@@ -477,6 +477,54 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, CudaDeviceStoreFixture,
                          ::testing::Values("glm_dsa_full_f32", "glm_dsa_shared_f32", "glm_dsa_bf16", "glm_dsa_fp8",
                                            "dsv32_f32"));
 
+// The fast modes' grouped expert products inside the model: the tiny GLM-5-shaped checkpoint (D
+// 512, I 256, 64 experts, 8 a token: ~25 rows an expert at 200 tokens) resident, and streamed
+// through 2 device slots a layer (runs of 2 experts, cut by misses). Prefill logits of the rows
+// before the indexer's top-k limit (past it, a DSA selection at a near-tie flips with any change
+// of rounding: all 200 rows measured 0.26 max row rel L2 between the two paths, session 11 call
+// 10, as CudaFixture.FastMathWithinStatedTolerance found) against the CPU and the side lanes.
+TEST(CudaDeviceStore, FastPrefillGroupedExpertsMatchLanes) {
+  REQUIRE_CUDA();
+#ifdef VIREO_HAVE_CUDA
+  const std::string dir = tiny().dir.str();
+  std::vector<int32_t> ids(200);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t(i * 7 % 1000);
+  auto cpu = make_cpu_backend();
+  auto ref_model = GlmDsaModel::load(dir, *cpu);
+  const int64_t V = ref_model->config().vocab_size;
+  const int64_t rows = std::min<int64_t>(int64_t(ids.size()), ref_model->config().index_topk);
+  const std::vector<float> want = prefill_logits(*ref_model, *cpu, ids);
+  auto be = make_cuda_backend();
+  cuda_set_gemm_mode(*be, CudaGemmMode::Bf16);
+  auto resident = GlmDsaModel::load(dir, *be);
+  cuda_set_grouped_experts(*be, false);
+  const std::vector<float> lanes = prefill_logits(*resident, *be, ids);
+  cuda_set_grouped_experts(*be, true);
+  auto grouped = [&](GlmDsaModel& m) {
+    cuda_set_profile(*be, true);
+    std::vector<float> out = prefill_logits(m, *be, ids);
+    const std::string report = cuda_profile_report(*be, 1.0);
+    cuda_set_profile(*be, false);
+    EXPECT_NE(report.find("grouped experts: down"), std::string::npos) << report;
+    return out;
+  };
+  auto err = [&](const std::vector<float>& a, const std::vector<float>& b) {
+    return max_row_rel_l2(a.data(), b.data(), rows, V);
+  };
+  const std::vector<float> got = grouped(*resident);
+  auto streamed = load_device(dir, *be, make_cuda_transfer_link(*be), {2, 0});
+  const std::vector<float> got_streamed = grouped(*streamed);
+  std::printf("first %lld rows, max row rel L2: lanes vs CPU %.2e, grouped vs CPU %.2e, grouped vs lanes %.2e, "
+              "grouped with 2 slots a layer vs CPU %.2e\n",
+              (long long)rows, err(lanes, want), err(got, want), err(got, lanes), err(got_streamed, want));
+  EXPECT_LE(err(got, want), 2e-2);
+  EXPECT_LE(err(got, lanes), 2e-2);
+  EXPECT_GT(err(got, lanes), 0.0) << "the two paths gave the same bits: was the grouped one taken?";
+  EXPECT_LE(err(got_streamed, want), 2e-2);
+  cuda_set_gemm_mode(*be, CudaGemmMode::Split);
+#endif
+}
+
 TEST(CudaDeviceStore, PlanMatchesDeviceAllocationsWithin5Percent) {
   REQUIRE_CUDA();
 #ifdef VIREO_HAVE_CUDA
