@@ -1,6 +1,7 @@
 #pragma once
 // Helpers shared by the fixture suites (CPU and CUDA): comparing logits and running a model over
 // a token sequence in either attention path.
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -9,9 +10,9 @@
 
 namespace vireo::test {
 
-// Worst relative L2 error over rows (positions); infinite if anything is not finite.
-inline double max_row_rel_l2(const float* got, const float* want, int64_t T, int64_t V) {
-  double worst = 0;
+// Relative L2 error of each row (position); infinite where a row is not finite.
+inline std::vector<double> row_rel_l2(const float* got, const float* want, int64_t T, int64_t V) {
+  std::vector<double> out(static_cast<size_t>(T));
   for (int64_t t = 0; t < T; ++t) {
     double num = 0, den = 0;
     for (int64_t v = 0; v < V; ++v) {
@@ -19,10 +20,24 @@ inline double max_row_rel_l2(const float* got, const float* want, int64_t T, int
       num += d * d;
       den += double(want[t * V + v]) * want[t * V + v];
     }
-    if (!std::isfinite(num)) return INFINITY;
-    worst = std::max(worst, std::sqrt(num / std::max(den, 1e-30)));
+    out[size_t(t)] = std::isfinite(num) ? std::sqrt(num / std::max(den, 1e-30)) : INFINITY;
   }
+  return out;
+}
+
+// Worst relative L2 error over rows (positions); infinite if anything is not finite.
+inline double max_row_rel_l2(const float* got, const float* want, int64_t T, int64_t V) {
+  double worst = 0;
+  for (double e : row_rel_l2(got, want, T, V)) worst = std::max(worst, e);
   return worst;
+}
+
+// Mean relative L2 error over rows: the typical row, where one flipped routing decision at a
+// near-tie would dominate the worst.
+inline double mean_row_rel_l2(const float* got, const float* want, int64_t T, int64_t V) {
+  double sum = 0;
+  for (double e : row_rel_l2(got, want, T, V)) sum += e;
+  return T > 0 ? sum / double(T) : 0;
 }
 
 // Teacher-forced logits [T, vocab]: the whole sequence at once (reconstructed attention) or one

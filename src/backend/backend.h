@@ -196,22 +196,41 @@ class Backend {
   }
   // A run of routed experts of one grouped MoE pass, each added into out in the order given:
   //   for each job j, for i in [at_j, at_j + m_j): out[index[i]] += scale[i] * expert_j(x[index[i]])
-  // (index, scale: moe_group's token_of, weight_of). The default runs expert_rows then
-  // scatter_add_rows per job on y [max m, D]; a backend may compute the jobs' rows concurrently
-  // into buffers of its own, as long as the additions into out keep this order.
+  // (index, scale: moe_group's token_of, weight_of). A dense job (only ever the last: a layer's
+  // shared expert, which the oracle adds after the routed ones) takes every row of x instead:
+  //   for t in [0, m): out[t] += expert(x[t])
+  // The default runs expert_rows then scatter_add_rows per job on y [max m, D], and a dense job
+  // as the composed MLP then add; g and u (u >= g + m I) hold any job's gate and up. A backend
+  // may compute the jobs' rows concurrently into buffers of its own, as long as the additions
+  // into out keep this order.
   struct ExpertJob {
     const Weight* gate = nullptr;
     const Weight* up = nullptr;
     const Weight* down = nullptr;
     int64_t at = 0, m = 0;
+    bool dense = false;
   };
   virtual void experts_add(const float* x, const int32_t* index, const float* scale, const ExpertJob* jobs, int n,
                            float* xs, float* g, float* u, float* y, float* out) {
     for (int j = 0; j < n; ++j) {
       const ExpertJob& e = jobs[j];
+      if (e.dense) {
+        dense_expert_add(x, e, g, u, y, out);
+        continue;
+      }
       expert_rows(x, index + e.at, e.m, *e.gate, *e.up, *e.down, xs, g, u, y);
       scatter_add_rows(out, index + e.at, scale + e.at, y, e.m, e.gate->in());
     }
+  }
+  // out[t] += down(silu(gate(x[t])) * up(x[t])) for t < e.m: the ops, in order, of a model's
+  // dense MLP followed by an add, so a shared expert gives the same bits in or out of a run.
+  void dense_expert_add(const float* x, const ExpertJob& e, float* g, float* u, float* y, float* out) {
+    const Weight* ws[2] = {e.gate, e.up};
+    float* ys[2] = {g, u};
+    matmul_many(x, e.m, ws, ys, 2);
+    swiglu(g, u, g, e.m * e.gate->out());
+    matmul(g, e.m, *e.down, y);
+    add(out, y, e.m * e.gate->in());
   }
   // rows[i] = x[index[i]]                                          x [*, n], rows [m, n]
   virtual void gather_rows(const float* x, const int32_t* index, int64_t m, int64_t n, float* rows) = 0;

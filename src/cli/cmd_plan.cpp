@@ -79,10 +79,12 @@ uint64_t estimate_backend_bytes(const GlmDsaConfig& c, int64_t T, bool fp8_weigh
   const int64_t lane = lane_ws + lane_rows + (fp8_weights && T ? std::min(chunk, I * D * 4) : 0);
   // And, in the fast modes with BF16 experts, the grouped products' chunk (cuda_grouped.h):
   // gathered x and SwiGLU output in bf16, the scaled down rows in f32, for up to kGroupedRows
-  // routed rows (or one expert's T). A run takes one path or the other, but one process may take
-  // both (short prompts grouped, long ones with many rows an expert on the lanes).
-  const int64_t grouped_rows = std::min(T * c.experts_per_token, std::max(CudaBufferSizes::kGroupedRows, T));
-  const int64_t grouped = grouped_rows * (6 * D + 2 * I);
+  // rows (or one expert's T): the routed rows and the shared expert's T, with an index and a
+  // scale each. A run takes one path or the other, but one process may take both (short prompts
+  // grouped, long ones with many rows an expert on the lanes).
+  const int64_t run_rows = T * (c.experts_per_token + (c.n_shared_experts > 0 ? 1 : 0));
+  const int64_t grouped_rows = std::min(run_rows, std::max(CudaBufferSizes::kGroupedRows, T));
+  const int64_t grouped = grouped_rows * (6 * D + 2 * I + 8);
   return uint64_t(main + (c.n_routed_experts > 0 ? lanes * lane + grouped : 0));
 }
 

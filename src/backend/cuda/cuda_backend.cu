@@ -794,11 +794,17 @@ class CudaBackend final : public Backend {
     cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
     VIREO_CUDA_CHECK(cudaStreamIsCapturing(stream_, &cs));
     if (cs == cudaStreamCaptureStatusNone && grouped_experts_add(x, index, scale, jobs, n, out)) return;
-    if (n < 2 || prof_.on() || cs != cudaStreamCaptureStatusNone || mode_ == CudaGemmMode::Simt)
+    // A dense last job (the shared expert) that the grouped products did not take runs after
+    // the routed ones, on this stream, as the composed ops.
+    const ExpertJob* dense = n > 0 && jobs[n - 1].dense ? &jobs[n - 1] : nullptr;
+    const int routed = dense ? n - 1 : n;
+    if (dense && cs == cudaStreamCaptureStatusNone && grouped_experts_add(x, index, scale, jobs, routed, out))
+      return dense_expert_add(x, *dense, g, u, y, out);
+    if (routed < 2 || prof_.on() || cs != cudaStreamCaptureStatusNone || mode_ == CudaGemmMode::Simt)
       return Backend::experts_add(x, index, scale, jobs, n, xs, g, u, y, out);
     if (!lanes_ready_) make_lanes();
     VIREO_CUDA_CHECK(cudaEventRecord(inputs_ready_, stream_));
-    for (int j = 0; j < n; ++j) {
+    for (int j = 0; j < routed; ++j) {
       const ExpertJob& e = jobs[j];
       Lane& L = lanes_[size_t(j % kLanes)];
       const int64_t D = e.gate->in(), I = e.gate->out();
@@ -819,6 +825,7 @@ class CudaBackend final : public Backend {
       scatter_add_rows(out, index + e.at, scale + e.at, rows, e.m, D);
       VIREO_CUDA_CHECK(cudaEventRecord(L.consumed, stream_));
     }
+    if (dense) dense_expert_add(x, *dense, g, u, y, out);
   }
   // The fast modes' BF16 experts as grouped products (cuda_grouped.h): a few launches for the
   // whole run instead of ~5 per expert on the side lanes. The run goes in chunks of consecutive
@@ -831,15 +838,17 @@ class CudaBackend final : public Backend {
     if (!grouped_on_ || !fast_math() || n < 2) return false;
     const int64_t D = jobs[0].gate->in(), I = jobs[0].gate->out(), at0 = jobs[0].at;
     std::vector<GroupedJob> all;
-    int64_t total = 0;
+    int64_t total = 0, dense_rows = 0;
     for (int j = 0; j < n; ++j) {
       const ExpertJob& e = jobs[j];
       const DevW wg = devw(*e.gate), wu = devw(*e.up), wd = devw(*e.down);
       const bool bf16 = wg.dt == W_BF16 && wu.dt == W_BF16 && wd.dt == W_BF16;
       if (!bf16 || wg.in != D || wg.out != I || wu.in != D || wu.out != I || wd.in != I || wd.out != D || e.m < 0 ||
-          e.m >= (int64_t(1) << 30))
+          e.m >= (int64_t(1) << 30) || (e.dense && j != n - 1) || (!e.dense && e.at - at0 != total))
         return false;
-      all.push_back({wg.w, wu.w, wd.w, int32_t(e.at - at0), int32_t(e.m)});
+      // A dense job's rows follow the routed ones: their index and scale are made per chunk.
+      if (e.dense) dense_rows = e.m;
+      all.push_back({wg.w, wu.w, wd.w, int32_t(total), int32_t(e.m)});
       total += e.m;
     }
     // Experts of many rows each fill the SMs one at a time: cuBLASLt's kernels on the side lanes
@@ -868,6 +877,14 @@ class CudaBackend final : public Backend {
       r.x = x;
       r.index = index + at0 + base;
       r.scale = scale + at0 + base;
+      if (dense_rows > 0 && j0 == all.size()) {
+        // The chunk holds the dense job: its rows' index and scale (t, 1) after the routed ones'.
+        int32_t* ri = grouped_index_.get<int32_t>(size_t(rows));
+        float* rs = grouped_scale_.get<float>(size_t(rows));
+        grouped_dense_rows(r.index, r.scale, rows - dense_rows, rows, ri, rs, stream_);
+        r.index = ri;
+        r.scale = rs;
+      }
       r.R = rows;
       r.D = D;
       r.I = I;
@@ -1494,6 +1511,7 @@ class CudaBackend final : public Backend {
     return e ? std::atoll(e) : int64_t(1024);
   }();
   Scratch grouped_xb_, grouped_h_, grouped_y_, grouped_table_;  // grouped_experts_add's chunk buffers
+  Scratch grouped_index_, grouped_scale_;                       // a chunk's index and scale, when it holds a dense job
   int64_t fp8_chunk_bytes_ = int64_t(CudaBufferSizes::kFp8ChunkBytes);
   OpProfiler prof_;
   std::vector<std::shared_ptr<char>> owned_;

@@ -177,6 +177,18 @@ __global__ void grouped_gather_kernel(const float* __restrict__ x, const int32_t
   }
 }
 
+// A chunk's index and scale when its last job is dense (every token, scale 1: a shared
+// expert): the routed rows' entries copied, then (t, 1) for t < rows - routed.
+__global__ void grouped_dense_rows_kernel(const int32_t* __restrict__ index, const float* __restrict__ scale,
+                                          int64_t routed, int64_t rows, int32_t* __restrict__ index_out,
+                                          float* __restrict__ scale_out) {
+  pdl_begin();
+  for (int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; r < rows; r += int64_t(gridDim.x) * blockDim.x) {
+    index_out[r] = r < routed ? index[r] : int32_t(r - routed);
+    scale_out[r] = r < routed ? scale[r] : 1.0f;
+  }
+}
+
 // out[t] += y rows of token t in job order (y already scaled): the same roundings, in the same
 // order, as one scatter_add_rows per job. Block r: row r's token t; the block of t's first row
 // (the lowest job holding t: rows are numbered job by job) does the additions, the others leave.
@@ -304,6 +316,13 @@ GroupedTables grouped_tables(const std::vector<GroupedJob>& jobs, int64_t D, int
 void grouped_gather(const GroupedRun& r, cudaStream_t st) {
   if (r.R == 0) return;
   launch(grouped_gather_kernel, unsigned(r.R), 256, 0, st, r.x, r.index, r.D, static_cast<__nv_bfloat162*>(r.xb));
+  VIREO_CUDA_LAUNCHED();
+}
+void grouped_dense_rows(const int32_t* index, const float* scale, int64_t routed, int64_t rows, int32_t* index_out,
+                        float* scale_out, cudaStream_t st) {
+  if (rows <= 0) return;
+  launch(grouped_dense_rows_kernel, unsigned(std::min<int64_t>((rows + 255) / 256, 1024)), 256, 0, st, index, scale,
+         routed, rows, index_out, scale_out);
   VIREO_CUDA_LAUNCHED();
 }
 void grouped_gate_up(const GroupedRun& r, cudaStream_t st) { gemm(r, true, st); }

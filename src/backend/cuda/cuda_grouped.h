@@ -9,7 +9,7 @@
 //   4. the additions into out in job order, one launch (grouped_combine).
 // Rows are numbered from the run's first (index and scale point there); job j owns rows
 // [row0_j, row0_j + rows_j), consecutive, its tokens strictly increasing (moe_group's lists: a
-// token's top-k experts are distinct).
+// token's top-k experts are distinct; a dense job, the shared expert, lists every token once).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -52,6 +52,10 @@ struct GroupedRun {
   float* y = nullptr;
   float* out = nullptr;
 };
+// index_out, scale_out [rows]: index, scale [routed] then (t, 1) for each t < rows - routed, the
+// rows of a dense last job (a shared expert: every token, unscaled).
+void grouped_dense_rows(const int32_t* index, const float* scale, int64_t routed, int64_t rows, int32_t* index_out,
+                        float* scale_out, cudaStream_t st);
 void grouped_gather(const GroupedRun& r, cudaStream_t st);
 void grouped_gate_up(const GroupedRun& r, cudaStream_t st);
 void grouped_down(const GroupedRun& r, cudaStream_t st);

@@ -713,17 +713,21 @@ void GlmDsaModel::moe_grouped(int layer, const float* xn, int64_t N, const int32
   backend_.fill(out, 0.0f, N * D);
   float* xs = scratch(22, size_t(N * D));
   // gate and up in one buffer, up after gate: a backend may run the two products as one batch.
-  float* g = scratch(23, size_t(2 * N * I));
-  float* u = g + N * I;
+  const int64_t gu_width = L.has_shared ? std::max(I, L.shared.gate.out()) : I;
+  float* g = scratch(23, size_t(2 * N * gu_width));
+  float* u = g + N * gu_width;
   float* y = scratch(25, size_t(N * D));
   auto run_expert = [&](const ExpertWeights* e, int expert, float* rows) {
     const int64_t at = offsets[size_t(expert)], m = offsets[size_t(expert) + 1] - at;
     backend_.expert_rows(xn, token_of + at, m, e->gate, e->up, e->down, xs, g, u, rows);
   };
-  // The shared expert runs first, into its own buffer, while the first routed experts are still
-  // on their way to a streaming store; it is added last, as the oracle sums: routed experts in
-  // ascending id order, then the shared expert.
-  float* shared = L.has_shared ? scratch(26, size_t(N * D)) : nullptr;
+  // The shared expert is added last, as the oracle sums: routed experts in ascending id order,
+  // then the shared expert. With every expert resident it is the last (dense) job of the last
+  // run, which a backend may compute with the routed ones (CUDA's grouped products). A streaming
+  // store runs it first instead, into its own buffer, while the first routed experts are still
+  // on their way. The same ops either way (Backend::dense_expert_add), so the same bits.
+  const bool shared_in_run = L.has_shared && experts_->bank(layer) != nullptr && !prepared;
+  float* shared = L.has_shared && !shared_in_run ? scratch(26, size_t(N * D)) : nullptr;
   // A streaming store may hold fewer experts than the union: ask for it in chunks, in expert
   // order. Experts already in memory that come after one still loading run first, their rows
   // kept (up to max(N, 64) rows) until their turn in the ascending-order sum; the others run as
@@ -776,7 +780,13 @@ void GlmDsaModel::moe_grouped(int layer, const float* xn, int64_t N, const int32
       experts_->await(i);
       run.push_back({&ew[i]->gate, &ew[i]->up, &ew[i]->down, at, m});
     }
+    if (shared_in_run && c0 + n >= used.size())
+      run.push_back({&L.shared.gate, &L.shared.up, &L.shared.down, 0, N, true});
     flush();
+  }
+  if (shared_in_run && used.empty()) {
+    const Backend::ExpertJob dense{&L.shared.gate, &L.shared.up, &L.shared.down, 0, N, true};
+    backend_.experts_add(xn, token_of, weight_of, &dense, 1, xs, g, u, y, out);
   }
   if (shared) {
     if (used.empty()) mlp(L.shared, xn, N, shared, kMoeMlpSlot);
