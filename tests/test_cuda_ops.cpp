@@ -55,9 +55,11 @@ TEST(CudaOps, MatmulAllDtypesAndShapes) {
   for (DType dt : {DType::F32, DType::BF16, DType::F16, DType::F8_E4M3})
     // 4098 x 512 and x 1152: one token runs two rows per warp (large matrices; FP8 by 4-byte
     // words, 1152 = 9 words a lane: one unrolled pass and a tail), 300 x 520 the fallback.
-    // 200 x 400: rows ending in a 16-element piece of a 128-element FP8 scale block.
+    // 200 x 400: rows ending in a 16-element piece of a 128-element FP8 scale block. 16, 32 and 7
+    // rows of 512, 256, 384 (routers): BF16 and F32 with more than 8 tokens on CUDA cores, a warp
+    // per 4 or 2 tokens (70: a partial last warp).
     for (Shape s : {Shape{300, 520}, Shape{256, 1024}, Shape{1000, 384}, Shape{4098, 512}, Shape{4098, 1152},
-                    Shape{200, 400}})
+                    Shape{200, 400}, Shape{16, 512}, Shape{32, 256}, Shape{7, 384}})
       for (int64_t T : {1, 3, 8, 9, 70}) {
         HostWeight hw = make_weight(dt, s.out, s.in, uint32_t(s.out * 7 + T));
         auto x = randv(size_t(T * s.in), uint32_t(T * 13 + s.in));
@@ -784,6 +786,14 @@ struct ExpertRun {
     for (size_t j = 0; j < spec.size(); ++j)
       gpu_jobs.push_back({&gw[3 * j], &gw[3 * j + 1], &gw[3 * j + 2], cpu_jobs[j].at, cpu_jobs[j].m});
   }
+  // The last job made dense (a shared expert: every one of the N rows, unscaled).
+  void last_dense(int64_t N) {
+    for (auto* jobs : {&cpu_jobs, &gpu_jobs}) {
+      jobs->back().dense = true;
+      jobs->back().at = 0;
+      jobs->back().m = N;
+    }
+  }
 };
 #endif
 
@@ -855,8 +865,9 @@ TEST(CudaOps, GroupedExpertsMatchLanesAndCpu) {
   for (const Shape sh : {Shape{256, 128}, Shape{2048, 1024}}) {
     const int64_t D = sh.D, I = sh.I, N = 600;
     std::vector<std::pair<DType, int64_t>> spec;
-    for (int64_t m : {137, 3, 1, 600, 20, 129, 64, 255, 400, 300}) spec.push_back({DType::BF16, m});
-    const ExpertRun er(*p.gpu, D, I, N, spec, 400);
+    for (int64_t m : {137, 3, 1, 600, 20, 129, 64, 255, 400, 300, 0}) spec.push_back({DType::BF16, m});
+    ExpertRun er(*p.gpu, D, I, N, spec, 400);
+    er.last_dense(N);  // and a shared expert last
     const std::vector<int32_t>& index = er.index;
     const std::vector<Backend::ExpertJob>&cpu_jobs = er.cpu_jobs, &gpu_jobs = er.gpu_jobs;
     const auto x = randv(size_t(N * D), 501), scale = randv(index.size(), 502), out0 = randv(size_t(N * D), 503);
@@ -867,8 +878,9 @@ TEST(CudaOps, GroupedExpertsMatchLanesAndCpu) {
     int32_t* gi = p.g.up_i(index);
     float *gxs = p.g.zeros(size_t(N * D)), *gg = p.g.zeros(size_t(2 * N * I)), *gu = gg + N * I;
     float* gy = p.g.zeros(size_t(N * D));
-    auto run = [&](bool grouped, int64_t chunk_rows) {
+    auto run = [&](bool grouped, int64_t chunk_rows, bool tma = true) {
       cuda_set_grouped_experts(*p.gpu, grouped, chunk_rows);
+      cuda_set_grouped_tma(*p.gpu, tma);
       float* out = p.g.up(out0);
       cuda_set_profile(*p.gpu, true);
       p.gpu->experts_add(gx, gi, gs, gpu_jobs.data(), int(gpu_jobs.size()), gxs, gg, gu, gy, out);
@@ -885,6 +897,8 @@ TEST(CudaOps, GroupedExpertsMatchLanesAndCpu) {
       EXPECT_EQ(run(true, 0), grouped) << what << ": run to run";
       EXPECT_EQ(run(true, 700), grouped) << what << ": in chunks of at most 700 rows";
       EXPECT_EQ(run(true, 1), grouped) << what << ": a job a chunk";
+      EXPECT_EQ(run(true, 0, false), grouped) << what << ": tiles loaded by cp.async instead of TMA";
+      EXPECT_EQ(run(true, 700, false), grouped) << what << ": cp.async, in chunks";
       const double to_cpu = nmse(grouped, want), to_lanes = nmse(grouped, lanes);
       std::printf("  %s: grouped NMSE %.2e against the CPU, %.2e against the lanes (lanes %.2e)\n", what.c_str(),
                   to_cpu, to_lanes, nmse(lanes, want));
@@ -894,6 +908,7 @@ TEST(CudaOps, GroupedExpertsMatchLanesAndCpu) {
     }
     cuda_set_gemm_mode(*p.gpu, CudaGemmMode::Split);
     cuda_set_grouped_experts(*p.gpu, true);
+    cuda_set_grouped_tma(*p.gpu, true);
   }
 #endif
 }

@@ -39,15 +39,35 @@ bool env_switch(const char* name) {
 
 // --- element-wise and row kernels -------------------------------------------------------------
 
+// fill and add move 16 bytes a thread where the pointers allow (prefill's 512 x 6144 fill: 22 us
+// in the op profile with 4-byte stores, H200); the elements past the last whole float4 one by one.
 __global__ void fill_kernel(float* y, float v, int64_t n) {
   pdl_begin();
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    y[i] = v;
+  const int64_t i0 = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, step = int64_t(gridDim.x) * blockDim.x;
+  int64_t done = 0;
+  if (reinterpret_cast<uintptr_t>(y) % 16 == 0) {
+    done = n / 4 * 4;
+    for (int64_t i = i0; i < n / 4; i += step) reinterpret_cast<float4*>(y)[i] = make_float4(v, v, v, v);
+  }
+  for (int64_t i = done + i0; i < n; i += step) y[i] = v;
 }
 __global__ void add_kernel(float* y, const float* x, int64_t n) {
   pdl_begin();
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    y[i] += x[i];
+  const int64_t i0 = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, step = int64_t(gridDim.x) * blockDim.x;
+  int64_t done = 0;
+  if (reinterpret_cast<uintptr_t>(y) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
+    done = n / 4 * 4;
+    for (int64_t i = i0; i < n / 4; i += step) {
+      float4 a = reinterpret_cast<const float4*>(y)[i];
+      const float4 b = reinterpret_cast<const float4*>(x)[i];
+      a.x += b.x;
+      a.y += b.y;
+      a.z += b.z;
+      a.w += b.w;
+      reinterpret_cast<float4*>(y)[i] = a;
+    }
+  }
+  for (int64_t i = done + i0; i < n; i += step) y[i] += x[i];
 }
 __global__ void scale_kernel(float* y, float s, int64_t n) {
   pdl_begin();
@@ -385,6 +405,8 @@ class CudaBackend final : public Backend {
     grouped_on_ = on;
     grouped_rows_ = chunk_rows > 0 ? chunk_rows : CudaBufferSizes::kGroupedRows;
   }
+  void set_grouped_tma(bool on) { grouped_tma_ = on; }
+
   void set_fast_decode(bool attention, bool scores, bool topk) {
     fast_attention_ = attention;
     fast_scores_ = scores;
@@ -456,7 +478,7 @@ class CudaBackend final : public Backend {
   void fill(float* y, float v, int64_t n) override {
     if (n <= 0) return;
     VIREO_PROF("fill");
-    launch(fill_kernel, grid_for(n), 256, 0, stream_, y, v, n);
+    launch(fill_kernel, grid_for((n + 3) / 4), 256, 0, stream_, y, v, n);
     VIREO_CUDA_LAUNCHED();
   }
 
@@ -489,12 +511,15 @@ class CudaBackend final : public Backend {
   void matmul(const float* x, int64_t T, const Weight& wt, float* y) override {
     if (T <= 0) return;
     const DevW w = devw(wt);
-    const bool tc = T > 8 && mode_ != CudaGemmMode::Simt && (w.dt == W_BF16 || w.dt == W_FP8);
+    // A few output rows (a router) over many tokens: one pass over x on CUDA cores (matmul_skinny).
+    const bool skinny = T > 8 && mode_ != CudaGemmMode::Simt && matmul_skinny_fits(x, T, w);
+    const bool tc = T > 8 && !skinny && mode_ != CudaGemmMode::Simt && (w.dt == W_BF16 || w.dt == W_FP8);
     // Fast mode on FP8 weights: e4m3 x e4m3 with block scales where cuBLASLt takes the shape
     // (decided once per shape); the profile's path names the output type it runs with.
     const Fp8BlockGemm::Out f8 =
         tc && w.dt == W_FP8 && mode_ == CudaGemmMode::Fp8 ? fp8_fast_plan(T, w, y) : Fp8BlockGemm::Out::None;
-    const char* path = T <= 8                            ? "gemv"
+    const char* path = T <= 8                          ? "gemv"
+                       : skinny                        ? "skinny"
                        : f8 == Fp8BlockGemm::Out::F32  ? "lt fp8xfp8 f32-out"
                        : f8 == Fp8BlockGemm::Out::Bf16 ? "lt fp8xfp8 bf16-out"
                        : tc                            ? "lt"
@@ -511,6 +536,8 @@ class CudaBackend final : public Backend {
       // done: two rows per warp
     } else if (T <= 8) {
       matmul_small(x, T, w, y, stream_, sms_);
+    } else if (skinny && matmul_skinny(x, T, w, y, stream_)) {
+      // done: f32, x read once
     } else if (f8 != Fp8BlockGemm::Out::None && lt_fp8_fast(fp8_quantize_x(x, T, w.in), T, w, y, f8)) {
       // done: FP8 x FP8
     } else if (!(tc && (w.dt == W_BF16 ? lt_bf16(x, T, w, y) : lt_fp8(x, T, w, y)))) {
@@ -574,7 +601,7 @@ class CudaBackend final : public Backend {
   void add(float* y, const float* x, int64_t n) override {
     if (n <= 0) return;
     VIREO_PROF("add");
-    launch(add_kernel, grid_for(n), 256, 0, stream_, y, x, n);
+    launch(add_kernel, grid_for((n + 3) / 4), 256, 0, stream_, y, x, n);
     VIREO_CUDA_LAUNCHED();
   }
   void scale(float* y, float s, int64_t n) override {
@@ -852,8 +879,12 @@ class CudaBackend final : public Backend {
       total += e.m;
     }
     // Experts of many rows each fill the SMs one at a time: cuBLASLt's kernels on the side lanes
-    // are faster there (measured: 2048 rows an expert, lanes ahead; 256, grouped ahead).
-    if (total > grouped_max_mean_rows_ * n) return false;
+    // are as fast there as the cp.async tiles (measured: 2048 rows an expert, lanes ahead; 256,
+    // grouped ahead). The TMA tiles are ahead at both (session 12): no limit unless one is set.
+    const int64_t max_mean = grouped_max_mean_rows_ > 0                ? grouped_max_mean_rows_
+                             : grouped_tma_ && grouped_tma_available() ? int64_t(1) << 40
+                                                                       : int64_t(1024);
+    if (total > max_mean * n) return false;
     if (!grouped_experts_fit(D, I, all) || reinterpret_cast<uintptr_t>(x) % 16 != 0 ||
         reinterpret_cast<uintptr_t>(out) % 16 != 0)
       return false;
@@ -866,12 +897,13 @@ class CudaBackend final : public Backend {
       for (GroupedJob& p : part) p.row0 -= base;
       j0 = j1;
       if (rows == 0) continue;
-      const GroupedTables tb = grouped_tables(part, D, I);
       // (Buffers first: growing one syncs the device, never between the chunk's launches.)
       GroupedRun r;
       r.xb = grouped_xb_.get<__nv_bfloat16>(size_t(rows * D));
       r.h = grouped_h_.get<__nv_bfloat16>(size_t(rows * I));
       r.y = grouped_y_.get<float>(size_t(rows * D));
+      const GroupedTmaOperands tma{r.xb, r.h, rows};
+      const GroupedTables tb = grouped_tables(part, D, I, grouped_tma_ ? &tma : nullptr);
       char* table = grouped_table_.get<char>(tb.bytes.size());
       h2d(table, tb.bytes.data(), tb.bytes.size());  // ordered after the last chunk's reads of it
       r.x = x;
@@ -1503,12 +1535,13 @@ class CudaBackend final : public Backend {
   // Prefill's routed BF16 experts in the fast modes as grouped products (cuda_grouped.h);
   // VIREO_GROUPED=0 runs them on the side lanes instead (A/B runs).
   bool grouped_on_ = env_switch("VIREO_GROUPED");
+  bool grouped_tma_ = env_switch("VIREO_GROUPED_TMA");    // TMA tile loads (else cp.async), for A/B runs
   int64_t grouped_rows_ = CudaBufferSizes::kGroupedRows;  // rows a chunk (tests set fewer)
   // Runs with more rows an expert on average take the lanes (VIREO_GROUPED_MAX_ROWS=N sets the
   // limit, for A/B runs).
   int64_t grouped_max_mean_rows_ = [] {
     const char* e = std::getenv("VIREO_GROUPED_MAX_ROWS");
-    return e ? std::atoll(e) : int64_t(1024);
+    return e ? std::atoll(e) : int64_t(0);  // 0: by the tile loads (grouped_experts_add)
   }();
   Scratch grouped_xb_, grouped_h_, grouped_y_, grouped_table_;  // grouped_experts_add's chunk buffers
   Scratch grouped_index_, grouped_scale_;                       // a chunk's index and scale, when it holds a dense job
@@ -1580,6 +1613,7 @@ void cuda_set_gemv_x_shared(Backend& b, bool on) { as_cuda(b).set_gemv_x_shared(
 void cuda_set_grouped_experts(Backend& b, bool on, int64_t chunk_rows) {
   as_cuda(b).set_grouped_experts(on, chunk_rows);
 }
+void cuda_set_grouped_tma(Backend& b, bool on) { as_cuda(b).set_grouped_tma(on); }
 void cuda_set_fast_decode(Backend& b, bool attention, bool indexer_scores, bool indexer_topk) {
   as_cuda(b).set_fast_decode(attention, indexer_scores, indexer_topk);
 }

@@ -75,6 +75,10 @@ void cuda_set_gemv_x_shared(Backend& cuda, bool on);
 // it off), or one expert at a time on the side lanes (off). Tests compare the two, and set
 // chunk_rows (0: the default, kGroupedRows) small to cover a run split into chunks.
 void cuda_set_grouped_experts(Backend& cuda, bool on, int64_t chunk_rows = 0);
+// The grouped products' tile loads by TMA (on, the default where the driver's tensor-map encoder
+// is found; VIREO_GROUPED_TMA=0 turns it off) or by cp.async (off): the same sums, so tests
+// compare the two bit for bit.
+void cuda_set_grouped_tma(Backend& cuda, bool on);
 // Programmatic dependent launches for every CUDA kernel of the process (on, the default;
 // VIREO_PDL=0 turns them off for A/B runs): a kernel's blocks are dispatched while the kernel
 // before it runs and wait for it on the device. The same kernels and sums either way.

@@ -22,8 +22,13 @@
 // by TMA multicast across a 2-SM cluster. Measured (H200, session 11): gate | up 512 / 661
 // TFLOP/s at 256 / 2048 rows an expert, down 433 / 586 (a 128 x 128 tile: 480 / 599 and 426 /
 // 551). Next: TMA loads multicast within a cluster.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
 #include <algorithm>
 #include <cstring>
+#include <mutex>
+#include <unordered_map>
 
 #include "backend/cuda/cuda_grouped.h"
 #include "backend/cuda/cuda_internal.h"
@@ -163,6 +168,87 @@ __global__ void __launch_bounds__(kThreads, 1)
   store_tile(d, t, wgi, warp, lane, swiglu, scale, n_out, out);
 }
 
+// The same tile, its operands brought by the tensor memory accelerator (TMA): a producer warp
+// issues a stage's 2-3 box loads as soon as both warpgroups have released it (an mbarrier a
+// stage each way), so up to kStages - 1 steps are in flight instead of the cp.async form's 2,
+// and the 256 math threads issue no loads and meet at no block barrier. Why: the cp.async form
+// moved 96 KB in flight a multiprocessor, which at ~1.9 us of L2 latency under load is ~50 GB/s
+// an SM, ~6.7 TB/s in all: its 7.7 TB/s at 661 TFLOP/s is that limit, not L2's bandwidth (its
+// 128 x 128 variant, 128 KB in flight, moved 9.1 TB/s). maps: the run's tensor maps (A's, then
+// each job's gate, up, down); job_maps[j]: job j's (gate, up, down) map indices.
+constexpr int kTmaThreads = kThreads + 32;  // + the producer warp
+__global__ void __launch_bounds__(kTmaThreads, 1)
+    grouped_gemm_tma_kernel(const CUtensorMap* __restrict__ maps, int a_map, int K, const int4* __restrict__ job_maps,
+                            const int4* __restrict__ tiles, bool swiglu, const float* __restrict__ scale, int n_out,
+                            void* __restrict__ out) {
+  pdl_begin();
+  constexpr int NT = kTN / 8;
+  extern __shared__ unsigned char gg_smem[];
+  __shared__ alignas(8) uint64_t full[kStages], empty[kStages];
+  const uint32_t raw = smem_u32(gg_smem), sbase = (raw + 1023u) & ~1023u;
+  const int tid = int(threadIdx.x), wgi = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int4 t = tiles[blockIdx.x];
+  const int KT = K / kTK;
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(smem_u32(&full[s]), 1);   // the producer's expect_tx, then the bytes
+      mbar_init(smem_u32(&empty[s]), 2);  // one arrival a warpgroup
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (wgi == 2) {  // the producer warp: one lane issues every load
+    if (lane != 0) return;
+    const int4 jm = job_maps[t.x];
+    const CUtensorMap* ma = maps + a_map;
+    const CUtensorMap* mb = maps + (swiglu ? jm.x : jm.z);
+    const CUtensorMap* mu = maps + jm.y;
+    tensormap_acquire(ma);
+    tensormap_acquire(mb);
+    if (swiglu) tensormap_acquire(mu);
+    for (int kt = 0; kt < KT; ++kt) {
+      const int s = kt % kStages;
+      // The stage's last use was step kt - kStages: its release is that phase of empty[s].
+      if (kt >= kStages) mbar_wait(smem_u32(&empty[s]), uint32_t((kt / kStages) + 1) & 1u);
+      const uint32_t st = sbase + uint32_t(s) * kStageBytes, fb = smem_u32(&full[s]);
+      mbar_expect_tx(fb, kStageBytes);
+      tma_load_2d(st, ma, kt * kTK, t.y, fb);  // A: the tile's 128 rows (zeros past the run)
+      if (swiglu) {                            // B: 128 gate rows, then the same 128 up rows
+        tma_load_2d(st + kABytes, mb, kt * kTK, t.w, fb);
+        tma_load_2d(st + kABytes + uint32_t(kTN / 2) * 128u, mu, kt * kTK, t.w, fb);
+      } else {
+        tma_load_2d(st + kABytes, mb, kt * kTK, t.w, fb);
+      }
+    }
+    return;
+  }
+  const bool active = t.y + wgi * 64 < t.z;  // as the cp.async form
+  float d[NT][4];
+#pragma unroll
+  for (int i = 0; i < NT; ++i) d[i][0] = d[i][1] = d[i][2] = d[i][3] = 0.0f;
+  for (int kt = 0; kt < KT; ++kt) {
+    const int s = kt % kStages;
+    mbar_wait(smem_u32(&full[s]), uint32_t(kt / kStages) & 1u);
+    const uint32_t st = sbase + uint32_t(s) * kStageBytes;
+    const uint64_t da = gmma_desc(st + uint32_t(wgi * 64 * 128), 16, 1024), db = gmma_desc(st + kABytes, 16, 1024);
+    if (active) {
+      pin(d);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kTK / 16; ++kk)
+        wgmma_ss_m64n256(d, da + desc_off(uint32_t(kk * 32)), db + desc_off(uint32_t(kk * 32)), 1);
+      wgmma_commit();
+    }
+    wgmma_wait<1>();  // step kt - 1's MMA is done: release its stage
+    pin(d);
+    if (kt > 0 && (tid & 127) == 0) mbar_arrive(smem_u32(&empty[(kt - 1) % kStages]));
+  }
+  wgmma_wait<0>();
+  pin(d);
+  store_tile(d, t, wgi, warp, lane, swiglu, scale, n_out, out);
+}
+
 // xb[r] = bf16(x[index[r]]), one block a row.                      x [*, D], xb [R, D]; D % 4 == 0
 __global__ void grouped_gather_kernel(const float* __restrict__ x, const int32_t* __restrict__ index, int64_t D,
                                       __nv_bfloat162* __restrict__ xb) {
@@ -250,6 +336,21 @@ const T* table_at(const GroupedRun& r, size_t off) {
 void gemm(const GroupedRun& r, bool swiglu, cudaStream_t st) {
   const int tiles = swiglu ? r.tables->gate_up_tiles : r.tables->down_tiles;
   if (tiles == 0) return;
+  if (r.tables->n_maps > 0) {
+    static bool tma_configured = false;
+    if (!tma_configured) {
+      VIREO_CUDA_CHECK(
+          cudaFuncSetAttribute(grouped_gemm_tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)));
+      tma_configured = true;
+    }
+    launch(grouped_gemm_tma_kernel, unsigned(tiles), kTmaThreads, kSmem, st,
+           table_at<CUtensorMap>(r, r.tables->maps_at), swiglu ? 0 : 1, int(swiglu ? r.D : r.I),
+           table_at<int4>(r, r.tables->job_maps_at),
+           table_at<int4>(r, swiglu ? r.tables->gate_up_at : r.tables->down_at), swiglu, r.scale,
+           int(swiglu ? r.I : r.D), swiglu ? r.h : static_cast<void*>(r.y));
+    VIREO_CUDA_LAUNCHED();
+    return;
+  }
   static bool configured = false;
   if (!configured) {
     VIREO_CUDA_CHECK(
@@ -278,9 +379,90 @@ bool grouped_experts_fit(int64_t D, int64_t I, const std::vector<GroupedJob>& jo
   return rows < (int64_t(1) << 30);
 }
 
-GroupedTables grouped_tables(const std::vector<GroupedJob>& jobs, int64_t D, int64_t I) {
+namespace {
+
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      return PFN_cuTensorMapEncodeTiled_v12000(nullptr);
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// A row-major bf16 matrix [rows, cols] read in boxes of 64 columns (one 128-byte swizzled line)
+// by box_rows rows, as the tile loads lay them out in shared memory.
+bool encode_map(CUtensorMap* m, const void* p, int64_t rows, int64_t cols, int box_rows) {
+  const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
+  const cuuint64_t strides[1] = {cuuint64_t(cols) * 2};
+  const cuuint32_t box[2] = {cuuint32_t(kTK), cuuint32_t(box_rows)};
+  const cuuint32_t elem[2] = {1, 1};
+  return tensor_map_encoder()(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(p), dims, strides, box, elem,
+                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// encode_map for weights, through a cache: a map depends only on the pointer and the shape, so
+// it stays right for as long as that pointer holds a matrix of that shape (a streamed expert's
+// slot included). Encoding all of a run's maps took the host ~0.5 us each while the device,
+// which had just handed back the run's row counts, waited for the launches.
+bool weight_map(CUtensorMap* m, const void* p, int64_t rows, int64_t cols, int box_rows) {
+  struct Key {
+    const void* p;
+    int64_t rows, cols;
+    int box;
+    bool operator==(const Key&) const = default;
+  };
+  struct Hash {
+    size_t operator()(const Key& k) const {
+      return std::hash<const void*>()(k.p) ^ (size_t(k.rows) * 0x9E3779B97F4A7C15ull) ^ (size_t(k.cols) << 20) ^
+             size_t(k.box);
+    }
+  };
+  static std::mutex mu;
+  static std::unordered_map<Key, CUtensorMap, Hash> cache;
+  const Key key{p, rows, cols, box_rows};
+  std::lock_guard<std::mutex> lock(mu);
+  if (auto it = cache.find(key); it != cache.end()) {
+    *m = it->second;
+    return true;
+  }
+  if (!encode_map(m, p, rows, cols, box_rows)) return false;
+  if (cache.size() >= (size_t(1) << 16)) cache.clear();  // (weights come and go in a test process)
+  cache.emplace(key, *m);
+  return true;
+}
+
+}  // namespace
+
+bool grouped_tma_available() { return tensor_map_encoder() != nullptr; }
+
+GroupedTables grouped_tables(const std::vector<GroupedJob>& jobs, int64_t D, int64_t I, const GroupedTmaOperands* tma) {
   GroupedTables t;
   t.n_jobs = int(jobs.size());
+  // The tensor maps first (TMA wants them 64-byte aligned; the buffer's base is): A of the gate |
+  // up product (xb [R, D]), A of the down product (h [R, I]), then each job's gate, up, down.
+  std::vector<CUtensorMap> maps;
+  std::vector<int4> jm;
+  if (tma && tensor_map_encoder()) {
+    bool ok = true;
+    maps.resize(2 + 3 * jobs.size());
+    ok = ok && encode_map(&maps[0], tma->xb, tma->R, D, kTM);
+    ok = ok && encode_map(&maps[1], tma->h, tma->R, I, kTM);
+    for (size_t j = 0; ok && j < jobs.size(); ++j) {
+      const int b = int(2 + 3 * j);
+      ok = ok && weight_map(&maps[size_t(b)], jobs[j].gate, I, D, kTN / 2);
+      ok = ok && weight_map(&maps[size_t(b + 1)], jobs[j].up, I, D, kTN / 2);
+      ok = ok && weight_map(&maps[size_t(b + 2)], jobs[j].down, D, I, kTN);
+      jm.push_back(make_int4(b, b + 1, b + 2, 0));
+    }
+    if (!ok) maps.clear(), jm.clear();
+  }
   std::vector<JobW> jw;
   std::vector<int2> spans;
   std::vector<int4> gu, dn;
@@ -306,6 +488,9 @@ GroupedTables grouped_tables(const std::vector<GroupedJob>& jobs, int64_t D, int
     if (bytes) std::memcpy(t.bytes.data() + off, p, bytes);
     return off;
   };
+  t.n_maps = int(maps.size());
+  t.maps_at = put(maps.data(), maps.size() * sizeof(CUtensorMap));
+  t.job_maps_at = put(jm.data(), jm.size() * sizeof(int4));
   t.jobs_at = put(jw.data(), jw.size() * sizeof(JobW));
   t.spans_at = put(spans.data(), spans.size() * sizeof(int2));
   t.gate_up_at = put(gu.data(), gu.size() * sizeof(int4));

@@ -31,12 +31,21 @@ bool grouped_experts_fit(int64_t D, int64_t I, const std::vector<GroupedJob>& jo
 
 // The device-side tables of a run (jobs, spans, tiles of both products), laid out by
 // grouped_tables into one byte buffer the caller uploads (GroupedRun::table).
+// With tma (and the driver's tensor-map encoder found), the tables also hold the TMA descriptors
+// of the run's operands, and the products load their tiles through them (n_maps > 0).
 struct GroupedTables {
   std::vector<char> bytes;
-  int n_jobs = 0, gate_up_tiles = 0, down_tiles = 0;
-  size_t jobs_at = 0, spans_at = 0, gate_up_at = 0, down_at = 0;  // byte offsets into bytes
+  int n_jobs = 0, gate_up_tiles = 0, down_tiles = 0, n_maps = 0;
+  size_t maps_at = 0, job_maps_at = 0, jobs_at = 0, spans_at = 0, gate_up_at = 0, down_at = 0;  // into bytes
 };
-GroupedTables grouped_tables(const std::vector<GroupedJob>& jobs, int64_t D, int64_t I);
+struct GroupedTmaOperands {
+  const void* xb = nullptr;  // the chunk's gathered rows [R, D], bf16
+  const void* h = nullptr;   // its SwiGLU output [R, I], bf16
+  int64_t R = 0;
+};
+bool grouped_tma_available();
+GroupedTables grouped_tables(const std::vector<GroupedJob>& jobs, int64_t D, int64_t I,
+                             const GroupedTmaOperands* tma = nullptr);
 
 // The four launches above on `st`. table: the uploaded GroupedTables bytes; xb [R, D] and h
 // [R, I] bf16 scratch, y [R, D] f32 scratch; out [*, D] accumulates.

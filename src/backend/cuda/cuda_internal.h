@@ -50,6 +50,10 @@ double median_copy_ms(void* dst, const void* src, size_t bytes, cudaMemcpyKind k
 // Matrix products (cuda_matmul.cu).
 void matmul_small(const float* x, int64_t T, const DevW& w, float* y, cudaStream_t st, int sms);  // T <= 8
 void matmul_simt(const float* x, int64_t T, const DevW& w, float* y, cudaStream_t st);
+// Many rows against at most 32 BF16 or F32 weight rows (routers): f32 CUDA-core products, x read
+// once. False (nothing run) for other shapes and dtypes.
+bool matmul_skinny_fits(const float* x, int64_t T, const DevW& w);
+bool matmul_skinny(const float* x, int64_t T, const DevW& w, float* y, cudaStream_t st);
 void split_bf16(const float* x, int64_t n, void* hi, void* lo, cudaStream_t st);  // lo may be null
 // Rows [row0, row0 + rows) of an FP8 weight as bf16 hi + lo of the f32 w * scale ([rows, in]
 // each; lo may be null). Needs in % 4 == 0.

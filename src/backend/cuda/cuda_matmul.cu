@@ -182,6 +182,88 @@ __global__ void dequant_split_fp8_kernel(DevW w, int64_t row0, int64_t rows, __n
   }
 }
 
+// y [T, E] = x [T, K] w^T for a few weight rows (E <= 32: a MoE router of the 16-expert bench, an
+// indexer's head weights) and many tokens. Why: cuBLASLt's tiles for 16 output rows leave most
+// SMs idle (H200: 101 us for 4096 x 16 x 6144, 8 TFLOP/s; 30 us at 512 tokens), while the product
+// is a single pass over x. A block per TPB tokens, its 256 threads along K (4 columns each, 1024
+// a step; a warp per token group measured 289 us at 512 tokens: 16 blocks, each walking all of
+// K), f32 products summed per thread in K order, then across each warp's lanes by a fixed xor
+// tree and across the warps in warp order: deterministic, f32 throughout (the exact mode's
+// accuracy, and better than the fast mode's bf16 inputs).
+template <int DT, int EMAX, int TPB>
+__global__ void __launch_bounds__(256) skinny_kernel(const float* __restrict__ x, int64_t T, int64_t K, int E,
+                                                     const void* __restrict__ w, float* __restrict__ y) {
+  pdl_begin();
+  __shared__ float part[8][TPB * EMAX];
+  static_assert(TPB * EMAX <= 256, "one thread a (token, row) sums the warps' parts");
+  const int warp = int(threadIdx.x >> 5), lane = int(threadIdx.x & 31);
+  const int64_t t0 = int64_t(blockIdx.x) * TPB;
+  float acc[TPB][EMAX];
+#pragma unroll
+  for (int i = 0; i < TPB; ++i)
+#pragma unroll
+    for (int e = 0; e < EMAX; ++e) acc[i][e] = 0.0f;
+  for (int64_t k = int64_t(threadIdx.x) * 4; k < K; k += 1024) {
+    float4 xv[TPB];
+#pragma unroll
+    for (int i = 0; i < TPB; ++i)
+      xv[i] = t0 + i < T ? __ldg(reinterpret_cast<const float4*>(x + (t0 + i) * K + k)) : make_float4(0, 0, 0, 0);
+      // Every row's loads unconditional (rows past E repeat the last one, their sums unused), so
+      // all of them are issued before the first FMA: with a break at E, each waited for its own
+      // load (49 us at 512 tokens, more than cuBLASLt's 30).
+#pragma unroll
+    for (int e = 0; e < EMAX; ++e) {
+      const int64_t row = e < E ? e : E - 1;
+      float4 wv;
+      if constexpr (DT == W_BF16) {
+        const uint2 b = __ldg(reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(w) + row * K + k));
+        wv = make_float4(__uint_as_float(b.x << 16), __uint_as_float(b.x & 0xffff0000u), __uint_as_float(b.y << 16),
+                         __uint_as_float(b.y & 0xffff0000u));
+      } else {
+        wv = __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(w) + row * K + k));
+      }
+#pragma unroll
+      for (int i = 0; i < TPB; ++i) {
+        float a = acc[i][e];
+        a = fmaf(xv[i].x, wv.x, a);
+        a = fmaf(xv[i].y, wv.y, a);
+        a = fmaf(xv[i].z, wv.z, a);
+        a = fmaf(xv[i].w, wv.w, a);
+        acc[i][e] = a;
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < TPB; ++i)
+#pragma unroll
+    for (int e = 0; e < EMAX; ++e) {
+      if (e >= E) break;
+      float v = acc[i][e];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (lane == 0) part[warp][i * EMAX + e] = v;
+    }
+  __syncthreads();
+  const int i = int(threadIdx.x) / EMAX, e = int(threadIdx.x) % EMAX;
+  if (i < TPB && e < E && t0 + i < T) {
+    float v = part[0][threadIdx.x];
+#pragma unroll
+    for (int wi = 1; wi < 8; ++wi) v += part[wi][threadIdx.x];
+    y[(t0 + i) * E + e] = v;
+  }
+}
+
+template <int DT>
+void launch_skinny(const float* x, int64_t T, const DevW& w, float* y, cudaStream_t st) {
+  if (w.out <= 16) {
+    // (8 tokens a block, halving the weight rows' reads from L2, measured slower at 4096 tokens:
+    // 98 against 81 us, at 255 registers and one block a multiprocessor; session 12.)
+    launch(skinny_kernel<DT, 16, 4>, unsigned((T + 3) / 4), 256, 0, st, x, T, w.in, int(w.out), w.w, y);
+  } else {
+    launch(skinny_kernel<DT, 32, 2>, unsigned((T + 1) / 2), 256, 0, st, x, T, w.in, int(w.out), w.w, y);
+  }
+}
+
 template <int DT, int TT>
 void launch_gemv_t(const float* x, const DevW& w, float* y, cudaStream_t st, int sms) {
   // Enough warps per row that the grid has ~2 blocks per multiprocessor.
@@ -230,6 +312,19 @@ void matmul_small(const float* x, int64_t T, const DevW& w, float* y, cudaStream
     case W_F16: launch_small<W_F16>(x, T, w, y, st, sms); break;
     default: launch_small<W_FP8>(x, T, w, y, st, sms); break;
   }
+}
+
+bool matmul_skinny_fits(const float* x, int64_t T, const DevW& w) {
+  return T > 0 && w.out >= 1 && w.out <= 32 && w.in % 4 == 0 && (w.dt == W_BF16 || w.dt == W_F32) &&
+         reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(w.w) % 16 == 0 &&
+         T <= (int64_t(1) << 33);
+}
+
+bool matmul_skinny(const float* x, int64_t T, const DevW& w, float* y, cudaStream_t st) {
+  if (!matmul_skinny_fits(x, T, w)) return false;
+  if (w.dt == W_BF16) launch_skinny<W_BF16>(x, T, w, y, st);
+  else launch_skinny<W_F32>(x, T, w, y, st);
+  return true;
 }
 
 void matmul_simt(const float* x, int64_t T, const DevW& w, float* y, cudaStream_t st) {

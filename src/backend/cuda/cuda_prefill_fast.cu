@@ -313,8 +313,8 @@ struct BlockRows {
     warp = tid >> 5;
     g = (tid & 31) >> 2;
     tq = tid & 3;
-    h = int(blockIdx.y);
-    q0 = int(gridDim.x - 1 - blockIdx.x) * kFBQ;
+    h = int(blockIdx.x);
+    q0 = int(gridDim.y - 1 - blockIdx.y) * kFBQ;
     r0 = q0 + warp * 16;
     ta = r0 + g;
     tb = ta + 8;
@@ -611,7 +611,11 @@ void launch_attend(const PrefillAttnArgs& a, const void* kvx_bf16, const void* r
     VIREO_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     configured[wgmma] = true;
   }
-  const dim3 grid(unsigned((a.T + kFBQ - 1) / kFBQ), unsigned(a.H));
+  // Blocks are dispatched x first: every head's last (most keys, causal) query block, then every
+  // head's one before it, ..., so the short blocks fill the last wave (longest first). With the
+  // heads' blocks in order, 512 queries of 64 heads (256 blocks of 1-4 tile pairs) left SMs idle
+  // behind a few long blocks.
+  const dim3 grid(unsigned(a.H), unsigned((a.T + kFBQ - 1) / kFBQ));
   launch(kernel, grid, wgmma ? kWThreads : kFThreads, smem, st, a.q, int(a.T), int(a.H), int(a.qw), int(a.nope),
          int(a.vd), static_cast<const __nv_bfloat16*>(kvx_bf16), int(a.hw),
          static_cast<const __nv_bfloat16*>(rope_bf16), int(a.n_keys), int(a.pos0), a.mask, a.mwords,
@@ -623,11 +627,12 @@ void launch_attend(const PrefillAttnArgs& a, const void* kvx_bf16, const void* r
 
 bool mla_prefill_fast_supported(const PrefillAttnArgs& a) {
   // Indices inside the kernel are 32-bit (row and key numbers; offsets are 64-bit). K / V rows
-  // are fetched in 16-byte pieces: nope, rope and vd multiples of 8 bf16.
+  // are fetched in 16-byte pieces: nope, rope and vd multiples of 8 bf16. The grid's y counts
+  // query blocks (at most 65535).
   const int64_t lim = INT_MAX / 2;
-  return fast_dim(a) != 0 && a.scale > 0.0f && a.T > 0 && a.n_keys > 0 && a.T < lim && a.n_keys < lim &&
-         a.pos0 >= 0 && a.pos0 < lim && a.H < 65536 && a.nope % 8 == 0 && a.qw % 8 == 0 && a.vd % 8 == 0 &&
-         a.hw == a.nope + a.vd && a.hw < lim;
+  return fast_dim(a) != 0 && a.scale > 0.0f && a.T > 0 && a.n_keys > 0 && a.T < lim && a.n_keys < lim && a.pos0 >= 0 &&
+         a.pos0 < lim && a.H < 65536 && (a.T + kFBQ - 1) / kFBQ <= 65535 && a.nope % 8 == 0 && a.qw % 8 == 0 &&
+         a.vd % 8 == 0 && a.hw == a.nope + a.vd && a.hw < lim;
 }
 
 void mla_prefill_fast_rope(const PrefillAttnArgs& a, void* rope_bf16, cudaStream_t st) {
