@@ -114,6 +114,21 @@ __device__ __forceinline__ void store_tile(const float (&d)[kTN / 8][4], int4 t,
   }
 }
 
+// A warpgroup's MMAs of one k-step: its 64 rows of the stage's A against the stage's 256 B rows,
+// issued and committed, not waited for (the caller's wgmma_wait stays outside the branch: inside
+// one, ptxas serializes every wgmma, warning C7518).
+__device__ __forceinline__ void step_mma(float (&d)[kTN / 8][4], uint32_t st, int wgi, bool active) {
+  const uint64_t da = gmma_desc(st + uint32_t(wgi * 64 * 128), 16, 1024), db = gmma_desc(st + kABytes, 16, 1024);
+  if (active) {
+    pin(d);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kTK / 16; ++kk)
+      wgmma_ss_m64n256(d, da + desc_off(uint32_t(kk * 32)), db + desc_off(uint32_t(kk * 32)), 1);
+    wgmma_commit();
+  }
+}
+
 // One tile a block. (A persistent form, each block's k-steps one ring across its tiles so the
 // next tile's loads overlap this one's epilogue, measured 10-25% slower: BENCHMARKS, session 11.)
 __global__ void __launch_bounds__(kThreads, 1)
@@ -151,15 +166,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (ahead < KT) ld.load(sbase + uint32_t(ahead % kStages) * kStageBytes, soff, ahead);
     cp_async_commit();
     const uint32_t st = sbase + uint32_t(kt % kStages) * kStageBytes;
-    const uint64_t da = gmma_desc(st + uint32_t(wgi * 64 * 128), 16, 1024), db = gmma_desc(st + kABytes, 16, 1024);
-    if (active) {  // (the wait stays outside: inside a branch, ptxas serializes every wgmma, C7518)
-      pin(d);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kTK / 16; ++kk)
-        wgmma_ss_m64n256(d, da + desc_off(uint32_t(kk * 32)), db + desc_off(uint32_t(kk * 32)), 1);
-      wgmma_commit();
-    }
+    step_mma(d, st, wgi, active);
     wgmma_wait<1>();  // step kt - 1's MMA is done: its stage may be refilled after the next barrier
     pin(d);
   }
@@ -231,15 +238,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     const int s = kt % kStages;
     mbar_wait(smem_u32(&full[s]), uint32_t(kt / kStages) & 1u);
     const uint32_t st = sbase + uint32_t(s) * kStageBytes;
-    const uint64_t da = gmma_desc(st + uint32_t(wgi * 64 * 128), 16, 1024), db = gmma_desc(st + kABytes, 16, 1024);
-    if (active) {
-      pin(d);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kTK / 16; ++kk)
-        wgmma_ss_m64n256(d, da + desc_off(uint32_t(kk * 32)), db + desc_off(uint32_t(kk * 32)), 1);
-      wgmma_commit();
-    }
+    step_mma(d, st, wgi, active);
     wgmma_wait<1>();  // step kt - 1's MMA is done: release its stage
     pin(d);
     if (kt > 0 && (tid & 127) == 0) mbar_arrive(smem_u32(&empty[(kt - 1) % kStages]));
