@@ -13,15 +13,21 @@
 // The GEMM kernel: y [rows, N] = a [rows, K] w^T, w [N, K], both K-major bf16, f32 accumulation.
 // A block computes a 128 x 256 tile as 2 warpgroups of 64 rows (wgmma m64n256k16, A and B from
 // shared memory); K in steps of 64 (one 128-byte swizzled line a row) through a ring of kStages
-// stages filled by cp.async, kStages - 2 ahead of the math (a stage is refilled two steps after
-// the MMA that read it was issued, once every warpgroup has waited for it: one barrier a step).
-// Rows past a tile's job are zero-filled and never written.
+// stages. Two forms load the ring: by TMA (the default where the driver's tensor-map encoder is
+// found), a producer warp issuing each stage's boxes as soon as both warpgroups have released
+// it (mbarriers), up to kStages - 1 steps ahead; or by cp.async from all 256 threads, kStages - 2
+// ahead with one block barrier a step (a stage is refilled two steps after the MMA that read it
+// was issued, once every warpgroup has waited for it). Rows past a tile's job are never written
+// (the cp.async form zero-fills them; TMA loads the next job's rows, or zeros past the run).
 //
-// Bound: a step moves 48 KB from L2 into shared memory for 4.2 MFLOP, so at the tensor cores'
-// ~790 TFLOP/s the SMs would pull ~9 TB/s from L2; cuBLASLt's kernels halve one operand's share
-// by TMA multicast across a 2-SM cluster. Measured (H200, session 11): gate | up 512 / 661
-// TFLOP/s at 256 / 2048 rows an expert, down 433 / 586 (a 128 x 128 tile: 480 / 599 and 426 /
-// 551). Next: TMA loads multicast within a cluster.
+// Bound: a step moves 48 KB from L2 into shared memory for 4.2 MFLOP. The cp.async form keeps 2
+// steps (96 KB) in flight an SM, which at ~1.9 us of L2 latency under load is ~50 GB/s an SM,
+// ~6.7 TB/s: its 661 TFLOP/s (7.7 TB/s) at 2048 rows an expert sat at that limit, not at L2's
+// bandwidth (a 128 x 128 variant with 128 KB in flight moved 9.1 TB/s). Measured (H200): cp.async
+// gate | up 512 / 661 TFLOP/s at 256 / 2048 rows an expert, down 433 / 586 (session 11); TMA 518
+// / 710 and 487 / 635 (session 12). At 256 rows an expert what is left is the tiles themselves:
+// an expert of 257-300 rows takes a third tile for a few rows, and 704 tiles are 5.3 waves of
+// 132 (BENCHMARKS, session 12).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
