@@ -1537,8 +1537,8 @@ class CudaBackend final : public Backend {
   bool grouped_on_ = env_switch("VIREO_GROUPED");
   bool grouped_tma_ = env_switch("VIREO_GROUPED_TMA");    // TMA tile loads (else cp.async), for A/B runs
   int64_t grouped_rows_ = CudaBufferSizes::kGroupedRows;  // rows a chunk (tests set fewer)
-  // Runs with more rows an expert on average take the lanes (VIREO_GROUPED_MAX_ROWS=N sets the
-  // limit, for A/B runs).
+  // With cp.async tile loads, runs of more than 1024 rows an expert on average take the lanes;
+  // with TMA every run is grouped. VIREO_GROUPED_MAX_ROWS=N sets a limit either way (A/B runs).
   int64_t grouped_max_mean_rows_ = [] {
     const char* e = std::getenv("VIREO_GROUPED_MAX_ROWS");
     return e ? std::atoll(e) : int64_t(0);  // 0: by the tile loads (grouped_experts_add)
