@@ -183,6 +183,21 @@ TEST(CudaOps, NormsRopeElementwise) {
     EXPECT_LT(nmse(p.g.down(ga, 1000), want), 1e-12);
     p.gpu->fill(ga, 2.5f, 1000);
     for (float f : p.g.down(ga, 1000)) ASSERT_EQ(f, 2.5f);
+    // add and fill move float4s where both ends allow: 16-byte aligned or not, lengths not a
+    // multiple of 4, nothing outside [off, off + m) touched.
+    for (int64_t off : {0, 1, 3}) {
+      const int64_t m = 997 - off;
+      std::vector<float> want_add = a;
+      p.cpu->add(want_add.data() + off, c.data() + off, m);
+      float* g1 = p.g.up(a);
+      p.gpu->add(g1 + off, p.g.up(c) + off, m);
+      EXPECT_EQ(p.g.down(g1, 1000), want_add) << "add at offset " << off;
+      std::vector<float> want_fill = a;
+      std::fill(want_fill.begin() + off, want_fill.begin() + off + m, -1.5f);
+      float* g2 = p.g.up(a);
+      p.gpu->fill(g2 + off, -1.5f, m);
+      EXPECT_EQ(p.g.down(g2, 1000), want_fill) << "fill at offset " << off;
+    }
     std::vector<float> rows(size_t(4 * 50), 0.0f);
     p.cpu->copy_rows(rows.data(), 50, c.data() + 3, 100, 4, 30);
     float* gr = p.g.zeros(rows.size());
