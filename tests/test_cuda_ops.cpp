@@ -801,6 +801,19 @@ struct ExpertRun {
     for (size_t j = 0; j < spec.size(); ++j)
       gpu_jobs.push_back({&gw[3 * j], &gw[3 * j + 1], &gw[3 * j + 2], cpu_jobs[j].at, cpu_jobs[j].m});
   }
+  // Random inputs from seeds seed, seed + 1, seed + 2 (x [N, D], a scale per index entry, out0
+  // [N, D]) and the CPU's experts_add of them into a copy of out0: what the tests compare with.
+  struct Reference {
+    std::vector<float> x, scale, out0, want;
+  };
+  Reference cpu_reference(Backend& cpu, int64_t N, int64_t D, int64_t I, uint32_t seed) const {
+    Reference r{randv(size_t(N * D), seed), randv(index.size(), seed + 1), randv(size_t(N * D), seed + 2), {}};
+    r.want = r.out0;
+    std::vector<float> xs(size_t(N * D)), g(size_t(N * I)), u(size_t(N * I)), y(size_t(N * D));
+    cpu.experts_add(r.x.data(), index.data(), r.scale.data(), cpu_jobs.data(), int(cpu_jobs.size()), xs.data(),
+                    g.data(), u.data(), y.data(), r.want.data());
+    return r;
+  }
   // The last job made dense (a shared expert: every one of the N rows, unscaled).
   void last_dense(int64_t N) {
     for (auto* jobs : {&cpu_jobs, &gpu_jobs}) {
@@ -834,11 +847,9 @@ TEST(CudaOps, ExpertsAddConcurrentEqualsSerial) {
                       {DType::F8_E4M3, 137}},
                      200);
   const std::vector<int32_t>& index = er.index;
-  const std::vector<Backend::ExpertJob>&cpu_jobs = er.cpu_jobs, &gpu_jobs = er.gpu_jobs;
-  const auto x = randv(size_t(N * D), 301), scale = randv(index.size(), 302), out0 = randv(size_t(N * D), 303);
-  std::vector<float> want(out0), xs(size_t(N * D)), g(size_t(N * I)), u(size_t(N * I)), y(size_t(N * D));
-  p.cpu->experts_add(x.data(), index.data(), scale.data(), cpu_jobs.data(), int(cpu_jobs.size()), xs.data(), g.data(),
-                     u.data(), y.data(), want.data());
+  const std::vector<Backend::ExpertJob>& gpu_jobs = er.gpu_jobs;
+  const ExpertRun::Reference ref = er.cpu_reference(*p.cpu, N, D, I, 301);
+  const std::vector<float>&x = ref.x, &scale = ref.scale, &out0 = ref.out0, &want = ref.want;
   for (CudaGemmMode mode : {CudaGemmMode::Split, CudaGemmMode::Bf16, CudaGemmMode::Fp8}) {
     cuda_set_gemm_mode(*p.gpu, mode);
     float *gx = p.g.up(x), *gs = p.g.up(scale);
@@ -884,11 +895,9 @@ TEST(CudaOps, GroupedExpertsMatchLanesAndCpu) {
     ExpertRun er(*p.gpu, D, I, N, spec, 400);
     er.last_dense(N);  // and a shared expert last
     const std::vector<int32_t>& index = er.index;
-    const std::vector<Backend::ExpertJob>&cpu_jobs = er.cpu_jobs, &gpu_jobs = er.gpu_jobs;
-    const auto x = randv(size_t(N * D), 501), scale = randv(index.size(), 502), out0 = randv(size_t(N * D), 503);
-    std::vector<float> want(out0), xs(size_t(N * D)), g(size_t(N * I)), u(size_t(N * I)), y(size_t(N * D));
-    p.cpu->experts_add(x.data(), index.data(), scale.data(), cpu_jobs.data(), int(cpu_jobs.size()), xs.data(), g.data(),
-                       u.data(), y.data(), want.data());
+    const std::vector<Backend::ExpertJob>& gpu_jobs = er.gpu_jobs;
+    const ExpertRun::Reference ref = er.cpu_reference(*p.cpu, N, D, I, 501);
+    const std::vector<float>&x = ref.x, &scale = ref.scale, &out0 = ref.out0, &want = ref.want;
     float *gx = p.g.up(x), *gs = p.g.up(scale);
     int32_t* gi = p.g.up_i(index);
     float *gxs = p.g.zeros(size_t(N * D)), *gg = p.g.zeros(size_t(2 * N * I)), *gu = gg + N * I;
