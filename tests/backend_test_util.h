@@ -60,9 +60,16 @@ struct HostWeight {
   std::vector<float> scales;
   Weight w;
 };
-inline HostWeight make_weight(DType dt, int64_t out, int64_t in, uint32_t seed, float scale = 0.1f) {
+// blocky: each 128 x 128 block's values scaled by its own power of two (1/4 .. 4), so that FP8
+// block scales differ from block to block and a product that reads the wrong one shows.
+inline HostWeight make_weight(DType dt, int64_t out, int64_t in, uint32_t seed, float scale = 0.1f,
+                              bool blocky = false) {
   HostWeight h;
   std::vector<float> v = randv(size_t(out * in), seed, scale);
+  if (blocky)
+    for (int64_t r = 0; r < out; ++r)
+      for (int64_t c = 0; c < in; ++c)
+        v[size_t(r * in + c)] *= std::ldexp(1.0f, int((r / 128 + 2 * (c / 128)) % 5) - 2);
   h.bytes.resize(size_t(out * in) * dtype_size(dt));
   if (dt == DType::F32) {
     std::memcpy(h.bytes.data(), v.data(), h.bytes.size());

@@ -10,6 +10,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <chrono>
+#include <sstream>
 #include <memory>
 #include <random>
 #include <vector>
@@ -785,12 +787,14 @@ struct ExpertRun {
   std::vector<Weight> gw;
   std::vector<int32_t> index;
   std::vector<Backend::ExpertJob> cpu_jobs, gpu_jobs;
+  // blocky: weights with a power of two per 128 x 128 block (make_weight).
   ExpertRun(Backend& gpu, int64_t D, int64_t I, int64_t N, const std::vector<std::pair<DType, int64_t>>& spec,
-            uint32_t seed) {
+            uint32_t seed, bool blocky = false) {
     hw.reserve(3 * spec.size());
     for (size_t j = 0; j < spec.size(); ++j) {
       for (int k = 0; k < 3; ++k)
-        hw.push_back(make_weight(spec[j].first, k == 2 ? D : I, k == 2 ? I : D, uint32_t(seed + 3 * j + size_t(k))));
+        hw.push_back(make_weight(spec[j].first, k == 2 ? D : I, k == 2 ? I : D, uint32_t(seed + 3 * j + size_t(k)),
+                                 0.1f, blocky));
       const int64_t at = int64_t(index.size());
       for (int64_t i = 0; i < spec[j].second; ++i) index.push_back(int32_t((i * 13 + int64_t(j) * 7) % N));
       std::sort(index.begin() + at, index.end());
@@ -806,8 +810,13 @@ struct ExpertRun {
   struct Reference {
     std::vector<float> x, scale, out0, want;
   };
-  Reference cpu_reference(Backend& cpu, int64_t N, int64_t D, int64_t I, uint32_t seed) const {
+  // blocky_x: x's (row, 128-column block)s scaled by their own powers of two (1/8 .. 8), so that
+  // activation scales differ too.
+  Reference cpu_reference(Backend& cpu, int64_t N, int64_t D, int64_t I, uint32_t seed, bool blocky_x = false) const {
     Reference r{randv(size_t(N * D), seed), randv(index.size(), seed + 1), randv(size_t(N * D), seed + 2), {}};
+    if (blocky_x)
+      for (int64_t t = 0; t < N; ++t)
+        for (int64_t c = 0; c < D; ++c) r.x[size_t(t * D + c)] *= std::ldexp(1.0f, int((t + c / 128) % 7) - 3);
     r.want = r.out0;
     std::vector<float> xs(size_t(N * D)), g(size_t(N * I)), u(size_t(N * I)), y(size_t(N * D));
     cpu.experts_add(r.x.data(), index.data(), r.scale.data(), cpu_jobs.data(), int(cpu_jobs.size()), xs.data(),
@@ -934,6 +943,139 @@ TEST(CudaOps, GroupedExpertsMatchLanesAndCpu) {
     cuda_set_grouped_experts(*p.gpu, true);
     cuda_set_grouped_tma(*p.gpu, true);
   }
+#endif
+}
+
+// FP8 experts in fast-fp8 as grouped products (e4m3 MMA, block scales applied per k-block):
+// against the side lanes (cuBLASLt's block-scaled GEMMs on the same quantized operands) and the
+// CPU's f32 products. Weights and x carry a different power of two per scale block, so a scale
+// read from the wrong block, row or job moves the result by far more than the e4m3 rounding.
+// The same bits run to run and in any chunking; without TMA the grouped path declines (lanes).
+TEST(CudaOps, GroupedFp8ExpertsMatchLanesAndCpu) {
+  REQUIRE_CUDA();
+#ifdef VIREO_HAVE_CUDA
+  Pair p;
+  struct Shape {
+    int64_t D, I;
+  };
+  for (const Shape sh : {Shape{256, 128}, Shape{1024, 512}}) {
+    const int64_t D = sh.D, I = sh.I, N = 600;
+    std::vector<std::pair<DType, int64_t>> spec;
+    for (int64_t m : {137, 30, 12, 600, 20, 129, 64, 255, 400, 300, 0}) spec.push_back({DType::F8_E4M3, m});
+    ExpertRun er(*p.gpu, D, I, N, spec, 700, true);
+    er.last_dense(N);
+    const std::vector<Backend::ExpertJob>& gpu_jobs = er.gpu_jobs;
+    const ExpertRun::Reference ref = er.cpu_reference(*p.cpu, N, D, I, 801, true);
+    float *gx = p.g.up(ref.x), *gs = p.g.up(ref.scale);
+    int32_t* gi = p.g.up_i(er.index);
+    float *gxs = p.g.zeros(size_t(N * D)), *gg = p.g.zeros(size_t(2 * N * I)), *gu = gg + N * I;
+    float* gy = p.g.zeros(size_t(N * D));
+    cuda_set_gemm_mode(*p.gpu, CudaGemmMode::Fp8);
+    auto run = [&](bool grouped, int64_t chunk_rows, bool tma, bool expect_grouped) {
+      cuda_set_grouped_experts(*p.gpu, grouped, chunk_rows);
+      cuda_set_grouped_tma(*p.gpu, tma);
+      float* out = p.g.up(ref.out0);
+      cuda_set_profile(*p.gpu, true);
+      p.gpu->experts_add(gx, gi, gs, gpu_jobs.data(), int(gpu_jobs.size()), gxs, gg, gu, gy, out);
+      const std::string report = cuda_profile_report(*p.gpu, 1.0);
+      cuda_set_profile(*p.gpu, false);
+      EXPECT_EQ(report.find("grouped experts: down (fp8)") != std::string::npos, expect_grouped) << report;
+      return p.g.down(out, ref.out0.size());
+    };
+    const std::string what = "D " + std::to_string(D) + " I " + std::to_string(I);
+    const std::vector<float> lanes = run(false, 0, true, false), grouped = run(true, 0, true, true);
+    EXPECT_EQ(run(true, 0, true, true), grouped) << what << ": run to run";
+    EXPECT_EQ(run(true, 700, true, true), grouped) << what << ": in chunks of at most 700 rows";
+    EXPECT_EQ(run(true, 1, true, true), grouped) << what << ": a job a chunk";
+    EXPECT_EQ(run(true, 0, false, false), lanes) << what << ": without TMA, the lanes";
+    const double to_cpu = nmse(grouped, ref.want), to_lanes = nmse(grouped, lanes), lanes_cpu = nmse(lanes, ref.want);
+    std::printf("  %s: grouped NMSE %.2e against the CPU, %.2e against the lanes (lanes %.2e)\n", what.c_str(), to_cpu,
+                to_lanes, lanes_cpu);
+    EXPECT_GT(lanes_cpu, 1e-7) << what << ": no e4m3 rounding seen on the lanes";
+    EXPECT_LT(to_cpu, 1.25 * lanes_cpu) << what;
+    EXPECT_LT(to_lanes, 0.25 * lanes_cpu) << what << ": further from the lanes than the e4m3 rounding explains";
+    cuda_set_gemm_mode(*p.gpu, CudaGemmMode::Split);
+    cuda_set_grouped_experts(*p.gpu, true);
+    cuda_set_grouped_tma(*p.gpu, true);
+  }
+#endif
+}
+
+// The same at GLM-5's expert shapes (D 6144, I 2048: 48 and 16 k-blocks, the ring wrapping many
+// times), ops launched back to back as the model runs them (no profile between them): grouped
+// against the side lanes only (the CPU reference would take minutes here).
+// The grouped products at GLM-5's expert shapes (D 6144, I 2048: 48 and 16 k-blocks, the ring
+// wrapping many times), BF16 and FP8, ops launched back to back as the model runs them (no
+// profile between them), run many times: the same bits every time, and the side lanes' values.
+// 32 rows an expert leave a tile's second warpgroup without rows; that case once hung one run in
+// four (a warp lagging a whole ring lap behind its warpgroup's release: see release() in
+// cuda_grouped.cu), so a hang here fails the test by its timeout. Weights are random bytes (the
+// quantizing test helpers take minutes at these shapes).
+TEST(CudaOps, GroupedExpertsGlmShapesRepeat) {
+  REQUIRE_CUDA();
+#ifdef VIREO_HAVE_CUDA
+  Pair p;
+  const int64_t D = 6144, I = 2048;
+  auto random_weight = [&](DType dt, int64_t out, int64_t in, uint32_t seed) {
+    HostWeight h;
+    h.bytes.resize(size_t(out * in) * dtype_size(dt));
+    uint32_t st = seed;
+    for (size_t i = 0; i < h.bytes.size(); ++i) {
+      st = st * 1664525u + 1013904223u;
+      // e4m3: no NaN codes (0x7F, 0xFF); bf16: the high byte keeps |w| < 2^-3 or so
+      h.bytes[i] = dt == DType::F8_E4M3 ? uint8_t(((st >> 24) & 0x7E) | ((st >> 16) & 0x80))
+                   : i % 2              ? uint8_t(0x3C | ((st >> 16) & 0x80) | ((st >> 24) & 0x1))
+                                        : uint8_t(st >> 24);
+    }
+    if (dt == DType::F8_E4M3) {
+      const int64_t so = (out + 127) / 128, si = (in + 127) / 128;
+      h.scales.resize(size_t(so * si));
+      for (size_t i = 0; i < h.scales.size(); ++i) h.scales[i] = 1e-3f * float(1 + (i * 7) % 5);
+      h.w.scale_inv = Tensor(h.scales.data(), DType::F32, {so, si});
+    }
+    h.w.w = Tensor(h.bytes.data(), dt, {out, in});
+    return h;
+  };
+  for (DType dt : {DType::F8_E4M3, DType::BF16}) {
+    const HostWeight hg = random_weight(dt, I, D, 1), hu = random_weight(dt, I, D, 2), hd = random_weight(dt, D, I, 3);
+    const Weight wg = p.gpu->upload_weight(hg.w), wu = p.gpu->upload_weight(hu.w), wd = p.gpu->upload_weight(hd.w);
+    cuda_set_gemm_mode(*p.gpu, dt == DType::F8_E4M3 ? CudaGemmMode::Fp8 : CudaGemmMode::Bf16);
+    struct Case {
+      int64_t N, rows;  // tokens; rows of each of the 16 routed jobs (all share one expert's weights)
+      int repeats;
+    };
+    for (const Case cs : {Case{64, 32, 16}, Case{512, 256, 4}}) {
+      const int64_t N = cs.N;
+      std::vector<int32_t> index;
+      std::vector<Backend::ExpertJob> jobs;
+      for (int64_t j = 0; j < 16; ++j) {
+        const int64_t at = int64_t(index.size());
+        for (int64_t i = 0; i < cs.rows; ++i) index.push_back(int32_t((i * 13 + j * 7) % N));
+        std::sort(index.begin() + at, index.end());
+        index.erase(std::unique(index.begin() + at, index.end()), index.end());
+        jobs.push_back({&wg, &wu, &wd, at, int64_t(index.size()) - at});
+      }
+      jobs.push_back({&wg, &wu, &wd, 0, N, true});
+      float *gx = p.g.up(randv(size_t(N * D), 901)), *gs = p.g.up(randv(index.size(), 902));
+      int32_t* gi = p.g.up_i(index);
+      float *gxs = p.g.zeros(size_t(N * D)), *gg = p.g.zeros(size_t(2 * N * I)), *gu = gg + N * I;
+      float *gy = p.g.zeros(size_t(N * D)), *out = p.g.zeros(size_t(N * D));
+      auto run = [&](bool grouped) {
+        cuda_set_grouped_experts(*p.gpu, grouped, 0);
+        p.gpu->fill(out, 0.0f, N * D);
+        p.gpu->experts_add(gx, gi, gs, jobs.data(), int(jobs.size()), gxs, gg, gu, gy, out);
+        return p.g.down(out, size_t(N * D));
+      };
+      const std::string what = std::string(dtype_name(dt)) + " N " + std::to_string(N);
+      const std::vector<float> lanes = run(false), grouped = run(true);
+      const double to_lanes = nmse(grouped, lanes);
+      std::printf("  %s: grouped NMSE %.2e against the lanes\n", what.c_str(), to_lanes);
+      EXPECT_LT(to_lanes, dt == DType::F8_E4M3 ? 1e-6 : 1e-4) << what;
+      for (int r = 0; r < cs.repeats; ++r) EXPECT_EQ(run(true), grouped) << what << ": run " << r;
+    }
+  }
+  cuda_set_gemm_mode(*p.gpu, CudaGemmMode::Split);
+  cuda_set_grouped_experts(*p.gpu, true);
 #endif
 }
 

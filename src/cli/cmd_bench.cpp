@@ -115,9 +115,9 @@ namespace {
 
 // `vireo bench --device cuda`: B=1 decode at context 0 and 4096, prefill of 512 and 4096 tokens,
 // against a device-to-device copy and a cuBLASLt bf16 GEMM measured in the same run.
-int bench_cuda(const std::string& dir, const std::string& synthetic, const std::string& dtype, int layers,
-               int experts, int64_t n_decode, bool record, bool profile, const SamplingParams& sampling,
-               const std::string& math) {
+int bench_cuda(const std::string& dir, const std::string& synthetic, const std::string& dtype, int layers, int experts,
+               int64_t n_decode, bool record, bool profile, const SamplingParams& sampling, const std::string& math,
+               bool math_only) {
 #ifndef VIREO_HAVE_CUDA
   fail("--device cuda: this vireo was built without CUDA (no nvcc at build time)");
 #else
@@ -221,9 +221,10 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
   };
   // Every mode, the asked-for one last; fast-fp8 only where it can differ from fast (FP8 weights,
   // or a checkpoint of unknown dtype).
+  // (--math-only: the asked-for one alone.)
   std::vector<CudaGemmMode> modes;
   for (CudaGemmMode m : {CudaGemmMode::Split, CudaGemmMode::Bf16, CudaGemmMode::Fp8})
-    if (m != mode && (m != CudaGemmMode::Fp8 || dtype == "fp8" || synthetic.empty())) modes.push_back(m);
+    if (!math_only && m != mode && (m != CudaGemmMode::Fp8 || dtype == "fp8" || synthetic.empty())) modes.push_back(m);
   modes.push_back(mode);
   for (int64_t T : {int64_t(512), int64_t(4096)}) {
     MlaCache cache(*backend, model->cache_shape(), 1, T + n_decode + 8);
@@ -426,7 +427,7 @@ Action add_bench(CLI::App& app) {
     StreamingFlags sf;
     std::string device = "cpu";
     std::string math = "exact";  // --math: CUDA prefill products
-    bool profile = false;
+    bool profile = false, math_only = false;
     SamplingParams s;
   };
   auto o = std::make_shared<Opts>();
@@ -450,6 +451,8 @@ Action add_bench(CLI::App& app) {
   app.add_flag("--profile", o->profile,
                "CUDA: after the timed runs, an op-level GPU profile (time per op and matmul shape) of prefill 512 "
                "and 4096 and of decode");
+  app.add_flag("--math-only", o->math_only,
+               "CUDA: time (and profile) prefill in the --math mode only, not in every mode");
   app.add_option("--temp", o->s.temperature,
                  "Decode steps sample at this temperature (0: greedy); CUDA: timed sampling on the device and on "
                  "the host, beside greedy");
@@ -463,6 +466,7 @@ Action add_bench(CLI::App& app) {
     validate_sampling(o->s);
     check_device_flags(o->device, o->math, o->sf);
     if (o->profile && o->device != "cuda") fail("--profile needs --device cuda");
+    if (o->math_only && o->device != "cuda") fail("--math-only needs --device cuda");
     if (o->device == "cuda" && !o->sf.gpu_budget.empty() && o->s.temperature != 0.0f)
       fail("--temp: sampled decode steps are not measured with --gpu-budget (drop one of them)");
     if (o->device == "cuda" && !o->sf.gpu_budget.empty())
@@ -470,7 +474,7 @@ Action add_bench(CLI::App& app) {
                                   o->math);
     if (o->device == "cuda")
       return bench_cuda(o->model, o->synthetic, o->dtype, o->layers, o->experts, o->decode, !o->no_graph, o->profile,
-                        o->s, o->math);
+                        o->s, o->math, o->math_only);
     ThreadPool& pool = ThreadPool::global();
     auto backend = make_cpu_backend();
     std::unique_ptr<GlmDsaModel> model;

@@ -854,9 +854,9 @@ class CudaBackend final : public Backend {
     }
     if (dense) dense_expert_add(x, *dense, g, u, y, out);
   }
-  // The fast modes' BF16 experts as grouped products (cuda_grouped.h): a few launches for the
-  // whole run instead of ~5 per expert on the side lanes. The run goes in chunks of consecutive
-  // jobs of at most kGroupedRows rows (a larger job alone), each chunk's additions after the
+  // The fast modes' BF16 experts, and fast-fp8's FP8 experts, as grouped products
+  // (cuda_grouped.h): a few launches for the whole run instead of ~5 per expert on the side lanes. The run goes in
+  // chunks of consecutive jobs of at most kGroupedRows rows (a larger job alone), each chunk's additions after the
   // previous chunk's, so the order of additions into out is the job order throughout. False
   // (nothing done) where it does not apply: exact or f32 math, another dtype, shapes the kernel
   // does not take, or VIREO_GROUPED=0.
@@ -864,28 +864,37 @@ class CudaBackend final : public Backend {
                            float* out) {
     if (!grouped_on_ || !fast_math() || n < 2) return false;
     const int64_t D = jobs[0].gate->in(), I = jobs[0].gate->out(), at0 = jobs[0].at;
+    // FP8 experts in fast-fp8 (e4m3 x e4m3, as their lanes run them), by TMA only; their SwiGLU
+    // output passes through y in f32 on its way to its quantization, so I <= D.
+    const bool fp8 = mode_ == CudaGemmMode::Fp8 && devw(*jobs[0].gate).dt == W_FP8;
+    if (fp8 && (!grouped_tma_ || !grouped_tma_available() || I > D)) return false;
+    const int want_dt = fp8 ? W_FP8 : W_BF16;
     std::vector<GroupedJob> all;
     int64_t total = 0, dense_rows = 0;
     for (int j = 0; j < n; ++j) {
       const ExpertJob& e = jobs[j];
       const DevW wg = devw(*e.gate), wu = devw(*e.up), wd = devw(*e.down);
-      const bool bf16 = wg.dt == W_BF16 && wu.dt == W_BF16 && wd.dt == W_BF16;
-      if (!bf16 || wg.in != D || wg.out != I || wu.in != D || wu.out != I || wd.in != I || wd.out != D || e.m < 0 ||
+      const bool same_dt = wg.dt == want_dt && wu.dt == want_dt && wd.dt == want_dt;
+      if (!same_dt || wg.in != D || wg.out != I || wu.in != D || wu.out != I || wd.in != I || wd.out != D || e.m < 0 ||
           e.m >= (int64_t(1) << 30) || (e.dense && j != n - 1) || (!e.dense && e.at - at0 != total))
         return false;
       // A dense job's rows follow the routed ones: their index and scale are made per chunk.
       if (e.dense) dense_rows = e.m;
-      all.push_back({wg.w, wu.w, wd.w, int32_t(total), int32_t(e.m)});
+      all.push_back({wg.w, wu.w, wd.w, int32_t(total), int32_t(e.m), fp8 ? wg.s : nullptr, fp8 ? wu.s : nullptr,
+                     fp8 ? wd.s : nullptr});
       total += e.m;
     }
     // Experts of many rows each fill the SMs one at a time: cuBLASLt's kernels on the side lanes
     // are as fast there as the cp.async tiles (measured: 2048 rows an expert, lanes ahead; 256,
-    // grouped ahead). The TMA tiles are ahead at both (session 12): no limit unless one is set.
+    // grouped ahead). The bf16 TMA tiles are ahead at both (session 12): no limit unless one is
+    // set. The FP8 tiles are ahead at 256 rows an expert and behind at 2048+ (session 13: 8-layer
+    // prefill at 4096 tokens 60.7% against the lanes' 62.1%; gate | up 873 TFLOP/s there).
     const int64_t max_mean = grouped_max_mean_rows_ > 0                ? grouped_max_mean_rows_
+                             : fp8                                     ? int64_t(1024)
                              : grouped_tma_ && grouped_tma_available() ? int64_t(1) << 40
                                                                        : int64_t(1024);
     if (total > max_mean * n) return false;
-    if (!grouped_experts_fit(D, I, all) || reinterpret_cast<uintptr_t>(x) % 16 != 0 ||
+    if (!grouped_experts_fit(D, I, all, fp8) || reinterpret_cast<uintptr_t>(x) % 16 != 0 ||
         reinterpret_cast<uintptr_t>(out) % 16 != 0)
       return false;
     for (size_t j0 = 0; j0 < all.size();) {
@@ -902,8 +911,15 @@ class CudaBackend final : public Backend {
       r.xb = grouped_xb_.get<__nv_bfloat16>(size_t(rows * D));
       r.h = grouped_h_.get<__nv_bfloat16>(size_t(rows * I));
       r.y = grouped_y_.get<float>(size_t(rows * D));
+      if (fp8) {  // e4m3 rows and their scales in the bf16 rows' buffers (half their bytes and a 32nd)
+        r.xs = reinterpret_cast<float*>(static_cast<char*>(r.xb) + size_t(rows * D + 15) / 16 * 16);
+        r.hs = reinterpret_cast<float*>(static_cast<char*>(r.h) + size_t(rows * I + 15) / 16 * 16);
+        r.h32 = r.y;
+      }
       const GroupedTmaOperands tma{r.xb, r.h, rows};
-      const GroupedTables tb = grouped_tables(part, D, I, grouped_tma_ ? &tma : nullptr);
+      const GroupedTables tb = grouped_tables(part, D, I, grouped_tma_ ? &tma : nullptr, fp8);
+      if (fp8 && tb.n_maps == 0)
+        fail("grouped FP8 experts: the TMA descriptors of a ", rows, "-row chunk failed to encode");
       char* table = grouped_table_.get<char>(tb.bytes.size());
       h2d(table, tb.bytes.data(), tb.bytes.size());  // ordered after the last chunk's reads of it
       r.x = x;
@@ -925,18 +941,32 @@ class CudaBackend final : public Backend {
       r.out = out;
       {
         ProfScope ps(
-            prof_, stream_, [] { return std::string("grouped experts: gather + convert"); }, 0.0);
+            prof_, stream_,
+            [fp8] {
+              return std::string(fp8 ? "grouped experts: gather + act_quant" : "grouped experts: gather + convert");
+            },
+            0.0);
         grouped_gather(r, stream_);
       }
       {
         ProfScope ps(
-            prof_, stream_, [] { return std::string("grouped experts: gate | up + swiglu"); },
+            prof_, stream_,
+            [fp8] {
+              return std::string(fp8 ? "grouped experts: gate | up + swiglu (fp8)"
+                                     : "grouped experts: gate | up + swiglu");
+            },
             4.0 * double(rows) * double(I) * double(D));
         grouped_gate_up(r, stream_);
       }
+      if (fp8) {
+        ProfScope ps(
+            prof_, stream_, [] { return std::string("grouped experts: act_quant h"); }, 0.0);
+        grouped_quantize_h(r, stream_);
+      }
       {
         ProfScope ps(
-            prof_, stream_, [] { return std::string("grouped experts: down"); },
+            prof_, stream_,
+            [fp8] { return std::string(fp8 ? "grouped experts: down (fp8)" : "grouped experts: down"); },
             2.0 * double(rows) * double(I) * double(D));
         grouped_down(r, stream_);
       }

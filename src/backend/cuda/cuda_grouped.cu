@@ -36,6 +36,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "backend/cuda/cuda_fp8_gemm.h"
 #include "backend/cuda/cuda_grouped.h"
 #include "backend/cuda/cuda_internal.h"
 #include "backend/cuda/cuda_wgmma.cuh"
@@ -56,6 +57,9 @@ struct JobW {
   const __nv_bfloat16* gate;
   const __nv_bfloat16* up;
   const __nv_bfloat16* down;
+  const float* gate_s;  // FP8: the block scales, row stride K / 128
+  const float* up_s;
+  const float* down_s;
 };
 
 // Where a block's loads of one tile come from: this thread's 16-byte chunk of 4 rows of A (rows
@@ -91,24 +95,29 @@ struct TileLoads {
 };
 
 // A tile's epilogue from the accumulators: d[nt][e] is row 16 warp + g (+ 8 for e >= 2) of the
-// warpgroup's 64, column 8 nt + 2 tq (+ 1).
-__device__ __forceinline__ void store_tile(const float (&d)[kTN / 8][4], int4 t, int wgi, int warp, int lane,
-                                           bool swiglu, const float* __restrict__ scale, int n_out,
-                                           void* __restrict__ out) {
-  constexpr int NT = kTN / 8;
+// warpgroup's 64, column 8 nt + 2 tq (+ 1); NT / 2 column tiles of gate, then as many of up.
+// kF32H: the SwiGLU output is written in f32 (the FP8 path quantizes it next), else in bf16.
+template <int NT, bool kF32H>
+__device__ __forceinline__ void store_tile(const float (&d)[NT][4], int4 t, int wgi, int warp, int lane, bool swiglu,
+                                           const float* __restrict__ scale, int n_out, void* __restrict__ out) {
   const int g = lane >> 2, tq = lane & 3;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = t.y + wgi * 64 + warp * 16 + g + 8 * half;
     if (row >= t.z) continue;
-    if (swiglu) {  // columns 0..127 gate, 128..255 up, of the same 128 intermediate columns
-      auto* h = static_cast<__nv_bfloat162*>(out) + (int64_t(row) * n_out + t.w) / 2;
+    if (swiglu) {  // the tile's first half of columns gate, the second up, of the same intermediate columns
 #pragma unroll
       for (int nt = 0; nt < NT / 2; ++nt) {
         const float g0 = d[nt][2 * half], g1 = d[nt][2 * half + 1];
         const float u0 = d[nt + NT / 2][2 * half], u1 = d[nt + NT / 2][2 * half + 1];
-        // swiglu_kernel's arithmetic, rounded once to bf16 (the fast modes' operand)
-        h[nt * 4 + tq] = __floats2bfloat162_rn(g0 / (1.0f + expf(-g0)) * u0, g1 / (1.0f + expf(-g1)) * u1);
+        // swiglu_kernel's arithmetic, rounded once to bf16 (the fast modes' operand) or kept
+        const float h0 = g0 / (1.0f + expf(-g0)) * u0, h1 = g1 / (1.0f + expf(-g1)) * u1;
+        if constexpr (kF32H)
+          reinterpret_cast<float2*>(static_cast<float*>(out) + int64_t(row) * n_out + t.w)[nt * 4 + tq] =
+              make_float2(h0, h1);
+        else
+          (static_cast<__nv_bfloat162*>(out) + (int64_t(row) * n_out + t.w) / 2)[nt * 4 + tq] =
+              __floats2bfloat162_rn(h0, h1);
       }
     } else {  // the routing weight applied as scatter_add_rows does: s * y, rounded
       const float sc = scale[row];
@@ -178,7 +187,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   wgmma_wait<0>();
   pin(d);
-  store_tile(d, t, wgi, warp, lane, swiglu, scale, n_out, out);
+  store_tile<NT, false>(d, t, wgi, warp, lane, swiglu, scale, n_out, out);
 }
 
 // The same tile, its operands brought by the tensor memory accelerator (TMA): a producer warp
@@ -190,6 +199,16 @@ __global__ void __launch_bounds__(kThreads, 1)
 // 128 x 128 variant, 128 KB in flight, moved 9.1 TB/s). maps: the run's tensor maps (A's, then
 // each job's gate, up, down); job_maps[j]: job j's (gate, up, down) map indices.
 constexpr int kTmaThreads = kThreads + 32;  // + the producer warp
+constexpr uint32_t kMathWarps = kThreads / 32;
+// A math warp's release of a stage it has read (empty[s] completes once all 8 have). Every warp
+// arrives, not one a warpgroup: a warpgroup with no rows in the tile issues no MMA, so nothing
+// keeps its warps together, and with one arrival for all four a warp still waiting on a stage's
+// `full` barrier could see the stage refilled and its phase pass twice; a parity wait then never
+// returns (measured: a hang in one run of several at 32 rows an expert).
+__device__ __forceinline__ void release(uint32_t empty_bar, int lane) {
+  __syncwarp();
+  if (lane == 0) mbar_arrive(empty_bar);
+}
 __global__ void __launch_bounds__(kTmaThreads, 1)
     grouped_gemm_tma_kernel(const CUtensorMap* __restrict__ maps, int a_map, int K, const int4* __restrict__ job_maps,
                             const int4* __restrict__ tiles, bool swiglu, const float* __restrict__ scale, int n_out,
@@ -205,8 +224,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(smem_u32(&full[s]), 1);   // the producer's expect_tx, then the bytes
-      mbar_init(smem_u32(&empty[s]), 2);  // one arrival a warpgroup
+      mbar_init(smem_u32(&full[s]), 1);            // the producer's expect_tx, then the bytes
+      mbar_init(smem_u32(&empty[s]), kMathWarps);  // one arrival a math warp (kMathWarps)
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -247,11 +266,117 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     step_mma(d, st, wgi, active);
     wgmma_wait<1>();  // step kt - 1's MMA is done: release its stage
     pin(d);
-    if (kt > 0 && (tid & 127) == 0) mbar_arrive(smem_u32(&empty[(kt - 1) % kStages]));
+    if (kt > 0) release(smem_u32(&empty[(kt - 1) % kStages]), lane);
   }
   wgmma_wait<0>();
   pin(d);
-  store_tile(d, t, wgi, warp, lane, swiglu, scale, n_out, out);
+  store_tile<NT, false>(d, t, wgi, warp, lane, swiglu, scale, n_out, out);
+}
+
+// FP8 experts: the same tile scheme on e4m3 operands (wgmma k-step 32), a stage one 128-deep
+// k-block (a 128-byte line a row, as the bf16 tiles' 64), tiles of 128 rows x 128 columns (gate |
+// up: 64 gate and the same 64 up columns). Each k-block's sums go into a second set of
+// accumulators, which is scaled by the rows' activation scales times the weight block's scale and
+// added to the first after the block's MMAs are done (the scales change at every k-block, so they
+// cannot be applied once at the end): twice the accumulator registers, hence 128 columns, not 256.
+// While one warpgroup scales its block, the other's MMAs keep the tensor cores busy.
+// Bound: a stage moves 32 KB for 4.2 MFLOP (the bf16 tile's 48 KB); e4m3 MMA runs at twice the
+// bf16 rate, so the tiles need ~2x the bf16 kernel's bytes a second from L2, which the deeper ring
+// (6 stages, 5 in flight) is for.
+constexpr int kF8TM = 128, kF8TN = 128, kF8TK = 128;
+constexpr int kF8Stages = 6;
+constexpr uint32_t kF8ABytes = kF8TM * kF8TK, kF8StageBytes = kF8ABytes + kF8TN * kF8TK;  // 16 + 16 KB
+constexpr size_t kF8Smem = size_t(kF8Stages) * kF8StageBytes + 1024;
+
+__global__ void __launch_bounds__(kTmaThreads, 1)
+    grouped_fp8_kernel(const CUtensorMap* __restrict__ maps, int a_map, const float* __restrict__ a_scale, int R, int K,
+                       const int4* __restrict__ job_maps, const JobW* __restrict__ jobs, const int4* __restrict__ tiles,
+                       bool swiglu, const float* __restrict__ scale, int n_out, float* __restrict__ out) {
+  pdl_begin();
+  constexpr int NT = kF8TN / 8;
+  extern __shared__ unsigned char gg_smem[];
+  __shared__ alignas(8) uint64_t full[kF8Stages], empty[kF8Stages];
+  const uint32_t raw = smem_u32(gg_smem), sbase = (raw + 1023u) & ~1023u;
+  const int tid = int(threadIdx.x), wgi = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int4 t = tiles[blockIdx.x];
+  const int KT = K / kF8TK;
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < kF8Stages; ++s) {
+      mbar_init(smem_u32(&full[s]), 1);
+      mbar_init(smem_u32(&empty[s]), kMathWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (wgi == 2) {  // the producer warp, as grouped_gemm_tma_kernel's
+    if (lane != 0) return;
+    const int4 jm = job_maps[t.x];
+    const CUtensorMap* ma = maps + a_map;
+    const CUtensorMap* mb = maps + (swiglu ? jm.x : jm.z);
+    const CUtensorMap* mu = maps + jm.y;
+    tensormap_acquire(ma);
+    tensormap_acquire(mb);
+    if (swiglu) tensormap_acquire(mu);
+    for (int kt = 0; kt < KT; ++kt) {
+      const int s = kt % kF8Stages;
+      if (kt >= kF8Stages) mbar_wait(smem_u32(&empty[s]), uint32_t((kt / kF8Stages) + 1) & 1u);
+      const uint32_t st = sbase + uint32_t(s) * kF8StageBytes, fb = smem_u32(&full[s]);
+      mbar_expect_tx(fb, kF8StageBytes);
+      tma_load_2d(st, ma, kt * kF8TK, t.y, fb);
+      if (swiglu) {  // B: 64 gate rows, then the same 64 up rows
+        tma_load_2d(st + kF8ABytes, mb, kt * kF8TK, t.w, fb);
+        tma_load_2d(st + kF8ABytes + uint32_t(kF8TN / 2) * 128u, mu, kt * kF8TK, t.w, fb);
+      } else {
+        tma_load_2d(st + kF8ABytes, mb, kt * kF8TK, t.w, fb);
+      }
+    }
+    return;
+  }
+  const bool active = t.y + wgi * 64 < t.z;
+  // This thread's two rows (clamped for the scale reads: rows past the run are never stored) and
+  // the weight scales of the tile's columns (one 128-row block: gate | up tiles sit in one).
+  const int g = lane >> 2, row0 = t.y + wgi * 64 + warp * 16 + g;
+  const float* sa0 = a_scale + min(row0, R - 1);
+  const float* sa1 = a_scale + min(row0 + 8, R - 1);
+  const JobW jw = jobs[t.x];
+  const float* sbg = (swiglu ? jw.gate_s : jw.down_s) + int64_t(t.w / 128) * KT;
+  const float* sbu = swiglu ? jw.up_s + int64_t(t.w / 128) * KT : sbg;
+  const uint64_t da = gmma_desc(sbase + uint32_t(wgi * 64 * 128), 16, 1024),
+                 db = gmma_desc(sbase + kF8ABytes, 16, 1024);
+  float d[NT][4], p[NT][4];
+#pragma unroll
+  for (int i = 0; i < NT; ++i) d[i][0] = d[i][1] = d[i][2] = d[i][3] = 0.0f;
+  for (int kt = 0; kt < KT; ++kt) {
+    const int s = kt % kF8Stages;
+    // (The scale loads go out before the wait and the MMAs, which hide their latency.)
+    const float a0 = sa0[int64_t(kt) * R], a1 = sa1[int64_t(kt) * R], bg = sbg[kt], bu = sbu[kt];
+    mbar_wait(smem_u32(&full[s]), uint32_t(kt / kF8Stages) & 1u);
+    const uint64_t so = desc_off(uint32_t(s) * kF8StageBytes);
+    if (active) {
+      pin(p);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kF8TK / 32; ++kk)
+        wgmma_e4m3_m64n128(p, da + so + desc_off(uint32_t(kk * 32)), db + so + desc_off(uint32_t(kk * 32)), kk > 0);
+      wgmma_commit();
+    }
+    wgmma_wait<0>();
+    pin(p);
+    release(smem_u32(&empty[s]), lane);  // the stage is read
+    if (active) {
+      const float g0 = a0 * bg, g1 = a1 * bg, u0 = a0 * bu, u1 = a1 * bu;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const float s0 = nt < NT / 2 ? g0 : u0, s1 = nt < NT / 2 ? g1 : u1;
+        d[nt][0] = fmaf(p[nt][0], s0, d[nt][0]);
+        d[nt][1] = fmaf(p[nt][1], s0, d[nt][1]);
+        d[nt][2] = fmaf(p[nt][2], s1, d[nt][2]);
+        d[nt][3] = fmaf(p[nt][3], s1, d[nt][3]);
+      }
+    }
+  }
+  store_tile<NT, true>(d, t, wgi, warp, lane, swiglu, scale, n_out, out);
 }
 
 // xb[r] = bf16(x[index[r]]), one block a row.                      x [*, D], xb [R, D]; D % 4 == 0
@@ -341,6 +466,22 @@ const T* table_at(const GroupedRun& r, size_t off) {
 void gemm(const GroupedRun& r, bool swiglu, cudaStream_t st) {
   const int tiles = swiglu ? r.tables->gate_up_tiles : r.tables->down_tiles;
   if (tiles == 0) return;
+  if (r.tables->fp8) {
+    if (r.tables->n_maps == 0) fail("grouped FP8 experts: no tensor maps (the FP8 products load by TMA only)");
+    static bool fp8_configured = false;
+    if (!fp8_configured) {
+      VIREO_CUDA_CHECK(
+          cudaFuncSetAttribute(grouped_fp8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kF8Smem)));
+      fp8_configured = true;
+    }
+    launch(grouped_fp8_kernel, unsigned(tiles), kTmaThreads, kF8Smem, st, table_at<CUtensorMap>(r, r.tables->maps_at),
+           swiglu ? 0 : 1, swiglu ? r.xs : r.hs, int(r.R), int(swiglu ? r.D : r.I),
+           table_at<int4>(r, r.tables->job_maps_at), table_at<JobW>(r, r.tables->jobs_at),
+           table_at<int4>(r, swiglu ? r.tables->gate_up_at : r.tables->down_at), swiglu, r.scale,
+           int(swiglu ? r.I : r.D), swiglu ? r.h32 : r.y);
+    VIREO_CUDA_LAUNCHED();
+    return;
+  }
   if (r.tables->n_maps > 0) {
     static bool tma_configured = false;
     if (!tma_configured) {
@@ -371,13 +512,15 @@ void gemm(const GroupedRun& r, bool swiglu, cudaStream_t st) {
 
 }  // namespace
 
-bool grouped_experts_fit(int64_t D, int64_t I, const std::vector<GroupedJob>& jobs) {
-  // (Multiples of the tile's columns are multiples of the k-step too.)
+bool grouped_experts_fit(int64_t D, int64_t I, const std::vector<GroupedJob>& jobs, bool fp8) {
+  // (Multiples of the tile's columns are multiples of the k-step too; the FP8 tiles' 128 columns
+  // and k-blocks divide the bf16 tiles' 256.)
   if (D <= 0 || I <= 0 || D % kTN != 0 || I % (kTN / 2) != 0 || D > (1 << 20) || I > (1 << 20)) return false;
   int64_t rows = 0;
   for (const GroupedJob& j : jobs) {
     for (const void* p : {j.gate, j.up, j.down})
       if (!p || reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+    if (fp8 && (!j.gate_s || !j.up_s || !j.down_s)) return false;
     if (j.rows < 0 || j.row0 != rows) return false;
     rows += j.rows;
   }
@@ -400,44 +543,47 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-// A row-major bf16 matrix [rows, cols] read in boxes of 64 columns (one 128-byte swizzled line)
-// by box_rows rows, as the tile loads lay them out in shared memory.
-bool encode_map(CUtensorMap* m, const void* p, int64_t rows, int64_t cols, int box_rows) {
+// A row-major bf16 (or, fp8, one-byte e4m3) matrix [rows, cols] read in boxes of one 128-byte
+// swizzled line (64 bf16 or 128 e4m3 columns) by box_rows rows, as the tile loads lay them out
+// in shared memory.
+bool encode_map(CUtensorMap* m, const void* p, int64_t rows, int64_t cols, int box_rows, bool fp8 = false) {
   const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
-  const cuuint64_t strides[1] = {cuuint64_t(cols) * 2};
-  const cuuint32_t box[2] = {cuuint32_t(kTK), cuuint32_t(box_rows)};
+  const cuuint64_t strides[1] = {cuuint64_t(cols) * (fp8 ? 1 : 2)};
+  const cuuint32_t box[2] = {cuuint32_t(fp8 ? kF8TK : kTK), cuuint32_t(box_rows)};
   const cuuint32_t elem[2] = {1, 1};
-  return tensor_map_encoder()(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(p), dims, strides, box, elem,
-                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  return tensor_map_encoder()(m, fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
+                              const_cast<void*>(p), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 // encode_map for weights, through a cache: a map depends only on the pointer and the shape, so
 // it stays right for as long as that pointer holds a matrix of that shape (a streamed expert's
 // slot included). Encoding all of a run's maps took the host ~0.5 us each while the device,
 // which had just handed back the run's row counts, waited for the launches.
-bool weight_map(CUtensorMap* m, const void* p, int64_t rows, int64_t cols, int box_rows) {
+bool weight_map(CUtensorMap* m, const void* p, int64_t rows, int64_t cols, int box_rows, bool fp8) {
   struct Key {
     const void* p;
     int64_t rows, cols;
     int box;
+    bool fp8;
     bool operator==(const Key&) const = default;
   };
   struct Hash {
     size_t operator()(const Key& k) const {
       return std::hash<const void*>()(k.p) ^ (size_t(k.rows) * 0x9E3779B97F4A7C15ull) ^ (size_t(k.cols) << 20) ^
-             size_t(k.box);
+             size_t(k.box) ^ (size_t(k.fp8) << 40);
     }
   };
   static std::mutex mu;
   static std::unordered_map<Key, CUtensorMap, Hash> cache;
-  const Key key{p, rows, cols, box_rows};
+  const Key key{p, rows, cols, box_rows, fp8};
   std::lock_guard<std::mutex> lock(mu);
   if (auto it = cache.find(key); it != cache.end()) {
     *m = it->second;
     return true;
   }
-  if (!encode_map(m, p, rows, cols, box_rows)) return false;
+  if (!encode_map(m, p, rows, cols, box_rows, fp8)) return false;
   if (cache.size() >= (size_t(1) << 16)) cache.clear();  // (weights come and go in a test process)
   cache.emplace(key, *m);
   return true;
@@ -447,9 +593,13 @@ bool weight_map(CUtensorMap* m, const void* p, int64_t rows, int64_t cols, int b
 
 bool grouped_tma_available() { return tensor_map_encoder() != nullptr; }
 
-GroupedTables grouped_tables(const std::vector<GroupedJob>& jobs, int64_t D, int64_t I, const GroupedTmaOperands* tma) {
+GroupedTables grouped_tables(const std::vector<GroupedJob>& jobs, int64_t D, int64_t I, const GroupedTmaOperands* tma,
+                             bool fp8) {
   GroupedTables t;
+  t.fp8 = fp8;
   t.n_jobs = int(jobs.size());
+  // Tile shapes: bf16 128 rows x 256 columns (gate | up: 128 of each), FP8 128 x 128 (64 of each).
+  const int tm = fp8 ? kF8TM : kTM, tn = fp8 ? kF8TN : kTN;
   // The tensor maps first (TMA wants them 64-byte aligned; the buffer's base is): A of the gate |
   // up product (xb [R, D]), A of the down product (h [R, I]), then each job's gate, up, down.
   std::vector<CUtensorMap> maps;
@@ -457,13 +607,13 @@ GroupedTables grouped_tables(const std::vector<GroupedJob>& jobs, int64_t D, int
   if (tma && tensor_map_encoder()) {
     bool ok = true;
     maps.resize(2 + 3 * jobs.size());
-    ok = ok && encode_map(&maps[0], tma->xb, tma->R, D, kTM);
-    ok = ok && encode_map(&maps[1], tma->h, tma->R, I, kTM);
+    ok = ok && encode_map(&maps[0], tma->xb, tma->R, D, tm, fp8);
+    ok = ok && encode_map(&maps[1], tma->h, tma->R, I, tm, fp8);
     for (size_t j = 0; ok && j < jobs.size(); ++j) {
       const int b = int(2 + 3 * j);
-      ok = ok && weight_map(&maps[size_t(b)], jobs[j].gate, I, D, kTN / 2);
-      ok = ok && weight_map(&maps[size_t(b + 1)], jobs[j].up, I, D, kTN / 2);
-      ok = ok && weight_map(&maps[size_t(b + 2)], jobs[j].down, D, I, kTN);
+      ok = ok && weight_map(&maps[size_t(b)], jobs[j].gate, I, D, tn / 2, fp8);
+      ok = ok && weight_map(&maps[size_t(b + 1)], jobs[j].up, I, D, tn / 2, fp8);
+      ok = ok && weight_map(&maps[size_t(b + 2)], jobs[j].down, D, I, tn, fp8);
       jm.push_back(make_int4(b, b + 1, b + 2, 0));
     }
     if (!ok) maps.clear(), jm.clear();
@@ -474,15 +624,15 @@ GroupedTables grouped_tables(const std::vector<GroupedJob>& jobs, int64_t D, int
   for (size_t j = 0; j < jobs.size(); ++j) {
     const GroupedJob& e = jobs[j];
     jw.push_back({static_cast<const __nv_bfloat16*>(e.gate), static_cast<const __nv_bfloat16*>(e.up),
-                  static_cast<const __nv_bfloat16*>(e.down)});
+                  static_cast<const __nv_bfloat16*>(e.down), e.gate_s, e.up_s, e.down_s});
     spans.push_back(make_int2(e.row0, e.rows));
     // The m-tiles of one column tile adjacent: blocks on the chip together share its weight rows
     // in L2 (each weight byte comes from DRAM about once per job).
-    for (int64_t n0 = 0; n0 < I; n0 += kTN / 2)
-      for (int64_t m0 = e.row0; m0 < e.row0 + e.rows; m0 += kTM)
+    for (int64_t n0 = 0; n0 < I; n0 += tn / 2)
+      for (int64_t m0 = e.row0; m0 < e.row0 + e.rows; m0 += tm)
         gu.push_back(make_int4(int(j), int(m0), e.row0 + e.rows, int(n0)));
-    for (int64_t n0 = 0; n0 < D; n0 += kTN)
-      for (int64_t m0 = e.row0; m0 < e.row0 + e.rows; m0 += kTM)
+    for (int64_t n0 = 0; n0 < D; n0 += tn)
+      for (int64_t m0 = e.row0; m0 < e.row0 + e.rows; m0 += tm)
         dn.push_back(make_int4(int(j), int(m0), e.row0 + e.rows, int(n0)));
   }
   t.gate_up_tiles = int(gu.size());
@@ -505,6 +655,7 @@ GroupedTables grouped_tables(const std::vector<GroupedJob>& jobs, int64_t D, int
 
 void grouped_gather(const GroupedRun& r, cudaStream_t st) {
   if (r.R == 0) return;
+  if (r.tables->fp8) return act_quant(r.x, r.R, r.R, r.D, static_cast<uint8_t*>(r.xb), r.xs, st, r.index);
   launch(grouped_gather_kernel, unsigned(r.R), 256, 0, st, r.x, r.index, r.D, static_cast<__nv_bfloat162*>(r.xb));
   VIREO_CUDA_LAUNCHED();
 }
@@ -514,6 +665,9 @@ void grouped_dense_rows(const int32_t* index, const float* scale, int64_t routed
   launch(grouped_dense_rows_kernel, unsigned(std::min<int64_t>((rows + 255) / 256, 1024)), 256, 0, st, index, scale,
          routed, rows, index_out, scale_out);
   VIREO_CUDA_LAUNCHED();
+}
+void grouped_quantize_h(const GroupedRun& r, cudaStream_t st) {
+  if (r.R > 0) act_quant(r.h32, r.R, r.R, r.I, static_cast<uint8_t*>(r.h), r.hs, st);
 }
 void grouped_gate_up(const GroupedRun& r, cudaStream_t st) { gemm(r, true, st); }
 void grouped_down(const GroupedRun& r, cudaStream_t st) { gemm(r, false, st); }

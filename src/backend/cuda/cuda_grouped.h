@@ -7,6 +7,11 @@
 //      epilogue (rounded to bf16 for the next product): h [R, I];
 //   3. every expert's down, one launch, each row scaled by its routing weight: y [R, D];
 //   4. the additions into out in job order, one launch (grouped_combine).
+// FP8 experts (--math fast-fp8) take the same steps with e4m3 operands: the gathered rows and the
+// SwiGLU output are quantized per (row, 128 columns) as act_quant does (cuda_fp8_gemm.h), the
+// products run on e4m3 warpgroup MMA with each 128-deep k-block's partial sums scaled by the
+// row's and the weight block's scales before they are added (DeepSeek's block-scaled GEMM), and
+// the SwiGLU output goes through f32 (h32) to its quantization, as on the side lanes.
 // Rows are numbered from the run's first (index and scale point there); job j owns rows
 // [row0_j, row0_j + rows_j), consecutive, its tokens strictly increasing (moe_group's lists: a
 // token's top-k experts are distinct; a dense job, the shared expert, lists every token once).
@@ -17,38 +22,47 @@
 
 namespace vireo::cuda {
 
-// One expert of a grouped run (device pointers to its BF16 weights: gate, up [I, D], down [D, I]).
+// One expert of a grouped run (device pointers to its weights: gate, up [I, D], down [D, I], all
+// BF16, or all e4m3 with their 128 x 128 block scales [out / 128, in / 128], row-major).
 struct GroupedJob {
   const void* gate = nullptr;
   const void* up = nullptr;
   const void* down = nullptr;
   int32_t row0 = 0, rows = 0;
+  const float* gate_s = nullptr;  // FP8 only
+  const float* up_s = nullptr;
+  const float* down_s = nullptr;
 };
 
 // Shapes and pointers the kernels take: D a multiple of 256, I of 128, weights 16-byte aligned,
-// jobs' rows consecutive from 0.
-bool grouped_experts_fit(int64_t D, int64_t I, const std::vector<GroupedJob>& jobs);
+// jobs' rows consecutive from 0; FP8: every scale pointer set.
+bool grouped_experts_fit(int64_t D, int64_t I, const std::vector<GroupedJob>& jobs, bool fp8 = false);
 
 // The device-side tables of a run (jobs, spans, tiles of both products), laid out by
 // grouped_tables into one byte buffer the caller uploads (GroupedRun::table).
 // With tma (and the driver's tensor-map encoder found), the tables also hold the TMA descriptors
 // of the run's operands, and the products load their tiles through them (n_maps > 0).
+// FP8 runs have TMA loads only (fp8 set, n_maps > 0).
 struct GroupedTables {
   std::vector<char> bytes;
+  bool fp8 = false;
   int n_jobs = 0, gate_up_tiles = 0, down_tiles = 0, n_maps = 0;
   size_t maps_at = 0, job_maps_at = 0, jobs_at = 0, spans_at = 0, gate_up_at = 0, down_at = 0;  // into bytes
 };
 struct GroupedTmaOperands {
-  const void* xb = nullptr;  // the chunk's gathered rows [R, D], bf16
-  const void* h = nullptr;   // its SwiGLU output [R, I], bf16
+  const void* xb = nullptr;  // the chunk's gathered rows [R, D], bf16 (FP8: e4m3)
+  const void* h = nullptr;   // its SwiGLU output [R, I], bf16 (FP8: e4m3)
   int64_t R = 0;
 };
 bool grouped_tma_available();
+// fp8: the jobs' weights are e4m3; needs tma (else the tables come back with n_maps == 0).
 GroupedTables grouped_tables(const std::vector<GroupedJob>& jobs, int64_t D, int64_t I,
-                             const GroupedTmaOperands* tma = nullptr);
+                             const GroupedTmaOperands* tma = nullptr, bool fp8 = false);
 
 // The four launches above on `st`. table: the uploaded GroupedTables bytes; xb [R, D] and h
-// [R, I] bf16 scratch, y [R, D] f32 scratch; out [*, D] accumulates.
+// [R, I] bf16 scratch, y [R, D] f32 scratch; out [*, D] accumulates. FP8: xb and h hold e4m3
+// rows, xs [D / 128, R] and hs [I / 128, R] their scales (act_quant's layout), and the gate | up
+// product writes h32 [R, I] f32, which grouped_quantize_h turns into h and hs.
 struct GroupedRun {
   const float* x = nullptr;
   const int32_t* index = nullptr;
@@ -60,12 +74,17 @@ struct GroupedRun {
   void* h = nullptr;
   float* y = nullptr;
   float* out = nullptr;
+  float* xs = nullptr;  // FP8 only
+  float* hs = nullptr;
+  float* h32 = nullptr;
 };
 // index_out, scale_out [rows]: index, scale [routed] then (t, 1) for each t < rows - routed, the
 // rows of a dense last job (a shared expert: every token, unscaled).
 void grouped_dense_rows(const int32_t* index, const float* scale, int64_t routed, int64_t rows, int32_t* index_out,
                         float* scale_out, cudaStream_t st);
 void grouped_gather(const GroupedRun& r, cudaStream_t st);
+// FP8: grouped_gather quantizes the gathered rows into xb, xs; grouped_quantize_h turns h32 into h, hs.
+void grouped_quantize_h(const GroupedRun& r, cudaStream_t st);
 void grouped_gate_up(const GroupedRun& r, cudaStream_t st);
 void grouped_down(const GroupedRun& r, cudaStream_t st);
 void grouped_combine(const GroupedRun& r, cudaStream_t st);
