@@ -14,7 +14,7 @@
 // A block computes a 128 x 256 tile as 2 warpgroups of 64 rows (wgmma m64n256k16, A and B from
 // shared memory); K in steps of 64 (one 128-byte swizzled line a row) through a ring of kStages
 // stages. Two forms load the ring: by TMA (the default where the driver's tensor-map encoder is
-// found), a producer warp issuing each stage's boxes as soon as both warpgroups have released
+// found), a producer warp issuing each stage's boxes as soon as all 8 math warps have released
 // it (mbarriers), up to kStages - 1 steps ahead; or by cp.async from all 256 threads, kStages - 2
 // ahead with one block barrier a step (a stage is refilled two steps after the MMA that read it
 // was issued, once every warpgroup has waited for it). Rows past a tile's job are never written
@@ -191,7 +191,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // The same tile, its operands brought by the tensor memory accelerator (TMA): a producer warp
-// issues a stage's 2-3 box loads as soon as both warpgroups have released it (an mbarrier a
+// issues a stage's 2-3 box loads as soon as all 8 math warps have released it (an mbarrier a
 // stage each way), so up to kStages - 1 steps are in flight instead of the cp.async form's 2,
 // and the 256 math threads issue no loads and meet at no block barrier. Why: the cp.async form
 // moved 96 KB in flight a multiprocessor, which at ~1.9 us of L2 latency under load is ~50 GB/s
