@@ -832,6 +832,39 @@ struct ExpertRun {
     }
   }
 };
+
+// A run's inputs uploaded once (x, scale and index from the reference), then experts_add into a
+// fresh copy of out0 per call, with the grouped products on or off, in chunks of chunk_rows (0:
+// the default), tiles by TMA or not, profiled: `path` (a profile row name) must appear exactly
+// when expect_path.
+struct GroupedCall {
+  Pair& p;
+  const ExpertRun& er;
+  const ExpertRun::Reference& ref;
+  float *x, *scale, *xs, *g, *u, *y;
+  int32_t* index;
+  GroupedCall(Pair& pair, const ExpertRun& run, const ExpertRun::Reference& r, int64_t N, int64_t D, int64_t I)
+      : p(pair), er(run), ref(r) {
+    x = p.g.up(ref.x);
+    scale = p.g.up(ref.scale);
+    index = p.g.up_i(er.index);
+    xs = p.g.zeros(size_t(N * D));
+    g = p.g.zeros(size_t(2 * N * I));
+    u = g + N * I;
+    y = p.g.zeros(size_t(N * D));
+  }
+  std::vector<float> operator()(bool grouped, int64_t chunk_rows, bool tma, const char* path, bool expect_path) {
+    cuda_set_grouped_experts(*p.gpu, grouped, chunk_rows);
+    cuda_set_grouped_tma(*p.gpu, tma);
+    float* out = p.g.up(ref.out0);
+    cuda_set_profile(*p.gpu, true);
+    p.gpu->experts_add(x, index, scale, er.gpu_jobs.data(), int(er.gpu_jobs.size()), xs, g, u, y, out);
+    const std::string report = cuda_profile_report(*p.gpu, 1.0);
+    cuda_set_profile(*p.gpu, false);
+    EXPECT_EQ(report.find(path) != std::string::npos, expect_path) << report;
+    return p.g.down(out, ref.out0.size());
+  }
+};
 #endif
 
 // A run of experts added into one output: CUDA computes the jobs concurrently on side streams
@@ -903,24 +936,11 @@ TEST(CudaOps, GroupedExpertsMatchLanesAndCpu) {
     for (int64_t m : {137, 3, 1, 600, 20, 129, 64, 255, 400, 300, 0}) spec.push_back({DType::BF16, m});
     ExpertRun er(*p.gpu, D, I, N, spec, 400);
     er.last_dense(N);  // and a shared expert last
-    const std::vector<int32_t>& index = er.index;
-    const std::vector<Backend::ExpertJob>& gpu_jobs = er.gpu_jobs;
     const ExpertRun::Reference ref = er.cpu_reference(*p.cpu, N, D, I, 501);
-    const std::vector<float>&x = ref.x, &scale = ref.scale, &out0 = ref.out0, &want = ref.want;
-    float *gx = p.g.up(x), *gs = p.g.up(scale);
-    int32_t* gi = p.g.up_i(index);
-    float *gxs = p.g.zeros(size_t(N * D)), *gg = p.g.zeros(size_t(2 * N * I)), *gu = gg + N * I;
-    float* gy = p.g.zeros(size_t(N * D));
+    const std::vector<float>& want = ref.want;
+    GroupedCall call(p, er, ref, N, D, I);
     auto run = [&](bool grouped, int64_t chunk_rows, bool tma = true) {
-      cuda_set_grouped_experts(*p.gpu, grouped, chunk_rows);
-      cuda_set_grouped_tma(*p.gpu, tma);
-      float* out = p.g.up(out0);
-      cuda_set_profile(*p.gpu, true);
-      p.gpu->experts_add(gx, gi, gs, gpu_jobs.data(), int(gpu_jobs.size()), gxs, gg, gu, gy, out);
-      const std::string report = cuda_profile_report(*p.gpu, 1.0);
-      cuda_set_profile(*p.gpu, false);
-      EXPECT_EQ(report.find("grouped experts: down") != std::string::npos, grouped) << report;
-      return p.g.down(out, out0.size());
+      return call(grouped, chunk_rows, tma, "grouped experts: down", grouped);
     };
     for (CudaGemmMode mode : {CudaGemmMode::Bf16, CudaGemmMode::Fp8}) {
       cuda_set_gemm_mode(*p.gpu, mode);
@@ -964,23 +984,11 @@ TEST(CudaOps, GroupedFp8ExpertsMatchLanesAndCpu) {
     for (int64_t m : {137, 30, 12, 600, 20, 129, 64, 255, 400, 300, 0}) spec.push_back({DType::F8_E4M3, m});
     ExpertRun er(*p.gpu, D, I, N, spec, 700, true);
     er.last_dense(N);
-    const std::vector<Backend::ExpertJob>& gpu_jobs = er.gpu_jobs;
     const ExpertRun::Reference ref = er.cpu_reference(*p.cpu, N, D, I, 801, true);
-    float *gx = p.g.up(ref.x), *gs = p.g.up(ref.scale);
-    int32_t* gi = p.g.up_i(er.index);
-    float *gxs = p.g.zeros(size_t(N * D)), *gg = p.g.zeros(size_t(2 * N * I)), *gu = gg + N * I;
-    float* gy = p.g.zeros(size_t(N * D));
     cuda_set_gemm_mode(*p.gpu, CudaGemmMode::Fp8);
+    GroupedCall call(p, er, ref, N, D, I);
     auto run = [&](bool grouped, int64_t chunk_rows, bool tma, bool expect_grouped) {
-      cuda_set_grouped_experts(*p.gpu, grouped, chunk_rows);
-      cuda_set_grouped_tma(*p.gpu, tma);
-      float* out = p.g.up(ref.out0);
-      cuda_set_profile(*p.gpu, true);
-      p.gpu->experts_add(gx, gi, gs, gpu_jobs.data(), int(gpu_jobs.size()), gxs, gg, gu, gy, out);
-      const std::string report = cuda_profile_report(*p.gpu, 1.0);
-      cuda_set_profile(*p.gpu, false);
-      EXPECT_EQ(report.find("grouped experts: down (fp8)") != std::string::npos, expect_grouped) << report;
-      return p.g.down(out, ref.out0.size());
+      return call(grouped, chunk_rows, tma, "grouped experts: down (fp8)", expect_grouped);
     };
     const std::string what = "D " + std::to_string(D) + " I " + std::to_string(I);
     const std::vector<float> lanes = run(false, 0, true, false), grouped = run(true, 0, true, true);
@@ -1001,9 +1009,6 @@ TEST(CudaOps, GroupedFp8ExpertsMatchLanesAndCpu) {
 #endif
 }
 
-// The same at GLM-5's expert shapes (D 6144, I 2048: 48 and 16 k-blocks, the ring wrapping many
-// times), ops launched back to back as the model runs them (no profile between them): grouped
-// against the side lanes only (the CPU reference would take minutes here).
 // The grouped products at GLM-5's expert shapes (D 6144, I 2048: 48 and 16 k-blocks, the ring
 // wrapping many times), BF16 and FP8, ops launched back to back as the model runs them (no
 // profile between them), run many times: the same bits every time, and the side lanes' values.

@@ -209,6 +209,51 @@ __device__ __forceinline__ void release(uint32_t empty_bar, int lane) {
   __syncwarp();
   if (lane == 0) mbar_arrive(empty_bar);
 }
+// The ring's barriers, made by thread 0 before the block's first barrier: full[s] completes on
+// the producer's expect_tx and the stage's bytes, empty[s] on every math warp's release.
+template <int Stages>
+__device__ __forceinline__ void ring_init(uint64_t (&full)[Stages], uint64_t (&empty)[Stages], int tid) {
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < Stages; ++s) {
+      mbar_init(smem_u32(&full[s]), 1);
+      mbar_init(smem_u32(&empty[s]), kMathWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+}
+// The producer warp's one loading lane: each k-step's boxes into stage kt % Stages once every
+// math warp has released that stage's previous use. A stage of the tile t (job, first row, end
+// row, first column) is A's TM rows x TK columns at 0, then B's TN rows at ABytes: the job's gate
+// rows and then the same rows of up (swiglu), or its down rows. maps / a_map / job_maps: as
+// grouped_gemm_tma_kernel takes them.
+template <int Stages, int TK, int TN, uint32_t ABytes, uint32_t StageBytes>
+__device__ __forceinline__ void ring_produce(uint64_t (&full)[Stages], uint64_t (&empty)[Stages], uint32_t sbase,
+                                             const CUtensorMap* __restrict__ maps, int a_map,
+                                             const int4* __restrict__ job_maps, int4 t, bool swiglu, int KT) {
+  const int4 jm = job_maps[t.x];
+  const CUtensorMap* ma = maps + a_map;
+  const CUtensorMap* mb = maps + (swiglu ? jm.x : jm.z);
+  const CUtensorMap* mu = maps + jm.y;
+  tensormap_acquire(ma);
+  tensormap_acquire(mb);
+  if (swiglu) tensormap_acquire(mu);
+  for (int kt = 0; kt < KT; ++kt) {
+    const int s = kt % Stages;
+    // The stage's last use was step kt - Stages: its release is that phase of empty[s].
+    if (kt >= Stages) mbar_wait(smem_u32(&empty[s]), uint32_t((kt / Stages) + 1) & 1u);
+    const uint32_t st = sbase + uint32_t(s) * StageBytes, fb = smem_u32(&full[s]);
+    mbar_expect_tx(fb, StageBytes);
+    tma_load_2d(st, ma, kt * TK, t.y, fb);  // A: the tile's rows (zeros past the run)
+    if (swiglu) {                           // B: TN / 2 gate rows, then the same rows of up
+      tma_load_2d(st + ABytes, mb, kt * TK, t.w, fb);
+      tma_load_2d(st + ABytes + uint32_t(TN / 2) * 128u, mu, kt * TK, t.w, fb);
+    } else {
+      tma_load_2d(st + ABytes, mb, kt * TK, t.w, fb);
+    }
+  }
+}
 __global__ void __launch_bounds__(kTmaThreads, 1)
     grouped_gemm_tma_kernel(const CUtensorMap* __restrict__ maps, int a_map, int K, const int4* __restrict__ job_maps,
                             const int4* __restrict__ tiles, bool swiglu, const float* __restrict__ scale, int n_out,
@@ -221,38 +266,10 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   const int tid = int(threadIdx.x), wgi = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const int4 t = tiles[blockIdx.x];
   const int KT = K / kTK;
-  if (tid == 0) {
-#pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(smem_u32(&full[s]), 1);            // the producer's expect_tx, then the bytes
-      mbar_init(smem_u32(&empty[s]), kMathWarps);  // one arrival a math warp (kMathWarps)
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
+  ring_init(full, empty, tid);
   if (wgi == 2) {  // the producer warp: one lane issues every load
-    if (lane != 0) return;
-    const int4 jm = job_maps[t.x];
-    const CUtensorMap* ma = maps + a_map;
-    const CUtensorMap* mb = maps + (swiglu ? jm.x : jm.z);
-    const CUtensorMap* mu = maps + jm.y;
-    tensormap_acquire(ma);
-    tensormap_acquire(mb);
-    if (swiglu) tensormap_acquire(mu);
-    for (int kt = 0; kt < KT; ++kt) {
-      const int s = kt % kStages;
-      // The stage's last use was step kt - kStages: its release is that phase of empty[s].
-      if (kt >= kStages) mbar_wait(smem_u32(&empty[s]), uint32_t((kt / kStages) + 1) & 1u);
-      const uint32_t st = sbase + uint32_t(s) * kStageBytes, fb = smem_u32(&full[s]);
-      mbar_expect_tx(fb, kStageBytes);
-      tma_load_2d(st, ma, kt * kTK, t.y, fb);  // A: the tile's 128 rows (zeros past the run)
-      if (swiglu) {                            // B: 128 gate rows, then the same 128 up rows
-        tma_load_2d(st + kABytes, mb, kt * kTK, t.w, fb);
-        tma_load_2d(st + kABytes + uint32_t(kTN / 2) * 128u, mu, kt * kTK, t.w, fb);
-      } else {
-        tma_load_2d(st + kABytes, mb, kt * kTK, t.w, fb);
-      }
-    }
+    if (lane == 0)
+      ring_produce<kStages, kTK, kTN, kABytes, kStageBytes>(full, empty, sbase, maps, a_map, job_maps, t, swiglu, KT);
     return;
   }
   const bool active = t.y + wgi * 64 < t.z;  // as the cp.async form
@@ -300,37 +317,11 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   const int tid = int(threadIdx.x), wgi = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const int4 t = tiles[blockIdx.x];
   const int KT = K / kF8TK;
-  if (tid == 0) {
-#pragma unroll
-    for (int s = 0; s < kF8Stages; ++s) {
-      mbar_init(smem_u32(&full[s]), 1);
-      mbar_init(smem_u32(&empty[s]), kMathWarps);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
+  ring_init(full, empty, tid);
   if (wgi == 2) {  // the producer warp, as grouped_gemm_tma_kernel's
-    if (lane != 0) return;
-    const int4 jm = job_maps[t.x];
-    const CUtensorMap* ma = maps + a_map;
-    const CUtensorMap* mb = maps + (swiglu ? jm.x : jm.z);
-    const CUtensorMap* mu = maps + jm.y;
-    tensormap_acquire(ma);
-    tensormap_acquire(mb);
-    if (swiglu) tensormap_acquire(mu);
-    for (int kt = 0; kt < KT; ++kt) {
-      const int s = kt % kF8Stages;
-      if (kt >= kF8Stages) mbar_wait(smem_u32(&empty[s]), uint32_t((kt / kF8Stages) + 1) & 1u);
-      const uint32_t st = sbase + uint32_t(s) * kF8StageBytes, fb = smem_u32(&full[s]);
-      mbar_expect_tx(fb, kF8StageBytes);
-      tma_load_2d(st, ma, kt * kF8TK, t.y, fb);
-      if (swiglu) {  // B: 64 gate rows, then the same 64 up rows
-        tma_load_2d(st + kF8ABytes, mb, kt * kF8TK, t.w, fb);
-        tma_load_2d(st + kF8ABytes + uint32_t(kF8TN / 2) * 128u, mu, kt * kF8TK, t.w, fb);
-      } else {
-        tma_load_2d(st + kF8ABytes, mb, kt * kF8TK, t.w, fb);
-      }
-    }
+    if (lane == 0)
+      ring_produce<kF8Stages, kF8TK, kF8TN, kF8ABytes, kF8StageBytes>(full, empty, sbase, maps, a_map, job_maps, t,
+                                                                      swiglu, KT);
     return;
   }
   const bool active = t.y + wgi * 64 < t.z;
