@@ -921,8 +921,7 @@ TEST(CudaOps, ExpertsAddConcurrentEqualsSerial) {
 // in chunks (a run split at job boundaries, a job larger than a chunk alone) against one chunk,
 // bit for bit (each output element is the same dot product wherever its row falls in a tile).
 // Rows 1 to 600 (partial tiles of 128, a warpgroup's 64 rows empty, several tiles), a token in
-// several jobs, K of 2 to 32 k-steps (fewer than the ring's loads ahead), more tiles than SMs
-// (the persistent blocks' k-steps run on into their next tile).
+// several jobs, K of 2 to 32 k-steps (fewer than the ring's loads ahead), more tiles than SMs.
 TEST(CudaOps, GroupedExpertsMatchLanesAndCpu) {
   REQUIRE_CUDA();
 #ifdef VIREO_HAVE_CUDA
