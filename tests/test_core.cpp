@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <vector>
 
 #include "core/dtype.h"
 #include "core/thread_pool.h"
@@ -34,6 +35,36 @@ TEST(DType, Fp8E4M3KnownValues) {
     ASSERT_EQ(f32_to_fp8_e4m3(f), c) << c;
   }
   EXPECT_EQ(f32_to_fp8_e4m3(1000.0f), 0x7e);  // saturates
+}
+
+// f32 -> e4m3 by bits against the definition: the nearest of the 127 non-negative codes, ties
+// to the even code, saturating at 448, NaN to 0x7f. Every code, the midpoints between neighbours
+// (ties) and a float either side of each, and 4096 mantissas at every exponent from 2^-12 to 2^8.
+TEST(DType, Fp8E4M3RoundingEqualsNearestSearch) {
+  auto nearest = [](float f) -> uint8_t {
+    if (std::isnan(f)) return 0x7f;
+    const uint8_t sign = std::signbit(f) ? 0x80 : 0;
+    const float a = std::fabs(f);
+    if (a >= 448.0f) return sign | 0x7e;
+    uint8_t best = 0;
+    float best_err = INFINITY;
+    for (uint8_t c = 0; c < 0x7f; ++c) {
+      const float err = std::fabs(fp8_e4m3_to_f32(c) - a);
+      if (err < best_err || (err == best_err && (c & 1) == 0)) best = c, best_err = err;
+    }
+    return sign | best;
+  };
+  std::vector<float> probe = {0.0f, -0.0f, 448.0f, 449.0f, 464.0f, 1e30f, INFINITY, -INFINITY, NAN, 1e-45f};
+  for (int c = 0; c < 0x7e; ++c) {
+    const float lo = fp8_e4m3_to_f32(uint8_t(c)), hi = fp8_e4m3_to_f32(uint8_t(c + 1));
+    const float mid = 0.5f * (lo + hi);
+    probe.insert(probe.end(), {lo, mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 1e9f)});
+  }
+  for (uint32_t i = 0; i < 21u * 4096u; ++i)
+    probe.push_back(std::ldexp(1.0f + float(i % 4096) / 4096.0f, int(i / 4096) - 12));
+  const size_t n = probe.size();
+  for (size_t i = 0; i < n; ++i) probe.push_back(-probe[i]);
+  for (float f : probe) ASSERT_EQ(f32_to_fp8_e4m3(f), nearest(f)) << f;
 }
 
 TEST(ThreadPool, PartitionCoversEveryIndexOnce) {
