@@ -77,8 +77,10 @@ uint64_t estimate_backend_bytes(const GlmDsaConfig& c, int64_t T, bool fp8_weigh
   // weight's bf16 copy in exact mode.
   const int64_t lane_rows = (T + 3) / 4 * 4 * (3 * D + 6 * I + 2 * std::max(D, I)) * 4;
   const int64_t lane = lane_ws + lane_rows + (fp8_weights && T ? std::min(chunk, I * D * 4) : 0);
-  // And, in the fast modes with BF16 experts, the grouped products' chunk (cuda_grouped.h):
-  // gathered x and SwiGLU output in bf16, the scaled down rows in f32, for up to kGroupedRows
+  // And, in the fast modes with BF16 experts (and fast-fp8 with FP8 ones: their e4m3 rows and
+  // scales fit in the same buffers, the f32 SwiGLU output in the down rows'), the grouped
+  // products' chunk (cuda_grouped.h): gathered x and SwiGLU output in bf16, the scaled down rows
+  // in f32, for up to kGroupedRows
   // rows (or one expert's T): the routed rows and the shared expert's T, with an index and a
   // scale each. A run takes one path or the other, but one process may take both (short prompts
   // grouped, long ones with many rows an expert on the lanes).
