@@ -406,6 +406,7 @@ class CudaBackend final : public Backend {
     grouped_rows_ = chunk_rows > 0 ? chunk_rows : CudaBufferSizes::kGroupedRows;
   }
   void set_grouped_tma(bool on) { grouped_tma_ = on; }
+  void set_grouped_narrow(bool on) { grouped_narrow_ = on; }
 
   void set_fast_decode(bool attention, bool scores, bool topk) {
     fast_attention_ = attention;
@@ -917,7 +918,7 @@ class CudaBackend final : public Backend {
         r.h32 = r.y;
       }
       const GroupedTmaOperands tma{r.xb, r.h, rows};
-      const GroupedTables tb = grouped_tables(part, D, I, grouped_tma_ ? &tma : nullptr, fp8);
+      const GroupedTables tb = grouped_tables(part, D, I, grouped_tma_ ? &tma : nullptr, fp8, grouped_narrow_);
       if (fp8 && tb.n_maps == 0)
         fail("grouped FP8 experts: the TMA descriptors of a ", rows, "-row chunk failed to encode");
       char* table = grouped_table_.get<char>(tb.bytes.size());
@@ -1566,6 +1567,11 @@ class CudaBackend final : public Backend {
   // VIREO_GROUPED=0 runs them on the side lanes instead (A/B runs).
   bool grouped_on_ = env_switch("VIREO_GROUPED");
   bool grouped_tma_ = env_switch("VIREO_GROUPED_TMA");    // TMA tile loads (else cp.async), for A/B runs
+  // bf16 tiles of 128 columns (off unless VIREO_GROUPED_NARROW=1: not yet run on a device)
+  bool grouped_narrow_ = [] {
+    const char* e = std::getenv("VIREO_GROUPED_NARROW");
+    return e && std::string(e) == "1";
+  }();
   int64_t grouped_rows_ = CudaBufferSizes::kGroupedRows;  // rows a chunk (tests set fewer)
   // With cp.async tile loads, runs of more than 1024 rows an expert on average take the lanes;
   // with TMA every run is grouped. VIREO_GROUPED_MAX_ROWS=N sets a limit either way (A/B runs).
@@ -1644,6 +1650,7 @@ void cuda_set_grouped_experts(Backend& b, bool on, int64_t chunk_rows) {
   as_cuda(b).set_grouped_experts(on, chunk_rows);
 }
 void cuda_set_grouped_tma(Backend& b, bool on) { as_cuda(b).set_grouped_tma(on); }
+void cuda_set_grouped_narrow(Backend& b, bool on) { as_cuda(b).set_grouped_narrow(on); }
 void cuda_set_fast_decode(Backend& b, bool attention, bool indexer_scores, bool indexer_topk) {
   as_cuda(b).set_fast_decode(attention, indexer_scores, indexer_topk);
 }

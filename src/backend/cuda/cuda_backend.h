@@ -79,6 +79,9 @@ void cuda_set_grouped_experts(Backend& cuda, bool on, int64_t chunk_rows = 0);
 // is found; VIREO_GROUPED_TMA=0 turns it off) or by cp.async (off): the same sums, so tests
 // compare the two bit for bit.
 void cuda_set_grouped_tma(Backend& cuda, bool on);
+// bf16 grouped tiles of 128 columns (off by default; VIREO_GROUPED_NARROW=1 turns it on): the same
+// sums as the 256-column tiles (each output element is one dot product in k order).
+void cuda_set_grouped_narrow(Backend& cuda, bool on);
 // Programmatic dependent launches for every CUDA kernel of the process (on, the default;
 // VIREO_PDL=0 turns them off for A/B runs): a kernel's blocks are dispatched while the kernel
 // before it runs and wait for it on the device. The same kernels and sums either way.

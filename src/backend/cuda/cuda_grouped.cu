@@ -48,6 +48,7 @@ namespace {
 
 constexpr int kTM = 128, kTN = 256, kTK = 64;  // tile rows, columns, k-step
 constexpr int kStages = 4;                     // ring depth: 2 steps of loads in flight
+constexpr int kNarrowStages = 3;               // the narrow TMA form's: 3 x 32 KB, two blocks an SM
 constexpr int kThreads = 256;                  // 2 warpgroups of 64 rows
 constexpr uint32_t kABytes = kTM * kTK * 2, kStageBytes = kABytes + kTN * kTK * 2;  // 16 + 32 KB
 constexpr size_t kSmem = size_t(kStages) * kStageBytes + 1024;
@@ -132,14 +133,18 @@ __device__ __forceinline__ void store_tile(const float (&d)[NT][4], int4 t, int 
 // A warpgroup's MMAs of one k-step: its 64 rows of the stage's A against the stage's 256 B rows,
 // issued and committed, not waited for (the caller's wgmma_wait stays outside the branch: inside
 // one, ptxas serializes every wgmma, warning C7518).
-__device__ __forceinline__ void step_mma(float (&d)[kTN / 8][4], uint32_t st, int wgi, bool active) {
+template <int TN = kTN>
+__device__ __forceinline__ void step_mma(float (&d)[TN / 8][4], uint32_t st, int wgi, bool active) {
   const uint64_t da = gmma_desc(st + uint32_t(wgi * 64 * 128), 16, 1024), db = gmma_desc(st + kABytes, 16, 1024);
   if (active) {
     pin(d);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kTK / 16; ++kk)
-      wgmma_ss_m64n256(d, da + desc_off(uint32_t(kk * 32)), db + desc_off(uint32_t(kk * 32)), 1);
+    for (int kk = 0; kk < kTK / 16; ++kk) {
+      if constexpr (TN == 256)
+        wgmma_ss_m64n256(d, da + desc_off(uint32_t(kk * 32)), db + desc_off(uint32_t(kk * 32)), 1);
+      else wgmma_ss_m64n128(d, da + desc_off(uint32_t(kk * 32)), db + desc_off(uint32_t(kk * 32)), 1);
+    }
     wgmma_commit();
   }
 }
@@ -254,14 +259,20 @@ __device__ __forceinline__ void ring_produce(uint64_t (&full)[Stages], uint64_t 
     }
   }
 }
-__global__ void __launch_bounds__(kTmaThreads, 1)
+// TN: the tile's columns, 256 (the default) or 128 (the narrow form: half the accumulators, two
+// blocks a multiprocessor with Stages 3, twice the tiles: an expert's last, mostly empty m-tile
+// costs half as much, and 5.33 waves of wide tiles become ~10.7 of narrow ones; written in
+// session 13 with no device time left to run it: off unless VIREO_GROUPED_NARROW=1).
+template <int TN, int Stages, int MinBlocks>
+__global__ void __launch_bounds__(kTmaThreads, MinBlocks)
     grouped_gemm_tma_kernel(const CUtensorMap* __restrict__ maps, int a_map, int K, const int4* __restrict__ job_maps,
                             const int4* __restrict__ tiles, bool swiglu, const float* __restrict__ scale, int n_out,
                             void* __restrict__ out) {
   pdl_begin();
-  constexpr int NT = kTN / 8;
+  constexpr int NT = TN / 8;
+  constexpr uint32_t StageBytes = kABytes + uint32_t(TN) * kTK * 2;
   extern __shared__ unsigned char gg_smem[];
-  __shared__ alignas(8) uint64_t full[kStages], empty[kStages];
+  __shared__ alignas(8) uint64_t full[Stages], empty[Stages];
   const uint32_t raw = smem_u32(gg_smem), sbase = (raw + 1023u) & ~1023u;
   const int tid = int(threadIdx.x), wgi = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const int4 t = tiles[blockIdx.x];
@@ -269,7 +280,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   ring_init(full, empty, tid);
   if (wgi == 2) {  // the producer warp: one lane issues every load
     if (lane == 0)
-      ring_produce<kStages, kTK, kTN, kABytes, kStageBytes>(full, empty, sbase, maps, a_map, job_maps, t, swiglu, KT);
+      ring_produce<Stages, kTK, TN, kABytes, StageBytes>(full, empty, sbase, maps, a_map, job_maps, t, swiglu, KT);
     return;
   }
   const bool active = t.y + wgi * 64 < t.z;  // as the cp.async form
@@ -277,13 +288,13 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
 #pragma unroll
   for (int i = 0; i < NT; ++i) d[i][0] = d[i][1] = d[i][2] = d[i][3] = 0.0f;
   for (int kt = 0; kt < KT; ++kt) {
-    const int s = kt % kStages;
-    mbar_wait(smem_u32(&full[s]), uint32_t(kt / kStages) & 1u);
-    const uint32_t st = sbase + uint32_t(s) * kStageBytes;
-    step_mma(d, st, wgi, active);
+    const int s = kt % Stages;
+    mbar_wait(smem_u32(&full[s]), uint32_t(kt / Stages) & 1u);
+    const uint32_t st = sbase + uint32_t(s) * StageBytes;
+    step_mma<TN>(d, st, wgi, active);
     wgmma_wait<1>();  // step kt - 1's MMA is done: release its stage
     pin(d);
-    if (kt > 0) release(smem_u32(&empty[(kt - 1) % kStages]), lane);
+    if (kt > 0) release(smem_u32(&empty[(kt - 1) % Stages]), lane);
   }
   wgmma_wait<0>();
   pin(d);
@@ -473,16 +484,30 @@ void gemm(const GroupedRun& r, bool swiglu, cudaStream_t st) {
     VIREO_CUDA_LAUNCHED();
     return;
   }
+  if (r.tables->n_maps > 0 && r.tables->narrow) {
+    constexpr size_t smem = size_t(kNarrowStages) * (kABytes + 128u * kTK * 2) + 1024;
+    auto* kernel = grouped_gemm_tma_kernel<128, kNarrowStages, 2>;
+    static bool narrow_configured = false;
+    if (!narrow_configured) {
+      VIREO_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+      narrow_configured = true;
+    }
+    launch(kernel, unsigned(tiles), kTmaThreads, smem, st, table_at<CUtensorMap>(r, r.tables->maps_at), swiglu ? 0 : 1,
+           int(swiglu ? r.D : r.I), table_at<int4>(r, r.tables->job_maps_at),
+           table_at<int4>(r, swiglu ? r.tables->gate_up_at : r.tables->down_at), swiglu, r.scale,
+           int(swiglu ? r.I : r.D), swiglu ? r.h : static_cast<void*>(r.y));
+    VIREO_CUDA_LAUNCHED();
+    return;
+  }
   if (r.tables->n_maps > 0) {
+    auto* kernel = grouped_gemm_tma_kernel<kTN, kStages, 1>;
     static bool tma_configured = false;
     if (!tma_configured) {
-      VIREO_CUDA_CHECK(
-          cudaFuncSetAttribute(grouped_gemm_tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)));
+      VIREO_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)));
       tma_configured = true;
     }
-    launch(grouped_gemm_tma_kernel, unsigned(tiles), kTmaThreads, kSmem, st,
-           table_at<CUtensorMap>(r, r.tables->maps_at), swiglu ? 0 : 1, int(swiglu ? r.D : r.I),
-           table_at<int4>(r, r.tables->job_maps_at),
+    launch(kernel, unsigned(tiles), kTmaThreads, kSmem, st, table_at<CUtensorMap>(r, r.tables->maps_at), swiglu ? 0 : 1,
+           int(swiglu ? r.D : r.I), table_at<int4>(r, r.tables->job_maps_at),
            table_at<int4>(r, swiglu ? r.tables->gate_up_at : r.tables->down_at), swiglu, r.scale,
            int(swiglu ? r.I : r.D), swiglu ? r.h : static_cast<void*>(r.y));
     VIREO_CUDA_LAUNCHED();
@@ -585,12 +610,15 @@ bool weight_map(CUtensorMap* m, const void* p, int64_t rows, int64_t cols, int b
 bool grouped_tma_available() { return tensor_map_encoder() != nullptr; }
 
 GroupedTables grouped_tables(const std::vector<GroupedJob>& jobs, int64_t D, int64_t I, const GroupedTmaOperands* tma,
-                             bool fp8) {
+                             bool fp8, bool narrow) {
   GroupedTables t;
   t.fp8 = fp8;
   t.n_jobs = int(jobs.size());
   // Tile shapes: bf16 128 rows x 256 columns (gate | up: 128 of each), FP8 128 x 128 (64 of each).
-  const int tm = fp8 ? kF8TM : kTM, tn = fp8 ? kF8TN : kTN;
+  // The narrow bf16 form needs the TMA maps (the cp.async form has 256 columns only).
+  const bool narrow_tiles = narrow && !fp8 && tma && tensor_map_encoder();
+  t.narrow = narrow_tiles;
+  const int tm = fp8 ? kF8TM : kTM, tn = fp8 ? kF8TN : narrow_tiles ? 128 : kTN;
   // The tensor maps first (TMA wants them 64-byte aligned; the buffer's base is): A of the gate |
   // up product (xb [R, D]), A of the down product (h [R, I]), then each job's gate, up, down.
   std::vector<CUtensorMap> maps;
