@@ -465,6 +465,23 @@ const T* table_at(const GroupedRun& r, size_t off) {
   return reinterpret_cast<const T*>(r.table + off);
 }
 
+// One bf16 TMA form's launch (its shared-memory size set once a process).
+template <int TN, int Stages, int MinBlocks>
+void launch_tma(const GroupedRun& r, bool swiglu, int tiles, cudaStream_t st) {
+  constexpr size_t smem = size_t(Stages) * (kABytes + uint32_t(TN) * kTK * 2) + 1024;
+  auto* kernel = grouped_gemm_tma_kernel<TN, Stages, MinBlocks>;
+  static bool configured = false;
+  if (!configured) {
+    VIREO_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    configured = true;
+  }
+  launch(kernel, unsigned(tiles), kTmaThreads, smem, st, table_at<CUtensorMap>(r, r.tables->maps_at), swiglu ? 0 : 1,
+         int(swiglu ? r.D : r.I), table_at<int4>(r, r.tables->job_maps_at),
+         table_at<int4>(r, swiglu ? r.tables->gate_up_at : r.tables->down_at), swiglu, r.scale, int(swiglu ? r.I : r.D),
+         swiglu ? r.h : static_cast<void*>(r.y));
+  VIREO_CUDA_LAUNCHED();
+}
+
 void gemm(const GroupedRun& r, bool swiglu, cudaStream_t st) {
   const int tiles = swiglu ? r.tables->gate_up_tiles : r.tables->down_tiles;
   if (tiles == 0) return;
@@ -484,35 +501,8 @@ void gemm(const GroupedRun& r, bool swiglu, cudaStream_t st) {
     VIREO_CUDA_LAUNCHED();
     return;
   }
-  if (r.tables->n_maps > 0 && r.tables->narrow) {
-    constexpr size_t smem = size_t(kNarrowStages) * (kABytes + 128u * kTK * 2) + 1024;
-    auto* kernel = grouped_gemm_tma_kernel<128, kNarrowStages, 2>;
-    static bool narrow_configured = false;
-    if (!narrow_configured) {
-      VIREO_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-      narrow_configured = true;
-    }
-    launch(kernel, unsigned(tiles), kTmaThreads, smem, st, table_at<CUtensorMap>(r, r.tables->maps_at), swiglu ? 0 : 1,
-           int(swiglu ? r.D : r.I), table_at<int4>(r, r.tables->job_maps_at),
-           table_at<int4>(r, swiglu ? r.tables->gate_up_at : r.tables->down_at), swiglu, r.scale,
-           int(swiglu ? r.I : r.D), swiglu ? r.h : static_cast<void*>(r.y));
-    VIREO_CUDA_LAUNCHED();
-    return;
-  }
-  if (r.tables->n_maps > 0) {
-    auto* kernel = grouped_gemm_tma_kernel<kTN, kStages, 1>;
-    static bool tma_configured = false;
-    if (!tma_configured) {
-      VIREO_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)));
-      tma_configured = true;
-    }
-    launch(kernel, unsigned(tiles), kTmaThreads, kSmem, st, table_at<CUtensorMap>(r, r.tables->maps_at), swiglu ? 0 : 1,
-           int(swiglu ? r.D : r.I), table_at<int4>(r, r.tables->job_maps_at),
-           table_at<int4>(r, swiglu ? r.tables->gate_up_at : r.tables->down_at), swiglu, r.scale,
-           int(swiglu ? r.I : r.D), swiglu ? r.h : static_cast<void*>(r.y));
-    VIREO_CUDA_LAUNCHED();
-    return;
-  }
+  if (r.tables->n_maps > 0 && r.tables->narrow) return launch_tma<128, kNarrowStages, 2>(r, swiglu, tiles, st);
+  if (r.tables->n_maps > 0) return launch_tma<kTN, kStages, 1>(r, swiglu, tiles, st);
   static bool configured = false;
   if (!configured) {
     VIREO_CUDA_CHECK(
