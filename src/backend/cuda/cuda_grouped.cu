@@ -606,9 +606,9 @@ GroupedTables grouped_tables(const std::vector<GroupedJob>& jobs, int64_t D, int
   t.n_jobs = int(jobs.size());
   // Tile shapes: bf16 128 rows x 256 columns (gate | up: 128 of each), FP8 128 x 128 (64 of each).
   // The narrow bf16 form needs the TMA maps (the cp.async form has 256 columns only).
-  const bool narrow_tiles = narrow && !fp8 && tma && tensor_map_encoder();
-  t.narrow = narrow_tiles;
-  const int tm = fp8 ? kF8TM : kTM, tn = fp8 ? kF8TN : narrow_tiles ? 128 : kTN;
+  t.narrow = narrow && !fp8 && tma && tensor_map_encoder();
+  const int tm = fp8 ? kF8TM : kTM;
+  int tn = fp8 ? kF8TN : t.narrow ? 128 : kTN;
   // The tensor maps first (TMA wants them 64-byte aligned; the buffer's base is): A of the gate |
   // up product (xb [R, D]), A of the down product (h [R, I]), then each job's gate, up, down.
   std::vector<CUtensorMap> maps;
@@ -626,6 +626,10 @@ GroupedTables grouped_tables(const std::vector<GroupedJob>& jobs, int64_t D, int
       jm.push_back(make_int4(b, b + 1, b + 2, 0));
     }
     if (!ok) maps.clear(), jm.clear();
+  }
+  if (maps.empty() && t.narrow) {  // no maps: the cp.async form runs, on its 256-column tiles
+    t.narrow = false;
+    tn = kTN;
   }
   std::vector<JobW> jw;
   std::vector<int2> spans;
