@@ -80,10 +80,9 @@ uint64_t estimate_backend_bytes(const GlmDsaConfig& c, int64_t T, bool fp8_weigh
   // And, in the fast modes with BF16 experts (and fast-fp8 with FP8 ones: their e4m3 rows and
   // scales fit in the same buffers, the f32 SwiGLU output in the down rows'), the grouped
   // products' chunk (cuda_grouped.h): gathered x and SwiGLU output in bf16, the scaled down rows
-  // in f32, for up to kGroupedRows
-  // rows (or one expert's T): the routed rows and the shared expert's T, with an index and a
-  // scale each. A run takes one path or the other, but one process may take both (short prompts
-  // grouped, long ones with many rows an expert on the lanes).
+  // in f32, for up to kGroupedRows rows (or one expert's T): the routed rows and the shared
+  // expert's T, with an index and a scale each. A run takes one path or the other, but one
+  // process may take both (short prompts grouped, long ones with many rows an expert on the lanes).
   const int64_t run_rows = T * (c.experts_per_token + (c.n_shared_experts > 0 ? 1 : 0));
   const int64_t grouped_rows = std::min(run_rows, std::max(CudaBufferSizes::kGroupedRows, T));
   const int64_t grouped = grouped_rows * (6 * D + 2 * I + 8);

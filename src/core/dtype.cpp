@@ -89,9 +89,9 @@ uint8_t f32_to_fp8_e4m3(float f) {
   const uint8_t sign = std::signbit(f) ? 0x80 : 0;
   const float a = std::fabs(f);
   if (a >= 448.0f) return sign | 0x7e;
-  if (a < 0.015625f) {  // below 2^-6: subnormal codes, multiples of 2^-9 (8 of them: the smallest normal)
-    return sign | uint8_t(std::nearbyint(a * 512.0f));  // round half even; exact scaling
-  }
+  // Below 2^-6 (the smallest normal): multiples of 2^-9, codes 0..7, and 8 (= 2^-6, code 0x08)
+  // where the rounding carries; nearbyint rounds half to even, the scaling by 512 is exact.
+  if (a < 0.015625f) return sign | uint8_t(std::nearbyint(a * 512.0f));
   // Normal: the exponent rebiased (127 -> 7), the top 3 of f32's 23 mantissa bits, the other 20
   // rounding to nearest, ties to even (a carry moves into the exponent; below 448 it never
   // reaches the NaN code). (Was an exhaustive search over the codes, ~1 us a value: the tests'

@@ -856,9 +856,10 @@ class CudaBackend final : public Backend {
     if (dense) dense_expert_add(x, *dense, g, u, y, out);
   }
   // The fast modes' BF16 experts, and fast-fp8's FP8 experts, as grouped products
-  // (cuda_grouped.h): a few launches for the whole run instead of ~5 per expert on the side lanes. The run goes in
-  // chunks of consecutive jobs of at most kGroupedRows rows (a larger job alone), each chunk's additions after the
-  // previous chunk's, so the order of additions into out is the job order throughout. False
+  // (cuda_grouped.h): a few launches for the whole run instead of ~5 per expert on the side
+  // lanes. The run goes in chunks of consecutive jobs of at most kGroupedRows rows (a larger job
+  // alone), each chunk's additions after the previous chunk's, so the order of additions into out
+  // is the job order throughout. False
   // (nothing done) where it does not apply: exact or f32 math, another dtype, shapes the kernel
   // does not take, or VIREO_GROUPED=0.
   bool grouped_experts_add(const float* x, const int32_t* index, const float* scale, const ExpertJob* jobs, int n,
@@ -1573,8 +1574,9 @@ class CudaBackend final : public Backend {
     return e && std::string(e) == "1";
   }();
   int64_t grouped_rows_ = CudaBufferSizes::kGroupedRows;  // rows a chunk (tests set fewer)
-  // With cp.async tile loads, runs of more than 1024 rows an expert on average take the lanes;
-  // with TMA every run is grouped. VIREO_GROUPED_MAX_ROWS=N sets a limit either way (A/B runs).
+  // Runs of more than 1024 rows an expert on average take the lanes with cp.async tile loads and
+  // with FP8 experts; bf16 runs with TMA loads are always grouped. VIREO_GROUPED_MAX_ROWS=N sets
+  // the limit for all of them (A/B runs).
   int64_t grouped_max_mean_rows_ = [] {
     const char* e = std::getenv("VIREO_GROUPED_MAX_ROWS");
     return e ? std::atoll(e) : int64_t(0);  // 0: by the tile loads (grouped_experts_add)
