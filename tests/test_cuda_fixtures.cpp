@@ -202,11 +202,13 @@ TEST(CudaFixtures, RecordedDecodeStepsEqualEagerSteps) {
 namespace {
 // The logits of a prefill of the first half of a fixture's tokens, then of each decode step
 // through the rest (recorded after the first two), on a fresh CUDA backend.
-std::vector<float> prefill_then_decode_logits(const std::string& fixture, bool programmatic) {
+// branches: the backend's branches on a second stream (else every op in order on one).
+std::vector<float> prefill_then_decode_logits(const std::string& fixture, bool programmatic, bool branches = true) {
   cuda_set_programmatic_launch(programmatic);
   const std::string dir = kFixtures + "/" + fixture;
   const auto tokens = read_json_file(dir + "/expected.json")["tokens"].get<std::vector<int32_t>>();
   auto be = make_cuda_backend();
+  cuda_set_branches(*be, branches);
   auto m = GlmDsaModel::load(dir, *be);
   const int64_t V = m->config().vocab_size, n = std::min<int64_t>(int64_t(tokens.size()), 40), prompt = n / 2;
   MlaCache cache(*be, m->cache_shape(), 1, 64);
@@ -227,5 +229,21 @@ TEST(CudaFixtures, ProgrammaticLaunchesChangeNoBits) {
   for (const char* name : {"glm_dsa_full_f32", "dsv3_f32", "glm_dsa_fp8"})
     EXPECT_TRUE(prefill_then_decode_logits(name, false) == prefill_then_decode_logits(name, true))
         << name << ": logits differ with programmatic launches on";
+#endif
+}
+
+// The indexer's branch (a second stream, beside the queries' absorption and the cache append)
+// changes when work runs, not what it computes: the same bits with branches on and off, in a
+// prefill and in recorded decode steps. An op of one side reading what the other writes would
+// race, and differ here (run twice: a race need not show every time).
+TEST(CudaFixtures, BranchesChangeNoBits) {
+  REQUIRE_CUDA();
+#ifdef VIREO_HAVE_CUDA
+  for (const char* name : {"glm_dsa_full_f32", "glm_dsa_fp8", "dsv32_f32"}) {
+    const std::vector<float> in_order = prefill_then_decode_logits(name, true, false);
+    for (int run = 0; run < 2; ++run)
+      EXPECT_TRUE(prefill_then_decode_logits(name, true, true) == in_order)
+          << name << ": logits differ with branches on (run " << run << ")";
+  }
 #endif
 }

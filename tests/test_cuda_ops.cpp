@@ -951,10 +951,6 @@ TEST(CudaOps, GroupedExpertsMatchLanesAndCpu) {
       EXPECT_EQ(run(true, 1), grouped) << what << ": a job a chunk";
       EXPECT_EQ(run(true, 0, false), grouped) << what << ": tiles loaded by cp.async instead of TMA";
       EXPECT_EQ(run(true, 700, false), grouped) << what << ": cp.async, in chunks";
-      cuda_set_grouped_narrow(*p.gpu, true);
-      EXPECT_EQ(run(true, 0), grouped) << what << ": tiles of 128 columns";
-      EXPECT_EQ(run(true, 700), grouped) << what << ": tiles of 128 columns, in chunks";
-      cuda_set_grouped_narrow(*p.gpu, false);
       const double to_cpu = nmse(grouped, want), to_lanes = nmse(grouped, lanes);
       std::printf("  %s: grouped NMSE %.2e against the CPU, %.2e against the lanes (lanes %.2e)\n", what.c_str(),
                   to_cpu, to_lanes, nmse(lanes, want));
@@ -1080,11 +1076,6 @@ TEST(CudaOps, GroupedExpertsGlmShapesRepeat) {
       std::printf("  %s: grouped NMSE %.2e against the lanes\n", what.c_str(), to_lanes);
       EXPECT_LT(to_lanes, dt == DType::F8_E4M3 ? 1e-6 : 1e-4) << what;
       for (int r = 0; r < cs.repeats; ++r) EXPECT_EQ(run(true), grouped) << what << ": run " << r;
-      if (dt == DType::BF16) {  // and the narrow tiles, the same bits
-        cuda_set_grouped_narrow(*p.gpu, true);
-        for (int r = 0; r < cs.repeats; ++r) EXPECT_EQ(run(true), grouped) << what << ": narrow, run " << r;
-        cuda_set_grouped_narrow(*p.gpu, false);
-      }
     }
   }
   cuda_set_gemm_mode(*p.gpu, CudaGemmMode::Split);

@@ -144,6 +144,17 @@ class Backend {
                                 int64_t rope, const float* cos_sin, RopeKind kind, float* keys, int64_t pos0,
                                 const int32_t* pos0_dev) = 0;
   virtual void mla_attention(const MlaAttentionArgs& a) = 0;
+  // The absorbed path's work that needs only the queries (q_nope through W_UK's rows), queued
+  // ahead of the mla_attention call with the same args (so it can run while a branch selects the
+  // keys). The default does nothing: mla_attention does it all. Results do not change.
+  virtual void mla_absorb_queries(const MlaAttentionArgs& a) { (void)a; }
+  // A branch: the ops queued between begin_branch() and end_branch() may run concurrently with
+  // the ops queued after end_branch(), until join_branch(). Neither side may read what the other
+  // writes. A GPU fills SMs that a chain of small latency-bound kernels leaves idle (a decode
+  // step's indexer beside its queries' absorption); the CPU runs every op in order.
+  virtual void begin_branch() {}
+  virtual void end_branch() {}
+  virtual void join_branch() {}
   virtual void indexer_select(const IndexerArgs& a) = 0;
   // ids, weights [T, top_k]: chosen experts (ascending id) and their routing weights.
   virtual void moe_route(const float* x, int64_t T, const RouterArgs& a, int32_t* ids, float* weights) = 0;

@@ -386,6 +386,12 @@ class CudaBackend final : public Backend {
   }
   ~CudaBackend() override {
     cudaStreamSynchronize(stream_);
+    if (branch_stream_) {
+      cudaStreamSynchronize(branch_stream_);
+      cudaStreamDestroy(branch_stream_);
+      cudaEventDestroy(branch_fork_);
+      cudaEventDestroy(branch_join_);
+    }
     destroy_lanes();
     fp8g_.reset();  // its cuBLASLt descriptors go before the handle
     if (lt_) cublasLtDestroy(lt_);
@@ -401,12 +407,12 @@ class CudaBackend final : public Backend {
   void set_prefill_wgmma(bool on) { prefill_wgmma_ = on; }
   void set_absorbed_pass_bytes(size_t b) { absorbed_pass_bytes_ = b ? b : kAbsorbedPassBytes; }
   void set_gemv_x_shared(bool on) { gemv_x_shared_ = on; }
+  void set_branches(bool on) { branches_ = on; }
   void set_grouped_experts(bool on, int64_t chunk_rows) {
     grouped_on_ = on;
     grouped_rows_ = chunk_rows > 0 ? chunk_rows : CudaBufferSizes::kGroupedRows;
   }
   void set_grouped_tma(bool on) { grouped_tma_ = on; }
-  void set_grouped_narrow(bool on) { grouped_narrow_ = on; }
 
   void set_fast_decode(bool attention, bool scores, bool topk) {
     fast_attention_ = attention;
@@ -632,6 +638,41 @@ class CudaBackend final : public Backend {
                            stream_);
   }
 
+  void mla_absorb_queries(const MlaAttentionArgs& a) override {
+    if (a.T <= 0 || !a.absorbed) return;
+    VIREO_PROF("absorb_q");
+    const DevW kvb = devw(*a.kv_b);
+    float* qlat = qlat_.get<float>(size_t(a.T * a.n_heads * a.kv_lora));
+    absorb_q(a.q, a.T, a.n_heads, a.qk_nope + a.qk_rope, a.qk_nope, kvb, a.qk_nope + a.v_dim, a.kv_lora, qlat, stream_);
+    absorbed_ = {a.q, a.kv_b, a.T};
+  }
+  // Branches on a second stream (forked and joined by events, so a recording captures them as a
+  // fork and a join in the graph). Not while profiling: the profile times ops one at a time.
+  void begin_branch() override {
+    if (!branches_ || prof_.on()) return;
+    if (in_branch_ || branch_open_) fail("cuda: a branch begun inside another");
+    if (!branch_stream_) {
+      VIREO_CUDA_CHECK(cudaStreamCreateWithFlags(&branch_stream_, cudaStreamNonBlocking));
+      VIREO_CUDA_CHECK(cudaEventCreateWithFlags(&branch_fork_, cudaEventDisableTiming));
+      VIREO_CUDA_CHECK(cudaEventCreateWithFlags(&branch_join_, cudaEventDisableTiming));
+    }
+    VIREO_CUDA_CHECK(cudaEventRecord(branch_fork_, stream_));
+    VIREO_CUDA_CHECK(cudaStreamWaitEvent(branch_stream_, branch_fork_, 0));
+    std::swap(stream_, branch_stream_);  // the ops queued now go to the branch's stream
+    in_branch_ = true;
+  }
+  void end_branch() override {
+    if (!in_branch_) return;
+    VIREO_CUDA_CHECK(cudaEventRecord(branch_join_, stream_));
+    std::swap(stream_, branch_stream_);
+    in_branch_ = false;
+    branch_open_ = true;
+  }
+  void join_branch() override {
+    if (!branch_open_) return;
+    VIREO_CUDA_CHECK(cudaStreamWaitEvent(stream_, branch_join_, 0));
+    branch_open_ = false;
+  }
   void mla_attention(const MlaAttentionArgs& a) override {
     if (a.T <= 0) return;
     VIREO_PROF(a.absorbed ? "mla_attention absorbed" : "mla_attention reconstructed");
@@ -668,6 +709,8 @@ class CudaBackend final : public Backend {
     VIREO_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed));
   }
   std::unique_ptr<RecordedOps> end_recording() override {
+    if (in_branch_) end_branch();
+    join_branch();  // (a capture ends with every stream it forked joined)
     cudaGraph_t g = nullptr;
     VIREO_CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
     return std::make_unique<CudaGraph>(g, stream_);
@@ -919,7 +962,7 @@ class CudaBackend final : public Backend {
         r.h32 = r.y;
       }
       const GroupedTmaOperands tma{r.xb, r.h, rows};
-      const GroupedTables tb = grouped_tables(part, D, I, grouped_tma_ ? &tma : nullptr, fp8, grouped_narrow_);
+      const GroupedTables tb = grouped_tables(part, D, I, grouped_tma_ ? &tma : nullptr, fp8);
       if (fp8 && tb.n_maps == 0)
         fail("grouped FP8 experts: the TMA descriptors of a ", rows, "-row chunk failed to encode");
       char* table = grouped_table_.get<char>(tb.bytes.size());
@@ -1408,7 +1451,9 @@ class CudaBackend final : public Backend {
     const int64_t H = a.n_heads, L = a.kv_lora, qw = a.qk_nope + a.qk_rope, hw = a.qk_nope + a.v_dim;
     const DevW kvb = devw(*a.kv_b);
     float* qlat = qlat_.get<float>(size_t(a.T * H * L));
-    {
+    const bool queued = absorbed_.q == a.q && absorbed_.kv_b == a.kv_b && absorbed_.T == a.T;
+    absorbed_ = {};
+    if (!queued) {  // (else mla_absorb_queries queued it)
       VIREO_PROF("absorb_q");
       absorb_q(a.q, a.T, H, qw, a.qk_nope, kvb, hw, L, qlat, stream_);
     }
@@ -1568,11 +1613,17 @@ class CudaBackend final : public Backend {
   // VIREO_GROUPED=0 runs them on the side lanes instead (A/B runs).
   bool grouped_on_ = env_switch("VIREO_GROUPED");
   bool grouped_tma_ = env_switch("VIREO_GROUPED_TMA");    // TMA tile loads (else cp.async), for A/B runs
-  // bf16 tiles of 128 columns (off unless VIREO_GROUPED_NARROW=1: not yet run on a device)
-  bool grouped_narrow_ = [] {
-    const char* e = std::getenv("VIREO_GROUPED_NARROW");
-    return e && std::string(e) == "1";
-  }();
+  // Branches (begin_branch): on, or every op in order on one stream (VIREO_BRANCHES=0, A/B runs).
+  bool branches_ = env_switch("VIREO_BRANCHES");
+  cudaStream_t branch_stream_ = nullptr;
+  cudaEvent_t branch_fork_ = nullptr, branch_join_ = nullptr;
+  bool in_branch_ = false, branch_open_ = false;
+  // The queries mla_absorb_queries absorbed into qlat_, for the mla_attention that follows.
+  struct Absorbed {
+    const float* q = nullptr;
+    const Weight* kv_b = nullptr;
+    int64_t T = 0;
+  } absorbed_;
   int64_t grouped_rows_ = CudaBufferSizes::kGroupedRows;  // rows a chunk (tests set fewer)
   // Runs of more than 1024 rows an expert on average take the lanes with cp.async tile loads and
   // with FP8 experts; bf16 runs with TMA loads are always grouped. VIREO_GROUPED_MAX_ROWS=N sets
@@ -1648,11 +1699,11 @@ void cuda_set_gemm_mode(Backend& b, CudaGemmMode mode) { as_cuda(b).set_gemm_mod
 void cuda_set_prefill_wgmma(Backend& b, bool on) { as_cuda(b).set_prefill_wgmma(on); }
 void cuda_set_absorbed_pass_bytes(Backend& b, size_t bytes) { as_cuda(b).set_absorbed_pass_bytes(bytes); }
 void cuda_set_gemv_x_shared(Backend& b, bool on) { as_cuda(b).set_gemv_x_shared(on); }
+void cuda_set_branches(Backend& b, bool on) { as_cuda(b).set_branches(on); }
 void cuda_set_grouped_experts(Backend& b, bool on, int64_t chunk_rows) {
   as_cuda(b).set_grouped_experts(on, chunk_rows);
 }
 void cuda_set_grouped_tma(Backend& b, bool on) { as_cuda(b).set_grouped_tma(on); }
-void cuda_set_grouped_narrow(Backend& b, bool on) { as_cuda(b).set_grouped_narrow(on); }
 void cuda_set_fast_decode(Backend& b, bool attention, bool indexer_scores, bool indexer_topk) {
   as_cuda(b).set_fast_decode(attention, indexer_scores, indexer_topk);
 }

@@ -70,6 +70,9 @@ void cuda_set_absorbed_pass_bytes(Backend& cuda, size_t bytes);
 // VIREO_GEMV_XS=0 turns it off) or through L1 (off: the kernels for shapes too large for shared
 // memory; the same sums in the same order, so tests compare the two bit for bit).
 void cuda_set_gemv_x_shared(Backend& cuda, bool on);
+// Branches (Backend::begin_branch) on a second stream (on, the default; VIREO_BRANCHES=0 turns
+// them off) or every op in order on one stream (off). The same kernels and sums either way.
+void cuda_set_branches(Backend& cuda, bool on);
 // Prefill's routed experts in the fast modes (BF16 weights, shapes the kernels take) as grouped
 // products, every expert of a run in one launch a product (on, the default; VIREO_GROUPED=0 turns
 // it off), or one expert at a time on the side lanes (off). Tests compare the two, and set
@@ -79,9 +82,6 @@ void cuda_set_grouped_experts(Backend& cuda, bool on, int64_t chunk_rows = 0);
 // is found; VIREO_GROUPED_TMA=0 turns it off) or by cp.async (off): the same sums, so tests
 // compare the two bit for bit.
 void cuda_set_grouped_tma(Backend& cuda, bool on);
-// bf16 grouped tiles of 128 columns (off by default; VIREO_GROUPED_NARROW=1 turns it on): the same
-// sums as the 256-column tiles (each output element is one dot product in k order).
-void cuda_set_grouped_narrow(Backend& cuda, bool on);
 // Programmatic dependent launches for every CUDA kernel of the process (on, the default;
 // VIREO_PDL=0 turns them off for A/B runs): a kernel's blocks are dispatched while the kernel
 // before it runs and wait for it on the device. The same kernels and sums either way.

@@ -48,7 +48,6 @@ namespace {
 
 constexpr int kTM = 128, kTN = 256, kTK = 64;  // tile rows, columns, k-step
 constexpr int kStages = 4;                     // ring depth: 2 steps of loads in flight
-constexpr int kNarrowStages = 3;               // the narrow TMA form's: 3 x 32 KB, two blocks an SM
 constexpr int kThreads = 256;                  // 2 warpgroups of 64 rows
 constexpr uint32_t kABytes = kTM * kTK * 2, kStageBytes = kABytes + kTN * kTK * 2;  // 16 + 32 KB
 constexpr size_t kSmem = size_t(kStages) * kStageBytes + 1024;
@@ -259,10 +258,9 @@ __device__ __forceinline__ void ring_produce(uint64_t (&full)[Stages], uint64_t 
     }
   }
 }
-// TN: the tile's columns, 256 (the default) or 128 (the narrow form: half the accumulators, two
-// blocks a multiprocessor with Stages 3, twice the tiles: an expert's last, mostly empty m-tile
-// costs half as much, and 5.33 waves of wide tiles become ~10.7 of narrow ones; written in
-// session 13 with no device time left to run it: off unless VIREO_GROUPED_NARROW=1).
+// TN: the tile's columns (256). Tiles of 128 columns, 3 stages and two blocks a multiprocessor
+// gave the same bits and were slower end to end (session 14: 8-layer bf16 prefill at 512 tokens
+// 47.1-47.2% against 50.3-50.4%), so only the wide form is launched.
 template <int TN, int Stages, int MinBlocks>
 __global__ void __launch_bounds__(kTmaThreads, MinBlocks)
     grouped_gemm_tma_kernel(const CUtensorMap* __restrict__ maps, int a_map, int K, const int4* __restrict__ job_maps,
@@ -501,7 +499,6 @@ void gemm(const GroupedRun& r, bool swiglu, cudaStream_t st) {
     VIREO_CUDA_LAUNCHED();
     return;
   }
-  if (r.tables->n_maps > 0 && r.tables->narrow) return launch_tma<128, kNarrowStages, 2>(r, swiglu, tiles, st);
   if (r.tables->n_maps > 0) return launch_tma<kTN, kStages, 1>(r, swiglu, tiles, st);
   static bool configured = false;
   if (!configured) {
@@ -600,15 +597,12 @@ bool weight_map(CUtensorMap* m, const void* p, int64_t rows, int64_t cols, int b
 bool grouped_tma_available() { return tensor_map_encoder() != nullptr; }
 
 GroupedTables grouped_tables(const std::vector<GroupedJob>& jobs, int64_t D, int64_t I, const GroupedTmaOperands* tma,
-                             bool fp8, bool narrow) {
+                             bool fp8) {
   GroupedTables t;
   t.fp8 = fp8;
   t.n_jobs = int(jobs.size());
   // Tile shapes: bf16 128 rows x 256 columns (gate | up: 128 of each), FP8 128 x 128 (64 of each).
-  // The narrow bf16 form needs the TMA maps (the cp.async form has 256 columns only).
-  t.narrow = narrow && !fp8 && tma && tensor_map_encoder();
-  const int tm = fp8 ? kF8TM : kTM;
-  int tn = fp8 ? kF8TN : t.narrow ? 128 : kTN;
+  const int tm = fp8 ? kF8TM : kTM, tn = fp8 ? kF8TN : kTN;
   // The tensor maps first (TMA wants them 64-byte aligned; the buffer's base is): A of the gate |
   // up product (xb [R, D]), A of the down product (h [R, I]), then each job's gate, up, down.
   std::vector<CUtensorMap> maps;
@@ -626,10 +620,6 @@ GroupedTables grouped_tables(const std::vector<GroupedJob>& jobs, int64_t D, int
       jm.push_back(make_int4(b, b + 1, b + 2, 0));
     }
     if (!ok) maps.clear(), jm.clear();
-  }
-  if (maps.empty() && t.narrow) {  // no maps: the cp.async form runs, on its 256-column tiles
-    t.narrow = false;
-    tn = kTN;
   }
   std::vector<JobW> jw;
   std::vector<int2> spans;

@@ -46,7 +46,6 @@ bool grouped_experts_fit(int64_t D, int64_t I, const std::vector<GroupedJob>& jo
 struct GroupedTables {
   std::vector<char> bytes;
   bool fp8 = false;
-  bool narrow = false;  // bf16 tiles of 128 columns (TMA only)
   int n_jobs = 0, gate_up_tiles = 0, down_tiles = 0, n_maps = 0;
   size_t maps_at = 0, job_maps_at = 0, jobs_at = 0, spans_at = 0, gate_up_at = 0, down_at = 0;  // into bytes
 };
@@ -57,9 +56,8 @@ struct GroupedTmaOperands {
 };
 bool grouped_tma_available();
 // fp8: the jobs' weights are e4m3; needs tma (else the tables come back with n_maps == 0).
-// narrow: bf16 tiles of 128 columns instead of 256 where TMA is used (an experiment's switch).
 GroupedTables grouped_tables(const std::vector<GroupedJob>& jobs, int64_t D, int64_t I,
-                             const GroupedTmaOperands* tma = nullptr, bool fp8 = false, bool narrow = false);
+                             const GroupedTmaOperands* tma = nullptr, bool fp8 = false);
 
 // The four launches above on `st`. table: the uploaded GroupedTables bytes; xb [R, D] and h
 // [R, I] bf16 scratch, y [R, D] f32 scratch; out [*, D] accumulates. FP8: xb and h hold e4m3

@@ -495,17 +495,12 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
       backend_.matmul(q_resid, N, a.q_b_proj, q);
     }
   }
-  backend_.rope(q, N, H, H * qw, qw, nope, rope, cs, rope_kind(c.mla_rope_style));
-
-  // This step's cache entries [latent | k_rope], written straight into each sequence's row.
-  for (const Segment& s : segs)
-    backend_.mla_cache_append(kva + s.offset * kvw, s.T, L, rope, vec(a.kv_a_norm), eps_lora, cs + s.offset * cs_stride,
-                              rope_kind(c.mla_rope_style), cache.kv(layer, s.row), s.pos0, s.pos0_dev);
   // Recorded steps size their launches for the longest row: the real length comes at run time.
   auto bound_pos0 = [&](const Segment& s) { return s.pos0_dev ? cache.capacity() - s.T : s.pos0; };
 
   // DSA: this layer's own top-k selection, or the previous full layer's (kept in scratch slot 0
-  // of the i32 pool, [N, topk], until the next full layer overwrites it).
+  // of the i32 pool, [N, topk], until the next full layer overwrites it). A layer's own selection
+  // is a branch: it needs none of the query and cache work below, which runs beside it.
   const int64_t topk = c.index_topk;
   int32_t* selected = nullptr;
   int32_t* counts = nullptr;
@@ -514,6 +509,7 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
     counts = scratch_i32(1, size_t(N));
     if (own_indexer) {
       VIREO_ASSERT(q_resid);  // the indexer's queries come from the low-rank query (config checks)
+      backend_.begin_branch();
       backend_.rope(qi, N, nI, nI * d, d, 0, rope, cs, rope_kind(c.indexer_rope_style));
       backend_.scale(wts, float(1.0 / std::sqrt(double(nI))), N * nI);
       for (const Segment& s : segs) {
@@ -537,10 +533,18 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
         ia.counts = counts + s.offset;
         backend_.indexer_select(ia);
       }
+      backend_.end_branch();
     }
   }
 
+  backend_.rope(q, N, H, H * qw, qw, nope, rope, cs, rope_kind(c.mla_rope_style));
+  // This step's cache entries [latent | k_rope], written straight into each sequence's row.
+  for (const Segment& s : segs)
+    backend_.mla_cache_append(kva + s.offset * kvw, s.T, L, rope, vec(a.kv_a_norm), eps_lora, cs + s.offset * cs_stride,
+                              rope_kind(c.mla_rope_style), cache.kv(layer, s.row), s.pos0, s.pos0_dev);
+
   float* o = scratch(18, size_t(N * H * c.v_head_dim));
+  std::vector<MlaAttentionArgs> mas;
   for (const Segment& s : segs) {
     MlaAttentionArgs ma;
     ma.q = q + s.offset * H * qw;
@@ -559,8 +563,12 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
     if (selected) ma.selection = KeySelection{selected + s.offset * topk, counts + s.offset, topk};
     ma.absorbed = s.path == AttentionPath::Absorbed;
     ma.out = o + s.offset * H * c.v_head_dim;
-    backend_.mla_attention(ma);
+    mas.push_back(ma);
   }
+  // One segment's queries absorbed while the branch selects its keys (two would need a buffer each).
+  if (mas.size() == 1) backend_.mla_absorb_queries(mas[0]);
+  backend_.join_branch();
+  for (const MlaAttentionArgs& ma : mas) backend_.mla_attention(ma);
   backend_.matmul(o, N, a.o_proj, out);
 }
 
