@@ -1143,21 +1143,22 @@ TEST(CudaOps, DecodeAttentionGlmShapesFastAndReference) {
 
 // The indexer's top-k on long rows (the register top-k holds 4, 8 or 16 keys a thread; 20000
 // keys take the reference kernel), with runs of equal scores (repeated keys) and rows of only 3
-// distinct scores, so the threshold falls inside a run of ~N/3 ties: the selection must
+// distinct scores, so the threshold falls inside a run of ~N/3 ties, and rows of distinct scores
+// (where the radix passes stop early): the selection must
 // equal the CPU's (ties to the lower position), with host and run-time positions, fast and reference.
 TEST(CudaOps, IndexerSelectLongRowsIsIdentical) {
   REQUIRE_CUDA();
   Pair p;
   const int64_t nI = 4, d = 32, topk = 2048;
   for (int64_t N : {int64_t(3000), int64_t(4096), int64_t(5000), int64_t(12000), int64_t(20000)})
-    for (int ties = 0; ties < 2; ++ties) {
+    for (int ties = 0; ties < 3; ++ties) {  // 2: none (the radix passes usually stop after two)
       const int64_t T = 2, pos0 = N - T;
       auto q = randv(size_t(T * nI * d), uint32_t(41 + N)), w = randv(size_t(T * nI), uint32_t(42 + N), 0.5f);
       auto keys = randv(size_t(N * d), uint32_t(43 + N));
       if (ties == 0) {  // runs of 5 equal keys
         for (int64_t u = 0; u + 1 < N; ++u)
           if (u % 5 != 4) std::copy(keys.begin() + u * d, keys.begin() + (u + 1) * d, keys.begin() + (u + 1) * d);
-      } else {  // 3 distinct keys (u % 3): ~N/3 equal scores each, so the threshold falls inside a run
+      } else if (ties == 1) {  // 3 distinct keys (u % 3): ~N/3 equal scores each, so the threshold falls inside a run
         for (int64_t u = 3; u < N; ++u)
           std::copy(keys.begin() + (u % 3) * d, keys.begin() + (u % 3 + 1) * d, keys.begin() + u * d);
       }

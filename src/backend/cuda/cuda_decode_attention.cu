@@ -20,6 +20,8 @@
 // row, and fills the chip (128 blocks each at 2048 keys) where one fused kernel would need either
 // 16-key splits (16 MB of partials) or a quarter of the SMs.
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 
 #include "backend/cuda/cuda_attention.h"
 #include "backend/cuda/cuda_internal.h"
@@ -372,16 +374,18 @@ __device__ __forceinline__ uint32_t score_key(float s) {
 // score bits (4 passes of 8 bits, 2 barriers each) finds the threshold key K and how many keys
 // equal to K are taken (`need`); the position tie-break then needs no passes of its own: the
 // selection is every key above K plus the first `need` keys equal to K in position order, placed
-// by one block-wide scan of (above, equal) counts.
+// by one block-wide scan of (above, equal) counts. The passes stop early when every key left in
+// the threshold bin is taken (then K is the bits found so far, compared under their mask): with
+// 4096 real scores that is usually after 2 of the 4 passes.
 template <int R>
-__global__ void __launch_bounds__(1024) indexer_topk_reg_kernel(const float* __restrict__ scores, int64_t n_keys,
-                                                                int64_t pos0, const int32_t* __restrict__ pos0_dev,
-                                                                int topk, int32_t* __restrict__ selected,
-                                                                int32_t* __restrict__ counts) {
+__global__ void __launch_bounds__(1024)
+    indexer_topk_reg_kernel(const float* __restrict__ scores, int64_t n_keys, int64_t pos0,
+                            const int32_t* __restrict__ pos0_dev, int topk, int32_t* __restrict__ selected,
+                            int32_t* __restrict__ counts, bool early) {
   pdl_begin();
   static_assert(R % 4 == 0 && 1024 * R < 65536, "16-bit packed counts");
   __shared__ unsigned hist[2][256];
-  __shared__ int s_bin, s_rem;
+  __shared__ int s_bin, s_rem, s_all;
   __shared__ unsigned warp_tot[32];
   if (pos0_dev) pos0 = *pos0_dev;
   const int64_t t = blockIdx.x;
@@ -450,28 +454,32 @@ __global__ void __launch_bounds__(1024) indexer_topk_reg_kernel(const float* __r
       const unsigned reach = __ballot_sync(0xffffffffu, int(inc) >= rem);
       if (lane == __ffs(reach) - 1) {  // the matching keys number >= rem, so some lane reaches it
         int cum = int(inc - tot);
-        int b = 255 - lane * 8;
+        int b = 255 - lane * 8, cnt = 0;
         for (int i = 0; i < 8; ++i) {
           b = 255 - (lane * 8 + i);
-          if (b == 0 || cum + int(c[i]) >= rem) break;
-          cum += int(c[i]);
+          cnt = int(c[i]);
+          if (b == 0 || cum + cnt >= rem) break;
+          cum += cnt;
         }
         s_bin = b;
         s_rem = rem - cum;
+        s_all = cnt == rem - cum;
       }
     }
     __syncthreads();
     prefix |= uint32_t(s_bin) << shift;
     pmask |= 255u << shift;
     rem = s_rem;
+    if (early && s_all) break;  // the bin's keys are all taken: no lower bits need deciding
   }
-  // prefix is the topk-th largest key K; rem keys equal to K are taken, the lowest positions first.
+  // Under pmask, prefix is the topk-th largest key K; rem keys equal to K are taken, the lowest
+  // positions first (all of them when the passes stopped early).
   const uint32_t K = prefix;
   const int need = rem;
   unsigned mine = 0;  // (above K) << 16 | (equal to K), this thread's keys
 #pragma unroll
   for (int r = 0; r < R; ++r)
-    if (u0 + r < n) mine += key[r] > K ? 0x10000u : key[r] == K ? 1u : 0u;
+    if (u0 + r < n) mine += (key[r] & pmask) > K ? 0x10000u : (key[r] & pmask) == K ? 1u : 0u;
   unsigned inc = mine;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
@@ -496,10 +504,10 @@ __global__ void __launch_bounds__(1024) indexer_topk_reg_kernel(const float* __r
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     if (u0 + r >= n) continue;
-    if (key[r] > K) {
+    if ((key[r] & pmask) > K) {
       sel[G + (E < need ? E : need)] = u0 + r;
       ++G;
-    } else if (key[r] == K) {
+    } else if ((key[r] & pmask) == K) {
       if (E < need) sel[G + E] = u0 + r;
       ++E;
     }
@@ -584,15 +592,20 @@ bool indexer_topk_fast(const float* scores, int64_t T, int64_t n_keys, int64_t p
   // n_keys bounds every row's causal count (pos0 + T with host positions, the bound with run-time ones).
   const int64_t bound = std::max(n_keys, pos0 + T);
   if (topk < 1) return false;
+  // VIREO_TOPK_EARLY=0: every pass, for A/B runs (the same selection either way).
+  static const bool early = [] {
+    const char* e = std::getenv("VIREO_TOPK_EARLY");
+    return !(e && std::string(e) == "0");
+  }();
   if (bound <= 1024 * 4)
     launch(indexer_topk_reg_kernel<4>, unsigned(T), 1024, 0, st, scores, n_keys, pos0, pos0_dev, int(topk), selected,
-           counts);
+           counts, early);
   else if (bound <= 1024 * 8)
     launch(indexer_topk_reg_kernel<8>, unsigned(T), 1024, 0, st, scores, n_keys, pos0, pos0_dev, int(topk), selected,
-           counts);
+           counts, early);
   else if (bound <= 1024 * 16)
     launch(indexer_topk_reg_kernel<16>, unsigned(T), 1024, 0, st, scores, n_keys, pos0, pos0_dev, int(topk), selected,
-           counts);
+           counts, early);
   else return false;
   VIREO_CUDA_LAUNCHED();
   return true;
