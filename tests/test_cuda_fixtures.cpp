@@ -232,9 +232,10 @@ TEST(CudaFixtures, ProgrammaticLaunchesChangeNoBits) {
 #endif
 }
 
-// The indexer's branch (a second stream, beside the queries' absorption and the cache append)
-// changes when work runs, not what it computes: the same bits with branches on and off, in a
-// prefill and in recorded decode steps. An op of one side reading what the other writes would
+// The decode step's branches (a second stream: the cache and key appends beside the query
+// products, the indexer beside the queries' absorption) change when work runs, not what it
+// computes: the same bits with branches on and off, over a prefill (run in order either way)
+// and recorded decode steps. An op of one side reading what the other writes would
 // race, and differ here (run twice: a race need not show every time).
 TEST(CudaFixtures, BranchesChangeNoBits) {
   REQUIRE_CUDA();

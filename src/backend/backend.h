@@ -151,8 +151,9 @@ class Backend {
   // A branch: the ops queued between begin_branch() and end_branch() may run concurrently with
   // the ops queued after end_branch(), until join_branch(). Neither side may read what the other
   // writes. A GPU fills SMs that a chain of small latency-bound kernels leaves idle (a decode
-  // step's indexer beside its queries' absorption); the CPU runs every op in order.
-  virtual void begin_branch() {}
+  // step's indexer beside its queries' absorption); the CPU runs every op in order. rows: the
+  // tokens the ops work on (a backend may run large steps in order).
+  virtual void begin_branch(int64_t rows) { (void)rows; }
   virtual void end_branch() {}
   virtual void join_branch() {}
   virtual void indexer_select(const IndexerArgs& a) = 0;

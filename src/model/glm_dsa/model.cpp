@@ -482,6 +482,23 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
     }
     backend_.matmul_many(xn, N, ws.data(), ys.data(), int(ws.size()));
   }
+  // Recorded steps size their launches for the longest row: the real length comes at run time.
+  auto bound_pos0 = [&](const Segment& s) { return s.pos0_dev ? cache.capacity() - s.T : s.pos0; };
+
+  // A branch: this step's cache entries [latent | k_rope], written straight into each sequence's
+  // row, and the indexer's keys and head weights need only the products above, not the queries.
+  backend_.begin_branch(N);
+  for (const Segment& s : segs)
+    backend_.mla_cache_append(kva + s.offset * kvw, s.T, L, rope, vec(a.kv_a_norm), eps_lora, cs + s.offset * cs_stride,
+                              rope_kind(c.mla_rope_style), cache.kv(layer, s.row), s.pos0, s.pos0_dev);
+  if (own_indexer) {
+    backend_.scale(wts, float(1.0 / std::sqrt(double(nI))), N * nI);
+    for (const Segment& s : segs)
+      backend_.index_key_append(kraw + s.offset * d, s.T, d, vec(a.idx_k_norm_w), vec(a.idx_k_norm_b), 1e-6f, rope,
+                                cs + s.offset * cs_stride, rope_kind(c.indexer_rope_style),
+                                cache.index_keys(layer, s.row), s.pos0, s.pos0_dev);
+  }
+  backend_.end_branch();
   float* q_resid = nullptr;
   float* qi = own_indexer ? scratch(15, size_t(N * nI * d)) : nullptr;  // the indexer's queries
   if (qa) {
@@ -495,12 +512,11 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
       backend_.matmul(q_resid, N, a.q_b_proj, q);
     }
   }
-  // Recorded steps size their launches for the longest row: the real length comes at run time.
-  auto bound_pos0 = [&](const Segment& s) { return s.pos0_dev ? cache.capacity() - s.T : s.pos0; };
+  backend_.join_branch();  // (long done: the query products took longer)
 
   // DSA: this layer's own top-k selection, or the previous full layer's (kept in scratch slot 0
   // of the i32 pool, [N, topk], until the next full layer overwrites it). A layer's own selection
-  // is a branch: it needs none of the query and cache work below, which runs beside it.
+  // is a branch: it needs none of the query work below, which runs beside it.
   const int64_t topk = c.index_topk;
   int32_t* selected = nullptr;
   int32_t* counts = nullptr;
@@ -509,18 +525,13 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
     counts = scratch_i32(1, size_t(N));
     if (own_indexer) {
       VIREO_ASSERT(q_resid);  // the indexer's queries come from the low-rank query (config checks)
-      backend_.begin_branch();
+      backend_.begin_branch(N);
       backend_.rope(qi, N, nI, nI * d, d, 0, rope, cs, rope_kind(c.indexer_rope_style));
-      backend_.scale(wts, float(1.0 / std::sqrt(double(nI))), N * nI);
       for (const Segment& s : segs) {
-        float* keys = cache.index_keys(layer, s.row);
-        backend_.index_key_append(kraw + s.offset * d, s.T, d, vec(a.idx_k_norm_w), vec(a.idx_k_norm_b), 1e-6f, rope,
-                                  cs + s.offset * cs_stride, rope_kind(c.indexer_rope_style), keys, s.pos0,
-                                  s.pos0_dev);
         IndexerArgs ia;
         ia.q = qi + s.offset * nI * d;
         ia.weights = wts + s.offset * nI;
-        ia.keys = keys;
+        ia.keys = cache.index_keys(layer, s.row);
         ia.T = s.T;
         ia.n_heads = nI;
         ia.head_dim = d;
@@ -538,10 +549,6 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
   }
 
   backend_.rope(q, N, H, H * qw, qw, nope, rope, cs, rope_kind(c.mla_rope_style));
-  // This step's cache entries [latent | k_rope], written straight into each sequence's row.
-  for (const Segment& s : segs)
-    backend_.mla_cache_append(kva + s.offset * kvw, s.T, L, rope, vec(a.kv_a_norm), eps_lora, cs + s.offset * cs_stride,
-                              rope_kind(c.mla_rope_style), cache.kv(layer, s.row), s.pos0, s.pos0_dev);
 
   float* o = scratch(18, size_t(N * H * c.v_head_dim));
   std::vector<MlaAttentionArgs> mas;
