@@ -4,6 +4,7 @@
 // weights are stored-dtype `Weight`s bound from the checkpoint. The CPU backend is the reference;
 // every other backend is checked against it op by op.
 #include <cstdint>
+#include <exception>
 #include <memory>
 
 #include <vector>
@@ -156,6 +157,25 @@ class Backend {
   virtual void begin_branch(int64_t rows) { (void)rows; }
   virtual void end_branch() {}
   virtual void join_branch() {}
+  // begin_branch .. end_branch over a scope, so that an op that throws inside it leaves no
+  // branch half open (the next begin_branch or recording joins what was queued).
+  struct BranchScope {
+    BranchScope(Backend& b, int64_t rows) : backend(b) { backend.begin_branch(rows); }
+    ~BranchScope() noexcept(false) {
+      if (std::uncaught_exceptions() == unwinding) {
+        backend.end_branch();
+        return;
+      }
+      try {
+        backend.end_branch();
+      } catch (...) {  // (already unwinding from the first error)
+      }
+    }
+    BranchScope(const BranchScope&) = delete;
+    BranchScope& operator=(const BranchScope&) = delete;
+    Backend& backend;
+    const int unwinding = std::uncaught_exceptions();
+  };
   virtual void indexer_select(const IndexerArgs& a) = 0;
   // ids, weights [T, top_k]: chosen experts (ascending id) and their routing weights.
   virtual void moe_route(const float* x, int64_t T, const RouterArgs& a, int32_t* ids, float* weights) = 0;

@@ -515,17 +515,19 @@ class CudaBackend final : public Backend {
     VIREO_CUDA_LAUNCHED();
   }
 
+  // Products of at most this many rows (decode steps) run as GEMVs; larger ones on tensor cores.
+  static constexpr int64_t kGemvRows = 8;
   void matmul(const float* x, int64_t T, const Weight& wt, float* y) override {
     if (T <= 0) return;
     const DevW w = devw(wt);
     // A few output rows (a router) over many tokens: one pass over x on CUDA cores (matmul_skinny).
-    const bool skinny = T > 8 && mode_ != CudaGemmMode::Simt && matmul_skinny_fits(x, T, w);
-    const bool tc = T > 8 && !skinny && mode_ != CudaGemmMode::Simt && (w.dt == W_BF16 || w.dt == W_FP8);
+    const bool skinny = T > kGemvRows && mode_ != CudaGemmMode::Simt && matmul_skinny_fits(x, T, w);
+    const bool tc = T > kGemvRows && !skinny && mode_ != CudaGemmMode::Simt && (w.dt == W_BF16 || w.dt == W_FP8);
     // Fast mode on FP8 weights: e4m3 x e4m3 with block scales where cuBLASLt takes the shape
     // (decided once per shape); the profile's path names the output type it runs with.
     const Fp8BlockGemm::Out f8 =
         tc && w.dt == W_FP8 && mode_ == CudaGemmMode::Fp8 ? fp8_fast_plan(T, w, y) : Fp8BlockGemm::Out::None;
-    const char* path = T <= 8                          ? "gemv"
+    const char* path = T <= kGemvRows                  ? "gemv"
                        : skinny                        ? "skinny"
                        : f8 == Fp8BlockGemm::Out::F32  ? "lt fp8xfp8 f32-out"
                        : f8 == Fp8BlockGemm::Out::Bf16 ? "lt fp8xfp8 bf16-out"
@@ -535,13 +537,13 @@ class CudaBackend final : public Backend {
         prof_, stream_,
         [&] {
           static const char* names[] = {"f32", "bf16", "f16", "fp8"};
-          return std::string("matmul ") + names[w.dt] + " " + std::to_string(w.out) + "x" + std::to_string(w.in) +
-                 " " + path + (T <= 8 ? " T=" + std::to_string(T) : std::string());
+          return std::string("matmul ") + names[w.dt] + " " + std::to_string(w.out) + "x" + std::to_string(w.in) + " " +
+                 path + (T <= kGemvRows ? " T=" + std::to_string(T) : std::string());
         },
         2.0 * double(T) * double(w.out) * double(w.in));
     if (T == 1 && w.out >= 4096 && gemv_rows2(x, w, y, gemv_x_shared_, stream_)) {
       // done: two rows per warp
-    } else if (T <= 8) {
+    } else if (T <= kGemvRows) {
       matmul_small(x, T, w, y, stream_, sms_);
     } else if (skinny && matmul_skinny(x, T, w, y, stream_)) {
       // done: f32, x read once
@@ -638,7 +640,6 @@ class CudaBackend final : public Backend {
                            stream_);
   }
 
-  static constexpr int64_t kGemvRows = 8;  // products of at most this many rows run as GEMVs
   void mla_absorb_queries(const MlaAttentionArgs& a) override {
     if (a.T <= 0 || !a.absorbed) return;
     VIREO_PROF("absorb_q");
@@ -653,7 +654,8 @@ class CudaBackend final : public Backend {
   // times ops one at a time.
   void begin_branch(int64_t rows) override {
     if (!branches_ || prof_.on() || rows > kGemvRows) return;
-    if (in_branch_ || branch_open_) fail("cuda: a branch begun inside another");
+    if (in_branch_) fail("cuda: a branch begun inside another");
+    join_branch();  // one not yet joined (a forward that threw): ordered before this one
     if (!branch_stream_) {
       VIREO_CUDA_CHECK(cudaStreamCreateWithFlags(&branch_stream_, cudaStreamNonBlocking));
       VIREO_CUDA_CHECK(cudaEventCreateWithFlags(&branch_fork_, cudaEventDisableTiming));
@@ -693,7 +695,7 @@ class CudaBackend final : public Backend {
     cuda::moe_experts(x, N, b.D, b.I, top_k, bank.n_shared, int(bank.gate.size()) - bank.n_shared, ids, weights,
                       b.table.get(), b.dtype, b.vec, gemv_x_shared_, h, out, stream_);
   }
-  bool prefers_moe_experts(int64_t N) const override { return N <= 8; }
+  bool prefers_moe_experts(int64_t N) const override { return N <= kGemvRows; }
 
   void argmax_rows(const float* x, int64_t rows, int64_t n, int32_t* out) override {
     VIREO_PROF("argmax_rows");
@@ -731,7 +733,7 @@ class CudaBackend final : public Backend {
           if (a.pos0 + t + 1 > a.topk) pairs += double(a.pos0 + t + 1);
       ProfScope ps(prof_, stream_, [] { return std::string("scores"); }, 2.0 * pairs * double(a.n_heads * a.head_dim));
       // --math fast rounds the indexer's q and k too, in prefill (more than 8 rows, host positions).
-      const bool bf16 = fast_math() && a.T > 8 && !a.pos0_dev &&
+      const bool bf16 = fast_math() && a.T > kGemvRows && !a.pos0_dev &&
                         indexer_scores_bf16(a.q, a.weights, a.keys, a.T, a.n_heads, a.head_dim, a.n_keys, a.pos0,
                                             a.topk, a.scale, scores, stream_);
       if (!bf16)
@@ -782,9 +784,9 @@ class CudaBackend final : public Backend {
     const DevW wg = devw(gate), wu = devw(up), wd = devw(down);
     if (expert_rows_fp8(x, index, m, wg, wu, wd, rows, rows_cap)) return;
     const int64_t D = wg.in, I = wg.out;
-    const bool fused = m > 8 && mode_ != CudaGemmMode::Simt && lt_bf16_fits(wg, g) && lt_bf16_fits(wu, u) &&
-                       lt_bf16_fits(wd, rows) && wu.in == D && wu.out == I && wd.in == I && wd.out == D &&
-                       D % 2 == 0 && I % 2 == 0 && reinterpret_cast<uintptr_t>(x) % 8 == 0 &&
+    const bool fused = m > kGemvRows && mode_ != CudaGemmMode::Simt && lt_bf16_fits(wg, g) && lt_bf16_fits(wu, u) &&
+                       lt_bf16_fits(wd, rows) && wu.in == D && wu.out == I && wd.in == I && wd.out == D && D % 2 == 0 &&
+                       I % 2 == 0 && reinterpret_cast<uintptr_t>(x) % 8 == 0 &&
                        reinterpret_cast<uintptr_t>(g) % 8 == 0 && reinterpret_cast<uintptr_t>(u) % 8 == 0;
     if (!fused) return Backend::expert_rows(x, index, m, gate, up, down, xs, g, u, rows);
     VIREO_PROF("expert_rows");
@@ -1261,7 +1263,7 @@ class CudaBackend final : public Backend {
   // layer's input products): x converted once for all of them. False (nothing run) unless every
   // weight takes the tensor-core path.
   bool lt_bf16_many(const float* x, int64_t T, const Weight* const* ws, float* const* ys, int n) {
-    if (T <= 8 || mode_ == CudaGemmMode::Simt || n <= 0) return false;
+    if (T <= kGemvRows || mode_ == CudaGemmMode::Simt || n <= 0) return false;
     std::vector<DevW> w(static_cast<size_t>(n));
     for (int i = 0; i < n; ++i) {
       w[size_t(i)] = devw(*ws[i]);
@@ -1363,7 +1365,8 @@ class CudaBackend final : public Backend {
   // False (nothing run) unless all three products take the FP8 x FP8 path.
   bool expert_rows_fp8(const float* x, const int32_t* index, int64_t m, const DevW& wg, const DevW& wu, const DevW& wd,
                        float* rows, int64_t rows_cap) {
-    if (mode_ != CudaGemmMode::Fp8 || m <= 8 || wg.dt != W_FP8 || wu.dt != W_FP8 || wd.dt != W_FP8) return false;
+    if (mode_ != CudaGemmMode::Fp8 || m <= kGemvRows || wg.dt != W_FP8 || wu.dt != W_FP8 || wd.dt != W_FP8)
+      return false;
     const int64_t D = wg.in, I = wg.out, mp = (m + 3) / 4 * 4;
     if (wu.in != D || wu.out != I || wd.in != I || wd.out != D || D % 4 != 0 || I % 4 != 0) return false;
     float* g = f8gu_.get<float>(size_t(2 * mp * I));
@@ -1421,7 +1424,7 @@ class CudaBackend final : public Backend {
   // layer's input products): x quantized once for all of them. False (nothing run) unless every
   // weight takes the FP8 x FP8 path.
   bool lt_fp8_fast_many(const float* x, int64_t T, const Weight* const* ws, float* const* ys, int n) {
-    if (T <= 8 || mode_ != CudaGemmMode::Fp8 || n <= 0) return false;
+    if (T <= kGemvRows || mode_ != CudaGemmMode::Fp8 || n <= 0) return false;
     std::vector<DevW> w(static_cast<size_t>(n));
     std::vector<Fp8BlockGemm::Out> out(static_cast<size_t>(n));
     for (int i = 0; i < n; ++i) {
@@ -1515,7 +1518,7 @@ class CudaBackend final : public Backend {
   // f32 accumulation, rounded once on output). False where the tensor-core path does not take it.
   bool matmul_to_bf16(const float* x, int64_t T, const Weight& wt, void* y) {
     const DevW w = devw(wt);
-    if (T <= 8 || !fast_math() || (w.dt != W_BF16 && w.dt != W_FP8)) return false;
+    if (T <= kGemvRows || !fast_math() || (w.dt != W_BF16 && w.dt != W_FP8)) return false;
     // (FP8 weights: the bf16 dequantizing GEMM, not the FP8 x FP8 one, until the glm_dsa_fp8
     // fixture's fast-mode failure is understood: see fp8_fast_plan.)
     ProfScope ps(

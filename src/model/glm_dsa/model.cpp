@@ -487,18 +487,20 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
 
   // A branch: this step's cache entries [latent | k_rope], written straight into each sequence's
   // row, and the indexer's keys and head weights need only the products above, not the queries.
-  backend_.begin_branch(N);
-  for (const Segment& s : segs)
-    backend_.mla_cache_append(kva + s.offset * kvw, s.T, L, rope, vec(a.kv_a_norm), eps_lora, cs + s.offset * cs_stride,
-                              rope_kind(c.mla_rope_style), cache.kv(layer, s.row), s.pos0, s.pos0_dev);
-  if (own_indexer) {
-    backend_.scale(wts, float(1.0 / std::sqrt(double(nI))), N * nI);
+  {
+    Backend::BranchScope branch(backend_, N);
     for (const Segment& s : segs)
-      backend_.index_key_append(kraw + s.offset * d, s.T, d, vec(a.idx_k_norm_w), vec(a.idx_k_norm_b), 1e-6f, rope,
-                                cs + s.offset * cs_stride, rope_kind(c.indexer_rope_style),
-                                cache.index_keys(layer, s.row), s.pos0, s.pos0_dev);
+      backend_.mla_cache_append(kva + s.offset * kvw, s.T, L, rope, vec(a.kv_a_norm), eps_lora,
+                                cs + s.offset * cs_stride, rope_kind(c.mla_rope_style), cache.kv(layer, s.row), s.pos0,
+                                s.pos0_dev);
+    if (own_indexer) {
+      backend_.scale(wts, float(1.0 / std::sqrt(double(nI))), N * nI);
+      for (const Segment& s : segs)
+        backend_.index_key_append(kraw + s.offset * d, s.T, d, vec(a.idx_k_norm_w), vec(a.idx_k_norm_b), 1e-6f, rope,
+                                  cs + s.offset * cs_stride, rope_kind(c.indexer_rope_style),
+                                  cache.index_keys(layer, s.row), s.pos0, s.pos0_dev);
+    }
   }
-  backend_.end_branch();
   float* q_resid = nullptr;
   float* qi = own_indexer ? scratch(15, size_t(N * nI * d)) : nullptr;  // the indexer's queries
   if (qa) {
@@ -525,7 +527,7 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
     counts = scratch_i32(1, size_t(N));
     if (own_indexer) {
       VIREO_ASSERT(q_resid);  // the indexer's queries come from the low-rank query (config checks)
-      backend_.begin_branch(N);
+      Backend::BranchScope branch(backend_, N);
       backend_.rope(qi, N, nI, nI * d, d, 0, rope, cs, rope_kind(c.indexer_rope_style));
       for (const Segment& s : segs) {
         IndexerArgs ia;
@@ -544,7 +546,6 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
         ia.counts = counts + s.offset;
         backend_.indexer_select(ia);
       }
-      backend_.end_branch();
     }
   }
 
