@@ -1,0 +1,321 @@
+// The forward pass's branches (Backend::begin_branch) promise that the ops queued inside a branch
+// and the ops queued after it, until the join, neither read what the other writes: a GPU runs the
+// two sides at once, so a broken promise is a race that shows only sometimes (the CUDA test
+// CudaFixtures.BranchesChangeNoBits can miss it). Here every op runs on the CPU reference through
+// a backend that records, between a branch's begin and its join, the bytes each op reads and
+// writes, and checks the promise at the join, deterministically, with no GPU.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "cache/mla_cache.h"
+#include "io/json_file.h"
+#include "model/glm_dsa/model.h"
+
+using namespace vireo;
+
+namespace {
+
+const std::string kFixtures = VIREO_FIXTURES_DIR;
+
+// A byte range an op reads or writes.
+struct Span {
+  const char* begin = nullptr;
+  const char* end = nullptr;
+};
+template <typename T>
+Span span(const T* p, int64_t n) {
+  const char* b = reinterpret_cast<const char*>(p);
+  return {b, b + (p && n > 0 ? n * int64_t(sizeof(T)) : 0)};
+}
+bool overlap(const Span& a, const Span& b) { return a.begin < b.end && b.begin < a.end; }
+
+struct OpRecord {
+  std::string name;
+  std::vector<Span> reads, writes;
+};
+
+// Runs every op on `inner` (the CPU reference); records the ops of each branch window and checks
+// them at the join. Ops it has no spans for fail the test if they come inside a window.
+class BranchCheckingBackend final : public Backend {
+ public:
+  explicit BranchCheckingBackend(std::unique_ptr<Backend> inner) : in_(std::move(inner)) {}
+
+  enum class State { Outside, InBranch, AfterBranch };
+  State state() const { return state_; }
+  int windows_checked() const { return windows_; }
+  const std::vector<std::string>& hazards() const { return hazards_; }
+
+  const char* name() const override { return "branch-checking cpu"; }
+  std::shared_ptr<float> alloc_f32(size_t n) override { return in_->alloc_f32(n); }
+  std::shared_ptr<int32_t> alloc_i32(size_t n) override { return in_->alloc_i32(n); }
+  void copy_to_host(float* dst, const float* src, size_t n) override {
+    unchecked("copy_to_host");
+    in_->copy_to_host(dst, src, n);
+  }
+  void copy_from_host(float* dst, const float* src, size_t n) override {
+    unchecked("copy_from_host");
+    in_->copy_from_host(dst, src, n);
+  }
+  void copy_to_host_i32(int32_t* dst, const int32_t* src, size_t n) override {
+    unchecked("copy_to_host_i32");
+    in_->copy_to_host_i32(dst, src, n);
+  }
+  void copy_from_host_i32(int32_t* dst, const int32_t* src, size_t n) override {
+    unchecked("copy_from_host_i32");
+    in_->copy_from_host_i32(dst, src, n);
+  }
+  Weight upload_weight(const Weight& w) override { return in_->upload_weight(w); }
+  void copy_rows(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
+                 int64_t n) override {
+    note("copy_rows", {span(src, (rows - 1) * src_stride + n)}, {span(dst, (rows - 1) * dst_stride + n)});
+    in_->copy_rows(dst, dst_stride, src, src_stride, rows, n);
+  }
+  void fill(float* y, float v, int64_t n) override {
+    note("fill", {}, {span(y, n)});
+    in_->fill(y, v, n);
+  }
+  void embed(const Weight& table, const int32_t* ids, int64_t T, float* out) override {
+    note("embed", {span(ids, T)}, {span(out, T * table.in())});
+    in_->embed(table, ids, T, out);
+  }
+  void rms_norm(const float* x, int64_t x_stride, int64_t T, int64_t n, const float* w, float eps, float* y,
+                int64_t y_stride) override {
+    note("rms_norm", {span(x, (T - 1) * x_stride + n), span(w, n)}, {span(y, (T - 1) * y_stride + n)});
+    in_->rms_norm(x, x_stride, T, n, w, eps, y, y_stride);
+  }
+  void add_rms_norm(float* h, const float* x, int64_t T, int64_t n, const float* w, float eps, float* y) override {
+    note("add_rms_norm", {span(h, T * n), span(x, T * n), span(w, n)}, {span(h, T * n), span(y, T * n)});
+    in_->add_rms_norm(h, x, T, n, w, eps, y);
+  }
+  void layer_norm(const float* x, int64_t T, int64_t n, const float* w, const float* b, float eps, float* y) override {
+    note("layer_norm", {span(x, T * n), span(w, n), span(b, n)}, {span(y, T * n)});
+    in_->layer_norm(x, T, n, w, b, eps, y);
+  }
+  void matmul(const float* x, int64_t T, const Weight& w, float* y) override {
+    note("matmul", {span(x, T * w.in())}, {span(y, T * w.out())});
+    in_->matmul(x, T, w, y);
+  }
+  void matmul_many(const float* x, int64_t T, const Weight* const* ws, float* const* ys, int n) override {
+    OpRecord r{"matmul_many", {}, {}};
+    for (int i = 0; i < n; ++i) {
+      r.reads.push_back(span(x, T * ws[i]->in()));
+      r.writes.push_back(span(ys[i], T * ws[i]->out()));
+    }
+    record(std::move(r));
+    in_->matmul_many(x, T, ws, ys, n);
+  }
+  void rope(float* x, int64_t T, int64_t n_heads, int64_t token_stride, int64_t head_stride, int64_t offset,
+            int64_t width, const float* cos_sin, RopeKind kind) override {
+    note("rope", {span(x, T * token_stride), span(cos_sin, T * width)}, {span(x, T * token_stride)});
+    in_->rope(x, T, n_heads, token_stride, head_stride, offset, width, cos_sin, kind);
+  }
+  void add(float* y, const float* x, int64_t n) override {
+    note("add", {span(y, n), span(x, n)}, {span(y, n)});
+    in_->add(y, x, n);
+  }
+  void scale(float* y, float s, int64_t n) override {
+    note("scale", {span(y, n)}, {span(y, n)});
+    in_->scale(y, s, n);
+  }
+  void swiglu(const float* gate, const float* up, float* out, int64_t n) override {
+    note("swiglu", {span(gate, n), span(up, n)}, {span(out, n)});
+    in_->swiglu(gate, up, out, n);
+  }
+  void mla_cache_append(const float* kva, int64_t T, int64_t L, int64_t rope, const float* norm_w, float eps,
+                        const float* cos_sin, RopeKind kind, float* cache, int64_t pos0,
+                        const int32_t* pos0_dev) override {
+    if (pos0_dev) unchecked("mla_cache_append at run-time positions");
+    note("mla_cache_append", {span(kva, T * (L + rope)), span(norm_w, L), span(cos_sin, T * rope)},
+         {span(cache + pos0 * (L + rope), T * (L + rope))});
+    in_->mla_cache_append(kva, T, L, rope, norm_w, eps, cos_sin, kind, cache, pos0, pos0_dev);
+  }
+  void index_key_append(const float* k, int64_t T, int64_t d, const float* w, const float* b, float eps, int64_t rope,
+                        const float* cos_sin, RopeKind kind, float* keys, int64_t pos0,
+                        const int32_t* pos0_dev) override {
+    if (pos0_dev) unchecked("index_key_append at run-time positions");
+    note("index_key_append", {span(k, T * d), span(w, d), span(b, d), span(cos_sin, T * rope)},
+         {span(keys + pos0 * d, T * d)});
+    in_->index_key_append(k, T, d, w, b, eps, rope, cos_sin, kind, keys, pos0, pos0_dev);
+  }
+  void mla_absorb_queries(const MlaAttentionArgs& a) override {
+    note("mla_absorb_queries", {span(a.q, a.T * a.n_heads * (a.qk_nope + a.qk_rope))}, {});
+    in_->mla_absorb_queries(a);
+  }
+  void mla_attention(const MlaAttentionArgs& a) override {
+    note("mla_attention",
+         {span(a.q, a.T * a.n_heads * (a.qk_nope + a.qk_rope)), span(a.kv, a.n_keys * (a.kv_lora + a.qk_rope)),
+          span(a.selection.keys, a.T * a.selection.stride), span(a.selection.keys ? a.selection.counts : nullptr, a.T)},
+         {span(a.out, a.T * a.n_heads * a.v_dim)});
+    in_->mla_attention(a);
+  }
+  void indexer_select(const IndexerArgs& a) override {
+    note("indexer_select",
+         {span(a.q, a.T * a.n_heads * a.head_dim), span(a.weights, a.T * a.n_heads),
+          span(a.keys, a.n_keys * a.head_dim)},
+         {span(a.selected, a.T * a.topk), span(a.counts, a.T)});
+    in_->indexer_select(a);
+  }
+  void moe_route(const float* x, int64_t T, const RouterArgs& a, int32_t* ids, float* weights) override {
+    unchecked("moe_route");
+    in_->moe_route(x, T, a, ids, weights);
+  }
+  void moe_group(const int32_t* ids, const float* weights, int64_t N, int top_k, int n_experts, int32_t* offsets,
+                 int32_t* token_of, float* weight_of) override {
+    unchecked("moe_group");
+    in_->moe_group(ids, weights, N, top_k, n_experts, offsets, token_of, weight_of);
+  }
+  void moe_experts(const float* x, int64_t N, const int32_t* ids, const float* weights, int top_k,
+                   const ExpertBank& bank, float* out) override {
+    unchecked("moe_experts");
+    in_->moe_experts(x, N, ids, weights, top_k, bank, out);
+  }
+  bool prefers_moe_experts(int64_t N) const override { return in_->prefers_moe_experts(N); }
+  void argmax_rows(const float* x, int64_t rows, int64_t n, int32_t* out) override {
+    note("argmax_rows", {span(x, rows * n)}, {span(out, rows)});
+    in_->argmax_rows(x, rows, n, out);
+  }
+  void sample_rows(const float* x, int64_t rows, int64_t n, const SampleRowArgs* args, int32_t* out) override {
+    note("sample_rows", {span(x, rows * n)}, {span(out, rows)});
+    in_->sample_rows(x, rows, n, args, out);
+  }
+  void gather_rows(const float* x, const int32_t* index, int64_t m, int64_t n, float* rows) override {
+    unchecked("gather_rows");
+    in_->gather_rows(x, index, m, n, rows);
+  }
+  void scatter_add_rows(float* y, const int32_t* index, const float* scale, const float* rows, int64_t m,
+                        int64_t n) override {
+    unchecked("scatter_add_rows");
+    in_->scatter_add_rows(y, index, scale, rows, m, n);
+  }
+
+  void begin_branch(int64_t rows) override {
+    if (state_ == State::InBranch) hazards_.push_back("a branch begun inside another");
+    if (state_ == State::AfterBranch) check();  // the backend joins an open branch first
+    state_ = State::InBranch;
+    branch_.clear();
+    main_.clear();
+    in_->begin_branch(rows);
+  }
+  void end_branch() override {
+    if (state_ != State::InBranch) hazards_.push_back("end_branch outside a branch");
+    state_ = State::AfterBranch;
+    in_->end_branch();
+  }
+  void join_branch() override {
+    if (state_ == State::InBranch) hazards_.push_back("join_branch inside a branch");
+    if (state_ == State::AfterBranch) check();
+    state_ = State::Outside;
+    in_->join_branch();
+  }
+
+ private:
+  void note(const char* name, std::vector<Span> reads, std::vector<Span> writes) {
+    record({name, std::move(reads), std::move(writes)});
+  }
+  void record(OpRecord r) {
+    if (state_ == State::InBranch) branch_.push_back(std::move(r));
+    else if (state_ == State::AfterBranch) main_.push_back(std::move(r));
+  }
+  void unchecked(const char* name) {
+    if (state_ != State::Outside)
+      hazards_.push_back(std::string(name) + " inside a branch window: the checker knows no spans for it");
+  }
+  // The promise: no branch op writes what a main op reads or writes, and no branch op reads what
+  // a main op writes.
+  void check() {
+    ++windows_;
+    auto any = [](const std::vector<Span>& a, const std::vector<Span>& b) {
+      for (const Span& x : a)
+        for (const Span& y : b)
+          if (overlap(x, y)) return true;
+      return false;
+    };
+    for (const OpRecord& b : branch_)
+      for (const OpRecord& m : main_) {
+        if (any(b.writes, m.reads) || any(b.writes, m.writes))
+          hazards_.push_back("branch op " + b.name + " writes what " + m.name + " (after the branch) touches");
+        if (any(b.reads, m.writes))
+          hazards_.push_back("branch op " + b.name + " reads what " + m.name + " (after the branch) writes");
+      }
+    branch_.clear();
+    main_.clear();
+  }
+
+  std::unique_ptr<Backend> in_;
+  State state_ = State::Outside;
+  std::vector<OpRecord> branch_, main_;
+  std::vector<std::string> hazards_;
+  int windows_ = 0;
+};
+
+std::string joined(const std::vector<std::string>& v) {
+  std::string s;
+  for (const std::string& x : v) s += "\n  " + x;
+  return s;
+}
+
+}  // namespace
+
+// The checker itself: a main-side op that reads what the branch wrote is a hazard, one that
+// touches other memory is not.
+TEST(Branches, CheckerFindsAMainOpReadingWhatTheBranchWrote) {
+  BranchCheckingBackend be(make_cpu_backend());
+  auto a = be.alloc_f32(16), b = be.alloc_f32(16), c = be.alloc_f32(16);
+  be.fill(a.get(), 1.0f, 16);
+  be.fill(b.get(), 2.0f, 16);
+  be.begin_branch(1);
+  be.scale(a.get(), 2.0f, 16);
+  be.end_branch();
+  be.add(c.get(), b.get(), 16);  // independent
+  be.join_branch();
+  EXPECT_TRUE(be.hazards().empty()) << joined(be.hazards());
+  be.begin_branch(1);
+  be.scale(a.get(), 2.0f, 16);
+  be.end_branch();
+  be.add(c.get(), a.get() + 8, 8);  // reads half of what the branch wrote
+  be.join_branch();
+  ASSERT_EQ(be.hazards().size(), size_t(1));
+  EXPECT_NE(be.hazards()[0].find("scale"), std::string::npos) << be.hazards()[0];
+  EXPECT_EQ(be.windows_checked(), 2);
+}
+
+// The model's branches keep their promise in every fixture family (own indexer, shared indexer
+// layers, FP8, no indexer), over a prefill, single-token decode steps (the absorbed path, experts
+// by id as on a GPU) and a batched step of two sequences, and leave no branch open.
+TEST(Branches, ModelBranchesTouchNothingTheOpsBesideThemTouch) {
+  for (const char* name : {"glm_dsa_full_f32", "glm_dsa_shared_f32", "glm_dsa_fp8", "dsv32_f32", "dsv3_f32"}) {
+    SCOPED_TRACE(name);
+    const std::string dir = kFixtures + "/" + name;
+    const auto tokens = read_json_file(dir + "/expected.json")["tokens"].get<std::vector<int32_t>>();
+    ASSERT_GE(tokens.size(), size_t(24));
+    BranchCheckingBackend be(make_cpu_backend(/*moe_experts_max_tokens=*/8));
+    auto m = GlmDsaModel::load(dir, be);
+    const int64_t V = m->config().vocab_size;
+    MlaCache cache(be, m->cache_shape(), 2, 64);
+    std::vector<float> lg(size_t(2 * V));
+    m->forward(tokens.data(), 16, cache, 0, lg.data());
+    EXPECT_EQ(be.state(), BranchCheckingBackend::State::Outside);
+    for (int64_t t = 16; t < 20; ++t)
+      m->forward(&tokens[size_t(t)], 1, cache, 0, lg.data(), false, AttentionPath::Absorbed);
+    m->forward(tokens.data(), 8, cache, 1, lg.data());
+    BatchItem i0, i1;
+    i0.row = 0;
+    i0.tokens = &tokens[20];
+    i0.T = 1;
+    i0.logits = lg.data();
+    i1.row = 1;
+    i1.tokens = &tokens[8];
+    i1.T = 1;
+    i1.logits = lg.data() + V;
+    m->forward_batch({i0, i1}, cache, AttentionPath::Absorbed);
+    EXPECT_EQ(be.state(), BranchCheckingBackend::State::Outside);
+    EXPECT_TRUE(be.hazards().empty()) << joined(be.hazards());
+    // A layer: the appends' window, then (layers with their own indexer) the indexer's.
+    EXPECT_GE(be.windows_checked(), 7 * m->config().num_layers) << "the model no longer opens branches";
+  }
+}
