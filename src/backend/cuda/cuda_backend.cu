@@ -31,12 +31,6 @@ using namespace vireo::cuda;
 
 namespace {
 
-// A switch for A/B runs that is on unless the environment sets `name` to "0".
-bool env_switch(const char* name) {
-  const char* e = std::getenv(name);
-  return !(e && std::string(e) == "0");
-}
-
 // --- element-wise and row kernels -------------------------------------------------------------
 
 // fill and add move 16 bytes a thread where the pointers allow (prefill's 512 x 6144 fill: 22 us

@@ -20,8 +20,6 @@
 // row, and fills the chip (128 blocks each at 2048 keys) where one fused kernel would need either
 // 16-key splits (16 MB of partials) or a quarter of the SMs.
 #include <algorithm>
-#include <cstdlib>
-#include <string>
 
 #include "backend/cuda/cuda_attention.h"
 #include "backend/cuda/cuda_internal.h"
@@ -375,8 +373,8 @@ __device__ __forceinline__ uint32_t score_key(float s) {
 // equal to K are taken (`need`); the position tie-break then needs no passes of its own: the
 // selection is every key above K plus the first `need` keys equal to K in position order, placed
 // by one block-wide scan of (above, equal) counts. The passes stop early when every key left in
-// the threshold bin is taken (then K is the bits found so far, compared under their mask): with
-// 4096 real scores that is usually after 2 of the 4 passes.
+// the threshold bin is taken (then K is the bits found so far, compared under their mask):
+// +0.3 points of decode at 4096 cached (H200, 8 layers; session 14).
 template <int R>
 __global__ void __launch_bounds__(1024)
     indexer_topk_reg_kernel(const float* __restrict__ scores, int64_t n_keys, int64_t pos0,
@@ -592,11 +590,7 @@ bool indexer_topk_fast(const float* scores, int64_t T, int64_t n_keys, int64_t p
   // n_keys bounds every row's causal count (pos0 + T with host positions, the bound with run-time ones).
   const int64_t bound = std::max(n_keys, pos0 + T);
   if (topk < 1) return false;
-  // VIREO_TOPK_EARLY=0: every pass, for A/B runs (the same selection either way).
-  static const bool early = [] {
-    const char* e = std::getenv("VIREO_TOPK_EARLY");
-    return !(e && std::string(e) == "0");
-  }();
+  static const bool early = env_switch("VIREO_TOPK_EARLY");  // 0: every pass (A/B runs; the same selection)
   if (bound <= 1024 * 4)
     launch(indexer_topk_reg_kernel<4>, unsigned(T), 1024, 0, st, scores, n_keys, pos0, pos0_dev, int(topk), selected,
            counts, early);

@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <utility>
 
 #include "backend/cuda/cuda_kernels.cuh"
@@ -18,6 +20,12 @@ namespace vireo::cuda {
     if (e_ != cudaSuccess) ::vireo::fail("CUDA error: ", cudaGetErrorString(e_), " (", #call, ")"); \
   } while (0)
 #define VIREO_CUDA_LAUNCHED() VIREO_CUDA_CHECK(cudaGetLastError())
+
+// A switch for A/B runs that is on unless the environment sets `name` to "0".
+inline bool env_switch(const char* name) {
+  const char* e = std::getenv(name);
+  return !(e && std::string(e) == "0");
+}
 
 // Programmatic dependent launches on or off for the whole process (default on; VIREO_PDL=0 turns
 // them off, for A/B runs). Results do not depend on it: kernels wait for their predecessors in
