@@ -636,11 +636,16 @@ class CudaBackend final : public Backend {
 
   void mla_absorb_queries(const MlaAttentionArgs& a) override {
     if (a.T <= 0 || !a.absorbed) return;
-    VIREO_PROF("absorb_q");
-    const DevW kvb = devw(*a.kv_b);
-    float* qlat = qlat_.get<float>(size_t(a.T * a.n_heads * a.kv_lora));
-    absorb_q(a.q, a.T, a.n_heads, a.qk_nope + a.qk_rope, a.qk_nope, kvb, a.qk_nope + a.v_dim, a.kv_lora, qlat, stream_);
+    absorb_into_qlat(a);
     absorbed_ = {a.q, a.kv_b, a.T};
+  }
+  // q_nope through W_UK's rows: qlat_ [T, H, kv_lora], returned.
+  float* absorb_into_qlat(const MlaAttentionArgs& a) {
+    VIREO_PROF("absorb_q");
+    float* qlat = qlat_.get<float>(size_t(a.T * a.n_heads * a.kv_lora));
+    absorb_q(a.q, a.T, a.n_heads, a.qk_nope + a.qk_rope, a.qk_nope, devw(*a.kv_b), a.qk_nope + a.v_dim, a.kv_lora, qlat,
+             stream_);
+    return qlat;
   }
   // Branches on a second stream (forked and joined by events, so a recording captures them as a
   // fork and a join in the graph), for steps of at most kGemvRows tokens (prefill at 512 tokens
@@ -1450,13 +1455,9 @@ class CudaBackend final : public Backend {
   void attention_absorbed(const MlaAttentionArgs& a) {
     const int64_t H = a.n_heads, L = a.kv_lora, qw = a.qk_nope + a.qk_rope, hw = a.qk_nope + a.v_dim;
     const DevW kvb = devw(*a.kv_b);
-    float* qlat = qlat_.get<float>(size_t(a.T * H * L));
-    const bool queued = absorbed_.q == a.q && absorbed_.kv_b == a.kv_b && absorbed_.T == a.T;
+    const bool queued = absorbed_.q == a.q && absorbed_.kv_b == a.kv_b && absorbed_.T == a.T;  // by mla_absorb_queries
     absorbed_ = {};
-    if (!queued) {  // (else mla_absorb_queries queued it)
-      VIREO_PROF("absorb_q");
-      absorb_q(a.q, a.T, H, qw, a.qk_nope, kvb, hw, L, qlat, stream_);
-    }
+    float* qlat = queued ? qlat_.get<float>(size_t(a.T * H * L)) : absorb_into_qlat(a);
     const int64_t max_keys = a.selection.keys ? std::min(a.selection.stride, a.n_keys) : a.n_keys;
     DecodeAttnArgs d;
     d.qlat = qlat;
