@@ -161,7 +161,8 @@ class BranchCheckingBackend final : public Backend {
     in_->indexer_select(a);
   }
   void moe_route(const float* x, int64_t T, const RouterArgs& a, int32_t* ids, float* weights) override {
-    unchecked("moe_route");
+    note("moe_route", {span(x, T * a.gate->in()), span(a.bias, a.bias ? a.n_experts : 0)},
+         {span(ids, T * a.top_k), span(weights, T * a.top_k)});
     in_->moe_route(x, T, a, ids, weights);
   }
   void moe_group(const int32_t* ids, const float* weights, int64_t N, int top_k, int n_experts, int32_t* offsets,
@@ -173,6 +174,11 @@ class BranchCheckingBackend final : public Backend {
                    const ExpertBank& bank, float* out) override {
     unchecked("moe_experts");
     in_->moe_experts(x, N, ids, weights, top_k, bank, out);
+  }
+  void moe_shared_gate_up(const float* x, int64_t N, int top_k, const ExpertBank& bank) override {
+    // On a GPU it also writes the backend's own buffer, which only the moe_experts after the join reads.
+    note("moe_shared_gate_up", {span(x, N * (bank.gate.empty() ? 0 : bank.gate[0].in()))}, {});
+    in_->moe_shared_gate_up(x, N, top_k, bank);
   }
   bool prefers_moe_experts(int64_t N) const override { return in_->prefers_moe_experts(N); }
   void argmax_rows(const float* x, int64_t rows, int64_t n, int32_t* out) override {

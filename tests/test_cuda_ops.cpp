@@ -565,6 +565,15 @@ TEST(CudaOps, MoeExpertsMatchesCpu) {
       p.gpu->moe_experts(gx, cfg.N, gids, gw, cfg.K, gb, gout);
       const std::vector<float> got = p.g.down(gout, want.size());
       EXPECT_LT(nmse(got, want), 1e-10) << dt_name(dt) << " D " << cfg.D << " N " << cfg.N << " shared " << n_shared;
+      // The shared experts' gate | up queued ahead (the decode step's branch beside the router):
+      // the same products in two launches, so the same bits; with no shared expert it queues nothing.
+      // (Another input first, so that products left over in the backend's buffer cannot pass.)
+      float* gout_ahead = p.g.up(std::vector<float>(want.size(), NAN));
+      p.gpu->moe_experts(p.g.up(randv(x.size(), 63)), cfg.N, gids, gw, cfg.K, gb, gout_ahead);
+      p.gpu->moe_shared_gate_up(gx, cfg.N, cfg.K, gb);
+      p.gpu->moe_experts(gx, cfg.N, gids, gw, cfg.K, gb, gout_ahead);
+      EXPECT_EQ(p.g.down(gout_ahead, want.size()), got)
+          << dt_name(dt) << " shared ahead, D " << cfg.D << " N " << cfg.N;
 #ifdef VIREO_HAVE_CUDA
       // x and h through L1 (FP8: the rows / slots kernels) instead of shared memory: each lane
       // sums its chunks in the same order and the slots combine in order of k, so the same bits.
@@ -1165,24 +1174,24 @@ TEST(CudaOps, IndexerSelectLongRowsIsIdentical) {
       const IndexerArgs a = indexer_shape(T, nI, d, N, pos0, topk);
       const Selection want = cpu_select(p, a, q, w, keys);
       std::vector<float> kbound(keys);
-      kbound.resize(size_t((N + 64) * d), 0.0f);
+      kbound.resize(size_t((3 * N + 64) * d), 0.0f);
       IndexerArgs g = a;
       g.q = p.g.up(q);
       g.weights = p.g.up(w);
       g.keys = p.g.up(kbound);
       int32_t* gpos = p.g.up_i({int32_t(pos0)});
       for (bool fast : {true, false})
-        for (bool dev_pos : {false, true}) {
-          cuda_set_fast_decode(*p.gpu, true, fast, fast);
+        for (int64_t bound : {int64_t(0), N + 64, 3 * N + 64}) {  // 0: host positions; else a recorded step's
+          cuda_set_fast_decode(*p.gpu, true, fast, fast);         // bound, the row far shorter in the second
           IndexerArgs gg = g;
-          if (dev_pos) {
+          if (bound > 0) {
             gg.pos0_dev = gpos;
-            gg.pos0 = N + 64 - T;
-            gg.n_keys = N + 64;
+            gg.pos0 = bound - T;
+            gg.n_keys = bound;
           }
           expect_same_selection(want, gpu_select(p, gg), topk,
                                 "N " + std::to_string(N) + " ties " + std::to_string(ties) +
-                                    (fast ? " fast" : " reference") + (dev_pos ? " run-time pos" : ""));
+                                    (fast ? " fast" : " reference") + " bound " + std::to_string(bound));
         }
       cuda_set_fast_decode(*p.gpu, true, true, true);
     }

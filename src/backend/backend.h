@@ -193,6 +193,13 @@ class Backend {
   // ids, weights in backend memory.           x, out [N, D]; ids, weights [N, top_k]
   virtual void moe_experts(const float* x, int64_t N, const int32_t* ids, const float* weights, int top_k,
                            const ExpertBank& bank, float* out) = 0;
+  // The part of moe_experts(x, N, .., top_k, bank, ..) that reads no routing (the shared experts'
+  // gate and up products), queued ahead of it so that it can run beside moe_route (in a branch);
+  // the moe_experts call that follows with the same x, N, top_k and bank does the rest. The
+  // default does nothing: moe_experts does it all. Results do not change.
+  virtual void moe_shared_gate_up(const float* x, int64_t N, int top_k, const ExpertBank& bank) {
+    (void)x, (void)N, (void)top_k, (void)bank;
+  }
   // True when moe_experts is the faster way to run N tokens' experts on this backend (else the
   // forward groups tokens by expert: moe_group + one product per expert).
   virtual bool prefers_moe_experts(int64_t N) const { return false; }

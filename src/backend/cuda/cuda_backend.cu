@@ -685,14 +685,28 @@ class CudaBackend final : public Backend {
     else attention_reconstructed(a);
   }
 
+  void moe_shared_gate_up(const float* x, int64_t N, int top_k, const ExpertBank& bank) override {
+    static const bool ahead = env_switch("VIREO_SHARED_AHEAD");  // 0: moe_experts does it all (A/B runs)
+    if (N <= 0 || N > kGemvRows || bank.n_shared == 0 || !ahead) return;
+    VIREO_PROF("moe_shared_gate_up");
+    queue_moe(x, N, nullptr, nullptr, top_k, bank, nullptr, cuda::MoePart::SharedGateUp);
+    shared_gate_up_ = {x, N, top_k, &bank};
+  }
   void moe_experts(const float* x, int64_t N, const int32_t* ids, const float* weights, int top_k,
                    const ExpertBank& bank, float* out) override {
     if (N <= 0) return;
     VIREO_PROF("moe_experts");
+    const SharedGateUp mine{x, N, top_k, &bank};
+    const bool ahead = shared_gate_up_ == mine;  // queued by moe_shared_gate_up
+    shared_gate_up_ = {};
+    queue_moe(x, N, ids, weights, top_k, bank, out, ahead ? cuda::MoePart::Rest : cuda::MoePart::All);
+  }
+  void queue_moe(const float* x, int64_t N, const int32_t* ids, const float* weights, int top_k, const ExpertBank& bank,
+                 float* out, cuda::MoePart part) {
     const DeviceBank& b = device_bank(bank);
     float* h = moe_h_.get<float>(size_t(N * (top_k + bank.n_shared) * b.I));
     cuda::moe_experts(x, N, b.D, b.I, top_k, bank.n_shared, int(bank.gate.size()) - bank.n_shared, ids, weights,
-                      b.table.get(), b.dtype, b.vec, gemv_x_shared_, h, out, stream_);
+                      b.table.get(), b.dtype, b.vec, gemv_x_shared_, part, h, out, stream_);
   }
   bool prefers_moe_experts(int64_t N) const override { return N <= kGemvRows; }
 
@@ -1625,6 +1639,15 @@ class CudaBackend final : public Backend {
     const Weight* kv_b = nullptr;
     int64_t T = 0;
   } absorbed_;
+  // The shared experts' gate | up that moe_shared_gate_up queued into moe_h_, for the moe_experts
+  // that follows.
+  struct SharedGateUp {
+    const float* x = nullptr;
+    int64_t N = 0;
+    int top_k = 0;
+    const ExpertBank* bank = nullptr;
+    bool operator==(const SharedGateUp&) const = default;
+  } shared_gate_up_;
   int64_t grouped_rows_ = CudaBufferSizes::kGroupedRows;  // rows a chunk (tests set fewer)
   // Runs of more than 1024 rows an expert on average take the lanes with cp.async tile loads and
   // with FP8 experts; bf16 runs with TMA loads are always grouped. VIREO_GROUPED_MAX_ROWS=N sets

@@ -162,16 +162,17 @@ __device__ __forceinline__ float2 lane_dot2(const DevW& a, const DevW& b, int64_
   return make_float2(acc_a, acc_b);
 }
 
-// h[s, row] = silu(gate_e[row] . x[t]) * (up_e[row] . x[t]) for slot s = (t, k), k < K + S.
+// h[s, row] = silu(gate_e[row] . x[t]) * (up_e[row] . x[t]) for slot s = (t, k), k in the launch's
+// slot range [k0, k0 + nk) of K + S (blockIdx.y = t nk + k - k0).
 // A warp per row; XS: x[t] staged in shared memory by the block (D floats of dynamic shared memory).
 template <int DT, bool VEC, bool XS = false, int WARPS = 8>
 __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
-    moe_gate_up_kernel(const float* __restrict__ x, int64_t D, int64_t I, int K, int S, int n_routed,
+    moe_gate_up_kernel(const float* __restrict__ x, int64_t D, int64_t I, int K, int S, int n_routed, int k0, int nk,
                        const int32_t* __restrict__ ids, const DevExpert* __restrict__ bank, float* __restrict__ h) {
   pdl_begin();
   extern __shared__ float4 xs[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t row = int64_t(blockIdx.x) * WARPS + warp, s = blockIdx.y, t = s / (K + S);
+  const int64_t row = int64_t(blockIdx.x) * WARPS + warp, t = blockIdx.y / nk, s = t * (K + S) + k0 + blockIdx.y % nk;
   if constexpr (XS) stage_x(x + t * D, D, xs);
   if (row >= I) return;
   const DevExpert& e = bank[slot_expert(ids, t, int(s % (K + S)), K, n_routed)];
@@ -291,14 +292,14 @@ __device__ __forceinline__ void lane_dot_group(const char* const (&base)[G], con
 // h[s, row] as moe_gate_up_kernel, a warp per RG rows of one slot's gate and up (x read once for
 // all 2 x RG rows). Needs I % RG == 0 and 16-byte rows.
 template <int DT, int RG, int DEPTH>
-__global__ void __launch_bounds__(256) moe_gate_up_rows_kernel(const float* __restrict__ x, int64_t D, int64_t I,
-                                                               int K, int S, int n_routed,
-                                                               const int32_t* __restrict__ ids,
-                                                               const DevExpert* __restrict__ bank,
-                                                               float* __restrict__ h) {
+__global__ void __launch_bounds__(256)
+    moe_gate_up_rows_kernel(const float* __restrict__ x, int64_t D, int64_t I, int K, int S, int n_routed, int k0,
+                            int nk, const int32_t* __restrict__ ids, const DevExpert* __restrict__ bank,
+                            float* __restrict__ h) {
   pdl_begin();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t row = (int64_t(blockIdx.x) * 8 + warp) * RG, s = blockIdx.y, t = s / (K + S);
+  const int64_t row = (int64_t(blockIdx.x) * 8 + warp) * RG, t = blockIdx.y / nk,
+                s = t * (K + S) + k0 + blockIdx.y % nk;
   if (row >= I) return;
   const DevExpert& e = bank[slot_expert(ids, t, int(s % (K + S)), K, n_routed)];
   const size_t off = size_t(row * D) * elem_bytes<DT>();
@@ -385,33 +386,48 @@ void launch_down_xs(const float* h, int64_t N, int64_t D, int64_t I, int K, int 
 }
 
 template <int DT, bool VEC>
-void launch_moe(bool x_shared, const float* x, int64_t N, int64_t D, int64_t I, int K, int S, int n_routed,
-                const int32_t* ids, const float* wts, const DevExpert* bank, float* h, float* out, cudaStream_t st) {
+void launch_moe(bool x_shared, MoePart part, const float* x, int64_t N, int64_t D, int64_t I, int K, int S,
+                int n_routed, const int32_t* ids, const float* wts, const DevExpert* bank, float* h, float* out,
+                cudaStream_t st) {
+  // The gate | up launch's slots of each token: [k0, k0 + nk).
+  const int k0 = part == MoePart::SharedGateUp ? K : 0;
+  const int nk = part == MoePart::All ? K + S : part == MoePart::SharedGateUp ? S : K;
+  const bool down = part != MoePart::SharedGateUp;
+  if (nk == 0 && !down) return;
   if constexpr ((DT == W_FP8 || DT == W_BF16) && VEC) {
     const size_t x_bytes = size_t(D) * 4, h_bytes = size_t(K + S) * size_t(I) * 4;
     if (x_shared && D % 2 == 0 && x_bytes <= kXsMaxBytes && h_bytes <= kXsMaxBytes) {
-      allow_xs<moe_gate_up_kernel<DT, true, true, kXsWarps>>();
-      launch(moe_gate_up_kernel<DT, true, true, kXsWarps>,
-             dim3(unsigned((I + kXsWarps - 1) / kXsWarps), unsigned(N * (K + S))), 32 * kXsWarps, x_bytes, st, x, D, I,
-             K, S, n_routed, ids, bank, h);
-      VIREO_CUDA_LAUNCHED();
-      launch_down_xs<DT, kXsWarps>(h, N, D, I, K, S, n_routed, ids, wts, bank, out, st);
+      if (nk > 0) {
+        allow_xs<moe_gate_up_kernel<DT, true, true, kXsWarps>>();
+        launch(moe_gate_up_kernel<DT, true, true, kXsWarps>,
+               dim3(unsigned((I + kXsWarps - 1) / kXsWarps), unsigned(N * nk)), 32 * kXsWarps, x_bytes, st, x, D, I, K,
+               S, n_routed, k0, nk, ids, bank, h);
+        VIREO_CUDA_LAUNCHED();
+      }
+      if (down) launch_down_xs<DT, kXsWarps>(h, N, D, I, K, S, n_routed, ids, wts, bank, out, st);
       return;
     }
     if (DT == W_FP8 && I % kFp8GateUpRows == 0 && D % kFp8DownRows == 0 && K + S <= 16) {
-      launch(moe_gate_up_rows_kernel<DT, kFp8GateUpRows, kFp8Depth>,
-             dim3(unsigned((I / kFp8GateUpRows + 7) / 8), unsigned(N * (K + S))), 256, 0, st, x, D, I, K, S, n_routed,
-             ids, bank, h);
-      VIREO_CUDA_LAUNCHED();
-      launch(moe_down_slots_kernel<DT, kFp8DownRows, kFp8Depth>, dim3(unsigned(D / kFp8DownRows), unsigned(N)),
-             unsigned(32 * (K + S)), 0, st, h, D, I, K, S, n_routed, ids, wts, bank, out);
-      VIREO_CUDA_LAUNCHED();
+      if (nk > 0) {
+        launch(moe_gate_up_rows_kernel<DT, kFp8GateUpRows, kFp8Depth>,
+               dim3(unsigned((I / kFp8GateUpRows + 7) / 8), unsigned(N * nk)), 256, 0, st, x, D, I, K, S, n_routed, k0,
+               nk, ids, bank, h);
+        VIREO_CUDA_LAUNCHED();
+      }
+      if (down) {
+        launch(moe_down_slots_kernel<DT, kFp8DownRows, kFp8Depth>, dim3(unsigned(D / kFp8DownRows), unsigned(N)),
+               unsigned(32 * (K + S)), 0, st, h, D, I, K, S, n_routed, ids, wts, bank, out);
+        VIREO_CUDA_LAUNCHED();
+      }
       return;
     }
   }
-  launch(moe_gate_up_kernel<DT, VEC>, dim3(unsigned((I + 7) / 8), unsigned(N * (K + S))), 256, 0, st, x, D, I, K, S,
-         n_routed, ids, bank, h);
-  VIREO_CUDA_LAUNCHED();
+  if (nk > 0) {
+    launch(moe_gate_up_kernel<DT, VEC>, dim3(unsigned((I + 7) / 8), unsigned(N * nk)), 256, 0, st, x, D, I, K, S,
+           n_routed, k0, nk, ids, bank, h);
+    VIREO_CUDA_LAUNCHED();
+  }
+  if (!down) return;
   if (VEC && D % 2 == 0)
     launch(moe_down2_kernel<DT>, dim3(unsigned((D / 2 + 7) / 8), unsigned(N)), 256, 0, st, h, D, I, K, S, n_routed, ids,
            wts, bank, out);
@@ -422,11 +438,11 @@ void launch_moe(bool x_shared, const float* x, int64_t N, int64_t D, int64_t I, 
 }
 
 template <int DT>
-void launch_moe_dt(bool vec, bool x_shared, const float* x, int64_t N, int64_t D, int64_t I, int K, int S, int n_routed,
-                   const int32_t* ids, const float* wts, const DevExpert* bank, float* h, float* out,
+void launch_moe_dt(bool vec, bool x_shared, MoePart part, const float* x, int64_t N, int64_t D, int64_t I, int K, int S,
+                   int n_routed, const int32_t* ids, const float* wts, const DevExpert* bank, float* h, float* out,
                    cudaStream_t st) {
-  if (vec) launch_moe<DT, true>(x_shared, x, N, D, I, K, S, n_routed, ids, wts, bank, h, out, st);
-  else launch_moe<DT, false>(x_shared, x, N, D, I, K, S, n_routed, ids, wts, bank, h, out, st);
+  if (vec) launch_moe<DT, true>(x_shared, part, x, N, D, I, K, S, n_routed, ids, wts, bank, h, out, st);
+  else launch_moe<DT, false>(x_shared, part, x, N, D, I, K, S, n_routed, ids, wts, bank, h, out, st);
 }
 
 // y[row] for rows 2i and 2i + 1 by one warp, x read once for both (T = 1, rows 16-byte aligned).
@@ -628,11 +644,11 @@ __global__ void argmax_final_kernel(const float* __restrict__ x, int64_t n, cons
 }  // namespace
 
 void moe_experts(const float* x, int64_t N, int64_t D, int64_t I, int K, int S, int n_routed, const int32_t* ids,
-                 const float* weights, const DevExpert* bank, int dtype, bool vec, bool x_shared, float* h,
-                 float* out, cudaStream_t st) {
+                 const float* weights, const DevExpert* bank, int dtype, bool vec, bool x_shared, MoePart part,
+                 float* h, float* out, cudaStream_t st) {
   if (N <= 0) return;
   auto run = [&](auto launch_dt) {
-    launch_dt(vec, x_shared, x, N, D, I, K, S, n_routed, ids, weights, bank, h, out, st);
+    launch_dt(vec, x_shared, part, x, N, D, I, K, S, n_routed, ids, weights, bank, h, out, st);
   };
   switch (dtype) {
     case W_F32: run(launch_moe_dt<W_F32>); break;

@@ -13,12 +13,17 @@ struct DevExpert {
   DevW gate, up, down;  // gate/up [I, D], down [D, I]
 };
 
+// Which of moe_experts' launches a call queues: all of them; only the shared experts' gate | up
+// (which read no routing, so they may run before or beside it); or the rest (the routed experts'
+// gate | up, then the down products of every slot), after a SharedGateUp call with the same h.
+enum class MoePart { All, SharedGateUp, Rest };
+
 // out[t] = sum_k weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]), e = ids[t, k], k in order,
 // then + the S shared experts (bank[n_routed ..], weight 1). h is scratch [N * (K + S), I].
 // x_shared: BF16/FP8 kernels read x from a copy in shared memory (else through L1; same sums).
 void moe_experts(const float* x, int64_t N, int64_t D, int64_t I, int K, int S, int n_routed, const int32_t* ids,
-                 const float* weights, const DevExpert* bank, int dtype, bool vec, bool x_shared, float* h,
-                 float* out, cudaStream_t st);
+                 const float* weights, const DevExpert* bank, int dtype, bool vec, bool x_shared, MoePart part,
+                 float* h, float* out, cudaStream_t st);
 
 // h += x; y = rms_norm(h) * w, row by row (bit-identical to add then rms_norm).   [T, n]
 void add_rms_norm(float* h, const float* x, int64_t T, int64_t n, const float* w, float eps, float* y,

@@ -368,8 +368,8 @@ __device__ __forceinline__ uint32_t score_key(float s) {
 
 // The top `topk` of a row's n causal scores, exactly the CPU's choice (higher score first, equal
 // scores by lower position), written in ascending position order. One 1024-thread block per row;
-// thread i holds keys i R .. i R + R - 1 in registers (n <= 1024 R). A radix select over the 32
-// score bits (4 passes of 8 bits, 2 barriers each) finds the threshold key K and how many keys
+// thread i holds keys i re .. i re + re - 1 in registers, re = ceil(n / 1024) <= R. A radix
+// select over the 32 score bits (4 passes of 8 bits, 2 barriers each) finds the threshold key K and how many keys
 // equal to K are taken (`need`); the position tie-break then needs no passes of its own: the
 // selection is every key above K plus the first `need` keys equal to K in position order, placed
 // by one block-wide scan of (above, equal) counts. The passes stop early when every key left in
@@ -396,19 +396,24 @@ __global__ void __launch_bounds__(1024)
     return;
   }
   const float* sr = scores + t * n_keys;
-  const bool vec = (n_keys & 3) == 0 && (reinterpret_cast<uintptr_t>(scores) & 15) == 0;
-  const int u0 = tid * R;
+  // Keys a thread holds: R is sized for the longest row a recorded step may see, the row itself
+  // may be far shorter, so its keys are spread over all 1024 threads (re of them each) rather than
+  // over the first n / R threads, whose warps would take every pass's slots one after another
+  // (4096 keys under a bound of 8192: 9.0 -> 7.9 us, ncu, H200, session 15).
+  const int re = min(R, (n + 1023) / 1024);
+  const bool vec = re % 4 == 0 && (n_keys & 3) == 0 && (reinterpret_cast<uintptr_t>(scores) & 15) == 0;
+  const int u0 = tid * re;
   uint32_t key[R];
 #pragma unroll
   for (int r4 = 0; r4 < R; r4 += 4) {
     const int u = u0 + r4;
     float s[4];
-    if (vec && u + 3 < n) {
+    if (vec && r4 < re && u + 3 < n) {
       const float4 v = *reinterpret_cast<const float4*>(sr + u);
       s[0] = v.x, s[1] = v.y, s[2] = v.z, s[3] = v.w;
     } else {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) s[i] = u + i < n ? sr[u + i] : 0.0f;
+      for (int i = 0; i < 4; ++i) s[i] = r4 + i < re && u + i < n ? sr[u + i] : 0.0f;
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) key[r4 + i] = score_key(s[i]);
@@ -425,7 +430,7 @@ __global__ void __launch_bounds__(1024)
     // their counts first (one shared-memory atomic per distinct bin per warp and register slot).
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      if (warp * 32 * R + r >= n) break;  // this warp's lowest key in slot r: past the row, for all lanes
+      if (r >= re || warp * 32 * re + r >= n) break;  // this warp's lowest key in slot r: past the row
       const bool in = u0 + r < n && (key[r] & pmask) == prefix;
       if (__ballot_sync(0xffffffffu, in) == 0u) continue;  // later passes: most warps hold no candidate
       const int bin = in ? int((key[r] >> shift) & 255u) : -1;
@@ -477,7 +482,7 @@ __global__ void __launch_bounds__(1024)
   unsigned mine = 0;  // (above K) << 16 | (equal to K), this thread's keys
 #pragma unroll
   for (int r = 0; r < R; ++r)
-    if (u0 + r < n) mine += (key[r] & pmask) > K ? 0x10000u : (key[r] & pmask) == K ? 1u : 0u;
+    if (r < re && u0 + r < n) mine += (key[r] & pmask) > K ? 0x10000u : (key[r] & pmask) == K ? 1u : 0u;
   unsigned inc = mine;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
@@ -501,7 +506,7 @@ __global__ void __launch_bounds__(1024)
   int G = int(before >> 16), E = int(before & 0xffffu);
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    if (u0 + r >= n) continue;
+    if (r >= re || u0 + r >= n) continue;
     if ((key[r] & pmask) > K) {
       sel[G + (E < need ? E : need)] = u0 + r;
       ++G;

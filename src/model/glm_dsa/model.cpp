@@ -616,13 +616,21 @@ void GlmDsaModel::moe(int layer, const float* xn, int64_t N, float* out) {
   const int64_t K = c.experts_per_token;
   int32_t* ids_dev = scratch_i32(2, size_t(N * K));
   float* wts_dev = scratch(27, size_t(N * K));
-  backend_.moe_route(xn, N, router_args(L), ids_dev, wts_dev);
   if (experts_->bank(layer) && backend_.prefers_moe_experts(N)) {
     // Few tokens, every expert resident: run them by id on the backend, nothing read back (the
-    // shared expert too, when it fits the bank).
-    moe_bank(layer, xn, N, ids_dev, wts_dev, fused_banks_[size_t(layer)], out);
+    // shared expert too, when it fits the bank). The shared expert's first products need no
+    // routing: a branch beside the router, whose small kernels leave memory bandwidth idle.
+    const ExpertBank& bank = fused_banks_[size_t(layer)];
+    {
+      Backend::BranchScope branch(backend_, N);
+      backend_.moe_shared_gate_up(xn, N, int(K), bank);
+    }
+    backend_.moe_route(xn, N, router_args(L), ids_dev, wts_dev);
+    backend_.join_branch();
+    moe_bank(layer, xn, N, ids_dev, wts_dev, bank, out);
     return;
   }
+  backend_.moe_route(xn, N, router_args(L), ids_dev, wts_dev);
   if (streams_fused(layer, N)) {
     if (recording_) {
       // The stage reads the ids back, which a recording cannot: end the piece here; the replay
