@@ -485,8 +485,27 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
   // Recorded steps size their launches for the longest row: the real length comes at run time.
   auto bound_pos0 = [&](const Segment& s) { return s.pos0_dev ? cache.capacity() - s.T : s.pos0; };
 
+  float* q_resid = nullptr;
+  float* qi = own_indexer ? scratch(15, size_t(N * nI * d)) : nullptr;  // the indexer's queries
+  if (qa) {
+    q_resid = scratch(13, size_t(N * c.q_lora_rank));
+    backend_.rms_norm(qa, c.q_lora_rank, N, c.q_lora_rank, vec(a.q_a_norm), eps_lora, q_resid, c.q_lora_rank);
+  }
+
+  // DSA: this layer's own top-k selection, or the previous full layer's (kept in scratch slot 0
+  // of the i32 pool, [N, topk], until the next full layer overwrites it).
+  const int64_t topk = c.index_topk;
+  int32_t* selected = nullptr;
+  int32_t* counts = nullptr;
+  if (c.has_indexer) {
+    selected = scratch_i32(0, size_t(N * topk));
+    counts = scratch_i32(1, size_t(N));
+  }
   // A branch: this step's cache entries [latent | k_rope], written straight into each sequence's
-  // row, and the indexer's keys and head weights need only the products above, not the queries.
+  // row, and the whole indexer (its keys, head weights, queries, scores and top-k) need nothing of
+  // the queries' work after it (q_b, RoPE, absorption), which runs beside it. The indexer's query
+  // product is its own GEMV here, not one launch with q_b: its chain of small latency-bound
+  // kernels then overlaps q_b's weight stream instead of waiting for it.
   {
     Backend::BranchScope branch(backend_, N);
     for (const Segment& s : segs)
@@ -494,40 +513,13 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
                                 cs + s.offset * cs_stride, rope_kind(c.mla_rope_style), cache.kv(layer, s.row), s.pos0,
                                 s.pos0_dev);
     if (own_indexer) {
+      VIREO_ASSERT(q_resid);  // the indexer's queries come from the low-rank query (config checks)
       backend_.scale(wts, float(1.0 / std::sqrt(double(nI))), N * nI);
       for (const Segment& s : segs)
         backend_.index_key_append(kraw + s.offset * d, s.T, d, vec(a.idx_k_norm_w), vec(a.idx_k_norm_b), 1e-6f, rope,
                                   cs + s.offset * cs_stride, rope_kind(c.indexer_rope_style),
                                   cache.index_keys(layer, s.row), s.pos0, s.pos0_dev);
-    }
-  }
-  float* q_resid = nullptr;
-  float* qi = own_indexer ? scratch(15, size_t(N * nI * d)) : nullptr;  // the indexer's queries
-  if (qa) {
-    q_resid = scratch(13, size_t(N * c.q_lora_rank));
-    backend_.rms_norm(qa, c.q_lora_rank, N, c.q_lora_rank, vec(a.q_a_norm), eps_lora, q_resid, c.q_lora_rank);
-    if (own_indexer) {  // the queries and the indexer's queries from one q_resid: one launch at decode
-      const Weight* ws[2] = {&a.q_b_proj, &a.idx_wq_b};
-      float* ys[2] = {q, qi};
-      backend_.matmul_many(q_resid, N, ws, ys, 2);
-    } else {
-      backend_.matmul(q_resid, N, a.q_b_proj, q);
-    }
-  }
-  backend_.join_branch();  // (long done: the query products took longer)
-
-  // DSA: this layer's own top-k selection, or the previous full layer's (kept in scratch slot 0
-  // of the i32 pool, [N, topk], until the next full layer overwrites it). A layer's own selection
-  // is a branch: it needs none of the query work below, which runs beside it.
-  const int64_t topk = c.index_topk;
-  int32_t* selected = nullptr;
-  int32_t* counts = nullptr;
-  if (c.has_indexer) {
-    selected = scratch_i32(0, size_t(N * topk));
-    counts = scratch_i32(1, size_t(N));
-    if (own_indexer) {
-      VIREO_ASSERT(q_resid);  // the indexer's queries come from the low-rank query (config checks)
-      Backend::BranchScope branch(backend_, N);
+      backend_.matmul(q_resid, N, a.idx_wq_b, qi);
       backend_.rope(qi, N, nI, nI * d, d, 0, rope, cs, rope_kind(c.indexer_rope_style));
       for (const Segment& s : segs) {
         IndexerArgs ia;
@@ -548,6 +540,7 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
       }
     }
   }
+  if (qa) backend_.matmul(q_resid, N, a.q_b_proj, q);
 
   backend_.rope(q, N, H, H * qw, qw, nope, rope, cs, rope_kind(c.mla_rope_style));
 
