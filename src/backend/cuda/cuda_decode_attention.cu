@@ -369,12 +369,12 @@ __device__ __forceinline__ uint32_t score_key(float s) {
 // The top `topk` of a row's n causal scores, exactly the CPU's choice (higher score first, equal
 // scores by lower position), written in ascending position order. One 1024-thread block per row;
 // thread i holds keys i re .. i re + re - 1 in registers, re = ceil(n / 1024) <= R. A radix
-// select over the 32 score bits (4 passes of 8 bits, 2 barriers each) finds the threshold key K and how many keys
-// equal to K are taken (`need`); the position tie-break then needs no passes of its own: the
-// selection is every key above K plus the first `need` keys equal to K in position order, placed
-// by one block-wide scan of (above, equal) counts. The passes stop early when every key left in
-// the threshold bin is taken (then K is the bits found so far, compared under their mask):
-// +0.3 points of decode at 4096 cached (H200, 8 layers; session 14).
+// select over the 32 score bits (4 passes of 8 bits, 2 barriers each) finds the threshold key K
+// and how many keys equal to K are taken (`need`); the position tie-break then needs no passes of
+// its own: the selection is every key above K plus the first `need` keys equal to K in position
+// order, placed by one block-wide scan of (above, equal) counts. The passes stop early when every
+// key left in the threshold bin is taken (then K is the bits found so far, compared under their
+// mask): +0.3 points of decode at 4096 cached (H200, 8 layers; session 14).
 template <int R>
 __global__ void __launch_bounds__(1024)
     indexer_topk_reg_kernel(const float* __restrict__ scores, int64_t n_keys, int64_t pos0,
@@ -399,7 +399,7 @@ __global__ void __launch_bounds__(1024)
   // Keys a thread holds: R is sized for the longest row a recorded step may see, the row itself
   // may be far shorter, so its keys are spread over all 1024 threads (re of them each) rather than
   // over the first n / R threads, whose warps would take every pass's slots one after another
-  // (4096 keys under a bound of 8192: 9.0 -> 7.9 us, ncu, H200, session 15).
+  // (4096 keys under a bound of 4160, R = 8: 9.0 -> 7.9 us, ncu, H200, session 15).
   const int re = min(R, (n + 1023) / 1024);
   const bool vec = re % 4 == 0 && (n_keys & 3) == 0 && (reinterpret_cast<uintptr_t>(scores) & 15) == 0;
   const int u0 = tid * re;

@@ -505,7 +505,8 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
   // row, and the whole indexer (its keys, head weights, queries, scores and top-k) need nothing of
   // the queries' work after it (q_b, RoPE, absorption), which runs beside it. The indexer's query
   // product is its own GEMV here, not one launch with q_b: its chain of small latency-bound
-  // kernels then overlaps q_b's weight stream instead of waiting for it.
+  // kernels then overlaps q_b's weight stream instead of waiting for it (H200, 8 layers, bf16
+  // decode: +1.5 points at context 0; session 15).
   {
     Backend::BranchScope branch(backend_, N);
     for (const Segment& s : segs)
@@ -612,7 +613,8 @@ void GlmDsaModel::moe(int layer, const float* xn, int64_t N, float* out) {
   if (experts_->bank(layer) && backend_.prefers_moe_experts(N)) {
     // Few tokens, every expert resident: run them by id on the backend, nothing read back (the
     // shared expert too, when it fits the bank). The shared expert's first products need no
-    // routing: a branch beside the router, whose small kernels leave memory bandwidth idle.
+    // routing: a branch beside the router, whose small kernels leave memory bandwidth idle (H200,
+    // 8 layers, bf16 decode: +0.8-1.0 points at 4096 cached; fp8 unchanged; session 15).
     const ExpertBank& bank = fused_banks_[size_t(layer)];
     {
       Backend::BranchScope branch(backend_, N);
