@@ -501,18 +501,14 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
     selected = scratch_i32(0, size_t(N * topk));
     counts = scratch_i32(1, size_t(N));
   }
-  // A branch: this step's cache entries [latent | k_rope], written straight into each sequence's
-  // row, and the whole indexer (its keys, head weights, queries, scores and top-k) need nothing of
-  // the queries' work after it (q_b, RoPE, absorption), which runs beside it. The indexer's query
-  // product is its own GEMV here, not one launch with q_b: its chain of small latency-bound
-  // kernels then overlaps q_b's weight stream instead of waiting for it (H200, 8 layers, bf16
-  // decode: +1.5 points at context 0; session 15).
+  // A branch: the whole indexer (its keys, head weights, queries, scores and top-k) needs nothing
+  // of the queries' work (q_b, this step's cache entries, RoPE, absorption), which runs beside it.
+  // The indexer's query product is its own GEMV here, not one launch with q_b: its chain of small
+  // latency-bound kernels then overlaps q_b's weight stream instead of waiting for it (H200, 8
+  // layers, bf16 decode: +1.5 points at context 0). The cache append runs on the main side, which
+  // is the shorter one at 4096 cached (+0.5 points there, -0.25 at context 0; session 15).
   {
     Backend::BranchScope branch(backend_, N);
-    for (const Segment& s : segs)
-      backend_.mla_cache_append(kva + s.offset * kvw, s.T, L, rope, vec(a.kv_a_norm), eps_lora,
-                                cs + s.offset * cs_stride, rope_kind(c.mla_rope_style), cache.kv(layer, s.row), s.pos0,
-                                s.pos0_dev);
     if (own_indexer) {
       VIREO_ASSERT(q_resid);  // the indexer's queries come from the low-rank query (config checks)
       backend_.scale(wts, float(1.0 / std::sqrt(double(nI))), N * nI);
@@ -542,6 +538,11 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
     }
   }
   if (qa) backend_.matmul(q_resid, N, a.q_b_proj, q);
+  // This step's cache entries [latent | k_rope], written straight into each sequence's row.
+  for (const Segment& s : segs)
+    backend_.mla_cache_append(kva + s.offset * kvw, s.T, L, rope, vec(a.kv_a_norm), eps_lora,
+                              cs + s.offset * cs_stride, rope_kind(c.mla_rope_style), cache.kv(layer, s.row), s.pos0,
+                              s.pos0_dev);
 
   backend_.rope(q, N, H, H * qw, qw, nope, rope, cs, rope_kind(c.mla_rope_style));
 
