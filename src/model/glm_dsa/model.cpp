@@ -507,34 +507,32 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
   // latency-bound kernels then overlaps q_b's weight stream instead of waiting for it (H200, 8
   // layers, bf16 decode: +1.5 points at context 0). The cache append runs on the main side, which
   // is the shorter one at 4096 cached (+0.5 points there, -0.25 at context 0; session 15).
-  {
+  if (own_indexer) {
+    VIREO_ASSERT(q_resid);  // the indexer's queries come from the low-rank query (config checks)
     Backend::BranchScope branch(backend_, N);
-    if (own_indexer) {
-      VIREO_ASSERT(q_resid);  // the indexer's queries come from the low-rank query (config checks)
-      backend_.scale(wts, float(1.0 / std::sqrt(double(nI))), N * nI);
-      for (const Segment& s : segs)
-        backend_.index_key_append(kraw + s.offset * d, s.T, d, vec(a.idx_k_norm_w), vec(a.idx_k_norm_b), 1e-6f, rope,
-                                  cs + s.offset * cs_stride, rope_kind(c.indexer_rope_style),
-                                  cache.index_keys(layer, s.row), s.pos0, s.pos0_dev);
-      backend_.matmul(q_resid, N, a.idx_wq_b, qi);
-      backend_.rope(qi, N, nI, nI * d, d, 0, rope, cs, rope_kind(c.indexer_rope_style));
-      for (const Segment& s : segs) {
-        IndexerArgs ia;
-        ia.q = qi + s.offset * nI * d;
-        ia.weights = wts + s.offset * nI;
-        ia.keys = cache.index_keys(layer, s.row);
-        ia.T = s.T;
-        ia.n_heads = nI;
-        ia.head_dim = d;
-        ia.pos0 = bound_pos0(s);
-        ia.n_keys = ia.pos0 + s.T;
-        ia.pos0_dev = s.pos0_dev;
-        ia.topk = topk;
-        ia.scale = float(1.0 / std::sqrt(double(d)));
-        ia.selected = selected + s.offset * topk;
-        ia.counts = counts + s.offset;
-        backend_.indexer_select(ia);
-      }
+    backend_.scale(wts, float(1.0 / std::sqrt(double(nI))), N * nI);
+    for (const Segment& s : segs)
+      backend_.index_key_append(kraw + s.offset * d, s.T, d, vec(a.idx_k_norm_w), vec(a.idx_k_norm_b), 1e-6f, rope,
+                                cs + s.offset * cs_stride, rope_kind(c.indexer_rope_style),
+                                cache.index_keys(layer, s.row), s.pos0, s.pos0_dev);
+    backend_.matmul(q_resid, N, a.idx_wq_b, qi);
+    backend_.rope(qi, N, nI, nI * d, d, 0, rope, cs, rope_kind(c.indexer_rope_style));
+    for (const Segment& s : segs) {
+      IndexerArgs ia;
+      ia.q = qi + s.offset * nI * d;
+      ia.weights = wts + s.offset * nI;
+      ia.keys = cache.index_keys(layer, s.row);
+      ia.T = s.T;
+      ia.n_heads = nI;
+      ia.head_dim = d;
+      ia.pos0 = bound_pos0(s);
+      ia.n_keys = ia.pos0 + s.T;
+      ia.pos0_dev = s.pos0_dev;
+      ia.topk = topk;
+      ia.scale = float(1.0 / std::sqrt(double(d)));
+      ia.selected = selected + s.offset * topk;
+      ia.counts = counts + s.offset;
+      backend_.indexer_select(ia);
     }
   }
   if (qa) backend_.matmul(q_resid, N, a.q_b_proj, q);
