@@ -19,6 +19,7 @@
 #include "backend/cuda/cuda_attention.h"
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_decode.h"
+#include "backend/cuda/cuda_q8_gemv.h"
 #include "backend/cuda/cuda_fp8_gemm.h"
 #include "backend/cuda/cuda_grouped.h"
 #include "backend/cuda/cuda_internal.h"
@@ -397,6 +398,10 @@ class CudaBackend final : public Backend {
   void set_gemm_mode(CudaGemmMode m) { mode_ = m; }
   // One rounding of the operands (bf16) in prefill products, attention and indexer scores.
   bool fast_math() const { return mode_ == CudaGemmMode::Bf16 || mode_ == CudaGemmMode::Fp8; }
+  // Decode products of FP8 weights on e4m3 activations (fast-fp8; VIREO_Q8_DECODE=0 turns it off).
+  bool q8_decode(const DevW& w) const {
+    return w.dt == W_FP8 && mode_ == CudaGemmMode::Fp8 && cuda::q8_decode_switch();
+  }
   const char* last_prefill_kernel() const { return last_prefill_; }
   void set_prefill_wgmma(bool on) { prefill_wgmma_ = on; }
   void set_absorbed_pass_bytes(size_t b) { absorbed_pass_bytes_ = b ? b : kAbsorbedPassBytes; }
@@ -521,7 +526,10 @@ class CudaBackend final : public Backend {
     // (decided once per shape); the profile's path names the output type it runs with.
     const Fp8BlockGemm::Out f8 =
         tc && w.dt == W_FP8 && mode_ == CudaGemmMode::Fp8 ? fp8_fast_plan(T, w, y) : Fp8BlockGemm::Out::None;
-    const char* path = T <= kGemvRows                  ? "gemv"
+    // fast-fp8 decode: e4m3 activations on the tensor cores (cuda_q8_gemv.h).
+    const bool q8 = T <= kGemvRows && q8_decode(w) && cuda::q8_gemv_fits(x, T, w);
+    const char* path = q8                              ? "gemv e4m3"
+                       : T <= kGemvRows                ? "gemv"
                        : skinny                        ? "skinny"
                        : f8 == Fp8BlockGemm::Out::F32  ? "lt fp8xfp8 f32-out"
                        : f8 == Fp8BlockGemm::Out::Bf16 ? "lt fp8xfp8 bf16-out"
@@ -535,7 +543,9 @@ class CudaBackend final : public Backend {
                  path + (T <= kGemvRows ? " T=" + std::to_string(T) : std::string());
         },
         2.0 * double(T) * double(w.out) * double(w.in));
-    if (T == 1 && w.out >= 4096 && gemv_rows2(x, w, y, gemv_x_shared_, stream_)) {
+    if (q8 && cuda::q8_gemv(x, T, w, y, stream_)) {
+      // done: e4m3 x e4m3
+    } else if (T == 1 && w.out >= 4096 && gemv_rows2(x, w, y, gemv_x_shared_, stream_)) {
       // done: two rows per warp
     } else if (T <= kGemvRows) {
       matmul_small(x, T, w, y, stream_, sms_);
@@ -583,7 +593,7 @@ class CudaBackend final : public Backend {
       // A weight alone in its dtype takes the one-matrix GEMV (measured when gemv_many ran
       // blocks of 8 warps: 2 blocks for a 32-row matrix, 13.8 us against 3.9).
       if (m.n == 1) matmul(x, 1, *ws[i], ys[i]);
-      else gemv_many(x, m, gemv_x_shared_, stream_);
+      else if (!(q8_decode(m.w[0]) && cuda::q8_gemv_many(x, 1, m, stream_))) gemv_many(x, m, gemv_x_shared_, stream_);
     }
   }
 
@@ -705,8 +715,12 @@ class CudaBackend final : public Backend {
                  float* out, cuda::MoePart part) {
     const DeviceBank& b = device_bank(bank);
     float* h = moe_h_.get<float>(size_t(N * (top_k + bank.n_shared) * b.I));
-    cuda::moe_experts(x, N, b.D, b.I, top_k, bank.n_shared, int(bank.gate.size()) - bank.n_shared, ids, weights,
-                      b.table.get(), b.dtype, b.vec, gemv_x_shared_, part, h, out, stream_);
+    const int S = bank.n_shared, n_routed = int(bank.gate.size()) - S;
+    if (b.dtype == W_FP8 && b.vec && mode_ == CudaGemmMode::Fp8 && cuda::q8_decode_switch() &&
+        cuda::q8_moe_experts(x, N, b.D, b.I, top_k, S, n_routed, ids, weights, b.table.get(), part, h, out, stream_))
+      return;
+    cuda::moe_experts(x, N, b.D, b.I, top_k, S, n_routed, ids, weights, b.table.get(), b.dtype, b.vec, gemv_x_shared_,
+                      part, h, out, stream_);
   }
   bool prefers_moe_experts(int64_t N) const override { return N <= kGemvRows; }
 
