@@ -6,7 +6,7 @@
 // one to eight rows, as DeepSeek's reference inference runs every FP8 linear layer.
 // Each returns false, launching nothing, for shapes it does not take (then the f32-math GEMVs
 // run): weights other than FP8, rows of a length that is no multiple of 64, x or h not 16-byte
-// aligned, inputs too large for a block's shared memory (T x K bytes, about 200 KB).
+// aligned, more than 8 tokens.
 #include <cuda_runtime.h>
 
 #include <cstdint>
