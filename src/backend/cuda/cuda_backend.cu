@@ -19,11 +19,11 @@
 #include "backend/cuda/cuda_attention.h"
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_decode.h"
-#include "backend/cuda/cuda_q8_gemv.h"
 #include "backend/cuda/cuda_fp8_gemm.h"
 #include "backend/cuda/cuda_grouped.h"
 #include "backend/cuda/cuda_internal.h"
 #include "backend/cuda/cuda_profile.h"
+#include "backend/cuda/cuda_q8_gemv.h"
 #include "backend/cuda/cuda_sampling.h"
 
 namespace vireo {
@@ -398,10 +398,6 @@ class CudaBackend final : public Backend {
   void set_gemm_mode(CudaGemmMode m) { mode_ = m; }
   // One rounding of the operands (bf16) in prefill products, attention and indexer scores.
   bool fast_math() const { return mode_ == CudaGemmMode::Bf16 || mode_ == CudaGemmMode::Fp8; }
-  // Decode products of FP8 weights on e4m3 activations (fast-fp8; VIREO_Q8_DECODE=0 turns it off).
-  bool q8_decode(const DevW& w) const {
-    return w.dt == W_FP8 && mode_ == CudaGemmMode::Fp8 && cuda::q8_decode_switch();
-  }
   const char* last_prefill_kernel() const { return last_prefill_; }
   void set_prefill_wgmma(bool on) { prefill_wgmma_ = on; }
   void set_absorbed_pass_bytes(size_t b) { absorbed_pass_bytes_ = b ? b : kAbsorbedPassBytes; }
@@ -526,8 +522,10 @@ class CudaBackend final : public Backend {
     // (decided once per shape); the profile's path names the output type it runs with.
     const Fp8BlockGemm::Out f8 =
         tc && w.dt == W_FP8 && mode_ == CudaGemmMode::Fp8 ? fp8_fast_plan(T, w, y) : Fp8BlockGemm::Out::None;
-    // fast-fp8 decode: e4m3 activations on the tensor cores (cuda_q8_gemv.h).
-    const bool q8 = T <= kGemvRows && q8_decode(w) && cuda::q8_gemv_fits(x, T, w);
+    // fast-fp8 decode of 2..8 rows: e4m3 activations on the tensor cores (cuda_q8_gemv.h;
+    // VIREO_Q8_DECODE=0 turns it off).
+    const bool q8 = T >= 2 && T <= kGemvRows && w.dt == W_FP8 && mode_ == CudaGemmMode::Fp8 &&
+                    cuda::q8_decode_switch() && cuda::q8_gemv_fits(x, T, w);
     const char* path = q8                              ? "gemv e4m3"
                        : T <= kGemvRows                ? "gemv"
                        : skinny                        ? "skinny"
@@ -593,7 +591,7 @@ class CudaBackend final : public Backend {
       // A weight alone in its dtype takes the one-matrix GEMV (measured when gemv_many ran
       // blocks of 8 warps: 2 blocks for a 32-row matrix, 13.8 us against 3.9).
       if (m.n == 1) matmul(x, 1, *ws[i], ys[i]);
-      else if (!(q8_decode(m.w[0]) && cuda::q8_gemv_many(x, 1, m, stream_))) gemv_many(x, m, gemv_x_shared_, stream_);
+      else gemv_many(x, m, gemv_x_shared_, stream_);
     }
   }
 
@@ -715,12 +713,8 @@ class CudaBackend final : public Backend {
                  float* out, cuda::MoePart part) {
     const DeviceBank& b = device_bank(bank);
     float* h = moe_h_.get<float>(size_t(N * (top_k + bank.n_shared) * b.I));
-    const int S = bank.n_shared, n_routed = int(bank.gate.size()) - S;
-    if (b.dtype == W_FP8 && b.vec && mode_ == CudaGemmMode::Fp8 && cuda::q8_decode_switch() &&
-        cuda::q8_moe_experts(x, N, b.D, b.I, top_k, S, n_routed, ids, weights, b.table.get(), part, h, out, stream_))
-      return;
-    cuda::moe_experts(x, N, b.D, b.I, top_k, S, n_routed, ids, weights, b.table.get(), b.dtype, b.vec, gemv_x_shared_,
-                      part, h, out, stream_);
+    cuda::moe_experts(x, N, b.D, b.I, top_k, bank.n_shared, int(bank.gate.size()) - bank.n_shared, ids, weights,
+                      b.table.get(), b.dtype, b.vec, gemv_x_shared_, part, h, out, stream_);
   }
   bool prefers_moe_experts(int64_t N) const override { return N <= kGemvRows; }
 

@@ -107,6 +107,11 @@ __device__ __forceinline__ float lane_dot(const DevW& w, int64_t row, XF x, int 
   return acc[0];
 }
 
+// Slot k of a token: routed expert ids[t, k] for k < K, else shared expert n_routed + k - K.
+__device__ __forceinline__ int slot_expert(const int32_t* ids, int64_t t, int k, int K, int n_routed) {
+  return k < K ? ids[t * K + k] : n_routed + (k - K);
+}
+
 // This lane's shares of dot(a[row, :], x) and dot(b[row, :], x), reading x once for both rows:
 // the GEMV's x reads come from L1 and, at 2-4x the weight bytes, are what L1 is busy with (ncu,
 // FP8 experts: L1 95.8% busy, DRAM 35%).

@@ -13,11 +13,6 @@ struct DevExpert {
   DevW gate, up, down;  // gate/up [I, D], down [D, I]
 };
 
-// Slot k of a token: routed expert ids[t, k] for k < K, else shared expert n_routed + k - K.
-__device__ __forceinline__ int slot_expert(const int32_t* ids, int64_t t, int k, int K, int n_routed) {
-  return k < K ? ids[t * K + k] : n_routed + (k - K);
-}
-
 // Which of moe_experts' launches a call queues: all of them; only the shared experts' gate | up
 // (which read no routing, so they may run before or beside it); or the rest (the routed experts'
 // gate | up, then the down products of every slot), after a SharedGateUp call with the same h.
