@@ -1,29 +1,27 @@
-// Decode products of FP8 weights in --math fast-fp8: e4m3 weights x e4m3 activations on the
-// tensor cores (cuda_q8_gemv.h).
+// Decode products of 2 to 8 rows on FP8 weights in --math fast-fp8: e4m3 weights x e4m3
+// activations on the tensor cores (cuda_q8_gemv.h).
 //
-// Why: the f32-math FP8 GEMVs (cuda_decode.cu) spend ~40 instructions per 16-byte weight load
-// (8 e4m3x2 conversions, 8 f16x2 -> f32 widenings, 16 FMAs, 4 shared-memory reads of f32 x), twice
-// the BF16 kernels' ~18, and measured at 3.0-3.4 TB/s where the BF16 ones reach 3.9-4.0 (H200,
-// ncu, sessions 3-15: a warp issues its next loads only after it has consumed the last ones, so
-// the longer consume leaves fewer bytes in flight). In fast-fp8 the activations are e4m3 anyway
-// (DeepSeek's act_quant, as the prefill products take them): one mma.sync m16n8k32 consumes 512
-// weight bytes, so a warp spends ~6 instructions per two 16-byte loads and keeps the next chunk in
-// flight while it consumes the current one.
+// Why: the f32-math GEMVs for 2..8 rows (cuda_matmul.cu's gemv_kernel) read each token's x
+// through L1 for every 16-byte weight load, 4 float4 a token: at GLM-5 shapes on the H200 they
+// ran 4x (2 rows) to 13x (8 rows) slower than one row (o_proj 124 and 409 us against 32). In
+// fast-fp8 the activations are e4m3 anyway (DeepSeek's act_quant, as the prefill products take
+// them), and one mma.sync m16n8k32 multiplies 16 rows x 32 columns of weights by up to 8 tokens,
+// one a column of B: 2 rows cost 49 us there, 8 rows 205 us. For one row these kernels lost to
+// the f32-math GEMV (41 against 32 us; BENCHMARKS.md, session 16), which keeps it.
 //
 // Layout. A warp owns 16-row tiles and a set of 128-column k-blocks. Lane (g = lane / 4,
 // q = lane % 4) loads 16 bytes of rows g and g + 8 at columns 64 h + 16 q of a k-block (h = 0, 1):
 // the mma's logical k of A and B is a permutation of the physical columns (the same for both
 // operands, so the dot product is unchanged), which lets every lane read whole 16-byte pieces of
-// its rows. B's column g is token g's quantized x (from the warp's staging area in shared memory);
-// D's columns 2q, 2q + 1
-// are tokens, rows g, g + 8. Each k-block's four mmas start from zero and are scaled and added in
-// f32 (x's block scale, then the weight's), the 128-deep promotion DeepSeek's FP8 recipe uses
-// against the tensor cores' ~14-bit FP8 accumulation.
+// its rows. B's column g is token g's quantized x, read from shared memory at the same columns;
+// D's columns 2q, 2q + 1 are tokens, rows g, g + 8. Each k-block's four mmas start from zero and
+// are scaled and added in f32 (x's block scale, then the weight's), the 128-deep promotion of
+// DeepSeek's FP8 recipe (measured: 1e-15 NMSE against the quantized operands' exact product).
 //
-// x is quantized by each warp that consumes it, a k-block at a time (loaded with the weights, a
-// few k-blocks ahead), with act_quant's arithmetic: the same e4m3 bytes and scales as the prefill
-// path. Every block redoes it for its rows: ~70 instructions a k-block and warp, issued while the
-// next k-blocks' weights are in flight, against one more launch (~2 us) per product input.
+// Each block quantizes x (all T tokens) into shared memory with act_quant's arithmetic, the same
+// e4m3 bytes and scales as the prefill path, while its warps' first weight loads are in flight.
+// (Quantizing each k-block as it is consumed instead, ~70 instructions between loads, measured
+// slower still: 45 us for o_proj at one row.)
 #include "backend/cuda/cuda_q8_gemv.h"
 
 #include <cuda_fp8.h>
@@ -36,8 +34,8 @@ namespace vireo::cuda {
 
 namespace {
 
-constexpr int kQ8Warps = 8;                     // warps a block (dense products and gate | up)
-constexpr int kQ8MaxTokens = 8;                 // B's columns
+constexpr int kQ8Warps = 8;      // warps a block
+constexpr int kQ8MaxTokens = 8;  // B's columns
 
 __device__ __forceinline__ void mma_e4m3_16832(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                                uint32_t b0, uint32_t b1) {
