@@ -153,32 +153,41 @@ TEST(CudaBench, DecodeAttentionAndIndexer) {
   }
   cuda_set_fast_decode(*be, true, true, true);
 }
-// FP8 decode products at GLM-5 shapes, 1 to 8 tokens: the f32-math GEMVs (--math exact) against
-// the e4m3-activation kernels (--math fast-fp8, cuda_q8_gemv.h), in GB/s of weight bytes.
-TEST(CudaBench, Fp8DecodeProducts) {
+// Decode products at GLM-5 shapes, 1 to 8 tokens, in GB/s of weight bytes: FP8 weights with the
+// f32-math GEMVs (--math exact) and with the e4m3-activation kernels (--math fast-fp8,
+// cuda_q8_gemv.h), BF16 weights with the f32-math GEMVs; x from the shared-memory copy (default)
+// or, with VIREO_GEMV_XS=0 in the environment, through L1.
+TEST(CudaBench, DecodeProducts) {
   REQUIRE_CUDA();
   if (!std::getenv("VIREO_CUDA_BENCH")) GTEST_SKIP() << "set VIREO_CUDA_BENCH=1 to run";
   std::unique_ptr<Backend> be = make_cuda_backend();
-  struct Shape { const char* name; int64_t out, in; };
-  for (Shape sh : {Shape{"o_proj", 6144, 16384}, Shape{"q_b", 16384, 2048}, Shape{"gate|up", 4096, 6144},
-                   Shape{"down", 6144, 2048}}) {
-    const vireo::test::HostWeight hw = vireo::test::make_weight(DType::F8_E4M3, sh.out, sh.in, 7);
-    const Weight w = be->upload_weight(hw.w);
-    auto x = be->alloc_f32(size_t(8 * sh.in));
-    auto y = be->alloc_f32(size_t(8 * sh.out));
-    const std::vector<float> xh = rnd(size_t(8 * sh.in), 9);
-    be->copy_from_host(x.get(), xh.data(), xh.size());
-    for (int64_t T : {1, 2, 4, 8}) {
-      double us[2];
-      for (int k = 0; k < 2; ++k) {
-        cuda_set_gemm_mode(*be, k == 0 ? CudaGemmMode::Split : CudaGemmMode::Fp8);
-        us[k] = time_recorded(*be, [&] { be->matmul(x.get(), T, w, y.get()); });
+  struct Shape {
+    const char* name;
+    int64_t out, in;
+  };
+  for (DType dt : {DType::F8_E4M3, DType::BF16})
+    for (Shape sh : {Shape{"o_proj", 6144, 16384}, Shape{"q_b", 16384, 2048}, Shape{"gate|up", 4096, 6144},
+                     Shape{"down", 6144, 2048}}) {
+      const vireo::test::HostWeight hw = vireo::test::make_weight(dt, sh.out, sh.in, 7);
+      const Weight w = be->upload_weight(hw.w);
+      auto x = be->alloc_f32(size_t(8 * sh.in));
+      auto y = be->alloc_f32(size_t(8 * sh.out));
+      const std::vector<float> xh = rnd(size_t(8 * sh.in), 9);
+      be->copy_from_host(x.get(), xh.data(), xh.size());
+      const bool fp8 = dt == DType::F8_E4M3;
+      for (int64_t T : {1, 2, 4, 8}) {
+        double us[2] = {0, 0};
+        for (int k = 0; k < (fp8 ? 2 : 1); ++k) {
+          cuda_set_gemm_mode(*be, k == 0 ? CudaGemmMode::Split : CudaGemmMode::Fp8);
+          us[k] = time_recorded(*be, [&] { be->matmul(x.get(), T, w, y.get()); });
+        }
+        cuda_set_gemm_mode(*be, CudaGemmMode::Split);
+        const double gb = double(sh.out * sh.in) * (fp8 ? 1 : 2) / 1e3;
+        std::printf("  %-4s %-8s %5lldx%-5lld T %lld: exact %7.1f us %6.0f GB/s", fp8 ? "fp8" : "bf16", sh.name,
+                    (long long)sh.out, (long long)sh.in, (long long)T, us[0], gb / us[0]);
+        if (fp8) std::printf(", e4m3 %7.1f us %6.0f GB/s", us[1], gb / us[1]);
+        std::printf("\n");
       }
-      cuda_set_gemm_mode(*be, CudaGemmMode::Split);
-      const double gb = double(sh.out * sh.in) / 1e3;
-      std::printf("  fp8 %-8s %5lldx%-5lld T %lld: exact %7.1f us %6.0f GB/s, e4m3 %7.1f us %6.0f GB/s\n", sh.name,
-                  (long long)sh.out, (long long)sh.in, (long long)T, us[0], gb / us[0], us[1], gb / us[1]);
     }
-  }
 }
 #endif

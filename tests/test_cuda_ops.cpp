@@ -59,9 +59,12 @@ TEST(CudaOps, MatmulAllDtypesAndShapes) {
     // words, 1152 = 9 words a lane: one unrolled pass and a tail), 300 x 520 the fallback.
     // 200 x 400: rows ending in a 16-element piece of a 128-element FP8 scale block. 16, 32 and 7
     // rows of 512, 256, 384 (routers): BF16 and F32 with more than 8 tokens on CUDA cores, a warp
-    // per 4 or 2 tokens (70: a partial last warp).
+    // per 4 or 2 tokens (70: a partial last warp). 256 x 6144: 8 tokens' x is 192 KB, the
+    // largest copy in shared memory (several tokens), 3 tokens' 72 KB; 128 x 8192: 8 tokens' x
+    // (256 KB) in two groups, FP8.
     for (Shape s : {Shape{300, 520}, Shape{256, 1024}, Shape{1000, 384}, Shape{4098, 512}, Shape{4098, 1152},
-                    Shape{200, 400}, Shape{16, 512}, Shape{32, 256}, Shape{7, 384}})
+                    Shape{200, 400}, Shape{16, 512}, Shape{32, 256}, Shape{7, 384}, Shape{256, 6144},
+                    Shape{128, 8192}})
       for (int64_t T : {1, 3, 8, 9, 70}) {
         HostWeight hw = make_weight(dt, s.out, s.in, uint32_t(s.out * 7 + T));
         auto x = randv(size_t(T * s.in), uint32_t(T * 13 + s.in));

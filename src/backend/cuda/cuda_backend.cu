@@ -546,7 +546,7 @@ class CudaBackend final : public Backend {
     } else if (T == 1 && w.out >= 4096 && gemv_rows2(x, w, y, gemv_x_shared_, stream_)) {
       // done: two rows per warp
     } else if (T <= kGemvRows) {
-      matmul_small(x, T, w, y, stream_, sms_);
+      matmul_small(x, T, w, y, stream_, sms_, gemv_x_shared_);
     } else if (skinny && matmul_skinny(x, T, w, y, stream_)) {
       // done: f32, x read once
     } else if (f8 != Fp8BlockGemm::Out::None && lt_fp8_fast(fp8_quantize_x(x, T, w.in), T, w, y, f8)) {

@@ -66,9 +66,9 @@ void cuda_set_prefill_wgmma(Backend& cuda, bool on);
 // The absorbed attention path runs its rows in passes whose split partials and scores fit this
 // many bytes (0: the default, 256 MiB). Tests set it small to cover the passes.
 void cuda_set_absorbed_pass_bytes(Backend& cuda, size_t bytes);
-// One-token BF16/FP8 products and experts read x from a copy in shared memory (on, the default;
-// VIREO_GEMV_XS=0 turns it off) or through L1 (off: the kernels for shapes too large for shared
-// memory; the same sums in the same order, so tests compare the two bit for bit).
+// Decode-step BF16/FP8 products (1..8 rows) and experts read x from a copy in shared memory (on,
+// the default; VIREO_GEMV_XS=0 turns it off) or through L1 (off: the kernels for shapes too large
+// for shared memory; the same sums in the same order, so tests compare the two bit for bit).
 void cuda_set_gemv_x_shared(Backend& cuda, bool on);
 // Branches (Backend::begin_branch) on a second stream (on, the default; VIREO_BRANCHES=0 turns
 // them off) or every op in order on one stream (off). The same kernels and sums either way.

@@ -56,7 +56,9 @@ double median_copy_ms(void* dst, const void* src, size_t bytes, cudaMemcpyKind k
                       int runs);
 
 // Matrix products (cuda_matmul.cu).
-void matmul_small(const float* x, int64_t T, const DevW& w, float* y, cudaStream_t st, int sms);  // T <= 8
+// T <= 8. x_shared: BF16/FP8 products of 2..8 rows read x from a copy in shared memory where it
+// fits (else through L1; the same sums).
+void matmul_small(const float* x, int64_t T, const DevW& w, float* y, cudaStream_t st, int sms, bool x_shared);
 void matmul_simt(const float* x, int64_t T, const DevW& w, float* y, cudaStream_t st);
 // Many rows against at most 32 BF16 or F32 weight rows (routers): f32 CUDA-core products, x read
 // once. False (nothing run) for other shapes and dtypes.

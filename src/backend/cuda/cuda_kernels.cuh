@@ -285,6 +285,43 @@ __device__ __forceinline__ void gemv_consume(const uint4& v, const float* __rest
   }
 }
 
+// Where a GEMV lane's x comes from, as float4 number q of the input row. XGlobal: through L1.
+// XShared: from the block's copy in shared memory, swizzled so that the 8 lanes of a quarter-warp
+// reading float4 j of their 64-byte chunks (an FP8 lane's 16 weights) hit 8 different bank groups.
+// Why: through L1 those reads touch 16 cache lines an instruction (lanes 64 bytes apart), 64
+// wavefronts for the 2 KB of x a warp's 512 FP8 weight bytes need; from shared memory, 16.
+struct XGlobal {
+  const float* x;
+  __device__ __forceinline__ float4 operator()(int64_t q) const {
+    return __ldg(reinterpret_cast<const float4*>(x) + q);
+  }
+};
+__device__ __forceinline__ int xs_slot(int q) { return q ^ ((q >> 3) & 3); }
+struct XShared {
+  const float4* xs;
+  int q0;  // first float4 of this input within the staged rows
+  __device__ __forceinline__ float4 operator()(int64_t q) const { return xs[xs_slot(q0 + int(q))]; }
+};
+// The block copies n floats (n % 4 == 0, 16-byte aligned) into xs, swizzled; then a barrier.
+__device__ __forceinline__ void stage_x(const float* __restrict__ x, int64_t n, float4* xs) {
+  const float4* x4 = reinterpret_cast<const float4*>(x);
+  for (int q = int(threadIdx.x); q < int(n / 4); q += int(blockDim.x)) xs[xs_slot(q)] = __ldg(x4 + q);
+  __syncthreads();
+}
+
+// One 16-byte chunk of a weight row against its N inputs (already loaded), summed as
+// gemv_consume sums (the block scale, for FP8, is applied by the caller).
+template <int DT>
+__device__ __forceinline__ float dot_chunk(const uint4& w, const float4* xv) {
+  constexpr int N = GemvVec<DT>::n;
+  float wf[N];
+  unpack16<DT>(w, wf);
+  float p = 0.0f;
+#pragma unroll
+  for (int i = 0; i < N / 4; ++i) p += wf[4 * i] * xv[i].x + wf[4 * i + 1] * xv[i].y + wf[4 * i + 2] * xv[i].z + wf[4 * i + 3] * xv[i].w;
+  return p;
+}
+
 // --- Asynchronous copies into shared memory (cp.async, sm_80+) ------------------------------------
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
 // 16 bytes from global to shared memory; copy = false: 16 zero bytes (nothing is read; src must

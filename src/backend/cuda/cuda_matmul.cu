@@ -25,19 +25,46 @@ namespace vireo::cuda {
 
 namespace {
 
-// y[t, row] for t < TT; 8 warps per block, `wpr` warps per row.
-template <int DT, int TT>
-__global__ void __launch_bounds__(256) gemv_kernel(const float* __restrict__ x, DevW w, float* __restrict__ y,
-                                                   int wpr) {
+// y[t, row] for t < TT; WARPS warps per block, `wpr` warps per row. XS: the block first copies x
+// (TT rows) into shared memory, swizzled (stage_x), and reads it there: through L1 each 16-byte
+// weight load cost TT x 4 float4 reads of x, lanes 64 bytes apart (FP8), and 2..8 rows ran 4-13x
+// slower than one (H200: o_proj 124 us at 2 rows, 409 at 8, against 32). Each lane sums the same
+// terms in the same order either way (dot_chunk is gemv_consume's expression), so for the same
+// wpr the two give the same bits.
+template <int DT, int TT, bool XS = false, int WARPS = 8>
+__global__ void __launch_bounds__(32 * WARPS) gemv_kernel(const float* __restrict__ x, DevW w,
+                                                          float* __restrict__ y, int wpr) {
   pdl_begin();
+  extern __shared__ float4 xs[];
   constexpr int N = GemvVec<DT>::n;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int rpb = 8 / wpr;
+  const int rpb = WARPS / wpr;
   const int64_t row = int64_t(blockIdx.x) * rpb + warp / wpr;
   const int sub = warp % wpr;
   float acc[TT];
 #pragma unroll
   for (int t = 0; t < TT; ++t) acc[t] = 0.0f;
+  if constexpr (XS) stage_x(x, TT * w.in, xs);
+  // Chunk v (16 bytes) of the row into acc: gemv_consume (x through L1) or its sums over the
+  // shared copy.
+  auto consume = [&](const uint4& a, int64_t v, const float* srow) {
+    if constexpr (XS) {
+      float scale = 1.0f;
+      if constexpr (DT == W_FP8) scale = srow[(v * N) >> 7];
+#pragma unroll
+      for (int t = 0; t < TT; ++t) {
+        const XShared xt{xs, int(t * w.in / 4)};
+        float4 xv[N / 4];
+#pragma unroll
+        for (int j = 0; j < N / 4; ++j) xv[j] = xt(v * (N / 4) + j);
+        const float p = dot_chunk<DT>(a, xv);
+        if constexpr (DT == W_FP8) acc[t] += scale * p;
+        else acc[t] += p;
+      }
+    } else {
+      gemv_consume<DT, TT>(a, x, w.in, v * N, srow, acc);
+    }
+  };
   if (row < w.out) {
     const uint4* wr = reinterpret_cast<const uint4*>(static_cast<const char*>(w.w) + row * w.in * elem_bytes<DT>());
     const float* srow = DT == W_FP8 ? w.s + (row >> 7) * w.s_cols : nullptr;
@@ -50,19 +77,19 @@ __global__ void __launch_bounds__(256) gemv_kernel(const float* __restrict__ x, 
 #pragma unroll
       for (int i = 0; i < 8; ++i) a[i] = ldg_stream(wr + v + i * step);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) gemv_consume<DT, TT>(a[i], x, w.in, (v + i * step) * N, srow, acc);
+      for (int i = 0; i < 8; ++i) consume(a[i], v + i * step, srow);
     }
     for (; v + 3 * step < nv; v += 4 * step) {
       const uint4 a0 = ldg_stream(wr + v), a1 = ldg_stream(wr + v + step), a2 = ldg_stream(wr + v + 2 * step),
                   a3 = ldg_stream(wr + v + 3 * step);
-      gemv_consume<DT, TT>(a0, x, w.in, v * N, srow, acc);
-      gemv_consume<DT, TT>(a1, x, w.in, (v + step) * N, srow, acc);
-      gemv_consume<DT, TT>(a2, x, w.in, (v + 2 * step) * N, srow, acc);
-      gemv_consume<DT, TT>(a3, x, w.in, (v + 3 * step) * N, srow, acc);
+      consume(a0, v, srow);
+      consume(a1, v + step, srow);
+      consume(a2, v + 2 * step, srow);
+      consume(a3, v + 3 * step, srow);
     }
-    for (; v < nv; v += step) gemv_consume<DT, TT>(ldg_stream(wr + v), x, w.in, v * N, srow, acc);
+    for (; v < nv; v += step) consume(ldg_stream(wr + v), v, srow);
   }
-  __shared__ float red[8][TT];
+  __shared__ float red[WARPS][TT];
 #pragma unroll
   for (int t = 0; t < TT; ++t) {
     const float s = warp_sum(acc[t]);
@@ -265,36 +292,70 @@ void launch_skinny(const float* x, int64_t T, const DevW& w, float* y, cudaStrea
   }
 }
 
+// The shared-memory copy of x for several rows: blocks of 16 warps (a copy of up to 200 KB leaves
+// one block an SM, so the block carries the SM's loads in flight). Taken by FP8 products of 2..8
+// rows and BF16 ones of 4..8 (H200, GLM-5 shapes, against x through L1: FP8 2 rows 1.8-2.8x
+// faster, 8 rows 2.4-2.6x; BF16 8 rows 1.3-2x, but 2 rows of o_proj and gate | up slower: 96 and
+// 22 us against 80 and 17).
+constexpr int kGemvXsWarps = 16;
+constexpr size_t kGemvXsMaxBytes = 200 << 10;
+template <int DT>
+constexpr int kGemvXsMinRows = DT == W_FP8 ? 2 : DT == W_BF16 ? 4 : 9;
+
 template <int DT, int TT>
-void launch_gemv_t(const float* x, const DevW& w, float* y, cudaStream_t st, int sms) {
-  // Enough warps per row that the grid has ~2 blocks per multiprocessor.
+void launch_gemv_t(const float* x, const DevW& w, float* y, cudaStream_t st, int sms, bool x_shared) {
+  // Enough warps per row that the grid has ~2 blocks of 8 warps per multiprocessor (the same wpr
+  // for the shared-memory kernel, so that both sum alike).
   int wpr = 1;
   while (wpr < 8 && (w.out + (8 / wpr) - 1) / (8 / wpr) < 2 * sms) wpr *= 2;
+  if constexpr (TT >= kGemvXsMinRows<DT>) {
+    const size_t x_bytes = size_t(TT) * size_t(w.in) * 4;
+    if (x_shared && x_bytes <= kGemvXsMaxBytes) {
+      static const bool attr = [] {
+        VIREO_CUDA_CHECK(cudaFuncSetAttribute(gemv_kernel<DT, TT, true, kGemvXsWarps>,
+                                              cudaFuncAttributeMaxDynamicSharedMemorySize, int(kGemvXsMaxBytes)));
+        return true;
+      }();
+      (void)attr;
+      const int rpb = kGemvXsWarps / wpr;
+      launch(gemv_kernel<DT, TT, true, kGemvXsWarps>, unsigned((w.out + rpb - 1) / rpb), 32 * kGemvXsWarps, x_bytes,
+             st, x, w, y, wpr);
+      return;
+    }
+  }
   const int rpb = 8 / wpr;
   const unsigned blocks = unsigned((w.out + rpb - 1) / rpb);
   launch(gemv_kernel<DT, TT>, blocks, 256, 0, st, x, w, y, wpr);
 }
 
 template <int DT>
-void launch_gemv(const float* x, int T, const DevW& w, float* y, cudaStream_t st, int sms) {
+void launch_gemv(const float* x, int T, const DevW& w, float* y, cudaStream_t st, int sms, bool x_shared) {
   switch (T) {
-    case 1: launch_gemv_t<DT, 1>(x, w, y, st, sms); break;
-    case 2: launch_gemv_t<DT, 2>(x, w, y, st, sms); break;
-    case 3: launch_gemv_t<DT, 3>(x, w, y, st, sms); break;
-    case 4: launch_gemv_t<DT, 4>(x, w, y, st, sms); break;
-    case 5: launch_gemv_t<DT, 5>(x, w, y, st, sms); break;
-    case 6: launch_gemv_t<DT, 6>(x, w, y, st, sms); break;
-    case 7: launch_gemv_t<DT, 7>(x, w, y, st, sms); break;
-    default: launch_gemv_t<DT, 8>(x, w, y, st, sms); break;
+    case 1: launch_gemv_t<DT, 1>(x, w, y, st, sms, x_shared); break;
+    case 2: launch_gemv_t<DT, 2>(x, w, y, st, sms, x_shared); break;
+    case 3: launch_gemv_t<DT, 3>(x, w, y, st, sms, x_shared); break;
+    case 4: launch_gemv_t<DT, 4>(x, w, y, st, sms, x_shared); break;
+    case 5: launch_gemv_t<DT, 5>(x, w, y, st, sms, x_shared); break;
+    case 6: launch_gemv_t<DT, 6>(x, w, y, st, sms, x_shared); break;
+    case 7: launch_gemv_t<DT, 7>(x, w, y, st, sms, x_shared); break;
+    default: launch_gemv_t<DT, 8>(x, w, y, st, sms, x_shared); break;
   }
 }
 
 template <int DT>
-void launch_small(const float* x, int64_t T, const DevW& w, float* y, cudaStream_t st, int sms) {
+void launch_small(const float* x, int64_t T, const DevW& w, float* y, cudaStream_t st, int sms, bool x_shared) {
   constexpr int N = GemvVec<DT>::n;
   const bool vec = w.in % N == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(w.w) % 16 == 0;
-  if (vec) launch_gemv<DT>(x, int(T), w, y, st, sms);
+  // FP8 rows whose x is too large for one copy: the rows in groups that fit (each token's sums are
+  // the same in any group; o_proj at 4 rows: 2 x 57 us against 208 through L1).
+  const int64_t fit = int64_t(kGemvXsMaxBytes / (size_t(w.in) * 4));
+  if (vec && DT == W_FP8 && x_shared && T > fit && fit >= kGemvXsMinRows<DT>) {
+    for (int64_t t0 = 0; t0 < T; t0 += fit)
+      launch_gemv<DT>(x + t0 * w.in, int(std::min(fit, T - t0)), w, y + t0 * w.out, st, sms, x_shared);
+    return;
+  }
+  if (vec) launch_gemv<DT>(x, int(T), w, y, st, sms, x_shared);
   else launch(gemv_scalar_kernel<DT>, unsigned((w.out + 7) / 8), 256, 0, st, x, int(T), w, y);
 }
 
@@ -306,12 +367,12 @@ void launch_simt(const float* x, int64_t T, const DevW& w, float* y, cudaStream_
 
 }  // namespace
 
-void matmul_small(const float* x, int64_t T, const DevW& w, float* y, cudaStream_t st, int sms) {
+void matmul_small(const float* x, int64_t T, const DevW& w, float* y, cudaStream_t st, int sms, bool x_shared) {
   switch (w.dt) {
-    case W_F32: launch_small<W_F32>(x, T, w, y, st, sms); break;
-    case W_BF16: launch_small<W_BF16>(x, T, w, y, st, sms); break;
-    case W_F16: launch_small<W_F16>(x, T, w, y, st, sms); break;
-    default: launch_small<W_FP8>(x, T, w, y, st, sms); break;
+    case W_F32: launch_small<W_F32>(x, T, w, y, st, sms, x_shared); break;
+    case W_BF16: launch_small<W_BF16>(x, T, w, y, st, sms, x_shared); break;
+    case W_F16: launch_small<W_F16>(x, T, w, y, st, sms, x_shared); break;
+    default: launch_small<W_FP8>(x, T, w, y, st, sms, x_shared); break;
   }
 }
 
