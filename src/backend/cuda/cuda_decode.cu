@@ -328,14 +328,10 @@ constexpr int kFp8GateUpRows = 2, kFp8DownRows = 8, kFp8Depth = 2;
 // 32.3 us, expert down 37.6 vs 40.7 us).
 constexpr int kXsWarps = 16;
 constexpr size_t kXsMaxBytes = 96 << 10;
-// Lets `Kernel` take up to kXsMaxBytes of dynamic shared memory (once per kernel).
+// Lets `Kernel` take up to kXsMaxBytes of dynamic shared memory.
 template <auto Kernel>
 void allow_xs() {
-  static const bool done = [] {
-    VIREO_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kXsMaxBytes)));
-    return true;
-  }();
-  (void)done;
+  allow_dynamic_smem<Kernel, kXsMaxBytes>();
 }
 
 template <int DT, int WARPS>

@@ -51,6 +51,17 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaS
   VIREO_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
 }
 
+// Lets `Kernel` take up to Bytes of dynamic shared memory (the attribute is set once per kernel
+// and process).
+template <auto Kernel, size_t Bytes>
+void allow_dynamic_smem() {
+  static const bool done = [] {
+    VIREO_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Bytes)));
+    return true;
+  }();
+  (void)done;
+}
+
 // Median time in ms of `runs` copies of `bytes` on `st`, after `warmup` untimed ones (cuda_backend.cu).
 double median_copy_ms(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, cudaStream_t st, int warmup,
                       int runs);

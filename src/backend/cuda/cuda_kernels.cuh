@@ -30,6 +30,17 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint3
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+// The same with e4m3 operands (mma.sync m16n8k32, f32 accumulate): a0..a3 hold 4 bytes each of
+// rows g, g + 8, g, g + 8 at k 4q.. (a0, a1) and 16 + 4q.. (a2, a3); b0, b1 column g at k 4q.. and
+// 16 + 4q...
+__device__ __forceinline__ void mma_e4m3_16832(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                               uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
 // (x, y) -> bf16x2 with x in the low half (the lower k / column index of a fragment pair).
 __device__ __forceinline__ uint32_t pack_bf16x2(float x, float y) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(x, y);

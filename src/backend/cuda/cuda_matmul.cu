@@ -311,12 +311,7 @@ void launch_gemv_t(const float* x, const DevW& w, float* y, cudaStream_t st, int
   if constexpr (TT >= kGemvXsMinRows<DT>) {
     const size_t x_bytes = size_t(TT) * size_t(w.in) * 4;
     if (x_shared && x_bytes <= kGemvXsMaxBytes) {
-      static const bool attr = [] {
-        VIREO_CUDA_CHECK(cudaFuncSetAttribute(gemv_kernel<DT, TT, true, kGemvXsWarps>,
-                                              cudaFuncAttributeMaxDynamicSharedMemorySize, int(kGemvXsMaxBytes)));
-        return true;
-      }();
-      (void)attr;
+      allow_dynamic_smem<gemv_kernel<DT, TT, true, kGemvXsWarps>, kGemvXsMaxBytes>();
       const int rpb = kGemvXsWarps / wpr;
       launch(gemv_kernel<DT, TT, true, kGemvXsWarps>, unsigned((w.out + rpb - 1) / rpb), 32 * kGemvXsWarps, x_bytes,
              st, x, w, y, wpr);

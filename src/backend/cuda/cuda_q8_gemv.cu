@@ -37,15 +37,6 @@ namespace {
 constexpr int kQ8Warps = 8;      // warps a block
 constexpr int kQ8MaxTokens = 8;  // B's columns
 
-__device__ __forceinline__ void mma_e4m3_16832(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                               uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // One 16-row tile of a weight: row r0's bytes, the valid rows (1..16; lanes past them read the
 // last valid row and their sums are dropped) and the scales of the tile's 128-row block.
 struct Q8Tile {
@@ -240,15 +231,6 @@ __global__ void __launch_bounds__(32 * kQ8Warps, NT == 1 ? 3 : 2)
   }
 }
 
-template <auto Kernel>
-void allow_q8_smem() {
-  static const bool done = [] {
-    VIREO_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kQ8MaxSmem)));
-    return true;
-  }();
-  (void)done;
-}
-
 int multiprocessors() {
   static const int n = [] {
     int dev = 0, v = 0;
@@ -264,7 +246,7 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 template <int NT>
 void launch_gemv(const float* x, int64_t T, const DevW& w, float* y, int wk, cudaStream_t st) {
   const int64_t per_block = int64_t(kQ8Warps / wk) * NT;
-  allow_q8_smem<q8_gemv_kernel<NT>>();
+  allow_dynamic_smem<q8_gemv_kernel<NT>, kQ8MaxSmem>();
   launch(q8_gemv_kernel<NT>, unsigned(((w.out + 15) / 16 + per_block - 1) / per_block), 32 * kQ8Warps,
          q8_x_smem(T, w.in), st, x, int(T), w, y, wk);
 }
