@@ -181,4 +181,9 @@ TEST(Cli, BadFlagsAreRejected) {
   EXPECT_NE(r.err.find("--model DIR or --synthetic"), std::string::npos) << r.err;
   r = run_vireo("bench --model " + kFixture + " --profile");  // the profile is the CUDA backend's
   expect_clean_error(r, "--profile needs --device cuda");
+  r = run_vireo("bench --model " + kFixture + " --batch 4");  // batched decode is timed on CUDA
+  expect_clean_error(r, "--batch needs --device cuda");
+  r = run_vireo("bench --model " + kFixture + " --batch 0");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("--batch"), std::string::npos) << r.err;
 }

@@ -117,7 +117,7 @@ namespace {
 // against a device-to-device copy and a cuBLASLt bf16 GEMM measured in the same run.
 int bench_cuda(const std::string& dir, const std::string& synthetic, const std::string& dtype, int layers, int experts,
                int64_t n_decode, bool record, bool profile, const SamplingParams& sampling, const std::string& math,
-               bool math_only) {
+               bool math_only, int batch) {
 #ifndef VIREO_HAVE_CUDA
   fail("--device cuda: this vireo was built without CUDA (no nvcc at build time)");
 #else
@@ -203,6 +203,31 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
                            : std::vector<Pick>{Pick::Greedy}) {
     MlaCache cache(*backend, model->cache_shape(), 1, n_decode + 8);
     decode_from(cache, 0, pick);
+  }
+  // --batch B: B sequences decoding together from context 0, as `vireo serve` steps them
+  // (forward_batch, every product over the B rows at once, greedy tokens chosen on the device),
+  // two untimed steps first (eager, then recording).
+  struct Batched { double tps, step_ms; };
+  std::vector<Batched> batched;
+  if (batch > 1) {
+    MlaCache cache(*backend, model->cache_shape(), batch, n_decode + 8);
+    std::vector<int32_t> next(static_cast<size_t>(batch));
+    auto step = [&](int64_t i) {
+      std::vector<BatchItem> items(static_cast<size_t>(batch));
+      for (int b = 0; b < batch; ++b) {
+        BatchItem& it = items[size_t(b)];
+        it.row = b;
+        it.tokens = &ids[size_t((i + 101 * b) % int64_t(ids.size()))];
+        it.T = 1;
+        it.token = &next[size_t(b)];
+      }
+      model->forward_batch(items, cache, AttentionPath::Absorbed);
+    };
+    for (int64_t i = 0; i < 2; ++i) step(i);
+    auto a = clock::now();
+    for (int64_t i = 0; i < n_decode; ++i) step(2 + i);
+    const double s = secs(a, clock::now());
+    batched.push_back({double(n_decode * batch) / s, 1e3 * s / double(n_decode)});
   }
   // Prefill in every --math mode: one untimed run at the length first (the backend's scratch
   // buffers grow to it, and cuBLASLt picks algorithms for its shapes), then the median of 3 timed
@@ -301,6 +326,12 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
                 (long long)d.ctx,
                 d.pick == Pick::Greedy ? "greedy/device" : d.pick == Pick::SampleDevice ? "sample/device" : "sample/host",
                 d.tps, d.bytes / 1e9, d.bytes * d.tps / 1e9, 100.0 * d.bytes * d.tps / 1e9 / copy_gbs);
+  for (const Batched& b : batched) {
+    const double one = dec.empty() ? 0 : dec[0].tps;
+    std::printf("decode ctx 0       batch %-3d %11.2f tok/s  (%.2f tok/s a sequence, %.3f ms a step: %.2fx one "
+                "sequence's tok/s)\n",
+                batch, b.tps, b.tps / batch, b.step_ms, one > 0 ? b.tps / one : 0.0);
+  }
   for (const Prefill& p : pre)
     std::printf("prefill %-6lld %-8s %8.1f tok/s  %.4f s  %7.1f TFLOP/s  = %5.1f%% of bf16 GEMM peak (median of 3)\n",
                 (long long)p.T, p.math,
@@ -422,6 +453,7 @@ Action add_bench(CLI::App& app) {
     std::string model, synthetic, dtype = "bf16";
     int layers = 2, experts = 16;
     int64_t prompt = 64, decode = 16, context = 0;
+    int batch = 1;
     bool no_graph = false;
     std::string attention = "auto";
     StreamingFlags sf;
@@ -446,6 +478,10 @@ Action add_bench(CLI::App& app) {
   app.add_option("--attention", o->attention, "CPU: attention path of the timed prefill chunk")
       ->check(CLI::IsMember({"auto", "reconstructed", "absorbed"}));
   app.add_flag("--no-graph", o->no_graph, "CUDA: launch decode steps op by op instead of replaying a recorded graph");
+  app.add_option("--batch", o->batch,
+                 "CUDA: also time decode steps of this many sequences at once (as vireo serve batches them), "
+                 "beside one sequence")
+      ->check(CLI::Range(1, 64));
   add_streaming_flags(app, o->sf);
   add_device_flag(app, o->device, o->math);
   app.add_flag("--profile", o->profile,
@@ -467,6 +503,8 @@ Action add_bench(CLI::App& app) {
     check_device_flags(o->device, o->math, o->sf);
     if (o->profile && o->device != "cuda") fail("--profile needs --device cuda");
     if (o->math_only && o->device != "cuda") fail("--math-only needs --device cuda");
+    if (o->batch > 1 && (o->device != "cuda" || !o->sf.gpu_budget.empty()))
+      fail("--batch needs --device cuda without --gpu-budget (batched decode is timed on the resident model)");
     if (o->device == "cuda" && !o->sf.gpu_budget.empty() && o->s.temperature != 0.0f)
       fail("--temp: sampled decode steps are not measured with --gpu-budget (drop one of them)");
     if (o->device == "cuda" && !o->sf.gpu_budget.empty())
@@ -474,7 +512,7 @@ Action add_bench(CLI::App& app) {
                                   o->math);
     if (o->device == "cuda")
       return bench_cuda(o->model, o->synthetic, o->dtype, o->layers, o->experts, o->decode, !o->no_graph, o->profile,
-                        o->s, o->math, o->math_only);
+                        o->s, o->math, o->math_only, o->batch);
     ThreadPool& pool = ThreadPool::global();
     auto backend = make_cpu_backend();
     std::unique_ptr<GlmDsaModel> model;

@@ -301,6 +301,12 @@ constexpr int kGemvXsWarps = 16;
 constexpr size_t kGemvXsMaxBytes = 200 << 10;
 template <int DT>
 constexpr int kGemvXsMinRows = DT == W_FP8 ? 2 : DT == W_BF16 ? 4 : 9;
+// VIREO_GEMV_XS_ROWS=0: several rows read x through L1 again (A/B runs; one-row products keep
+// their shared copy, unlike VIREO_GEMV_XS=0).
+bool gemv_rows_x_shared() {
+  static const bool on = env_switch("VIREO_GEMV_XS_ROWS");
+  return on;
+}
 
 template <int DT, int TT>
 void launch_gemv_t(const float* x, const DevW& w, float* y, cudaStream_t st, int sms, bool x_shared) {
@@ -310,7 +316,7 @@ void launch_gemv_t(const float* x, const DevW& w, float* y, cudaStream_t st, int
   while (wpr < 8 && (w.out + (8 / wpr) - 1) / (8 / wpr) < 2 * sms) wpr *= 2;
   if constexpr (TT >= kGemvXsMinRows<DT>) {
     const size_t x_bytes = size_t(TT) * size_t(w.in) * 4;
-    if (x_shared && x_bytes <= kGemvXsMaxBytes) {
+    if (x_shared && x_bytes <= kGemvXsMaxBytes && gemv_rows_x_shared()) {
       allow_dynamic_smem<gemv_kernel<DT, TT, true, kGemvXsWarps>, kGemvXsMaxBytes>();
       const int rpb = kGemvXsWarps / wpr;
       launch(gemv_kernel<DT, TT, true, kGemvXsWarps>, unsigned((w.out + rpb - 1) / rpb), 32 * kGemvXsWarps, x_bytes,
@@ -345,7 +351,7 @@ void launch_small(const float* x, int64_t T, const DevW& w, float* y, cudaStream
   // FP8 rows whose x is too large for one copy: the rows in groups that fit (each token's sums are
   // the same in any group; o_proj at 4 rows: 2 x 57 us against 208 through L1).
   const int64_t fit = int64_t(kGemvXsMaxBytes / (size_t(w.in) * 4));
-  if (vec && DT == W_FP8 && x_shared && T > fit && fit >= kGemvXsMinRows<DT>) {
+  if (vec && DT == W_FP8 && x_shared && gemv_rows_x_shared() && T > fit && fit >= kGemvXsMinRows<DT>) {
     for (int64_t t0 = 0; t0 < T; t0 += fit)
       launch_gemv<DT>(x + t0 * w.in, int(std::min(fit, T - t0)), w, y + t0 * w.out, st, sms, x_shared);
     return;
