@@ -1,13 +1,12 @@
 // Decode products of 2 to 8 rows on FP8 weights in --math fast-fp8: e4m3 weights x e4m3
 // activations on the tensor cores (cuda_q8_gemv.h).
 //
-// Why: the f32-math GEMVs for 2..8 rows (cuda_matmul.cu's gemv_kernel) read each token's x
-// through L1 for every 16-byte weight load, 4 float4 a token: at GLM-5 shapes on the H200 they
-// ran 4x (2 rows) to 13x (8 rows) slower than one row (o_proj 124 and 409 us against 32). In
-// fast-fp8 the activations are e4m3 anyway (DeepSeek's act_quant, as the prefill products take
-// them), and one mma.sync m16n8k32 multiplies 16 rows x 32 columns of weights by up to 8 tokens,
-// one a column of B: 2 rows cost 49 us there, 8 rows 205 us. For one row these kernels lost to
-// the f32-math GEMV (41 against 32 us; BENCHMARKS.md, session 16), which keeps it.
+// Why: in fast-fp8 the activations are e4m3 anyway (DeepSeek's act_quant, as the prefill products
+// take them), and one mma.sync m16n8k32 multiplies 16 rows x 32 columns of weights by up to 8
+// tokens, one a column of B, where f32 math does 8x the FMAs of one row. At GLM-5 shapes on the
+// H200, per product at 4-8 rows: q_b 16-22 us against 28-55 for the f32-math GEMV with x in shared
+// memory, down 9-13 against 12-22; o_proj at 8 rows 204 against 185. For one row these kernels
+// lost (o_proj 41 against 32 us), and the f32-math GEMV keeps it (BENCHMARKS.md, session 16).
 //
 // Layout. A warp owns 16-row tiles and a set of 128-column k-blocks. Lane (g = lane / 4,
 // q = lane % 4) loads 16 bytes of rows g and g + 8 at columns 64 h + 16 q of a k-block (h = 0, 1):

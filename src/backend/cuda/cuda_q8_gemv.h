@@ -4,9 +4,10 @@
 // on the tensor cores (mma.sync m16n8k32, one token a column of B), each 128-deep block's sum
 // scaled by x's and the weight's block scales and added in f32: the prefill path's products
 // (cuda_fp8_gemm.h) for a few rows, as DeepSeek's reference inference runs every FP8 linear layer.
-// Why only from 2 rows: one row is faster on the f32-math GEMVs (o_proj 32 against 41 us, H200),
-// while 2 to 8 rows there read x through L1 once per row and token and ran 4-16x slower than one
-// row (o_proj: 124 us at 2 rows, 409 at 8; these kernels: 49 and 205). BENCHMARKS.md, session 16.
+// Why only from 2 rows: one row is faster on the f32-math GEMV (o_proj 32 against 41 us, H200).
+// Against the f32-math GEMVs of 2..8 rows (x in shared memory too, cuda_matmul.cu) these are
+// 1.3-2.5x faster per product at 4-8 rows, except o_proj at 8 rows (204 against 185 us), and equal
+// over a whole batched step. BENCHMARKS.md, session 16.
 #include <cuda_runtime.h>
 
 #include <cstdint>
