@@ -64,23 +64,17 @@ __global__ void __launch_bounds__(256) act_quant_kernel(const float* __restrict_
       if (ur && c < K) v[i] = v[i] / (1.0f + expf(-v[i])) * ur[c];
     }
   }
-  float a = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-  a = warp_max(a);
-  const float sc = a > 0.0f ? a / 448.0f : 1.0f;
-  uint8_t b[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) b[i] = uint8_t(__nv_cvt_float_to_fp8(v[i] / sc, __NV_SATFINITE, __NV_E4M3));
+  float sc;
+  const uint32_t packed = act_quant_lane(v, sc);
   uint8_t* qr = q + t * K;
   if constexpr (VEC) {
     const int64_t c = c0 + 4 * lane;
-    if (c < K)
-      *reinterpret_cast<uint32_t*>(qr + c) =
-          uint32_t(b[0]) | (uint32_t(b[1]) << 8) | (uint32_t(b[2]) << 16) | (uint32_t(b[3]) << 24);
+    if (c < K) *reinterpret_cast<uint32_t*>(qr + c) = packed;
   } else {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int64_t c = c0 + lane + 32 * i;
-      if (c < K) qr[c] = b[i];
+      if (c < K) qr[c] = uint8_t(packed >> (8 * i));
     }
   }
   if (lane == 0) s[int64_t(kb) * Tp + t] = sc;

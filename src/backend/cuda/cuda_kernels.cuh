@@ -333,6 +333,21 @@ __device__ __forceinline__ float dot_chunk(const uint4& w, const float4* xv) {
   return p;
 }
 
+// DeepSeek's act_quant for one (token, 128-column) block held by a warp, 4 values a lane: the
+// block's scale s = amax / 448 (1 for an all-zero block) and this lane's 4 values as e4m3 bytes
+// (byte i = value i) of v / s, IEEE f32 division, rounded to nearest even, saturating to +-448.
+// The prefill's act_quant kernel and the decode's e4m3 products both quantize through this, so a
+// token's e4m3 x is the same bytes on either path.
+__device__ __forceinline__ uint32_t act_quant_lane(const float (&v)[4], float& scale) {
+  const float a = warp_max(fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))));
+  scale = a > 0.0f ? a / 448.0f : 1.0f;
+  uint32_t packed = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    packed |= uint32_t(uint8_t(__nv_cvt_float_to_fp8(v[i] / scale, __NV_SATFINITE, __NV_E4M3))) << (8 * i);
+  return packed;
+}
+
 // --- Asynchronous copies into shared memory (cp.async, sm_80+) ------------------------------------
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
 // 16 bytes from global to shared memory; copy = false: 16 zero bytes (nothing is read; src must

@@ -23,10 +23,6 @@
 // slower still: 45 us for o_proj at one row.)
 #include "backend/cuda/cuda_q8_gemv.h"
 
-#include <cuda_fp8.h>
-
-#include <algorithm>
-
 #include "backend/cuda/cuda_internal.h"
 
 namespace vireo::cuda {
@@ -51,9 +47,8 @@ struct Q8Chunk {
   uint4 w[NT][4];
 };
 
-// Quantizes k-blocks of x into shared memory with act_quant_kernel's arithmetic (its VEC path):
-// per (token, 128 columns) s = amax / 448 (1 for a zero block), q = e4m3(x / s) rounded to nearest
-// even, saturating; columns >= K are 0. The calling warp takes items first, first + step, ... of
+// Quantizes k-blocks of x into shared memory as act_quant_kernel does (act_quant_lane: per token
+// and 128 columns s = amax / 448, q = e4m3(x / s)); columns >= K are 0. The calling warp takes items first, first + step, ... of
 // T x KB (item = t KB + kb), into xq [T][K] bytes and sx [T][KB]; x rows are x_stride apart and
 // 16-byte aligned. Loads are issued 4 items at a time: one dependent L2 round trip per k-block
 // made o_proj's quantization ~5 us of a 40 us kernel (H200, ncu).
@@ -75,13 +70,10 @@ __device__ __forceinline__ void q8_quantize(const float* __restrict__ x, int64_t
       const int it = i0 + u * step, t = it / KB;
       if (it >= items) break;
       const int64_t c = int64_t(it % KB) * 128 + 4 * lane;
-      const float a = warp_max(fmaxf(fmaxf(fabsf(f[u].x), fabsf(f[u].y)), fmaxf(fabsf(f[u].z), fabsf(f[u].w))));
-      const float sc = a > 0.0f ? a / 448.0f : 1.0f;
-      const uint32_t b0 = __nv_cvt_float_to_fp8(f[u].x / sc, __NV_SATFINITE, __NV_E4M3);
-      const uint32_t b1 = __nv_cvt_float_to_fp8(f[u].y / sc, __NV_SATFINITE, __NV_E4M3);
-      const uint32_t b2 = __nv_cvt_float_to_fp8(f[u].z / sc, __NV_SATFINITE, __NV_E4M3);
-      const uint32_t b3 = __nv_cvt_float_to_fp8(f[u].w / sc, __NV_SATFINITE, __NV_E4M3);
-      if (c < K) *reinterpret_cast<uint32_t*>(xq + t * K + c) = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24);
+      const float v[4] = {f[u].x, f[u].y, f[u].z, f[u].w};
+      float sc;
+      const uint32_t packed = act_quant_lane(v, sc);
+      if (c < K) *reinterpret_cast<uint32_t*>(xq + t * K + c) = packed;
       if (lane == 0) sx[it] = sc;
     }
   }
