@@ -190,4 +190,55 @@ TEST(CudaBench, DecodeProducts) {
       }
     }
 }
+// One decode layer's routed and shared experts at GLM-5 shapes (6144 x 2048, 8 of 16 routed
+// experts and 1 shared a token): `moe_experts` (gate | up of every slot, then the down products
+// summed), at 1 and 8 tokens. Skipped unless VIREO_CUDA_BENCH=1: it measures, it checks nothing.
+TEST(CudaBench, DecodeExperts) {
+  REQUIRE_CUDA();
+  if (!std::getenv("VIREO_CUDA_BENCH")) GTEST_SKIP() << "set VIREO_CUDA_BENCH=1 to run";
+  std::unique_ptr<Backend> be = make_cuda_backend();
+  const int64_t D = 6144, I = 2048;
+  const int E = 16, K = 8;
+  for (DType dt : {DType::F8_E4M3, DType::BF16}) {
+    const bool fp8 = dt == DType::F8_E4M3;
+    // One random matrix of each shape, uploaded once per expert: distinct device copies, as a
+    // checkpoint's experts are, without generating 51 matrices on the host.
+    const vireo::test::HostWeight gate = vireo::test::make_weight(dt, I, D, 3), up = vireo::test::make_weight(dt, I, D, 4),
+                                  down = vireo::test::make_weight(dt, D, I, 5);
+    ExpertBank bank;
+    bank.n_shared = 1;
+    for (int e = 0; e < E + 1; ++e) {
+      bank.gate.push_back(be->upload_weight(gate.w));
+      bank.up.push_back(be->upload_weight(up.w));
+      bank.down.push_back(be->upload_weight(down.w));
+    }
+    for (int64_t T : {1, 8}) {
+      std::mt19937 rng{static_cast<uint32_t>(T)};
+      std::vector<int32_t> ids;
+      for (int64_t t = 0; t < T; ++t) {
+        std::vector<int32_t> all(static_cast<size_t>(E));
+        for (int e = 0; e < E; ++e) all[size_t(e)] = e;
+        std::shuffle(all.begin(), all.end(), rng);
+        std::sort(all.begin(), all.begin() + K);
+        ids.insert(ids.end(), all.begin(), all.begin() + K);
+      }
+      auto x = be->alloc_f32(size_t(T * D));
+      auto out = be->alloc_f32(size_t(T * D));
+      auto gids = be->alloc_i32(ids.size());
+      auto wts = be->alloc_f32(ids.size());
+      const std::vector<float> xh = rnd(size_t(T * D), 9), wh = rnd(ids.size(), 10);
+      be->copy_from_host(x.get(), xh.data(), xh.size());
+      be->copy_from_host(wts.get(), wh.data(), wh.size());
+      be->copy_from_host_i32(gids.get(), ids.data(), ids.size());
+      const double us = time_recorded(*be, [&] { be->moe_experts(x.get(), T, gids.get(), wts.get(), K, bank, out.get()); });
+      // Weight bytes read: each token's distinct experts (at 8 tokens, the union of their ids).
+      std::vector<int32_t> used(ids);
+      std::sort(used.begin(), used.end());
+      used.erase(std::unique(used.begin(), used.end()), used.end());
+      const double gb = double(used.size() + 1) * 3.0 * double(D * I) * (fp8 ? 1 : 2) / 1e3;
+      std::printf("  %-4s experts T %lld: %7.1f us, %zu+1 experts, %6.0f GB/s\n", fp8 ? "fp8" : "bf16", (long long)T, us,
+                  used.size(), gb / us);
+    }
+  }
+}
 #endif

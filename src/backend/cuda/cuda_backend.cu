@@ -712,7 +712,7 @@ class CudaBackend final : public Backend {
   void queue_moe(const float* x, int64_t N, const int32_t* ids, const float* weights, int top_k, const ExpertBank& bank,
                  float* out, cuda::MoePart part) {
     const DeviceBank& b = device_bank(bank);
-    float* h = moe_h_.get<float>(size_t(N * (top_k + bank.n_shared) * b.I));
+    float* h = moe_h_.get<float>(size_t(N * (top_k + bank.n_shared) * (b.I + b.D)));
     cuda::moe_experts(x, N, b.D, b.I, top_k, bank.n_shared, int(bank.gate.size()) - bank.n_shared, ids, weights,
                       b.table.get(), b.dtype, b.vec, gemv_x_shared_, part, h, out, stream_);
   }
@@ -1780,6 +1780,16 @@ std::string cuda_profile_report(Backend& b, double wall_ms) {
                 top, wall_ms);
   s += line;
   return s;
+}
+
+int cuda::multiprocessors() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    VIREO_CUDA_CHECK(cudaGetDevice(&dev));
+    VIREO_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
+    return v;
+  }();
+  return n;
 }
 
 double cuda::median_copy_ms(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, cudaStream_t st, int warmup,

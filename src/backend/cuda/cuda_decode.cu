@@ -22,6 +22,13 @@ namespace {
 // the other kernels were measured with (an explicit minimum of 1 doubled their registers).
 template <bool XS, int WARPS> constexpr int kMinBlocks = XS ? 32 / WARPS : 0;
 
+// The unit of work (a row, or a pair of rows) of this warp. In order: block b holds units
+// [b WARPS, (b + 1) WARPS). Spread (spread_blocks): unit u on warp u / gridDim.x of block
+// u % gridDim.x, so that every block, and so every SM, holds the same number of units to within one.
+__device__ __forceinline__ int64_t warp_unit(int spread, int warp, int warps) {
+  return spread ? int64_t(warp) * gridDim.x + blockIdx.x : int64_t(blockIdx.x) * warps + warp;
+}
+
 // This lane's share of dot(w[row, :], x) (reduce over the warp afterwards). XF: where x comes
 // from (a raw pointer: through L1; or an XShared copy).
 template <int DT, bool VEC, class XF = const float*>
@@ -125,23 +132,38 @@ __device__ __forceinline__ float2 lane_dot2(const DevW& a, const DevW& b, int64_
   return make_float2(acc_a, acc_b);
 }
 
+// The slots' weights a block of the expert kernels asks for before it copies x (hoist): each
+// warp otherwise began every slot with two dependent reads (the routed id, then the bank's entry)
+// before its first weight load, 9 times over in a down block (K + S slots).
+constexpr int kSlotsHoisted = 16;
+
 // h[s, row] = silu(gate_e[row] . x[t]) * (up_e[row] . x[t]) for slot s = (t, k), k in the launch's
 // slot range [k0, k0 + nk) of K + S (blockIdx.y = t nk + k - k0).
-// A warp per row; XS: x[t] staged in shared memory by the block (D floats of dynamic shared memory).
+// A warp per row; XS: x[t] staged in shared memory by the block (D floats of dynamic shared memory),
+// and with hoist the slot's gate and up read beside the copy.
 template <int DT, bool VEC, bool XS = false, int WARPS = 8>
 __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
     moe_gate_up_kernel(const float* __restrict__ x, int64_t D, int64_t I, int K, int S, int n_routed, int k0, int nk,
-                       const int32_t* __restrict__ ids, const DevExpert* __restrict__ bank, float* __restrict__ h) {
+                       const int32_t* __restrict__ ids, const DevExpert* __restrict__ bank, float* __restrict__ h,
+                       int hoist) {
   pdl_begin();
   extern __shared__ float4 xs[];
+  __shared__ DevW gate_up[2];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t row = int64_t(blockIdx.x) * WARPS + warp, t = blockIdx.y / nk, s = t * (K + S) + k0 + blockIdx.y % nk;
-  if constexpr (XS) stage_x(x + t * D, D, xs);
-  if (row >= I) return;
   const DevExpert& e = bank[slot_expert(ids, t, int(s % (K + S)), K, n_routed)];
+  if constexpr (XS) {
+    if (hoist && threadIdx.x < 2) gate_up[threadIdx.x] = threadIdx.x == 0 ? e.gate : e.up;
+    stage_x(x + t * D, D, xs);  // its barrier also publishes gate_up
+  }
+  if (row >= I) return;
   float2 gu;
-  if constexpr (XS) gu = lane_dot2<DT, true>(e.gate, e.up, row, XShared{xs, 0}, lane);
-  else gu = lane_dot2<DT, VEC>(e.gate, e.up, row, XGlobal{x + t * D}, lane);
+  if constexpr (XS) {
+    if (hoist) gu = lane_dot2<DT, true>(gate_up[0], gate_up[1], row, XShared{xs, 0}, lane);
+    else gu = lane_dot2<DT, true>(e.gate, e.up, row, XShared{xs, 0}, lane);
+  } else {
+    gu = lane_dot2<DT, VEC>(e.gate, e.up, row, XGlobal{x + t * D}, lane);
+  }
   const float g = warp_sum(gu.x), u = warp_sum(gu.y);
   if (lane == 0) h[s * I + row] = g / (1.0f + expf(-g)) * u;
 }
@@ -166,22 +188,28 @@ __global__ void __launch_bounds__(256) moe_down_kernel(const float* __restrict__
 }
 
 // As moe_down_kernel, a warp per two output rows (2i, 2i + 1): each slot's h read once for both.
-// XS: the token's K + S rows of h staged in shared memory by the block ((K + S) x I floats).
+// XS: the token's K + S rows of h staged in shared memory by the block ((K + S) x I floats), and
+// with hoist (K + S <= kSlotsHoisted) the slots' down weights read beside the copy.
 template <int DT, bool XS = false, int WARPS = 8>
 __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
     moe_down2_kernel(const float* __restrict__ h, int64_t D, int64_t I, int K, int S, int n_routed,
                      const int32_t* __restrict__ ids, const float* __restrict__ wts,
-                     const DevExpert* __restrict__ bank, float* __restrict__ out) {
+                     const DevExpert* __restrict__ bank, float* __restrict__ out, int spread, int hoist) {
   pdl_begin();
   extern __shared__ float4 xs[];
+  __shared__ DevW downs[kSlotsHoisted];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t row = (int64_t(blockIdx.x) * WARPS + warp) * 2, t = blockIdx.y;
-  if constexpr (XS) stage_x(h + t * (K + S) * I, (K + S) * I, xs);
+  const int64_t row = warp_unit(spread, warp, WARPS) * 2, t = blockIdx.y;
+  const bool hoisted = XS && hoist && K + S <= kSlotsHoisted;
+  if constexpr (XS) {
+    if (hoisted && threadIdx.x < K + S) downs[threadIdx.x] = bank[slot_expert(ids, t, threadIdx.x, K, n_routed)].down;
+    stage_x(h + t * (K + S) * I, (K + S) * I, xs);  // its barrier also publishes downs
+  }
   if (row >= D) return;
   float acc0 = 0.0f, acc1 = 0.0f;
   for (int k = 0; k < K + S; ++k) {
     const int64_t s = t * (K + S) + k;
-    const DevW& w = bank[slot_expert(ids, t, k, K, n_routed)].down;
+    const DevW& w = hoisted ? downs[k] : bank[slot_expert(ids, t, k, K, n_routed)].down;
     DevW next = w;
     next.w = static_cast<const char*>(w.w) + size_t(w.in) * elem_bytes<DT>();
     float2 v;
@@ -200,6 +228,50 @@ __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
     out[t * D + row] = acc0;
     out[t * D + row + 1] = acc1;
   }
+}
+
+// y[s, row] = down_e[row] . h[s] for slot s = (t, k) (blockIdx.y = k, blockIdx.z = t), rows 2i and
+// 2i + 1 a warp: every slot's down product side by side in one launch, h[s] staged in shared memory
+// (I floats). moe_down2_kernel walks a warp through the K + S slots one after another, each a
+// dependent round trip to DRAM for 4 KB (FP8), and took 50 us for GLM-5's 9 slots (113 MB, 2.3
+// TB/s; ncu, H200) where one slot alone as a dense product took 3.8. The same lane sums and warp
+// reductions as moe_down2_kernel, so moe_down_combine_kernel's sum has the same bits.
+template <int DT, int WARPS>
+__global__ void __launch_bounds__(32 * WARPS, kMinBlocks<true, WARPS>)
+    moe_down_slots2_kernel(const float* __restrict__ h, int64_t D, int64_t I, int K, int S, int n_routed,
+                           const int32_t* __restrict__ ids, const DevExpert* __restrict__ bank, float* __restrict__ y) {
+  pdl_begin();
+  extern __shared__ float4 xs[];
+  __shared__ DevW down;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t t = blockIdx.z, s = t * (K + S) + blockIdx.y, row = (int64_t(blockIdx.x) * WARPS + warp) * 2;
+  if (threadIdx.x == 0) down = bank[slot_expert(ids, t, int(blockIdx.y), K, n_routed)].down;
+  stage_x(h + s * I, I, xs);  // its barrier also publishes down
+  if (row >= D) return;
+  DevW next = down;
+  next.w = static_cast<const char*>(down.w) + size_t(down.in) * elem_bytes<DT>();
+  const float2 v = lane_dot2<DT, true>(down, next, row, XShared{xs, 0}, lane);
+  const float y0 = warp_sum(v.x), y1 = warp_sum(v.y);
+  if (lane == 0) {
+    y[s * D + row] = y0;
+    y[s * D + row + 1] = y1;
+  }
+}
+
+// out[t, row] = (0 + w0 y[t, 0, row]) + w1 y[t, 1, row] + ... in order of k, shared slots last
+// with weight 1: moe_down2_kernel's sum.
+__global__ void __launch_bounds__(256) moe_down_combine_kernel(const float* __restrict__ y, int64_t D, int K, int S,
+                                                               const float* __restrict__ wts,
+                                                               float* __restrict__ out) {
+  pdl_begin();
+  const int64_t t = blockIdx.y, row = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (row >= D) return;
+  float acc = 0.0f;
+  for (int k = 0; k < K + S; ++k) {
+    const float v = y[(t * (K + S) + k) * D + row];
+    acc = k < K ? __fadd_rn(acc, __fmul_rn(wts[t * K + k], v)) : __fadd_rn(acc, v);
+  }
+  out[t * D + row] = acc;
 }
 
 // This lane's shares of the dot products of G x RG weight rows with one input x: rows r0 ..
@@ -334,13 +406,56 @@ void allow_xs() {
   allow_dynamic_smem<Kernel, kXsMaxBytes>();
 }
 
+// Grid for `units` warp tasks of a kernel with x in shared memory, spread evenly over the SMs.
+// In order, ceil(units / WARPS) blocks leave some SMs with one block more than others whenever
+// there are more blocks than SMs and not a multiple of them: o_proj's 3072 row pairs in blocks of
+// 16 warps made 192 blocks on 132 SMs, 60 SMs streaming two blocks' rows and 72 one, so the
+// product ended when the 60 did. Spread: b blocks an SM (the fewest that hold every unit, when the
+// SM can hold them at once) and units dealt round-robin over the blocks (warp_unit). 0: keep the
+// order (fewer blocks than SMs, a multiple of them, more than one wave, or VIREO_GEMV_SPREAD=0).
+template <auto Kernel>
+unsigned spread_blocks(int64_t units, int warps, size_t smem) {
+  static const bool on = env_switch("VIREO_GEMV_SPREAD");
+  const int64_t sms = multiprocessors(), plain = (units + warps - 1) / warps;
+  if (!on || plain <= sms || plain % sms == 0) return 0;
+  const int64_t per_sm = (units + sms * warps - 1) / (sms * warps);
+  int fit = 0;
+  VIREO_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, Kernel, 32 * warps, smem));
+  return per_sm <= fit ? unsigned(per_sm * sms) : 0;
+}
+
+// VIREO_MOE_HOIST=0: the expert kernels read each slot's weights where they use them (A/B runs).
+bool moe_hoist() {
+  static const bool on = env_switch("VIREO_MOE_HOIST");
+  return on;
+}
+
+// VIREO_MOE_DOWN_SLOTS=0: the down products in moe_down2_kernel, slot after slot (A/B runs).
+bool moe_down_slots() {
+  static const bool on = env_switch("VIREO_MOE_DOWN_SLOTS");
+  return on;
+}
+
 template <int DT, int WARPS>
 void launch_down_xs(const float* h, int64_t N, int64_t D, int64_t I, int K, int S, int n_routed, const int32_t* ids,
                     const float* wts, const DevExpert* bank, float* out, cudaStream_t st) {
-  allow_xs<moe_down2_kernel<DT, true, WARPS>>();
+  if (moe_down_slots()) {
+    constexpr auto kernel = moe_down_slots2_kernel<DT, WARPS>;
+    allow_xs<kernel>();
+    float* y = const_cast<float*>(h) + N * (K + S) * I;
+    launch(kernel, dim3(unsigned((D / 2 + WARPS - 1) / WARPS), unsigned(K + S), unsigned(N)), 32 * WARPS,
+           size_t(I) * 4, st, h, D, I, K, S, n_routed, ids, bank, y);
+    VIREO_CUDA_LAUNCHED();
+    launch(moe_down_combine_kernel, dim3(unsigned((D + 255) / 256), unsigned(N)), 256, 0, st, y, D, K, S, wts, out);
+    VIREO_CUDA_LAUNCHED();
+    return;
+  }
+  constexpr auto kernel = moe_down2_kernel<DT, true, WARPS>;
+  allow_xs<kernel>();
   const size_t h_bytes = size_t(K + S) * size_t(I) * 4;
-  launch(moe_down2_kernel<DT, true, WARPS>, dim3(unsigned((D / 2 + WARPS - 1) / WARPS), unsigned(N)), 32 * WARPS,
-         h_bytes, st, h, D, I, K, S, n_routed, ids, wts, bank, out);
+  const unsigned spread = N == 1 ? spread_blocks<kernel>(D / 2, WARPS, h_bytes) : 0;
+  launch(kernel, dim3(spread ? spread : unsigned((D / 2 + WARPS - 1) / WARPS), unsigned(N)), 32 * WARPS, h_bytes, st,
+         h, D, I, K, S, n_routed, ids, wts, bank, out, spread ? 1 : 0, moe_hoist() ? 1 : 0);
   VIREO_CUDA_LAUNCHED();
 }
 
@@ -360,7 +475,7 @@ void launch_moe(bool x_shared, MoePart part, const float* x, int64_t N, int64_t 
         allow_xs<moe_gate_up_kernel<DT, true, true, kXsWarps>>();
         launch(moe_gate_up_kernel<DT, true, true, kXsWarps>,
                dim3(unsigned((I + kXsWarps - 1) / kXsWarps), unsigned(N * nk)), 32 * kXsWarps, x_bytes, st, x, D, I, K,
-               S, n_routed, k0, nk, ids, bank, h);
+               S, n_routed, k0, nk, ids, bank, h, moe_hoist() ? 1 : 0);
         VIREO_CUDA_LAUNCHED();
       }
       if (down) launch_down_xs<DT, kXsWarps>(h, N, D, I, K, S, n_routed, ids, wts, bank, out, st);
@@ -383,13 +498,13 @@ void launch_moe(bool x_shared, MoePart part, const float* x, int64_t N, int64_t 
   }
   if (nk > 0) {
     launch(moe_gate_up_kernel<DT, VEC>, dim3(unsigned((I + 7) / 8), unsigned(N * nk)), 256, 0, st, x, D, I, K, S,
-           n_routed, k0, nk, ids, bank, h);
+           n_routed, k0, nk, ids, bank, h, 0);
     VIREO_CUDA_LAUNCHED();
   }
   if (!down) return;
   if (VEC && D % 2 == 0)
     launch(moe_down2_kernel<DT>, dim3(unsigned((D / 2 + 7) / 8), unsigned(N)), 256, 0, st, h, D, I, K, S, n_routed, ids,
-           wts, bank, out);
+           wts, bank, out, 0, 0);
   else
     launch(moe_down_kernel<DT, VEC>, dim3(unsigned((D + 7) / 8), unsigned(N)), 256, 0, st, h, D, I, K, S, n_routed, ids,
            wts, bank, out);
@@ -408,11 +523,11 @@ void launch_moe_dt(bool vec, bool x_shared, MoePart part, const float* x, int64_
 // XS: x staged in shared memory by the block (w.in floats).
 template <int DT, bool XS = false, int WARPS = 8>
 __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
-    gemv_rows2_kernel(const float* __restrict__ x, DevW w, float* __restrict__ y) {
+    gemv_rows2_kernel(const float* __restrict__ x, DevW w, float* __restrict__ y, int spread) {
   pdl_begin();
   extern __shared__ float4 xs[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t row = (int64_t(blockIdx.x) * WARPS + warp) * 2;
+  const int64_t row = warp_unit(spread, warp, WARPS) * 2;
   if constexpr (XS) stage_x(x, w.in, xs);
   if (row >= w.out) return;
   DevW next = w;  // the same matrix one row on: FP8 rows 2i, 2i + 1 share a 128-row scale block
@@ -437,11 +552,11 @@ __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
 constexpr int kManyWarps = 2;
 template <int DT, bool PAIRS, bool XS = false, int WARPS = kManyWarps>
 __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
-    gemv_many_kernel(const float* __restrict__ x, ManyW m) {
+    gemv_many_kernel(const float* __restrict__ x, ManyW m, int spread) {
   pdl_begin();
   extern __shared__ float4 xs[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t r = (int64_t(blockIdx.x) * WARPS + warp) * (PAIRS ? 2 : 1);
+  const int64_t r = warp_unit(spread, warp, WARPS) * (PAIRS ? 2 : 1);
   if constexpr (XS) stage_x(x, m.w[0].in, xs);
   if (r >= m.row0[m.n]) return;
   int i = 0;
@@ -472,17 +587,19 @@ void launch_many(const float* x, const ManyW& m, bool x_shared, cudaStream_t st)
   if constexpr (DT == W_FP8 || DT == W_BF16) {
     const size_t x_bytes = size_t(m.w[0].in) * 4;
     if (x_shared && x_bytes <= kXsMaxBytes) {
-      allow_xs<gemv_many_kernel<DT, false, true, kManyXsWarps>>();
-      launch(gemv_many_kernel<DT, false, true, kManyXsWarps>, unsigned((m.row0[m.n] + kManyXsWarps - 1) / kManyXsWarps),
-             32 * kManyXsWarps, x_bytes, st, x, m);
+      constexpr auto kernel = gemv_many_kernel<DT, false, true, kManyXsWarps>;
+      allow_xs<kernel>();
+      const unsigned spread = spread_blocks<kernel>(m.row0[m.n], kManyXsWarps, x_bytes);
+      launch(kernel, spread ? spread : unsigned((m.row0[m.n] + kManyXsWarps - 1) / kManyXsWarps), 32 * kManyXsWarps,
+             x_bytes, st, x, m, spread ? 1 : 0);
       return;
     }
   }
   bool pairs = true;
   for (int i = 0; i <= m.n; ++i) pairs = pairs && m.row0[i] % 2 == 0;
   const unsigned blocks = unsigned((m.row0[m.n] / (pairs ? 2 : 1) + kManyWarps - 1) / kManyWarps);
-  if (pairs) launch(gemv_many_kernel<DT, true>, blocks, 32 * kManyWarps, 0, st, x, m);
-  else launch(gemv_many_kernel<DT, false>, blocks, 32 * kManyWarps, 0, st, x, m);
+  if (pairs) launch(gemv_many_kernel<DT, true>, blocks, 32 * kManyWarps, 0, st, x, m, 0);
+  else launch(gemv_many_kernel<DT, false>, blocks, 32 * kManyWarps, 0, st, x, m, 0);
 }
 
 // One block per row: h += x, then the same arithmetic as rms_norm_kernel on the new h.
@@ -646,9 +763,12 @@ void index_key_append(const float* k, int64_t T, int64_t d, const float* w, cons
 namespace {
 template <int DT, int WARPS>
 void launch_rows2_xs(const float* x, const DevW& w, float* y, cudaStream_t st) {
-  allow_xs<gemv_rows2_kernel<DT, true, WARPS>>();
-  launch(gemv_rows2_kernel<DT, true, WARPS>, unsigned((w.out / 2 + WARPS - 1) / WARPS), 32 * WARPS, size_t(w.in) * 4,
-         st, x, w, y);
+  constexpr auto kernel = gemv_rows2_kernel<DT, true, WARPS>;
+  allow_xs<kernel>();
+  const size_t x_bytes = size_t(w.in) * 4;
+  const unsigned spread = spread_blocks<kernel>(w.out / 2, WARPS, x_bytes);
+  launch(kernel, spread ? spread : unsigned((w.out / 2 + WARPS - 1) / WARPS), 32 * WARPS, x_bytes, st, x, w, y,
+         spread ? 1 : 0);
   VIREO_CUDA_LAUNCHED();
 }
 }  // namespace
@@ -668,10 +788,10 @@ bool gemv_rows2(const float* x, const DevW& w, float* y, bool x_shared, cudaStre
   }
   const unsigned blocks = unsigned((w.out / 2 + 7) / 8);
   switch (w.dt) {
-    case W_F32: launch(gemv_rows2_kernel<W_F32>, blocks, 256, 0, st, x, w, y); break;
-    case W_BF16: launch(gemv_rows2_kernel<W_BF16>, blocks, 256, 0, st, x, w, y); break;
-    case W_F16: launch(gemv_rows2_kernel<W_F16>, blocks, 256, 0, st, x, w, y); break;
-    default: launch(gemv_rows2_kernel<W_FP8>, blocks, 256, 0, st, x, w, y); break;
+    case W_F32: launch(gemv_rows2_kernel<W_F32>, blocks, 256, 0, st, x, w, y, 0); break;
+    case W_BF16: launch(gemv_rows2_kernel<W_BF16>, blocks, 256, 0, st, x, w, y, 0); break;
+    case W_F16: launch(gemv_rows2_kernel<W_F16>, blocks, 256, 0, st, x, w, y, 0); break;
+    default: launch(gemv_rows2_kernel<W_FP8>, blocks, 256, 0, st, x, w, y, 0); break;
   }
   VIREO_CUDA_LAUNCHED();
   return true;

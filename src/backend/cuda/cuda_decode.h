@@ -19,7 +19,8 @@ struct DevExpert {
 enum class MoePart { All, SharedGateUp, Rest };
 
 // out[t] = sum_k weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]), e = ids[t, k], k in order,
-// then + the S shared experts (bank[n_routed ..], weight 1). h is scratch [N * (K + S), I].
+// then + the S shared experts (bank[n_routed ..], weight 1). h is scratch [N * (K + S), I + D]
+// (the slots' gate | up products, then their down products before they are summed).
 // x_shared: BF16/FP8 kernels read x from a copy in shared memory (else through L1; same sums).
 void moe_experts(const float* x, int64_t N, int64_t D, int64_t I, int K, int S, int n_routed, const int32_t* ids,
                  const float* weights, const DevExpert* bank, int dtype, bool vec, bool x_shared, MoePart part,

@@ -62,6 +62,9 @@ void allow_dynamic_smem() {
   (void)done;
 }
 
+// The device's multiprocessor count (cuda_backend.cu; asked once a process).
+int multiprocessors();
+
 // Median time in ms of `runs` copies of `bytes` on `st`, after `warmup` untimed ones (cuda_backend.cu).
 double median_copy_ms(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, cudaStream_t st, int warmup,
                       int runs);

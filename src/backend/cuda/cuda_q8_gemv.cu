@@ -222,16 +222,6 @@ __global__ void __launch_bounds__(32 * kQ8Warps, NT == 1 ? 3 : 2)
   }
 }
 
-int multiprocessors() {
-  static const int n = [] {
-    int dev = 0, v = 0;
-    VIREO_CUDA_CHECK(cudaGetDevice(&dev));
-    VIREO_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
-    return v;
-  }();
-  return n;
-}
-
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 template <int NT>
