@@ -1,10 +1,10 @@
 // Decode-step kernels: the pieces that let a whole decode step run on the device with no host
 // round trip (so it can be recorded as one CUDA graph) and with fewer passes over memory.
 //
-// Routed experts by id: the router's (token, k) slots are read on the device. Two launches for
-// all experts of a layer: gate and up rows read together with silu(g) * u applied in registers
-// (no g/u buffers), then the down rows of a token's k experts reduced in order, weighted and
-// summed into the output row (no scatter pass). Every weight byte is read once, 16 bytes a load.
+// Routed experts by id: the router's (token, k) slots are read on the device. Gate and up rows
+// read together with silu(g) * u applied in registers (no g/u buffers), then the down rows of
+// every slot side by side and a small pass that sums a token's slots in order of k, weighted, into
+// the output row (no scatter). Every weight byte is read once, 16 bytes a load.
 #include "backend/cuda/cuda_decode.h"
 #include "backend/cuda/cuda_internal.h"
 
@@ -132,38 +132,23 @@ __device__ __forceinline__ float2 lane_dot2(const DevW& a, const DevW& b, int64_
   return make_float2(acc_a, acc_b);
 }
 
-// The slots' weights a block of the expert kernels asks for before it copies x (hoist): each
-// warp otherwise began every slot with two dependent reads (the routed id, then the bank's entry)
-// before its first weight load, 9 times over in a down block (K + S slots).
-constexpr int kSlotsHoisted = 16;
-
 // h[s, row] = silu(gate_e[row] . x[t]) * (up_e[row] . x[t]) for slot s = (t, k), k in the launch's
 // slot range [k0, k0 + nk) of K + S (blockIdx.y = t nk + k - k0).
-// A warp per row; XS: x[t] staged in shared memory by the block (D floats of dynamic shared memory),
-// and with hoist the slot's gate and up read beside the copy.
+// A warp per row; XS: x[t] staged in shared memory by the block (D floats of dynamic shared memory).
 template <int DT, bool VEC, bool XS = false, int WARPS = 8>
 __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
     moe_gate_up_kernel(const float* __restrict__ x, int64_t D, int64_t I, int K, int S, int n_routed, int k0, int nk,
-                       const int32_t* __restrict__ ids, const DevExpert* __restrict__ bank, float* __restrict__ h,
-                       int hoist) {
+                       const int32_t* __restrict__ ids, const DevExpert* __restrict__ bank, float* __restrict__ h) {
   pdl_begin();
   extern __shared__ float4 xs[];
-  __shared__ DevW gate_up[2];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t row = int64_t(blockIdx.x) * WARPS + warp, t = blockIdx.y / nk, s = t * (K + S) + k0 + blockIdx.y % nk;
-  const DevExpert& e = bank[slot_expert(ids, t, int(s % (K + S)), K, n_routed)];
-  if constexpr (XS) {
-    if (hoist && threadIdx.x < 2) gate_up[threadIdx.x] = threadIdx.x == 0 ? e.gate : e.up;
-    stage_x(x + t * D, D, xs);  // its barrier also publishes gate_up
-  }
+  if constexpr (XS) stage_x(x + t * D, D, xs);
   if (row >= I) return;
+  const DevExpert& e = bank[slot_expert(ids, t, int(s % (K + S)), K, n_routed)];
   float2 gu;
-  if constexpr (XS) {
-    if (hoist) gu = lane_dot2<DT, true>(gate_up[0], gate_up[1], row, XShared{xs, 0}, lane);
-    else gu = lane_dot2<DT, true>(e.gate, e.up, row, XShared{xs, 0}, lane);
-  } else {
-    gu = lane_dot2<DT, VEC>(e.gate, e.up, row, XGlobal{x + t * D}, lane);
-  }
+  if constexpr (XS) gu = lane_dot2<DT, true>(e.gate, e.up, row, XShared{xs, 0}, lane);
+  else gu = lane_dot2<DT, VEC>(e.gate, e.up, row, XGlobal{x + t * D}, lane);
   const float g = warp_sum(gu.x), u = warp_sum(gu.y);
   if (lane == 0) h[s * I + row] = g / (1.0f + expf(-g)) * u;
 }
@@ -188,28 +173,22 @@ __global__ void __launch_bounds__(256) moe_down_kernel(const float* __restrict__
 }
 
 // As moe_down_kernel, a warp per two output rows (2i, 2i + 1): each slot's h read once for both.
-// XS: the token's K + S rows of h staged in shared memory by the block ((K + S) x I floats), and
-// with hoist (K + S <= kSlotsHoisted) the slots' down weights read beside the copy.
+// XS: the token's K + S rows of h staged in shared memory by the block ((K + S) x I floats).
 template <int DT, bool XS = false, int WARPS = 8>
 __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
     moe_down2_kernel(const float* __restrict__ h, int64_t D, int64_t I, int K, int S, int n_routed,
                      const int32_t* __restrict__ ids, const float* __restrict__ wts,
-                     const DevExpert* __restrict__ bank, float* __restrict__ out, int spread, int hoist) {
+                     const DevExpert* __restrict__ bank, float* __restrict__ out) {
   pdl_begin();
   extern __shared__ float4 xs[];
-  __shared__ DevW downs[kSlotsHoisted];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t row = warp_unit(spread, warp, WARPS) * 2, t = blockIdx.y;
-  const bool hoisted = XS && hoist && K + S <= kSlotsHoisted;
-  if constexpr (XS) {
-    if (hoisted && threadIdx.x < K + S) downs[threadIdx.x] = bank[slot_expert(ids, t, threadIdx.x, K, n_routed)].down;
-    stage_x(h + t * (K + S) * I, (K + S) * I, xs);  // its barrier also publishes downs
-  }
+  const int64_t row = (int64_t(blockIdx.x) * WARPS + warp) * 2, t = blockIdx.y;
+  if constexpr (XS) stage_x(h + t * (K + S) * I, (K + S) * I, xs);
   if (row >= D) return;
   float acc0 = 0.0f, acc1 = 0.0f;
   for (int k = 0; k < K + S; ++k) {
     const int64_t s = t * (K + S) + k;
-    const DevW& w = hoisted ? downs[k] : bank[slot_expert(ids, t, k, K, n_routed)].down;
+    const DevW& w = bank[slot_expert(ids, t, k, K, n_routed)].down;
     DevW next = w;
     next.w = static_cast<const char*>(w.w) + size_t(w.in) * elem_bytes<DT>();
     float2 v;
@@ -424,12 +403,6 @@ unsigned spread_blocks(int64_t units, int warps, size_t smem) {
   return per_sm <= fit ? unsigned(per_sm * sms) : 0;
 }
 
-// VIREO_MOE_HOIST=0: the expert kernels read each slot's weights where they use them (A/B runs).
-bool moe_hoist() {
-  static const bool on = env_switch("VIREO_MOE_HOIST");
-  return on;
-}
-
 // VIREO_MOE_DOWN_SLOTS=0: the down products in moe_down2_kernel, slot after slot (A/B runs).
 bool moe_down_slots() {
   static const bool on = env_switch("VIREO_MOE_DOWN_SLOTS");
@@ -450,12 +423,10 @@ void launch_down_xs(const float* h, int64_t N, int64_t D, int64_t I, int K, int 
     VIREO_CUDA_LAUNCHED();
     return;
   }
-  constexpr auto kernel = moe_down2_kernel<DT, true, WARPS>;
-  allow_xs<kernel>();
+  allow_xs<moe_down2_kernel<DT, true, WARPS>>();
   const size_t h_bytes = size_t(K + S) * size_t(I) * 4;
-  const unsigned spread = N == 1 ? spread_blocks<kernel>(D / 2, WARPS, h_bytes) : 0;
-  launch(kernel, dim3(spread ? spread : unsigned((D / 2 + WARPS - 1) / WARPS), unsigned(N)), 32 * WARPS, h_bytes, st,
-         h, D, I, K, S, n_routed, ids, wts, bank, out, spread ? 1 : 0, moe_hoist() ? 1 : 0);
+  launch(moe_down2_kernel<DT, true, WARPS>, dim3(unsigned((D / 2 + WARPS - 1) / WARPS), unsigned(N)), 32 * WARPS,
+         h_bytes, st, h, D, I, K, S, n_routed, ids, wts, bank, out);
   VIREO_CUDA_LAUNCHED();
 }
 
@@ -469,13 +440,15 @@ void launch_moe(bool x_shared, MoePart part, const float* x, int64_t N, int64_t 
   const bool down = part != MoePart::SharedGateUp;
   if (nk == 0 && !down) return;
   if constexpr ((DT == W_FP8 || DT == W_BF16) && VEC) {
-    const size_t x_bytes = size_t(D) * 4, h_bytes = size_t(K + S) * size_t(I) * 4;
+    // The shared copies: x (gate | up), and each slot's h (down; all K + S of them at once in
+    // moe_down2_kernel).
+    const size_t x_bytes = size_t(D) * 4, h_bytes = size_t(moe_down_slots() ? 1 : K + S) * size_t(I) * 4;
     if (x_shared && D % 2 == 0 && x_bytes <= kXsMaxBytes && h_bytes <= kXsMaxBytes) {
       if (nk > 0) {
         allow_xs<moe_gate_up_kernel<DT, true, true, kXsWarps>>();
         launch(moe_gate_up_kernel<DT, true, true, kXsWarps>,
                dim3(unsigned((I + kXsWarps - 1) / kXsWarps), unsigned(N * nk)), 32 * kXsWarps, x_bytes, st, x, D, I, K,
-               S, n_routed, k0, nk, ids, bank, h, moe_hoist() ? 1 : 0);
+               S, n_routed, k0, nk, ids, bank, h);
         VIREO_CUDA_LAUNCHED();
       }
       if (down) launch_down_xs<DT, kXsWarps>(h, N, D, I, K, S, n_routed, ids, wts, bank, out, st);
@@ -498,13 +471,13 @@ void launch_moe(bool x_shared, MoePart part, const float* x, int64_t N, int64_t 
   }
   if (nk > 0) {
     launch(moe_gate_up_kernel<DT, VEC>, dim3(unsigned((I + 7) / 8), unsigned(N * nk)), 256, 0, st, x, D, I, K, S,
-           n_routed, k0, nk, ids, bank, h, 0);
+           n_routed, k0, nk, ids, bank, h);
     VIREO_CUDA_LAUNCHED();
   }
   if (!down) return;
   if (VEC && D % 2 == 0)
     launch(moe_down2_kernel<DT>, dim3(unsigned((D / 2 + 7) / 8), unsigned(N)), 256, 0, st, h, D, I, K, S, n_routed, ids,
-           wts, bank, out, 0, 0);
+           wts, bank, out);
   else
     launch(moe_down_kernel<DT, VEC>, dim3(unsigned((D + 7) / 8), unsigned(N)), 256, 0, st, h, D, I, K, S, n_routed, ids,
            wts, bank, out);
