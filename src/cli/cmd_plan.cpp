@@ -59,8 +59,12 @@ uint64_t estimate_scratch_bytes(const GlmDsaConfig& c, int64_t T, int64_t out_ro
 }
 
 uint64_t estimate_backend_bytes(const GlmDsaConfig& c, int64_t T, bool fp8_weights) {
-  if (T <= 8) T = 0;  // decode-sized steps: GEMVs, no conversions, no side lanes
   const int64_t D = c.hidden_size, I = c.moe_intermediate_size, H = c.n_heads;
+  // Steps of up to 8 rows run the experts by id (cuda_decode.h's moe_experts): each row's slots'
+  // gate | up and down products before they are summed, [rows, K + S, I + D] f32.
+  const int64_t decode_slots = c.experts_per_token + c.n_shared_experts;
+  const int64_t decode_moe = std::min<int64_t>(std::max<int64_t>(T, 1), 8) * decode_slots * (I + D) * 4;
+  if (T <= 8) T = 0;  // decode-sized steps: GEMVs, no conversions, no side lanes
   const int64_t lane_ws = int64_t(CudaBufferSizes::kLtWorkspaceBytes), lanes = CudaBufferSizes::kExpertLanes,
                 chunk = int64_t(CudaBufferSizes::kFp8ChunkBytes);
   // The widest product input (a conversion of T rows of it) and the largest FP8 weight (its
@@ -86,7 +90,7 @@ uint64_t estimate_backend_bytes(const GlmDsaConfig& c, int64_t T, bool fp8_weigh
   const int64_t run_rows = T * (c.experts_per_token + (c.n_shared_experts > 0 ? 1 : 0));
   const int64_t grouped_rows = std::min(run_rows, std::max(CudaBufferSizes::kGroupedRows, T));
   const int64_t grouped = grouped_rows * (6 * D + 2 * I + 8);
-  return uint64_t(main + (c.n_routed_experts > 0 ? lanes * lane + grouped : 0));
+  return uint64_t(main + (c.n_routed_experts > 0 ? lanes * lane + grouped + decode_moe : 0));
 }
 
 int64_t step_tokens_for(int64_t chunk, int64_t context, int64_t batch) {
