@@ -1,6 +1,7 @@
-// Micro-benchmark of one decode layer's attention-side ops at GLM-5 shapes on the CUDA backend:
-// the absorbed attention (absorb_q + the decode kernels) and the DSA indexer (scores + top-k), at
-// 4096 cached tokens and at a short context, fast and reference kernels (cuda_set_fast_decode).
+// Micro-benchmarks of one decode layer's ops at GLM-5 shapes on the CUDA backend: the absorbed
+// attention (absorb_q + the decode kernels) and the DSA indexer (scores + top-k), at 4096 cached
+// tokens and at a short context, fast and reference kernels (cuda_set_fast_decode); the layer's
+// products at 1-8 rows (DecodeProducts); its experts by id (DecodeExperts).
 // Each op is recorded into a CUDA graph 50 times, as a decode step replays it (run-time positions),
 // and the replay timed. Skipped unless VIREO_CUDA_BENCH=1: it measures, it checks nothing.
 #include <gtest/gtest.h>
@@ -190,6 +191,7 @@ TEST(CudaBench, DecodeProducts) {
       }
     }
 }
+
 // One decode layer's routed and shared experts at GLM-5 shapes (6144 x 2048, 8 of 16 routed
 // experts and 1 shared a token): `moe_experts` (gate | up of every slot, then the down products
 // summed), at 1 and 8 tokens. Skipped unless VIREO_CUDA_BENCH=1: it measures, it checks nothing.
@@ -203,7 +205,8 @@ TEST(CudaBench, DecodeExperts) {
     const bool fp8 = dt == DType::F8_E4M3;
     // One random matrix of each shape, uploaded once per expert: distinct device copies, as a
     // checkpoint's experts are, without generating 51 matrices on the host.
-    const vireo::test::HostWeight gate = vireo::test::make_weight(dt, I, D, 3), up = vireo::test::make_weight(dt, I, D, 4),
+    const vireo::test::HostWeight gate = vireo::test::make_weight(dt, I, D, 3),
+                                  up = vireo::test::make_weight(dt, I, D, 4),
                                   down = vireo::test::make_weight(dt, D, I, 5);
     ExpertBank bank;
     bank.n_shared = 1;
@@ -230,14 +233,15 @@ TEST(CudaBench, DecodeExperts) {
       be->copy_from_host(x.get(), xh.data(), xh.size());
       be->copy_from_host(wts.get(), wh.data(), wh.size());
       be->copy_from_host_i32(gids.get(), ids.data(), ids.size());
-      const double us = time_recorded(*be, [&] { be->moe_experts(x.get(), T, gids.get(), wts.get(), K, bank, out.get()); });
+      const double us =
+          time_recorded(*be, [&] { be->moe_experts(x.get(), T, gids.get(), wts.get(), K, bank, out.get()); });
       // Weight bytes read: each token's distinct experts (at 8 tokens, the union of their ids).
       std::vector<int32_t> used(ids);
       std::sort(used.begin(), used.end());
       used.erase(std::unique(used.begin(), used.end()), used.end());
       const double gb = double(used.size() + 1) * 3.0 * double(D * I) * (fp8 ? 1 : 2) / 1e3;
-      std::printf("  %-4s experts T %lld: %7.1f us, %zu+1 experts, %6.0f GB/s\n", fp8 ? "fp8" : "bf16", (long long)T, us,
-                  used.size(), gb / us);
+      std::printf("  %-4s experts T %lld: %7.1f us, %zu+1 experts, %6.0f GB/s\n", fp8 ? "fp8" : "bf16", (long long)T,
+                  us, used.size(), gb / us);
     }
   }
 }

@@ -240,8 +240,7 @@ __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<true, WARPS>)
 // out[t, row] = (0 + w0 y[t, 0, row]) + w1 y[t, 1, row] + ... in order of k, shared slots last
 // with weight 1: moe_down2_kernel's sum.
 __global__ void __launch_bounds__(256) moe_down_combine_kernel(const float* __restrict__ y, int64_t D, int K, int S,
-                                                               const float* __restrict__ wts,
-                                                               float* __restrict__ out) {
+                                                               const float* __restrict__ wts, float* __restrict__ out) {
   pdl_begin();
   const int64_t t = blockIdx.y, row = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (row >= D) return;
@@ -416,8 +415,8 @@ void launch_down_xs(const float* h, int64_t N, int64_t D, int64_t I, int K, int 
     constexpr auto kernel = moe_down_slots2_kernel<DT, WARPS>;
     allow_xs<kernel>();
     float* y = const_cast<float*>(h) + N * (K + S) * I;
-    launch(kernel, dim3(unsigned((D / 2 + WARPS - 1) / WARPS), unsigned(K + S), unsigned(N)), 32 * WARPS,
-           size_t(I) * 4, st, h, D, I, K, S, n_routed, ids, bank, y);
+    launch(kernel, dim3(unsigned((D / 2 + WARPS - 1) / WARPS), unsigned(K + S), unsigned(N)), 32 * WARPS, size_t(I) * 4,
+           st, h, D, I, K, S, n_routed, ids, bank, y);
     VIREO_CUDA_LAUNCHED();
     launch(moe_down_combine_kernel, dim3(unsigned((D + 255) / 256), unsigned(N)), 256, 0, st, y, D, K, S, wts, out);
     VIREO_CUDA_LAUNCHED();
