@@ -409,12 +409,12 @@ bool moe_down_slots() {
 }
 
 template <int DT, int WARPS>
-void launch_down_xs(const float* h, int64_t N, int64_t D, int64_t I, int K, int S, int n_routed, const int32_t* ids,
+void launch_down_xs(float* h, int64_t N, int64_t D, int64_t I, int K, int S, int n_routed, const int32_t* ids,
                     const float* wts, const DevExpert* bank, float* out, cudaStream_t st) {
   if (moe_down_slots()) {
     constexpr auto kernel = moe_down_slots2_kernel<DT, WARPS>;
     allow_xs<kernel>();
-    float* y = const_cast<float*>(h) + N * (K + S) * I;
+    float* y = h + N * (K + S) * I;  // the slots' down products, after their gate | up products
     launch(kernel, dim3(unsigned((D / 2 + WARPS - 1) / WARPS), unsigned(K + S), unsigned(N)), 32 * WARPS, size_t(I) * 4,
            st, h, D, I, K, S, n_routed, ids, bank, y);
     VIREO_CUDA_LAUNCHED();
