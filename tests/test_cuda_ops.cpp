@@ -144,6 +144,46 @@ TEST(CudaOps, MatmulFp8TensorCoresChunked) {
 }
 #endif
 
+// RMS norms of decode steps (up to 8 rows: each row over a cluster of blocks on CUDA) and longer
+// ones (a block a row), with and without the residual add, at widths around the cluster's slices
+// (8 x 256 threads x 4) and GLM-5's (2048, 6144): against the CPU, every element written (output
+// poisoned), h updated, and add_rms_norm the same bits as add then rms_norm.
+TEST(CudaOps, RmsNormDecodeRowsAndAdd) {
+  REQUIRE_CUDA();
+  Pair p;
+  for (int64_t n : {int64_t(7), int64_t(100), int64_t(2048), int64_t(6144), int64_t(8192), int64_t(8200)})
+    for (int64_t T : {int64_t(1), int64_t(3), int64_t(8), int64_t(9)}) {
+      const int64_t xs = n + 5, ys = n + 3;
+      auto x = randv(size_t(T * xs), uint32_t(7 + n + T)), w = randv(size_t(n), uint32_t(8 + n));
+      auto h = randv(size_t(T * n), uint32_t(9 + n + T)), d = randv(size_t(T * n), uint32_t(10 + n + T));
+      std::vector<float> want(size_t(T * ys), 0.0f);
+      p.cpu->rms_norm(x.data(), xs, T, n, w.data(), 1e-6f, want.data(), ys);
+      float* gw = p.g.up(w);
+      float* gy = p.g.zeros(want.size());
+      p.gpu->fill(gy, NAN, int64_t(want.size()));
+      p.gpu->rms_norm(p.g.up(x), xs, T, n, gw, 1e-6f, gy, ys);
+      std::vector<float> got = p.g.down(gy, want.size());
+      for (int64_t t = 0; t < T; ++t)  // the gaps between rows are not the op's to write
+        for (int64_t i = n; i < ys; ++i) got[size_t(t * ys + i)] = 0.0f;
+      EXPECT_LT(nmse(got, want), 1e-12) << "rms_norm n " << n << " T " << T;
+
+      std::vector<float> hw = h, yw(size_t(T * n));
+      p.cpu->add_rms_norm(hw.data(), d.data(), T, n, w.data(), 1e-6f, yw.data());
+      float* gh = p.g.up(h);
+      float* gd = p.g.up(d);
+      float* gy2 = p.g.zeros(yw.size());
+      p.gpu->fill(gy2, NAN, int64_t(yw.size()));
+      p.gpu->add_rms_norm(gh, gd, T, n, gw, 1e-6f, gy2);
+      const std::vector<float> y_fused = p.g.down(gy2, yw.size());
+      EXPECT_LT(nmse(y_fused, yw), 1e-12) << "add_rms_norm n " << n << " T " << T;
+      EXPECT_EQ(p.g.down(gh, hw.size()), hw) << "add_rms_norm's residual, n " << n << " T " << T;
+      float* gh2 = p.g.up(h);
+      p.gpu->add(gh2, gd, T * n);
+      p.gpu->rms_norm(gh2, n, T, n, gw, 1e-6f, gy2, n);
+      EXPECT_EQ(p.g.down(gy2, yw.size()), y_fused) << "add then rms_norm, n " << n << " T " << T;
+    }
+}
+
 TEST(CudaOps, NormsRopeElementwise) {
   REQUIRE_CUDA();
   Pair p;
@@ -1151,6 +1191,58 @@ TEST(CudaOps, DecodeAttentionGlmShapesFastAndReference) {
                           dense ? "dense " : "select", e);
             }
           cuda_set_fast_decode(*p.gpu, true, true, true);
+        }
+    }
+}
+
+// Short contexts at GLM-5 head shapes: key lists of at most 256 take the one-kernel scores + o_lat
+// path (splits of 32 keys, 4 heads a block), longer bounds the two long-context kernels. Lengths
+// around the split edges, a head count that leaves a partial head group, causal and selected keys,
+// host positions and a recorded step's run-time ones under bounds on both sides of 256.
+TEST(CudaOps, DecodeAttentionShortContextsFast) {
+  REQUIRE_CUDA();
+  Pair p;
+  const int64_t nope = 192, rope = 64, vd = 256, L = 512, cap = 400;
+  const int64_t qw = nope + rope, kvw = L + rope, hw = nope + vd;
+  auto kv = randv(size_t(cap * kvw), 190);
+  float* gkv = p.g.up(kv);
+  for (int64_t H : {int64_t(64), int64_t(6)})
+    for (DType dt : {DType::BF16, DType::F8_E4M3}) {
+      HostWeight kvb = make_weight(dt, H * hw, L, uint32_t(191 + H));
+      Weight gkvb = p.gpu->upload_weight(kvb.w);
+      for (int64_t N : {int64_t(1), int64_t(2), int64_t(32), int64_t(33), int64_t(100), int64_t(256)})
+        for (int64_t T : {int64_t(1), int64_t(2)}) {
+          if (N < T) continue;
+          const int64_t pos0 = N - T, stride = 64;
+          auto q = randv(size_t(T * H * qw), uint32_t(192 + N + T));
+          std::vector<int32_t> keys, counts;
+          random_selection(T, stride, pos0, uint32_t(193 + N), keys, counts);
+          for (bool dense : {true, false}) {
+            MlaAttentionArgs a = mla_shape(T, H, nope, rope, vd, L, N, pos0, 1.0f / std::sqrt(float(qw)), true);
+            const KeySelection host_sel{keys.data(), counts.data(), stride};
+            const std::vector<float> want = cpu_mla_attention(*p.cpu, a, q, kv, kvb.w, dense ? nullptr : &host_sel);
+            MlaAttentionArgs g = a;
+            g.q = p.g.up(q);
+            g.kv = gkv;
+            g.kv_b = &gkvb;
+            if (!dense) g.selection = KeySelection{p.g.up_i(keys), p.g.up_i(counts), stride};
+            int32_t* gpos = p.g.up_i({int32_t(pos0)});
+            for (int64_t bound : {int64_t(0), int64_t(256), cap}) {  // 0: host positions
+              if (bound > 0 && bound < N) continue;
+              MlaAttentionArgs gg = g;
+              if (bound > 0) {
+                gg.pos0_dev = gpos;
+                gg.pos0 = bound - T;
+                gg.n_keys = bound;
+              }
+              gg.out = p.g.zeros(want.size());
+              p.gpu->fill(gg.out, NAN, int64_t(want.size()));
+              p.gpu->mla_attention(gg);
+              const double e = nmse(p.g.down(gg.out, want.size()), want);
+              EXPECT_LT(e, 1e-10) << "H " << H << " " << dt_name(dt) << " N " << N << " T " << T << " bound " << bound
+                                  << (dense ? " dense" : " selected");
+            }
+          }
         }
     }
 }

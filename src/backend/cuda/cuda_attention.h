@@ -36,11 +36,15 @@ struct DecodeAttnArgs {
   float* scores = nullptr;
   bool fast = true;
 };
-// Splits of the decode kernels for a key list of at most `max_keys` (sizes the partials: both
-// kernel sets fit in T x H x decode_splits(max_keys) x (L + 2) floats).
+// Splits of the decode kernels for a key list of at most `max_keys` (sizes the partials: every
+// kernel set fits in T x H x decode_splits(max_keys) x (L + 2) floats).
 int decode_splits(int64_t max_keys);
+// The short-context kernel's splits (32 keys each) where it takes a key list of at most
+// `max_keys` (<= 256 keys), else 0.
+int64_t decode_short_splits(int64_t max_keys);
 void mla_decode(const DecodeAttnArgs& a, cudaStream_t st);
-// All heads of a query per block (scores, then o_lat partials, then merge + W_UV). False (nothing
+// All heads of a query per block (scores, then o_lat partials, then merge + W_UV; at most 256
+// keys, scores and o_lat partials in one kernel). False (nothing
 // launched) when the shapes or alignments do not fit those kernels.
 bool mla_decode_fast(const DecodeAttnArgs& a, cudaStream_t st);
 

@@ -495,6 +495,7 @@ class CudaBackend final : public Backend {
                 int64_t ys) override {
     if (T <= 0) return;
     VIREO_PROF("rms_norm");
+    if (rms_norm_decode(x, xs, T, n, w, eps, y, ys, stream_)) return;
     launch(rms_norm_kernel, unsigned(T), n >= 2048 ? 512 : 256, 0, stream_, x, xs, n, w, eps, y, ys);
     VIREO_CUDA_LAUNCHED();
   }

@@ -29,6 +29,11 @@ void moe_experts(const float* x, int64_t N, int64_t D, int64_t I, int K, int S, 
 // h += x; y = rms_norm(h) * w, row by row (bit-identical to add then rms_norm).   [T, n]
 void add_rms_norm(float* h, const float* x, int64_t T, int64_t n, const float* w, float eps, float* y,
                   cudaStream_t st);
+// y = rms_norm(x) * w for a decode step's rows (T <= 8), each row over a cluster of
+// blocks, with add_rms_norm's arithmetic at those T (so add then rms_norm gives the same bits).
+// False (nothing launched) for other shapes.   x [T, xs], y [T, ys]
+bool rms_norm_decode(const float* x, int64_t xs, int64_t T, int64_t n, const float* w, float eps, float* y, int64_t ys,
+                     cudaStream_t st);
 
 void mla_cache_append(const float* kva, int64_t T, int64_t L, int64_t rope, const float* norm_w, float eps,
                       const float* cs, bool interleaved, float* cache, int64_t pos0, const int32_t* pos0_dev,

@@ -358,6 +358,112 @@ __global__ void __launch_bounds__(256) mla_decode_merge_wuv_kernel(
   }
 }
 
+// Short contexts (every query's key count <= kShortMaxKeys): scores, softmax and p x latent in one
+// kernel. Grid (key splits of kQK, head groups of kQH, T); 256 threads. A block stages its <= 32
+// cache rows and its 4 heads' queries once (cp.async, ~77 KB), then: each warp scores keys
+// warp, warp + 8, ... for the 4 heads (a row's 16-byte column chunks over the lanes, one shuffle
+// tree per head); a warp per head exponentiates its 32 scores against their max; each thread sums
+// p x latent for one 16-byte column chunk of 2 heads over the split's keys. Writes the same
+// (max, sum, o) split partials as mla_decode_pv_kernel, for mla_decode_merge_wuv_kernel. At a few
+// dozen keys the two long-context kernels were latency-bound on a few SMs (9.7 + 6.8 us a GLM-5
+// layer under ncu with 2 cached keys, H200; docs/notes/cuda-decode-attention.md).
+constexpr int kQH = 4, kQK = 32;        // short kernel block: heads x keys
+constexpr int64_t kShortMaxKeys = 256;  // the short kernel's longest key list
+
+__global__ void __launch_bounds__(256)
+    mla_decode_short_kernel(const float* __restrict__ qlat, const float* __restrict__ q, int H, int qw, int nope, int L,
+                            const float* __restrict__ kv, int kvw, int64_t pos0, const int32_t* __restrict__ pos0_dev,
+                            const int32_t* __restrict__ sel, const int32_t* __restrict__ counts, int64_t sel_stride,
+                            float scale2, int nks, float* __restrict__ opart, float* __restrict__ mpart,
+                            float* __restrict__ lpart) {
+  pdl_begin();
+  extern __shared__ __align__(16) float sm[];
+  const int P = score_tile_stride(kvw);
+  float* qs = sm;                                    // [kQH][P]: q_lat | q_rope
+  float* ks = qs + kQH * P;                          // [kQK][P]: the split's cache rows
+  float* ps = ks + kQK * P;                          // [kQH][kQK]: scores, then probabilities
+  int* us = reinterpret_cast<int*>(ps + kQH * kQK);  // [kQK]
+  const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  const int64_t t = blockIdx.z;
+  const int s = int(blockIdx.x), h0 = int(blockIdx.y) * kQH;
+  if (pos0_dev) pos0 = *pos0_dev;
+  const int64_t n = sel ? int64_t(counts[t]) : pos0 + t + 1;
+  const int64_t i0 = int64_t(s) * kQK;
+  const int cnt = int(n - i0 < 0 ? 0 : n - i0 > kQK ? kQK : n - i0);
+  if (cnt == 0) {  // an empty split: the merge skips it by its max
+    if (tid < kQH && h0 + tid < H) {
+      mpart[(t * H + h0 + tid) * nks + s] = -INFINITY;
+      lpart[(t * H + h0 + tid) * nks + s] = 0.0f;
+    }
+    return;
+  }
+  if (tid < cnt) us[tid] = sel ? sel[t * sel_stride + i0 + tid] : int(i0 + tid);
+  const int C4 = kvw / 4, L4 = L / 4;
+  for (int x = tid; x < kQH * C4; x += 256) {
+    const int r = x / C4, c4 = x % C4, h = h0 + r;
+    float* d = qs + r * P + 4 * c4;
+    if (h >= H) *reinterpret_cast<float4*>(d) = make_float4(0.f, 0.f, 0.f, 0.f);
+    else if (c4 < L4) cp_async16(d, qlat + ((t * H + h) * L + 4 * c4));
+    else cp_async16(d, q + ((t * H + h) * qw + nope + 4 * (c4 - L4)));
+  }
+  __syncthreads();  // us
+  for (int x = tid; x < cnt * C4; x += 256) {
+    const int r = x / C4, c4 = x % C4;
+    cp_async16(ks + r * P + 4 * c4, kv + int64_t(us[r]) * kvw + 4 * c4);
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+  for (int j = warp; j < cnt; j += 8) {
+    float acc[kQH];
+#pragma unroll
+    for (int hh = 0; hh < kQH; ++hh) acc[hh] = 0.0f;
+    for (int c4 = lane; c4 < C4; c4 += 32) {
+      const float4 k = *reinterpret_cast<const float4*>(ks + j * P + 4 * c4);
+#pragma unroll
+      for (int hh = 0; hh < kQH; ++hh) {
+        const float4 a = *reinterpret_cast<const float4*>(qs + hh * P + 4 * c4);
+        float v = acc[hh];
+        v = fmaf(a.x, k.x, v);
+        v = fmaf(a.y, k.y, v);
+        v = fmaf(a.z, k.z, v);
+        v = fmaf(a.w, k.w, v);
+        acc[hh] = v;
+      }
+    }
+#pragma unroll
+    for (int hh = 0; hh < kQH; ++hh) acc[hh] = warp_sum(acc[hh]);
+    if (lane == 0)
+#pragma unroll
+      for (int hh = 0; hh < kQH; ++hh) ps[hh * kQK + j] = acc[hh] * scale2;
+  }
+  __syncthreads();
+  if (warp < kQH) {  // kQK == 32: a lane per key
+    const float sv = lane < cnt ? ps[warp * kQK + lane] : -INFINITY;
+    const float m = warp_max(sv);
+    const float p = lane < cnt ? exp2f(sv - m) : 0.0f;
+    ps[warp * kQK + lane] = p;
+    const float l = warp_sum(p);
+    if (lane == 0 && h0 + warp < H) {
+      mpart[(t * H + h0 + warp) * nks + s] = m;
+      lpart[(t * H + h0 + warp) * nks + s] = l;
+    }
+  }
+  __syncthreads();
+  for (int x = tid; x < L4 * (kQH / 2); x += 256) {
+    const int c4 = x % L4, hp = 2 * (x / L4);
+    float4 o0 = make_float4(0.f, 0.f, 0.f, 0.f), o1 = o0;
+    for (int j = 0; j < cnt; ++j) {
+      const float4 v = *reinterpret_cast<const float4*>(ks + j * P + 4 * c4);
+      const float p0 = ps[hp * kQK + j], p1 = ps[(hp + 1) * kQK + j];
+      o0.x = fmaf(p0, v.x, o0.x), o0.y = fmaf(p0, v.y, o0.y), o0.z = fmaf(p0, v.z, o0.z), o0.w = fmaf(p0, v.w, o0.w);
+      o1.x = fmaf(p1, v.x, o1.x), o1.y = fmaf(p1, v.y, o1.y), o1.z = fmaf(p1, v.z, o1.z), o1.w = fmaf(p1, v.w, o1.w);
+    }
+    if (h0 + hp < H) *reinterpret_cast<float4*>(opart + ((t * H + h0 + hp) * nks + s) * L + 4 * c4) = o0;
+    if (h0 + hp + 1 < H) *reinterpret_cast<float4*>(opart + ((t * H + h0 + hp + 1) * nks + s) * L + 4 * c4) = o1;
+  }
+}
+
 // --- Indexer top-k ---------------------------------------------------------------------------
 
 // Scores as unsigned keys in the order of the floats (-0 and +0 equal, as floats compare).
@@ -526,6 +632,10 @@ bool rows_vectorizable(const DevW& w, int64_t L) {
 
 }  // namespace
 
+int64_t decode_short_splits(int64_t max_keys) {
+  return max_keys > 0 && max_keys <= kShortMaxKeys ? (max_keys + kQK - 1) / kQK : 0;
+}
+
 bool mla_decode_fast(const DecodeAttnArgs& a, cudaStream_t st) {
   const int64_t kvw = a.kvw, L = a.L;
   auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
@@ -548,23 +658,36 @@ bool mla_decode_fast(const DecodeAttnArgs& a, cudaStream_t st) {
         cudaFuncSetAttribute(mla_decode_pv_kernel<KG>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_p)));
     configured = true;
   }
-  const int64_t sstride = (a.max_keys + kSK - 1) / kSK * kSK;
-  const int nks = int((a.max_keys + kPK - 1) / kPK);
   const int H = int(a.H), nhg = int((a.H + kPH - 1) / kPH);
-  // At most kScoreTiles blocks per (head group, query), each looping over every kScoreTiles-th
-  // key tile: a recorded step sizes the launch for the cache capacity (the length comes at run
-  // time), and one block per tile put a short context's few live tiles among two waves of empty
-  // blocks of ~150 KB shared memory each (1 per SM).
-  constexpr int64_t kScoreTiles = 64;
-  const dim3 sgrid(unsigned(std::min(sstride / kSK, kScoreTiles)), unsigned((a.H + kSH - 1) / kSH), unsigned(a.T));
   const float scale2 = float(double(a.scale) * 1.4426950408889634);  // base-2 scores: see the top
-  launch(mla_decode_scores_kernel<KQ>, sgrid, 64 * KQ, smem_s, st, a.qlat, a.q, H, int(a.qw), int(a.nope), int(L), a.kv,
-         int(kvw), a.pos0, a.pos0_dev, a.sel, a.counts, a.sel_stride, scale2, sstride, a.scores);
-  VIREO_CUDA_LAUNCHED();
-  const dim3 pgrid(unsigned(L / kPC), unsigned(nks), unsigned(a.T * nhg));
-  launch(mla_decode_pv_kernel<KG>, pgrid, 64 * KG, smem_p, st, a.scores, sstride, H, nhg, int(L), a.kv, int(kvw),
-         a.pos0, a.pos0_dev, a.sel, a.counts, a.sel_stride, nks, a.opart, a.mpart, a.lpart);
-  VIREO_CUDA_LAUNCHED();
+  const int64_t short_splits = decode_short_splits(a.max_keys);
+  const size_t smem_q = size_t((kQH + kQK) * P + kQH * kQK + kQK) * 4;
+  static const bool short_on = env_switch("VIREO_SHORT_ATTENTION");  // 0: the long kernels always (A/B runs)
+  int nks = 0;
+  if (short_on && short_splits > 0 && short_splits <= a.nsplit && smem_q <= size_t(227) * 1024) {
+    nks = int(short_splits);
+    allow_dynamic_smem<mla_decode_short_kernel, 227 * 1024>();
+    launch(mla_decode_short_kernel, dim3(unsigned(nks), unsigned((a.H + kQH - 1) / kQH), unsigned(a.T)), 256, smem_q,
+           st, a.qlat, a.q, H, int(a.qw), int(a.nope), int(L), a.kv, int(kvw), a.pos0, a.pos0_dev, a.sel, a.counts,
+           a.sel_stride, scale2, nks, a.opart, a.mpart, a.lpart);
+    VIREO_CUDA_LAUNCHED();
+  } else {
+    const int64_t sstride = (a.max_keys + kSK - 1) / kSK * kSK;
+    nks = int((a.max_keys + kPK - 1) / kPK);
+    // At most kScoreTiles blocks per (head group, query), each looping over every kScoreTiles-th
+    // key tile: a recorded step sizes the launch for the cache capacity (the length comes at run
+    // time), and one block per tile put a short context's few live tiles among two waves of empty
+    // blocks of ~150 KB shared memory each (1 per SM).
+    constexpr int64_t kScoreTiles = 64;
+    const dim3 sgrid(unsigned(std::min(sstride / kSK, kScoreTiles)), unsigned((a.H + kSH - 1) / kSH), unsigned(a.T));
+    launch(mla_decode_scores_kernel<KQ>, sgrid, 64 * KQ, smem_s, st, a.qlat, a.q, H, int(a.qw), int(a.nope), int(L),
+           a.kv, int(kvw), a.pos0, a.pos0_dev, a.sel, a.counts, a.sel_stride, scale2, sstride, a.scores);
+    VIREO_CUDA_LAUNCHED();
+    const dim3 pgrid(unsigned(L / kPC), unsigned(nks), unsigned(a.T * nhg));
+    launch(mla_decode_pv_kernel<KG>, pgrid, 64 * KG, smem_p, st, a.scores, sstride, H, nhg, int(L), a.kv, int(kvw),
+           a.pos0, a.pos0_dev, a.sel, a.counts, a.sel_stride, nks, a.opart, a.mpart, a.lpart);
+    VIREO_CUDA_LAUNCHED();
+  }
   const dim3 grid(unsigned(a.H), unsigned((a.vd + kWR - 1) / kWR), unsigned(a.T));
   const size_t smem_m = size_t(L + nks) * 4;
   const int hw = int(a.hw), nope = int(a.nope), vd = int(a.vd);

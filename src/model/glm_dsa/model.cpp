@@ -323,6 +323,10 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
   }
 }
 
+int64_t GlmDsaModel::step_bound(const MlaCache& cache) const {
+  return step_bound_ > 0 ? step_bound_ : cache.capacity();
+}
+
 bool GlmDsaModel::can_record_step(const std::vector<Segment>& segs, int64_t N) const {
   if (!recording_enabled_ || !backend_.can_record() || experts_->wants_prefetch()) return false;
   for (const Segment& s : segs)
@@ -372,9 +376,16 @@ void GlmDsaModel::run_recorded(std::vector<Segment>& segs, int64_t N, MlaCache& 
   }
   int32_t* pos = scratch_i32(7, pos_host.size());
   backend_.copy_from_host_i32(pos, pos_host.data(), pos_host.size());
-  for (size_t i = 0; i < segs.size(); ++i) segs[i].pos0_dev = pos + i;
+  int64_t longest = 0;
+  for (size_t i = 0; i < segs.size(); ++i) {
+    segs[i].pos0_dev = pos + i;
+    longest = std::max(longest, segs[i].pos0 + segs[i].T);
+  }
+  step_bound_ = cache.capacity();
+  for (int64_t b : {kShortBound, config_.has_indexer ? config_.index_topk : kShortBound})
+    if (longest <= b) step_bound_ = std::min(step_bound_, b);
 
-  RecordedStep& r = recorded_[{cache.id(), rows}];
+  RecordedStep& r = recorded_[{cache.id(), rows, step_bound_}];
   r.last_use = ++step_clock_;
   const bool same_buffers = r.model_gen == scratch_gen_ && r.backend_gen == backend_.scratch_generation();
   if (!r.pieces.empty() && same_buffers) {
@@ -401,7 +412,7 @@ void GlmDsaModel::run_recorded(std::vector<Segment>& segs, int64_t N, MlaCache& 
         oldest = it;
     if (oldest != recorded_.end()) recorded_.erase(oldest);
   }
-  RecordedStep& rec = recorded_[{cache.id(), rows}];
+  RecordedStep& rec = recorded_[{cache.id(), rows, step_bound_}];
   recording_ = true;
   recording_into_ = &rec;
   backend_.begin_recording();
@@ -464,8 +475,6 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
   const float* cs = cos_sin_;
   const int64_t cs_stride = rope;  // floats of rope table per token
 
-  // Every product of xn in one call (one launch on a GPU at decode): the queries (or their
-  // low-rank part), this step's cache entries, and the indexer's keys and head weights.
   const bool own_indexer = c.has_indexer && a.has_indexer;
   const int64_t nI = c.index_n_heads, d = c.index_head_dim;
   float* q = scratch(11, size_t(N * H * qw));                                  // [N, H, nope + rope]
@@ -473,17 +482,35 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
   float* kva = scratch(14, size_t(N * kvw));                                   // [N, latent | k_rope]
   float* kraw = own_indexer ? scratch(16, size_t(N * d)) : nullptr;
   float* wts = own_indexer ? scratch(17, size_t(N * nI)) : nullptr;
-  {
-    std::vector<const Weight*> ws = {qa ? &a.q_a_proj : &a.q_proj, &a.kv_a_proj};
-    std::vector<float*> ys = {qa ? qa : q, kva};
-    if (own_indexer) {
-      ws.insert(ws.end(), {&a.idx_wk, &a.idx_weights_proj});
-      ys.insert(ys.end(), {kraw, wts});
-    }
-    backend_.matmul_many(xn, N, ws.data(), ys.data(), int(ws.size()));
-  }
   // Recorded steps size their launches for the longest row: the real length comes at run time.
-  auto bound_pos0 = [&](const Segment& s) { return s.pos0_dev ? cache.capacity() - s.T : s.pos0; };
+  auto bound_pos0 = [&](const Segment& s) { return s.pos0_dev ? step_bound(cache) - s.T : s.pos0; };
+
+  // DSA: this layer's own top-k selection, or the previous full layer's (kept in scratch slot 0
+  // of the i32 pool, [N, topk], until the next full layer overwrites it).
+  // Where no query of the step can have more than index_topk keys, the top-k would select every
+  // causal key (in ascending order, as the attention walks them unselected): the attention runs
+  // dense, with the same arithmetic, and the indexer only appends this step's keys.
+  const int64_t topk = c.index_topk;
+  bool dense_dsa = true;
+  for (const Segment& s : segs) dense_dsa = dense_dsa && bound_pos0(s) + s.T <= topk;
+  int32_t* selected = nullptr;
+  int32_t* counts = nullptr;
+  if (c.has_indexer && !dense_dsa) {
+    selected = scratch_i32(0, size_t(N * topk));
+    counts = scratch_i32(1, size_t(N));
+  }
+
+  // The products of xn: the queries (or their low-rank part), this step's cache entries and the
+  // indexer's keys and head weights, as one call (one launch per weight dtype on a GPU at decode).
+  // Where DSA is dense the indexer's key product goes to its branch instead (below), which is
+  // then the short side: an FP8 checkpoint keeps it in bf16, a GEMV launch of its own (4.7 us
+  // a GLM-5 layer on the H200).
+  const bool index_products_here = own_indexer && !dense_dsa;
+  {
+    const Weight* ws[4] = {qa ? &a.q_a_proj : &a.q_proj, &a.kv_a_proj, &a.idx_wk, &a.idx_weights_proj};
+    float* ys[4] = {qa ? qa : q, kva, kraw, wts};
+    backend_.matmul_many(xn, N, ws, ys, index_products_here ? 4 : 2);
+  }
 
   float* q_resid = nullptr;
   float* qi = own_indexer ? scratch(15, size_t(N * nI * d)) : nullptr;  // the indexer's queries
@@ -492,55 +519,54 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
     backend_.rms_norm(qa, c.q_lora_rank, N, c.q_lora_rank, vec(a.q_a_norm), eps_lora, q_resid, c.q_lora_rank);
   }
 
-  // DSA: this layer's own top-k selection, or the previous full layer's (kept in scratch slot 0
-  // of the i32 pool, [N, topk], until the next full layer overwrites it).
-  const int64_t topk = c.index_topk;
-  int32_t* selected = nullptr;
-  int32_t* counts = nullptr;
-  if (c.has_indexer) {
-    selected = scratch_i32(0, size_t(N * topk));
-    counts = scratch_i32(1, size_t(N));
-  }
+  // This step's cache entries [latent | k_rope], written straight into each sequence's row.
+  auto append_cache_entries = [&] {
+    for (const Segment& s : segs)
+      backend_.mla_cache_append(kva + s.offset * kvw, s.T, L, rope, vec(a.kv_a_norm), eps_lora,
+                                cs + s.offset * cs_stride, rope_kind(c.mla_rope_style), cache.kv(layer, s.row), s.pos0,
+                                s.pos0_dev);
+  };
   // A branch: the whole indexer (its keys, head weights, queries, scores and top-k) needs nothing
   // of the queries' work (q_b, this step's cache entries, RoPE, absorption), which runs beside it.
   // The indexer's query product is its own GEMV here, not one launch with q_b: its chain of small
   // latency-bound kernels then overlaps q_b's weight stream instead of waiting for it (H200, 8
-  // layers, bf16 decode: +1.5 points at context 0). The cache append runs on the main side, which
-  // is the shorter one at 4096 cached (+0.5 points there, -0.25 at context 0; session 15).
+  // layers, bf16 decode: +1.5 points at context 0). The cache append runs on the shorter side: the
+  // main one when the indexer selects (+0.5 points at 4096 cached; session 15), the branch when
+  // DSA is dense (the branch is then the key product and the key append).
   if (own_indexer) {
     VIREO_ASSERT(q_resid);  // the indexer's queries come from the low-rank query (config checks)
     Backend::BranchScope branch(backend_, N);
-    backend_.scale(wts, float(1.0 / std::sqrt(double(nI))), N * nI);
+    if (!index_products_here) backend_.matmul(xn, N, a.idx_wk, kraw);
     for (const Segment& s : segs)
       backend_.index_key_append(kraw + s.offset * d, s.T, d, vec(a.idx_k_norm_w), vec(a.idx_k_norm_b), 1e-6f, rope,
                                 cs + s.offset * cs_stride, rope_kind(c.indexer_rope_style),
                                 cache.index_keys(layer, s.row), s.pos0, s.pos0_dev);
-    backend_.matmul(q_resid, N, a.idx_wq_b, qi);
-    backend_.rope(qi, N, nI, nI * d, d, 0, rope, cs, rope_kind(c.indexer_rope_style));
-    for (const Segment& s : segs) {
-      IndexerArgs ia;
-      ia.q = qi + s.offset * nI * d;
-      ia.weights = wts + s.offset * nI;
-      ia.keys = cache.index_keys(layer, s.row);
-      ia.T = s.T;
-      ia.n_heads = nI;
-      ia.head_dim = d;
-      ia.pos0 = bound_pos0(s);
-      ia.n_keys = ia.pos0 + s.T;
-      ia.pos0_dev = s.pos0_dev;
-      ia.topk = topk;
-      ia.scale = float(1.0 / std::sqrt(double(d)));
-      ia.selected = selected + s.offset * topk;
-      ia.counts = counts + s.offset;
-      backend_.indexer_select(ia);
+    if (dense_dsa) append_cache_entries();  // the branch is the short side here
+    if (!dense_dsa) {
+      backend_.scale(wts, float(1.0 / std::sqrt(double(nI))), N * nI);
+      backend_.matmul(q_resid, N, a.idx_wq_b, qi);
+      backend_.rope(qi, N, nI, nI * d, d, 0, rope, cs, rope_kind(c.indexer_rope_style));
+      for (const Segment& s : segs) {
+        IndexerArgs ia;
+        ia.q = qi + s.offset * nI * d;
+        ia.weights = wts + s.offset * nI;
+        ia.keys = cache.index_keys(layer, s.row);
+        ia.T = s.T;
+        ia.n_heads = nI;
+        ia.head_dim = d;
+        ia.pos0 = bound_pos0(s);
+        ia.n_keys = ia.pos0 + s.T;
+        ia.pos0_dev = s.pos0_dev;
+        ia.topk = topk;
+        ia.scale = float(1.0 / std::sqrt(double(d)));
+        ia.selected = selected + s.offset * topk;
+        ia.counts = counts + s.offset;
+        backend_.indexer_select(ia);
+      }
     }
   }
   if (qa) backend_.matmul(q_resid, N, a.q_b_proj, q);
-  // This step's cache entries [latent | k_rope], written straight into each sequence's row.
-  for (const Segment& s : segs)
-    backend_.mla_cache_append(kva + s.offset * kvw, s.T, L, rope, vec(a.kv_a_norm), eps_lora,
-                              cs + s.offset * cs_stride, rope_kind(c.mla_rope_style), cache.kv(layer, s.row), s.pos0,
-                              s.pos0_dev);
+  if (!(own_indexer && dense_dsa)) append_cache_entries();
 
   backend_.rope(q, N, H, H * qw, qw, nope, rope, cs, rope_kind(c.mla_rope_style));
 

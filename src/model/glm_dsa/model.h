@@ -3,6 +3,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "backend/backend.h"
@@ -175,7 +176,15 @@ class GlmDsaModel {
   bool recording_ = false;     // ops are being recorded: scratch must not grow
   RecordedStep* recording_into_ = nullptr;  // where moe() puts the pieces while recording
   bool recording_enabled_ = true;
-  std::map<std::pair<uint64_t, std::vector<int>>, RecordedStep> recorded_;  // (cache id, rows) ->
+  // (cache id, rows, bound on every row's length) -> its recording
+  std::map<std::tuple<uint64_t, std::vector<int>, int64_t>, RecordedStep> recorded_;
+  // A recorded step's launches are sized for rows of up to this many keys (their lengths come at
+  // run time): the smallest of kShortBound, the indexer's top-k and the cache's capacity that
+  // holds the step, so that short contexts get launches sized for them (the CUDA backend's
+  // one-kernel attention takes at most 256 keys; at most index_topk keys DSA is dense).
+  static constexpr int64_t kShortBound = 256;
+  int64_t step_bound_ = 0;  // 0: the cache's capacity
+  int64_t step_bound(const MlaCache& cache) const;
   uint64_t step_clock_ = 0;
   int64_t recorded_runs_ = 0;
 };
