@@ -194,6 +194,34 @@ TEST(CudaFixtures, RecordedDecodeStepsEqualEagerSteps) {
 #endif
 }
 
+// Recorded steps are sized for a bound on the context (the indexer's top-k, where DSA is dense; 256
+// keys, the CUDA short-context attention; the cache's capacity) and recorded again as the context
+// crosses each: 300 steps through all three, recorded against eager, the logits of every step
+// within 1e-6 and the recordings used for most steps.
+TEST(CudaFixtures, RecordedStepsAcrossContextBounds) {
+  REQUIRE_CUDA();
+#ifdef VIREO_HAVE_CUDA
+  const std::string dir = kFixtures + "/glm_dsa_full_f32";
+  auto ids = read_json_file(dir + "/expected.json")["tokens"].get<std::vector<int32_t>>();
+  auto be = make_cuda_backend();
+  auto m = GlmDsaModel::load(dir, *be);
+  ASSERT_LT(m->config().index_topk, 256);
+  const int64_t V = m->config().vocab_size, n = 300;
+  std::vector<std::vector<float>> runs;
+  for (bool record : {false, true}) {
+    m->set_recording(record);
+    MlaCache cache(*be, m->cache_shape(), 1, 320);
+    std::vector<float> all(static_cast<size_t>(n * V));
+    for (int64_t t = 0; t < n; ++t)
+      m->forward(&ids[size_t(t) % ids.size()], 1, cache, 0, all.data() + t * V, false, AttentionPath::Absorbed);
+    runs.push_back(all);
+  }
+  EXPECT_GE(m->recorded_steps_run(), n - 6);  // an eager and a recording step per bound
+  for (int64_t t = 0; t < n; ++t)
+    EXPECT_LE(max_row_rel_l2(runs[1].data() + t * V, runs[0].data() + t * V, 1, V), 1e-6) << "step " << t;
+#endif
+}
+
 // Programmatic dependent launches (every kernel's blocks dispatched while its predecessor runs,
 // waiting for it in pdl_begin) change only when work starts, never what is computed: a prefill
 // and recorded decode steps give the same bits with them on and off. A kernel that read its
