@@ -1138,6 +1138,38 @@ TEST(CudaOps, GroupedExpertsGlmShapesRepeat) {
 }
 
 #ifdef VIREO_HAVE_CUDA
+namespace {
+// A decode attention case at GLM-5 head shapes (qk 192 + 64, v 256, kv_lora 512) over the cache
+// rows kv / gkv: T queries after pos0 = N - T cached keys, a random selection of at most `stride`
+// keys a query unless dense. want: the CPU's output; g: the GPU's arguments (output zeroed);
+// gpos: pos0 in device memory, for run-time positions.
+struct GlmDecodeCase {
+  std::vector<float> want;
+  MlaAttentionArgs g;
+  int32_t* gpos = nullptr;
+};
+GlmDecodeCase glm_decode_case(Pair& p, int64_t T, int64_t H, int64_t N, int64_t stride, bool dense, uint32_t q_seed,
+                              uint32_t sel_seed, const std::vector<float>& kv, float* gkv, const HostWeight& kvb,
+                              const Weight& gkvb) {
+  const int64_t nope = 192, rope = 64, vd = 256, L = 512, qw = nope + rope, pos0 = N - T;
+  auto q = randv(size_t(T * H * qw), q_seed);
+  std::vector<int32_t> keys, counts;
+  random_selection(T, stride, pos0, sel_seed, keys, counts);
+  const MlaAttentionArgs a = mla_shape(T, H, nope, rope, vd, L, N, pos0, 1.0f / std::sqrt(float(qw)), true);
+  const KeySelection host_sel{keys.data(), counts.data(), stride};
+  GlmDecodeCase c;
+  c.want = cpu_mla_attention(*p.cpu, a, q, kv, kvb.w, dense ? nullptr : &host_sel);
+  c.g = a;
+  c.g.q = p.g.up(q);
+  c.g.kv = gkv;
+  c.g.kv_b = &gkvb;
+  c.g.out = p.g.zeros(c.want.size());
+  if (!dense) c.g.selection = KeySelection{p.g.up_i(keys), p.g.up_i(counts), stride};
+  c.gpos = p.g.up_i({int32_t(pos0)});
+  return c;
+}
+}  // namespace
+
 // The absorbed decode attention at GLM-5 head shapes (qk 192 + 64, v 256, kv_lora 512) on 2048
 // selected keys of 4200 and (64 heads, BF16) on all 4200 (more key tiles than the scores kernel
 // has blocks, so each loops over several), with host and run-time positions, on the fast kernels (all heads per
@@ -1147,7 +1179,7 @@ TEST(CudaOps, DecodeAttentionGlmShapesFastAndReference) {
   REQUIRE_CUDA();
   Pair p;
   const int64_t nope = 192, rope = 64, vd = 256, L = 512, N = 4200, stride = 2048;
-  const int64_t qw = nope + rope, kvw = L + rope, hw = nope + vd;
+  const int64_t kvw = L + rope, hw = nope + vd;
   auto kv = randv(size_t(N * kvw), 90);
   float* gkv = p.g.up(kv);
   for (int64_t H : {int64_t(64), int64_t(80)})
@@ -1158,20 +1190,11 @@ TEST(CudaOps, DecodeAttentionGlmShapesFastAndReference) {
       for (int64_t T : {int64_t(1), int64_t(3)})
         for (bool dense : {false, true}) {
           if (dense && (H != 64 || dt != DType::BF16)) continue;
-          const int64_t pos0 = N - T;
-          auto q = randv(size_t(T * H * qw), uint32_t(92 + T));
-          std::vector<int32_t> keys, counts;
-          random_selection(T, stride, pos0, uint32_t(93 + T), keys, counts);
-          MlaAttentionArgs a = mla_shape(T, H, nope, rope, vd, L, N, pos0, 1.0f / std::sqrt(float(qw)), true);
-          const KeySelection host_sel{keys.data(), counts.data(), stride};
-          const std::vector<float> want = cpu_mla_attention(*p.cpu, a, q, kv, kvb.w, dense ? nullptr : &host_sel);
-          MlaAttentionArgs g = a;
-          g.q = p.g.up(q);
-          g.kv = gkv;
-          g.kv_b = &gkvb;
-          g.out = p.g.zeros(want.size());
-          if (!dense) g.selection = KeySelection{p.g.up_i(keys), p.g.up_i(counts), stride};
-          int32_t* gpos = p.g.up_i({int32_t(pos0)});
+          const GlmDecodeCase c =
+              glm_decode_case(p, T, H, N, stride, dense, uint32_t(92 + T), uint32_t(93 + T), kv, gkv, kvb, gkvb);
+          const std::vector<float>& want = c.want;
+          const MlaAttentionArgs& g = c.g;
+          int32_t* gpos = c.gpos;
           for (bool fast : {true, false})
             for (bool dev_pos : {false, true}) {
               cuda_set_fast_decode(*p.gpu, fast, true, true);
@@ -1203,7 +1226,7 @@ TEST(CudaOps, DecodeAttentionShortContextsFast) {
   REQUIRE_CUDA();
   Pair p;
   const int64_t nope = 192, rope = 64, vd = 256, L = 512, cap = 400;
-  const int64_t qw = nope + rope, kvw = L + rope, hw = nope + vd;
+  const int64_t kvw = L + rope, hw = nope + vd;
   auto kv = randv(size_t(cap * kvw), 190);
   float* gkv = p.g.up(kv);
   for (int64_t H : {int64_t(64), int64_t(6)})
@@ -1213,20 +1236,12 @@ TEST(CudaOps, DecodeAttentionShortContextsFast) {
       for (int64_t N : {int64_t(1), int64_t(2), int64_t(32), int64_t(33), int64_t(100), int64_t(256)})
         for (int64_t T : {int64_t(1), int64_t(2)}) {
           if (N < T) continue;
-          const int64_t pos0 = N - T, stride = 64;
-          auto q = randv(size_t(T * H * qw), uint32_t(192 + N + T));
-          std::vector<int32_t> keys, counts;
-          random_selection(T, stride, pos0, uint32_t(193 + N), keys, counts);
           for (bool dense : {true, false}) {
-            MlaAttentionArgs a = mla_shape(T, H, nope, rope, vd, L, N, pos0, 1.0f / std::sqrt(float(qw)), true);
-            const KeySelection host_sel{keys.data(), counts.data(), stride};
-            const std::vector<float> want = cpu_mla_attention(*p.cpu, a, q, kv, kvb.w, dense ? nullptr : &host_sel);
-            MlaAttentionArgs g = a;
-            g.q = p.g.up(q);
-            g.kv = gkv;
-            g.kv_b = &gkvb;
-            if (!dense) g.selection = KeySelection{p.g.up_i(keys), p.g.up_i(counts), stride};
-            int32_t* gpos = p.g.up_i({int32_t(pos0)});
+            const GlmDecodeCase c =
+                glm_decode_case(p, T, H, N, 64, dense, uint32_t(192 + N + T), uint32_t(193 + N), kv, gkv, kvb, gkvb);
+            const std::vector<float>& want = c.want;
+            const MlaAttentionArgs& g = c.g;
+            int32_t* gpos = c.gpos;
             for (int64_t bound : {int64_t(0), int64_t(256), cap}) {  // 0: host positions
               if (bound > 0 && bound < N) continue;
               MlaAttentionArgs gg = g;
