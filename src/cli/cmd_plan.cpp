@@ -44,13 +44,16 @@ uint64_t estimate_scratch_bytes(const GlmDsaConfig& c, int64_t T, int64_t out_ro
     // keys per thread in N-sized vectors, too small to count: 8 bytes a key a thread against
     // kv_b's H x (nope + v) x 4), and the absorbed path's (decode rows; chunks appended to a long
     // cache take it too, see choose_path): the absorbed queries [T, H, kv_lora], the split
-    // partials [rows, H, splits of 64 keys, kv_lora + 2] and the scores [rows, H, keys rounded to
+    // partials [rows, H, splits, kv_lora + 2] and the scores [rows, H, keys rounded to
     // 32] for the rows of one pass, over at most index_topk keys under DSA.
     if (c.has_indexer) attn += T * ((N + 31) / 32) + T * N;
     const int64_t keys = c.has_indexer ? std::min<int64_t>(N, c.index_topk) : N;
     // (The partials and scores are sized for one pass of rows: at most kAbsorbedPassBytes, at least a row;
     // attention_absorbed in cuda_backend.cu.)
-    const int64_t per_row = H * ((keys + 63) / 64) * (L + 2) + H * ((keys + 31) / 32 * 32);
+    // (Splits as decode_splits in cuda_attention.cu: of 64 keys, or of 32 where at most 256 keys
+    // take the short-context kernel.)
+    const int64_t splits = std::max((keys + 63) / 64, keys <= 256 ? (keys + 31) / 32 : 0);
+    const int64_t per_row = H * splits * (L + 2) + H * ((keys + 31) / 32 * 32);
     const int64_t pass_floats = int64_t(CudaBufferSizes::kAbsorbedPassBytes) / 4;
     const int64_t rows = std::clamp<int64_t>(pass_floats / std::max<int64_t>(per_row, 1), 1, std::max<int64_t>(T, 1));
     attn += T * H * L + rows * per_row;
