@@ -183,6 +183,10 @@ TEST(Cli, BadFlagsAreRejected) {
   expect_clean_error(r, "--profile needs --device cuda");
   r = run_vireo("bench --model " + kFixture + " --batch 4");  // batched decode is timed on CUDA
   expect_clean_error(r, "--batch needs --device cuda");
+  r = run_vireo("bench --model " + kFixture + " --capacity 4096");  // sizes the CUDA decode's cache
+  expect_clean_error(r, "--capacity needs --device cuda");
+  r = run_vireo("bench --model " + kFixture + " --device cuda --decode 64 --capacity 70");
+  expect_clean_error(r, "--capacity 70: the context-0 decode needs at least --decode + 8 = 72 rows");
   r = run_vireo("bench --model " + kFixture + " --batch 0");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.err.find("--batch"), std::string::npos) << r.err;

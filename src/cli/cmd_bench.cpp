@@ -117,7 +117,7 @@ namespace {
 // against a device-to-device copy and a cuBLASLt bf16 GEMM measured in the same run.
 int bench_cuda(const std::string& dir, const std::string& synthetic, const std::string& dtype, int layers, int experts,
                int64_t n_decode, bool record, bool profile, const SamplingParams& sampling, const std::string& math,
-               bool math_only, int batch) {
+               bool math_only, int batch, int64_t capacity) {
 #ifndef VIREO_HAVE_CUDA
   fail("--device cuda: this vireo was built without CUDA (no nvcc at build time)");
 #else
@@ -201,7 +201,7 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
   const bool sampled = sampling.temperature != 0.0f;
   for (Pick pick : sampled ? std::vector<Pick>{Pick::Greedy, Pick::SampleDevice, Pick::SampleHost}
                            : std::vector<Pick>{Pick::Greedy}) {
-    MlaCache cache(*backend, model->cache_shape(), 1, n_decode + 8);
+    MlaCache cache(*backend, model->cache_shape(), 1, std::max(capacity, n_decode + 8));
     decode_from(cache, 0, pick);
   }
   // --batch B: B sequences decoding together from context 0, as `vireo serve` steps them
@@ -452,7 +452,7 @@ Action add_bench(CLI::App& app) {
   struct Opts {
     std::string model, synthetic, dtype = "bf16";
     int layers = 2, experts = 16;
-    int64_t prompt = 64, decode = 16, context = 0;
+    int64_t prompt = 64, decode = 16, context = 0, capacity = 0;
     int batch = 1;
     bool no_graph = false;
     std::string attention = "auto";
@@ -482,6 +482,10 @@ Action add_bench(CLI::App& app) {
                  "CUDA: also time decode steps of this many sequences at once (as vireo serve batches them), "
                  "beside one sequence")
       ->check(CLI::Range(1, 64));
+  app.add_option("--capacity", o->capacity,
+                 "CUDA: rows of the cache the context-0 decode runs in (default: decode steps + 8), as a server's "
+                 "--context sizes each sequence's")
+      ->check(CLI::Range(int64_t(1), int64_t(1) << 22));
   add_streaming_flags(app, o->sf);
   add_device_flag(app, o->device, o->math);
   app.add_flag("--profile", o->profile,
@@ -500,6 +504,10 @@ Action add_bench(CLI::App& app) {
     using clock = std::chrono::steady_clock;
     if (o->model.empty() && o->synthetic.empty()) fail("bench needs --model DIR or --synthetic glm5");
     validate_sampling(o->s);
+    if (o->capacity > 0 && (o->device != "cuda" || !o->sf.gpu_budget.empty()))
+      fail("--capacity needs --device cuda without --gpu-budget (it sizes the resident model's decode cache)");
+    if (o->capacity > 0 && o->capacity < o->decode + 8)
+      fail("--capacity ", o->capacity, ": the context-0 decode needs at least --decode + 8 = ", o->decode + 8, " rows");
     check_device_flags(o->device, o->math, o->sf);
     if (o->profile && o->device != "cuda") fail("--profile needs --device cuda");
     if (o->math_only && o->device != "cuda") fail("--math-only needs --device cuda");
@@ -512,7 +520,7 @@ Action add_bench(CLI::App& app) {
                                   o->math);
     if (o->device == "cuda")
       return bench_cuda(o->model, o->synthetic, o->dtype, o->layers, o->experts, o->decode, !o->no_graph, o->profile,
-                        o->s, o->math, o->math_only, o->batch);
+                        o->s, o->math, o->math_only, o->batch, o->capacity);
     ThreadPool& pool = ThreadPool::global();
     auto backend = make_cpu_backend();
     std::unique_ptr<GlmDsaModel> model;
