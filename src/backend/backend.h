@@ -203,6 +203,10 @@ class Backend {
   // True when moe_experts is the faster way to run N tokens' experts on this backend (else the
   // forward groups tokens by expert: moe_group + one product per expert).
   virtual bool prefers_moe_experts(int64_t N) const { return false; }
+  // Key lists up to which this backend's decode attention has short-context kernels (0: none). A
+  // recorded step sized for at most this many keys takes them; the forward pass keeps a recording
+  // for that bound beside the longer ones.
+  virtual int64_t short_context_keys() const { return 0; }
   // out[r] = index of the largest x[r, :] (ties: the lowest index).  x [rows, n], out [rows]
   virtual void argmax_rows(const float* x, int64_t rows, int64_t n, int32_t* out) = 0;
   // out[r] = the token sample_row (backend/sampling.h, the reference) draws from x[r, :] with

@@ -39,8 +39,9 @@ struct DecodeAttnArgs {
 // Splits of the decode kernels for a key list of at most `max_keys` (sizes the partials: every
 // kernel set fits in T x H x decode_splits(max_keys) x (L + 2) floats).
 int decode_splits(int64_t max_keys);
-// The short-context kernel's splits (32 keys each) where it takes a key list of at most
-// `max_keys` (<= 256 keys), else 0.
+// The short-context kernel's longest key list, and its splits (32 keys each) where it takes a
+// key list of at most `max_keys`, else 0.
+constexpr int64_t kDecodeShortMaxKeys = 256;
 int64_t decode_short_splits(int64_t max_keys);
 void mla_decode(const DecodeAttnArgs& a, cudaStream_t st);
 // All heads of a query per block (scores, then o_lat partials, then merge + W_UV; at most 256

@@ -718,6 +718,7 @@ class CudaBackend final : public Backend {
                       b.table.get(), b.dtype, b.vec, gemv_x_shared_, part, h, out, stream_);
   }
   bool prefers_moe_experts(int64_t N) const override { return N <= kGemvRows; }
+  int64_t short_context_keys() const override { return kDecodeShortMaxKeys; }
 
   void argmax_rows(const float* x, int64_t rows, int64_t n, int32_t* out) override {
     VIREO_PROF("argmax_rows");

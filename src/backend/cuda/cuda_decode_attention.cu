@@ -376,7 +376,7 @@ __global__ void __launch_bounds__(256) mla_decode_merge_wuv_kernel(
   }
 }
 
-// Short contexts (every query's key count <= kShortMaxKeys): scores, softmax and p x latent in one
+// Short contexts (every query's key count <= kDecodeShortMaxKeys): scores, softmax and p x latent in one
 // kernel. Grid (key splits of kQK, head groups of kQH, T); 256 threads. A block stages its <= 32
 // cache rows and its 4 heads' queries once (cp.async, ~77 KB), then: each warp scores keys
 // warp, warp + 8, ... for the 4 heads (a row's 16-byte column chunks over the lanes, one shuffle
@@ -385,8 +385,7 @@ __global__ void __launch_bounds__(256) mla_decode_merge_wuv_kernel(
 // (max, sum, o) split partials as mla_decode_pv_kernel, for mla_decode_merge_wuv_kernel. At a few
 // dozen keys the two long-context kernels were latency-bound on a few SMs (9.7 + 6.8 us a GLM-5
 // layer under ncu with 2 cached keys, H200; docs/notes/cuda-decode-attention.md).
-constexpr int kQH = 4, kQK = 32;        // short kernel block: heads x keys
-constexpr int64_t kShortMaxKeys = 256;  // the short kernel's longest key list
+constexpr int kQH = 4, kQK = 32;  // short kernel block: heads x keys
 
 __global__ void __launch_bounds__(256)
     mla_decode_short_kernel(const float* __restrict__ qlat, const float* __restrict__ q, int H, int qw, int nope, int L,
@@ -651,7 +650,7 @@ bool rows_vectorizable(const DevW& w, int64_t L) {
 }  // namespace
 
 int64_t decode_short_splits(int64_t max_keys) {
-  return max_keys > 0 && max_keys <= kShortMaxKeys ? (max_keys + kQK - 1) / kQK : 0;
+  return max_keys > 0 && max_keys <= kDecodeShortMaxKeys ? (max_keys + kQK - 1) / kQK : 0;
 }
 
 bool mla_decode_fast(const DecodeAttnArgs& a, cudaStream_t st) {

@@ -382,8 +382,8 @@ void GlmDsaModel::run_recorded(std::vector<Segment>& segs, int64_t N, MlaCache& 
     longest = std::max(longest, segs[i].pos0 + segs[i].T);
   }
   step_bound_ = cache.capacity();
-  for (int64_t b : {kShortBound, config_.has_indexer ? config_.index_topk : kShortBound})
-    if (longest <= b) step_bound_ = std::min(step_bound_, b);
+  for (int64_t b : {backend_.short_context_keys(), config_.has_indexer ? config_.index_topk : int64_t(0)})
+    if (b > 0 && longest <= b) step_bound_ = std::min(step_bound_, b);
 
   RecordedStep& r = recorded_[{cache.id(), rows, step_bound_}];
   r.last_use = ++step_clock_;

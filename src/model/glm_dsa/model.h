@@ -179,10 +179,9 @@ class GlmDsaModel {
   // (cache id, rows, bound on every row's length) -> its recording
   std::map<std::tuple<uint64_t, std::vector<int>, int64_t>, RecordedStep> recorded_;
   // A recorded step's launches are sized for rows of up to this many keys (their lengths come at
-  // run time): the smallest of kShortBound, the indexer's top-k and the cache's capacity that
-  // holds the step, so that short contexts get launches sized for them (the CUDA backend's
-  // one-kernel attention takes at most 256 keys; at most index_topk keys DSA is dense).
-  static constexpr int64_t kShortBound = 256;
+  // run time): the smallest of the backend's short-context bound, the indexer's top-k and the
+  // cache's capacity that holds the step, so that short contexts get launches sized for them
+  // (short-context kernels; at most index_topk keys DSA is dense).
   int64_t step_bound_ = 0;  // 0: the cache's capacity
   int64_t step_bound(const MlaCache& cache) const;
   uint64_t step_clock_ = 0;
