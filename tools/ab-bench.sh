@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Same-call A/B runs of `vireo bench`: each variant runs ROUNDS times, interleaved (A B C A B C ..),
+# so that the machine's drift over the call falls on every variant alike; then one line a variant
+# with the median of each decode line's "% of bandwidth". H200s differ by 1.5-3 points of decode
+# from machine to machine (BENCHMARKS.md), so compare only variants of one call.
+#
+#   tools/ab-bench.sh [-r ROUNDS] [-o DIR] VARIANT... [-- BENCH ARGS]
+#
+# A variant is `-` (as it is), a comma-separated list of environment assignments
+# (`VIREO_SHORT_ATTENTION=0,VIREO_NORM_CLUSTER=0`), or `bin=PATH` (another vireo binary, e.g. the
+# parent commit's). BENCH ARGS default to the fp8 decode of BENCHMARKS.md's CUDA tables:
+#   --device cuda --synthetic glm5 --layers 8 --experts 16 --dtype fp8 --decode 64 --math fast-fp8 --math-only
+# Each run's whole output goes to DIR (default ./ab-bench-out) as <variant index>_<round>.txt.
+set -u
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+VIREO=${VIREO:-$ROOT/build/vireo}
+[ -x "$VIREO" ] || VIREO=$ROOT/build-cuda/vireo
+ROUNDS=2
+DIR=./ab-bench-out
+usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit "$1"; }
+while getopts "r:o:h" opt; do
+  case $opt in
+    r) ROUNDS=$OPTARG ;;
+    o) DIR=$OPTARG ;;
+    h) usage 0 ;;
+    *) usage 2 ;;
+  esac
+done
+shift $((OPTIND - 1))
+VARIANTS=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do VARIANTS+=("$1"); shift; done
+[ $# -gt 0 ] && shift
+BENCH=("$@")
+[ ${#BENCH[@]} -eq 0 ] && BENCH=(--device cuda --synthetic glm5 --layers 8 --experts 16 --dtype fp8 --decode 64
+                                 --math fast-fp8 --math-only)
+if [ ${#VARIANTS[@]} -eq 0 ]; then echo "ab-bench: no variants given (e.g. - VIREO_SHORT_ATTENTION=0)" >&2; exit 2; fi
+if ! [[ $ROUNDS =~ ^[1-9][0-9]*$ ]]; then echo "ab-bench: -r expects a positive count, got '$ROUNDS'" >&2; exit 2; fi
+for v in "${VARIANTS[@]}"; do
+  case $v in
+    -) ;;
+    bin=*) [ -x "${v#bin=}" ] || { echo "ab-bench: variant '$v': no executable at ${v#bin=}" >&2; exit 2; } ;;
+    *=*) for a in ${v//,/ }; do
+           [[ $a =~ ^[A-Za-z_][A-Za-z0-9_]*=.*$ ]] || { echo "ab-bench: variant '$v': '$a' is not NAME=VALUE" >&2; exit 2; }
+         done ;;
+    *) echo "ab-bench: variant '$v': expected -, NAME=VALUE[,NAME=VALUE...] or bin=PATH" >&2; exit 2 ;;
+  esac
+done
+[ -x "$VIREO" ] || { echo "ab-bench: no vireo binary at $VIREO (build first, or set VIREO=path)" >&2; exit 2; }
+mkdir -p "$DIR"
+
+# The decode lines of one run as "label<TAB>percent": CUDA prints "decode ctx 0 ... = 75.4% of
+# copy bandwidth", the CPU "decode  N tokens ... = 75% of bandwidth".
+decode_points() {
+  awk '/^decode/ && match($0, /= *[0-9.]+%/) {
+         pct = substr($0, RSTART, RLENGTH); gsub(/[= %]/, "", pct)
+         label = "decode"; if (match($0, /^decode ctx [0-9]+/)) label = substr($0, 8, RLENGTH - 7)
+         print label "\t" pct }' "$1"
+}
+
+status=0
+for ((r = 1; r <= ROUNDS; ++r)); do
+  for i in "${!VARIANTS[@]}"; do
+    v=${VARIANTS[$i]} bin=$VIREO envs=()
+    case $v in
+      -) ;;
+      bin=*) bin=${v#bin=} ;;
+      *) IFS=, read -r -a envs <<<"$v" ;;
+    esac
+    out=$DIR/${i}_$r.txt
+    if ! env ${envs[@]+"${envs[@]}"} "$bin" bench "${BENCH[@]}" >"$out" 2>&1; then
+      echo "ab-bench: variant '$v' round $r failed: $(tail -1 "$out")" >&2
+      status=1
+      continue
+    fi
+    echo "round $r  $(printf '%-40s' "$v")  $(decode_points "$out" | awk -F'\t' '{printf "%s %s%%  ", $1, $2}')"
+  done
+done
+
+echo "median of $ROUNDS round(s), % of bandwidth:"
+for i in "${!VARIANTS[@]}"; do
+  line=$(for ((r = 1; r <= ROUNDS; ++r)); do [ -f "$DIR/${i}_$r.txt" ] && decode_points "$DIR/${i}_$r.txt"; done |
+         awk -F'\t' '{v[$1] = v[$1] " " $2; if (!($1 in seen)) { seen[$1] = 1; order[++n] = $1 } }
+           END { for (k = 1; k <= n; ++k) {
+                   c = split(v[order[k]], a, " "); for (x = 1; x <= c; ++x) for (y = x + 1; y <= c; ++y)
+                     if (a[y] + 0 < a[x] + 0) { t = a[x]; a[x] = a[y]; a[y] = t }
+                   m = c % 2 ? a[(c + 1) / 2] : (a[c / 2] + a[c / 2 + 1]) / 2
+                   printf "%s %.1f%%  ", order[k], m } }')
+  echo "  $(printf '%-40s' "${VARIANTS[$i]}")  ${line:-no decode lines (see $DIR/${i}_*.txt)}"
+done
+exit $status
