@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <sstream>
 
 #include "io/json_file.h"
 #include "io/npy.h"
@@ -190,4 +191,41 @@ TEST(Cli, BadFlagsAreRejected) {
   r = run_vireo("bench --model " + kFixture + " --batch 0");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.err.find("--batch"), std::string::npos) << r.err;
+}
+
+// tools/ab-bench.sh reads `vireo bench`'s decode lines: two variants, two rounds each, interleaved,
+// then one median line a variant with a percentage; a bad variant is refused by name.
+TEST(Cli, AbBenchToolReadsTheBenchOutput) {
+  TempDir tmp("ab");
+  auto sh = [&](const std::string& args, RunResult& r) {
+    const std::string cmd = "VIREO=" + std::string(VIREO_BIN) + " bash " + std::string(VIREO_SOURCE_DIR) +
+                            "/tools/ab-bench.sh " + args + " >" + (tmp / "out") + " 2>" + (tmp / "err");
+    const int status = std::system(cmd.c_str());
+    r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    r.out = read_file(tmp / "out");
+    r.err = read_file(tmp / "err");
+  };
+  RunResult r;
+  sh("-r 2 -o " + (tmp / "runs") + " - VIREO_AB_UNUSED=1 -- -m " + kFixture + " --prompt 4 --decode 4", r);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  std::istringstream lines(r.out);
+  std::string line;
+  int rounds = 0, medians = 0;
+  bool in_medians = false;
+  while (std::getline(lines, line)) {
+    if (line.rfind("round ", 0) == 0) {
+      ++rounds;
+      EXPECT_NE(line.find("decode "), std::string::npos) << line;
+    }
+    if (line.rfind("median of 2 round(s)", 0) == 0) in_medians = true;
+    else if (in_medians) {
+      ++medians;
+      EXPECT_TRUE(line.find("decode ") != std::string::npos && line.find('%') != std::string::npos) << line;
+    }
+  }
+  EXPECT_EQ(rounds, 4) << r.out;
+  EXPECT_EQ(medians, 2) << r.out;
+  sh("-r 1 nonsense", r);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("variant 'nonsense'"), std::string::npos) << r.err;
 }
