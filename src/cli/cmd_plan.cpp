@@ -50,10 +50,7 @@ uint64_t estimate_scratch_bytes(const GlmDsaConfig& c, int64_t T, int64_t out_ro
     const int64_t keys = c.has_indexer ? std::min<int64_t>(N, c.index_topk) : N;
     // (The partials and scores are sized for one pass of rows: at most kAbsorbedPassBytes, at least a row;
     // attention_absorbed in cuda_backend.cu.)
-    // (Splits as decode_splits in cuda_attention.cu: of 64 keys, or of 32 where at most 256 keys
-    // take the short-context kernel.)
-    const int64_t splits = std::max((keys + 63) / 64, keys <= 256 ? (keys + 31) / 32 : 0);
-    const int64_t per_row = H * splits * (L + 2) + H * ((keys + 31) / 32 * 32);
+    const int64_t per_row = H * CudaBufferSizes::decode_splits(keys) * (L + 2) + H * ((keys + 31) / 32 * 32);
     const int64_t pass_floats = int64_t(CudaBufferSizes::kAbsorbedPassBytes) / 4;
     const int64_t rows = std::clamp<int64_t>(pass_floats / std::max<int64_t>(per_row, 1), 1, std::max<int64_t>(T, 1));
     attn += T * H * L + rows * per_row;

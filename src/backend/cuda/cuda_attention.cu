@@ -901,9 +901,7 @@ void absorb_q(const float* q, int64_t T, int64_t H, int64_t qw, int64_t nope, co
   VIREO_CUDA_LAUNCHED();
 }
 
-int decode_splits(int64_t max_keys) {
-  return int(std::max<int64_t>({1, (max_keys + kSplit - 1) / kSplit, decode_short_splits(max_keys)}));
-}
+static_assert(kSplit == CudaBufferSizes::kDecodeSplitKeys, "the decode splits' rule (cuda_backend.h) counts these");
 
 void mla_decode(const DecodeAttnArgs& a, cudaStream_t st) {
   if (a.fast && mla_decode_fast(a, st)) return;

@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_kernels.cuh"
 
 namespace vireo::cuda {
@@ -37,12 +38,13 @@ struct DecodeAttnArgs {
   bool fast = true;
 };
 // Splits of the decode kernels for a key list of at most `max_keys` (sizes the partials: every
-// kernel set fits in T x H x decode_splits(max_keys) x (L + 2) floats).
-int decode_splits(int64_t max_keys);
-// The short-context kernel's longest key list, and its splits (32 keys each) where it takes a
-// key list of at most `max_keys`, else 0.
-constexpr int64_t kDecodeShortMaxKeys = 256;
-int64_t decode_short_splits(int64_t max_keys);
+// kernel set fits in T x H x decode_splits(max_keys) x (L + 2) floats). The rule lives in
+// CudaBufferSizes, which the memory plan reads too.
+inline int decode_splits(int64_t max_keys) { return int(CudaBufferSizes::decode_splits(max_keys)); }
+// The short-context kernel's longest key list, and its splits where it takes a key list of at
+// most `max_keys`, else 0.
+constexpr int64_t kDecodeShortMaxKeys = CudaBufferSizes::kDecodeShortMaxKeys;
+inline int64_t decode_short_splits(int64_t max_keys) { return CudaBufferSizes::decode_short_splits(max_keys); }
 void mla_decode(const DecodeAttnArgs& a, cudaStream_t st);
 // All heads of a query per block (scores, then o_lat partials, then merge + W_UV; at most 256
 // keys, scores and o_lat partials in one kernel). False (nothing

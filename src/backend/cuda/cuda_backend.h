@@ -3,6 +3,7 @@
 // weights are uploaded once in their stored dtype (BF16, F16, F32, or F8_E4M3 with its 128x128
 // block scales) and converted in registers as they stream through. Built when nvcc is found
 // (VIREO_HAVE_CUDA); this header is usable either way, so callers need no #ifdefs.
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -23,6 +24,16 @@ struct CudaBufferSizes {
   static constexpr size_t kLtWorkspaceBytes = size_t(32) << 20;    // a cuBLASLt workspace (the stream's, each lane's)
   static constexpr int kExpertLanes = 4;                           // experts_add's side streams
   static constexpr int64_t kGroupedRows = 16384;                   // grouped experts: rows a chunk (cuda_grouped.h)
+  // Absorbed decode attention's key splits (cuda_attention.h): kDecodeSplitKeys keys each, or
+  // kDecodeShortSplitKeys each for key lists of at most kDecodeShortMaxKeys (the short-context
+  // kernel). The partials are sized for the larger count.
+  static constexpr int64_t kDecodeSplitKeys = 64, kDecodeShortSplitKeys = 32, kDecodeShortMaxKeys = 256;
+  static constexpr int64_t decode_short_splits(int64_t keys) {
+    return keys > 0 && keys <= kDecodeShortMaxKeys ? (keys + kDecodeShortSplitKeys - 1) / kDecodeShortSplitKeys : 0;
+  }
+  static constexpr int64_t decode_splits(int64_t keys) {
+    return std::max<int64_t>({1, (keys + kDecodeSplitKeys - 1) / kDecodeSplitKeys, decode_short_splits(keys)});
+  }
 };
 
 #ifdef VIREO_HAVE_CUDA

@@ -649,9 +649,7 @@ bool rows_vectorizable(const DevW& w, int64_t L) {
 
 }  // namespace
 
-int64_t decode_short_splits(int64_t max_keys) {
-  return max_keys > 0 && max_keys <= kDecodeShortMaxKeys ? (max_keys + kQK - 1) / kQK : 0;
-}
+static_assert(kQK == CudaBufferSizes::kDecodeShortSplitKeys, "the decode splits' rule (cuda_backend.h) counts these");
 
 bool mla_decode_fast(const DecodeAttnArgs& a, cudaStream_t st) {
   const int64_t kvw = a.kvw, L = a.L;

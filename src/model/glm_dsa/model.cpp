@@ -541,8 +541,9 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
       backend_.index_key_append(kraw + s.offset * d, s.T, d, vec(a.idx_k_norm_w), vec(a.idx_k_norm_b), 1e-6f, rope,
                                 cs + s.offset * cs_stride, rope_kind(c.indexer_rope_style),
                                 cache.index_keys(layer, s.row), s.pos0, s.pos0_dev);
-    if (dense_dsa) append_cache_entries();  // the branch is the short side here
-    if (!dense_dsa) {
+    if (dense_dsa) {
+      append_cache_entries();  // the branch is the short side here
+    } else {
       backend_.scale(wts, float(1.0 / std::sqrt(double(nI))), N * nI);
       backend_.matmul(q_resid, N, a.idx_wq_b, qi);
       backend_.rope(qi, N, nI, nI * d, d, 0, rope, cs, rope_kind(c.indexer_rope_style));
