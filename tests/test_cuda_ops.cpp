@@ -1445,3 +1445,20 @@ TEST(CudaOps, MoeExpertsSeesBankEntriesChangedBetweenCalls) {
     }
   }
 }
+
+// VIREO_SKIP_KERNELS' match (a timing switch: the launches it drops are the kernels named here).
+// Runs without a GPU: it is the name test alone.
+TEST(CudaOps, SkipKernelsListMatchesSubstringsOfKernelNames) {
+#ifndef VIREO_HAVE_CUDA
+  GTEST_SKIP() << "built without CUDA";
+#else
+  const std::string rope = "_Z11rope_kernelPfPKfiiii", gemv = "_Z17gemv_rows2_kernelILi1EEvPKfS1_";
+  EXPECT_TRUE(cuda_kernel_listed(rope, "rope_kernel"));
+  EXPECT_TRUE(cuda_kernel_listed(gemv, "absorb_q,gemv_rows2"));
+  EXPECT_TRUE(cuda_kernel_listed(rope, "x,,rope"));  // empty entries are ignored, not "match all"
+  EXPECT_FALSE(cuda_kernel_listed(rope, "gemv_kernel"));
+  EXPECT_FALSE(cuda_kernel_listed(gemv, "gemv_kernel"));  // gemv_rows2_kernel does not contain it
+  EXPECT_FALSE(cuda_kernel_listed(rope, ""));
+  EXPECT_FALSE(cuda_kernel_listed(rope, ",,"));
+#endif
+}

@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -1721,6 +1722,35 @@ cudaStream_t cuda::compute_stream_of(Backend& b) { return as_cuda(b).stream(); }
 namespace {
 std::atomic<bool> g_programmatic_launch{env_switch("VIREO_PDL")};
 }  // namespace
+
+bool cuda_kernel_listed(const std::string& name, const std::string& list) {
+  for (size_t at = 0; at <= list.size();) {
+    size_t end = list.find(',', at);
+    if (end == std::string::npos) end = list.size();
+    if (end > at && name.find(list.substr(at, end - at)) != std::string::npos) return true;
+    at = end + 1;
+  }
+  return false;
+}
+
+bool cuda::skip_launch(const void* kernel) {
+  static std::mutex mu;
+  static std::unordered_map<const void*, bool> decided;  // kernel -> listed (asked once a kernel)
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = decided.find(kernel);
+  if (it != decided.end()) return it->second;
+  static const std::string list = std::getenv("VIREO_SKIP_KERNELS");
+  const char* name = nullptr;
+  VIREO_CUDA_CHECK(cudaFuncGetName(&name, kernel));
+  const bool skip = name && cuda_kernel_listed(name, list);
+  if (decided.empty())
+    std::fprintf(stderr, "VIREO_SKIP_KERNELS=%s: listed kernels are not launched; results are wrong (timing only)\n",
+                 list.c_str());
+  std::fprintf(stderr, "VIREO_SKIP_KERNELS: %s %s\n", skip ? "dropping" : "launching", name ? name : "(unnamed)");
+  decided.emplace(kernel, skip);
+  return skip;
+}
+
 bool cuda::programmatic_launch() { return g_programmatic_launch.load(std::memory_order_relaxed); }
 void cuda::set_programmatic_launch(bool on) { g_programmatic_launch.store(on, std::memory_order_relaxed); }
 void cuda_set_programmatic_launch(bool on) { set_programmatic_launch(on); }

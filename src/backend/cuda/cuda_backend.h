@@ -49,6 +49,9 @@ double cuda_measure_copy_gbs(Backend& cuda);
 double cuda_measure_bf16_gemm_tflops(Backend& cuda, int n = 8192);
 // Waits for all queued device work (for host-side timing).
 void cuda_synchronize(Backend& cuda);
+// True when one of `list`'s comma-separated strings occurs in the kernel name `name`
+// (VIREO_SKIP_KERNELS, a timing switch: cuda_internal.h).
+bool cuda_kernel_listed(const std::string& name, const std::string& list);
 // Host-to-device expert transfers ordered against `cuda`'s compute stream (transfer_link.h).
 std::unique_ptr<TransferLink> make_cuda_transfer_link(Backend& cuda);
 // Device memory in use (total - free, all processes), for checking the memory plan.

@@ -33,11 +33,28 @@ inline bool env_switch(const char* name) {
 bool programmatic_launch();
 void set_programmatic_launch(bool on);
 
+// Timing experiments only: VIREO_SKIP_KERNELS=a,b,... drops every launch of a kernel whose name
+// (as the runtime gives it, mangled) contains one of the comma-separated strings, so that
+// `tools/ab-bench.sh - VIREO_SKIP_KERNELS=rope_kernel` measures what a kernel costs inside the
+// recorded step, PDL overlap included, where ncu times it alone. Results are wrong while it is set;
+// stderr says so, and names each kernel the first time it is dropped or launched (a string that
+// matches nothing, e.g. VIREO_SKIP_KERNELS=none, lists the kernels a run launches). Mangled names
+// carry each identifier's length: "15rms_norm_kernel" matches rms_norm_kernel, not add_rms_norm_kernel.
+inline bool skipping_kernels() {
+  static const bool on = [] {
+    const char* e = std::getenv("VIREO_SKIP_KERNELS");
+    return e && *e;
+  }();
+  return on;
+}
+bool skip_launch(const void* kernel);  // cuda_backend.cu: listed in VIREO_SKIP_KERNELS (cuda_kernel_listed)
+
 // kernel<<<grid, block, smem, st>>>(args...), as a programmatic dependent launch when
 // programmatic_launch() is on (the kernel must begin with pdl_begin(); tests/test_cuda_sources.cpp
 // checks that every kernel does). Launch errors fail at once.
 template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, Args&&... args) {
+  if (skipping_kernels() && skip_launch(reinterpret_cast<const void*>(kernel))) return;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = programmatic_launch() ? 1 : 0;
