@@ -205,6 +205,8 @@ class BranchCheckingBackend final : public Backend {
     in_->scatter_add_rows(y, index, scale, rows, m, n);
   }
 
+  // As a GPU's decode: branches beside the rest (the model then puts the most work in them).
+  bool branches_beside(int64_t) const override { return true; }
   void begin_branch(int64_t rows) override {
     if (state_ == State::InBranch) hazards_.push_back("a branch begun inside another");
     if (state_ == State::AfterBranch) check();  // the backend joins an open branch first

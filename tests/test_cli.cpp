@@ -228,4 +228,28 @@ TEST(Cli, AbBenchToolReadsTheBenchOutput) {
   sh("-r 1 nonsense", r);
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("variant 'nonsense'"), std::string::npos) << r.err;
+
+  // The CUDA bench's lines (no GPU here: a stand-in prints them, its percentages set by the
+  // variant's environment): decode contexts and prefill lengths, each variant's median.
+  const std::string fake = tmp / "fake-vireo";
+  {
+    std::ofstream f(fake);
+    f << "#!/bin/sh\n"
+         "echo \"decode ctx 0       greedy/device     531.50 tok/s  6.022 GB/token     3201 GB/s  = ${D0:-75.1}% of "
+         "copy bandwidth\"\n"
+         "echo \"decode ctx 4096    greedy/device     460.00 tok/s  6.076 GB/token     2795 GB/s  =  65.7% of copy "
+         "bandwidth\"\n"
+         "echo \"prefill 512    fast-fp8   15000.0 tok/s  0.0341 s    310.0 TFLOP/s  =  ${P0:-39.4}% of bf16 GEMM "
+         "peak (median of 3)\"\n"
+         "echo \"prefill 4096   fast-fp8   20000.0 tok/s  0.2000 s    420.0 TFLOP/s  =  53.9% of bf16 GEMM peak "
+         "(median of 3)\"\n";
+  }
+  std::filesystem::permissions(fake, std::filesystem::perms::owner_all);
+  const std::string cmd = "VIREO=" + fake + " bash " + std::string(VIREO_SOURCE_DIR) + "/tools/ab-bench.sh -r 3 -o " +
+                          (tmp / "fake") + " - D0=80.5,P0=51.3 >" + (tmp / "out") + " 2>" + (tmp / "err");
+  const int status = std::system(cmd.c_str());
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << read_file(tmp / "err");
+  const std::string out = read_file(tmp / "out");
+  EXPECT_NE(out.find("ctx 0 75.1%  ctx 4096 65.7%  prefill 512 39.4%  prefill 4096 53.9%"), std::string::npos) << out;
+  EXPECT_NE(out.find("ctx 0 80.5%  ctx 4096 65.7%  prefill 512 51.3%  prefill 4096 53.9%"), std::string::npos) << out;
 }

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Same-call A/B runs of `vireo bench`: each variant runs ROUNDS times, interleaved (A B C A B C ..),
 # so that the machine's drift over the call falls on every variant alike; then one line a variant
-# with the median of each decode line's "% of bandwidth". H200s differ by 1.5-3 points of decode
-# from machine to machine (BENCHMARKS.md), so compare only variants of one call.
+# with the median of each decode (and CUDA prefill) line's percentage. H200s differ by 1.5-3
+# points of decode from machine to machine (BENCHMARKS.md), so compare only variants of one call.
 #
 #   tools/ab-bench.sh [-r ROUNDS] [-o DIR] VARIANT... [-- BENCH ARGS]
 #
@@ -48,13 +48,17 @@ done
 [ -x "$VIREO" ] || { echo "ab-bench: no vireo binary at $VIREO (build first, or set VIREO=path)" >&2; exit 2; }
 mkdir -p "$DIR"
 
-# The decode lines of one run as "label<TAB>percent": CUDA prints "decode ctx 0 ... = 75.4% of
-# copy bandwidth", the CPU "decode  N tokens ... = 75% of bandwidth".
+# The decode and prefill lines of one run as "label<TAB>percent": CUDA prints "decode ctx 0 ... =
+# 75.4% of copy bandwidth" and "prefill 512 fast-fp8 ... = 41.9% of bf16 GEMM peak", the CPU
+# "decode  N tokens ... = 75% of bandwidth".
 decode_points() {
   awk '/^decode/ && match($0, /= *[0-9.]+%/) {
          pct = substr($0, RSTART, RLENGTH); gsub(/[= %]/, "", pct)
          label = "decode"; if (match($0, /^decode ctx [0-9]+/)) label = substr($0, 8, RLENGTH - 7)
-         print label "\t" pct }' "$1"
+         print label "\t" pct }
+       /^prefill [0-9]+ / && match($0, /= *[0-9.]+% of bf16 GEMM peak/) {
+         pct = substr($0, RSTART, RLENGTH); sub(/% of.*/, "", pct); gsub(/[= ]/, "", pct)
+         print "prefill " $2 "\t" pct }' "$1"
 }
 
 status=0
@@ -76,7 +80,7 @@ for ((r = 1; r <= ROUNDS; ++r)); do
   done
 done
 
-echo "median of $ROUNDS round(s), % of bandwidth:"
+echo "median of $ROUNDS round(s), % of bandwidth (decode) or of the GEMM peak (prefill):"
 for i in "${!VARIANTS[@]}"; do
   line=$(for ((r = 1; r <= ROUNDS; ++r)); do [ -f "$DIR/${i}_$r.txt" ] && decode_points "$DIR/${i}_$r.txt"; done |
          awk -F'\t' '{v[$1] = v[$1] " " $2; if (!($1 in seen)) { seen[$1] = 1; order[++n] = $1 } }

@@ -155,6 +155,11 @@ class Backend {
   // step's indexer beside its queries' absorption); the CPU runs every op in order. rows: the
   // tokens the ops work on (a backend may run large steps in order).
   virtual void begin_branch(int64_t rows) { (void)rows; }
+  // Whether begin_branch(rows) runs its ops beside the rest (true) or in order (false).
+  virtual bool branches_beside(int64_t rows) const {
+    (void)rows;
+    return false;
+  }
   virtual void end_branch() {}
   virtual void join_branch() {}
   // begin_branch .. end_branch over a scope, so that an op that throws inside it leaves no

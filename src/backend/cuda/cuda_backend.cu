@@ -572,6 +572,7 @@ class CudaBackend final : public Backend {
       one = dw[i].in == dw[0].in && dw[i].in % vec == 0 && reinterpret_cast<uintptr_t>(dw[i].w) % 16 == 0;
     }
     if (!one) {
+      if (T > kGemvRows && matmul_many_by_dtype(x, T, ws, ys, n)) return;
       if (lt_bf16_many(x, T, ws, ys, n) || lt_fp8_fast_many(x, T, ws, ys, n)) return;
       return Backend::matmul_many(x, T, ws, ys, n);
     }
@@ -595,6 +596,26 @@ class CudaBackend final : public Backend {
       if (m.n == 1) matmul(x, 1, *ws[i], ys[i]);
       else gemv_many(x, m, gemv_x_shared_, stream_);
     }
+  }
+
+  // Weights of several dtypes (an FP8 layer's bf16 indexer products beside q_a and kv_a): one
+  // matmul_many a dtype, so that each group converts or quantizes x once. False for one dtype.
+  bool matmul_many_by_dtype(const float* x, int64_t T, const Weight* const* ws, float* const* ys, int n) {
+    if (n <= 1 || n > kMaxMany) return false;
+    DType dts[kMaxMany];
+    int kinds = 0;
+    for (int i = 0; i < n; ++i)
+      if (std::find(dts, dts + kinds, ws[i]->w.dtype) == dts + kinds) dts[kinds++] = ws[i]->w.dtype;
+    if (kinds == 1) return false;
+    for (int k = 0; k < kinds; ++k) {
+      const Weight* gw[kMaxMany];
+      float* gy[kMaxMany];
+      int m = 0;
+      for (int i = 0; i < n; ++i)
+        if (ws[i]->w.dtype == dts[k]) gw[m] = ws[i], gy[m++] = ys[i];
+      matmul_many(x, T, gw, gy, m);
+    }
+    return true;
   }
 
   void rope(float* x, int64_t T, int64_t H, int64_t ts, int64_t hs, int64_t offset, int64_t width, const float* cs,
@@ -661,8 +682,9 @@ class CudaBackend final : public Backend {
   // fork and a join in the graph), for steps of at most kGemvRows tokens (prefill at 512 tokens
   // measured 0.6-2.6 points slower with them: 2 layers, bf16). Not while profiling: the profile
   // times ops one at a time.
+  bool branches_beside(int64_t rows) const override { return branches_ && !prof_.on() && rows <= kGemvRows; }
   void begin_branch(int64_t rows) override {
-    if (!branches_ || prof_.on() || rows > kGemvRows) return;
+    if (!branches_beside(rows)) return;
     if (in_branch_) fail("cuda: a branch begun inside another");
     join_branch();  // one not yet joined (a forward that threw): ordered before this one
     if (!branch_stream_) {

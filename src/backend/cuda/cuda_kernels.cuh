@@ -149,12 +149,17 @@ __device__ __forceinline__ void consider(Best& b, float v, int64_t i) {
 // Thread t sums x[t], x[t + blockDim], ... in that order, then block_sum, so results depend only
 // on the block size. Rows of up to kNormRegs x blockDim elements are held in registers: every load
 // of x and w is in flight at once and x is read once (a 6144-wide row took 12 us as a strided
-// loop of dependent loads on one SM; H200, ncu). `load(i)` gives x[i] (it may have side effects,
-// e.g. write the residual), `reload(i)` gives it again for longer rows, `store(i, y)` writes.
+// loop of dependent loads on one SM; H200, ncu). `load(i)` gives x[i], `keep(i, x)` (optional)
+// is called with it once every load of the thread is issued (e.g. to write the residual: a store
+// inside `load` would order each later load after it), `reload(i)` gives x[i] again for longer
+// rows, `store(i, y)` writes.
 constexpr int kNormRegs = 16;
-template <typename Load, typename Reload, typename Store>
+struct KeepNothing {
+  __device__ void operator()(int64_t, float) const {}
+};
+template <typename Load, typename Reload, typename Store, typename Keep = KeepNothing>
 __device__ __forceinline__ void rms_norm_row(int64_t n, const float* __restrict__ w, float eps, Load load,
-                                             Reload reload, Store store) {
+                                             Reload reload, Store store, Keep keep = {}) {
   const int64_t t = threadIdx.x, bd = blockDim.x;
   float ss = 0.0f;
   if (n <= kNormRegs * bd) {
@@ -167,6 +172,9 @@ __device__ __forceinline__ void rms_norm_row(int64_t n, const float* __restrict_
     }
 #pragma unroll
     for (int k = 0; k < kNormRegs; ++k)
+      if (t + k * bd < n) keep(t + k * bd, v[k]);
+#pragma unroll
+    for (int k = 0; k < kNormRegs; ++k)
       if (t + k * bd < n) ss += v[k] * v[k];
     ss = block_sum(ss);
     const float inv = 1.0f / sqrtf(ss / float(n) + eps);
@@ -177,6 +185,7 @@ __device__ __forceinline__ void rms_norm_row(int64_t n, const float* __restrict_
   }
   for (int64_t i = t; i < n; i += bd) {
     const float v = load(i);
+    keep(i, v);
     ss += v * v;
   }
   ss = block_sum(ss);

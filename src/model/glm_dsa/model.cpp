@@ -502,14 +502,16 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
 
   // The products of xn: the queries (or their low-rank part), this step's cache entries and the
   // indexer's keys and head weights, as one call (one launch per weight dtype on a GPU at decode).
-  // Where DSA is dense the indexer's key product goes to its branch instead (below), which is
-  // then the short side: an FP8 checkpoint keeps it in bf16, a GEMV launch of its own (4.7 us
-  // a GLM-5 layer on the H200).
-  const bool index_products_here = own_indexer && !dense_dsa;
+  // Where DSA is dense the head weights are not needed, and where the branch below runs beside
+  // the queries' work the indexer's key product goes to it, which is then the short side: an FP8
+  // checkpoint keeps it in bf16, a GEMV launch of its own (4.7 us a GLM-5 layer on the H200).
+  // Where the branch runs in order (a GPU's prefill) the key product stays here, sharing x's
+  // conversion with q_a and kv_a.
+  const bool index_products_here = own_indexer && (!dense_dsa || !backend_.branches_beside(N));
   {
     const Weight* ws[4] = {qa ? &a.q_a_proj : &a.q_proj, &a.kv_a_proj, &a.idx_wk, &a.idx_weights_proj};
     float* ys[4] = {qa ? qa : q, kva, kraw, wts};
-    backend_.matmul_many(xn, N, ws, ys, index_products_here ? 4 : 2);
+    backend_.matmul_many(xn, N, ws, ys, !index_products_here ? 2 : dense_dsa ? 3 : 4);
   }
 
   float* q_resid = nullptr;
