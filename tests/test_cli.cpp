@@ -195,6 +195,59 @@ TEST(Cli, BadFlagsAreRejected) {
 
 // tools/ab-bench.sh reads `vireo bench`'s decode lines: two variants, two rounds each, interleaved,
 // then one median line a variant with a percentage; a bad variant is refused by name.
+// tools/kernel-costs.sh against a stand-in for the CUDA bench (no GPU here): the kernels listed
+// by a VIREO_SKIP_KERNELS=none run, one run a kernel with it dropped, each one's tok/s and the
+// time it saves a step and a layer; a run that fails is reported, the rest go on.
+TEST(Cli, KernelCostsToolTimesEachKernelDropped) {
+  TempDir tmp("kc");
+  const std::string fake = tmp / "fake-vireo";
+  {
+    std::ofstream f(fake);
+    f << "#!/bin/sh\n"
+         "case \"$VIREO_SKIP_KERNELS\" in\n"
+         "  none) for k in rope_kernel moe_route_kernel gemv_rows2_kernel rope_kernel; do\n"
+         "          echo \"VIREO_SKIP_KERNELS: launching $k (_Z3$k)\" >&2; done; T0=400; T4=250 ;;\n"
+         "  rope_kernel) T0=500; T4=250 ;;\n"
+         "  moe_route_kernel) echo 'error: CUDA error: an illegal memory access was encountered' >&2; exit 1 ;;\n"
+         "  *) T0=400; T4=250 ;;\n"
+         "esac\n"
+         "echo \"decode ctx 0       greedy/device   $T0.00 tok/s  6.022 GB/token     3201 GB/s  =  75.1% of copy "
+         "bandwidth\"\n"
+         "echo \"decode ctx 4096    greedy/device   $T4.00 tok/s  6.076 GB/token     2795 GB/s  =  65.7% of copy "
+         "bandwidth\"\n";
+  }
+  std::filesystem::permissions(fake, std::filesystem::perms::owner_all);
+  auto sh = [&](const std::string& args, int& code) {
+    const std::string cmd = "VIREO=" + fake + " bash " + std::string(VIREO_SOURCE_DIR) + "/tools/kernel-costs.sh " +
+                            args + " >" + (tmp / "out") + " 2>" + (tmp / "err");
+    const int status = std::system(cmd.c_str());
+    code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    return read_file(tmp / "out");
+  };
+  int code = -1;
+  std::string out = sh("-r 2 -o " + (tmp / "runs") + " -- --layers 8", code);
+  ASSERT_EQ(code, 0) << out << read_file(tmp / "err");
+  EXPECT_NE(out.find("kernels launched: gemv_rows2_kernel moe_route_kernel rope_kernel\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("(unchanged)                       ctx 0 400.0 tok/s  ctx 4096 250.0 tok/s"), std::string::npos)
+      << out;
+  // 1e6 / 400 - 1e6 / 500 = 500 us a step, 62.5 a layer of 8.
+  EXPECT_NE(out.find("rope_kernel                       ctx 0 500.0 tok/s saved 500 us (62.5 a layer)  ctx 4096 250.0 "
+                     "tok/s saved 0 us (0.0 a layer)"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("moe_route_kernel                  failed: error: CUDA error: an illegal memory access"),
+            std::string::npos)
+      << out;
+  out = sh("-r 1 -o " + (tmp / "runs2") + " rope_kernel -- --device cuda", code);  // named: no listing run
+  ASSERT_EQ(code, 0) << out << read_file(tmp / "err");
+  EXPECT_EQ(out.find("kernels launched"), std::string::npos) << out;
+  EXPECT_NE(out.find("rope_kernel                       ctx 0 500.0 tok/s saved 500 us  ctx 4096"), std::string::npos)
+      << out;  // no --layers: no column a layer
+  sh("rope-kernel", code);
+  EXPECT_EQ(code, 2);
+  EXPECT_NE(read_file(tmp / "err").find("'rope-kernel' is not a kernel name"), std::string::npos);
+}
+
 TEST(Cli, AbBenchToolReadsTheBenchOutput) {
   TempDir tmp("ab");
   auto sh = [&](const std::string& args, RunResult& r) {

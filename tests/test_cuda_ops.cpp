@@ -1446,19 +1446,33 @@ TEST(CudaOps, MoeExpertsSeesBankEntriesChangedBetweenCalls) {
   }
 }
 
-// VIREO_SKIP_KERNELS' match (a timing switch: the launches it drops are the kernels named here).
+// VIREO_SKIP_KERNELS' names (a timing switch: the launches it drops are the kernels named here).
 // Runs without a GPU: it is the name test alone.
-TEST(CudaOps, SkipKernelsListMatchesSubstringsOfKernelNames) {
+TEST(CudaOps, SkipKernelsNamesKernelsAsTheSourceDoes) {
 #ifndef VIREO_HAVE_CUDA
   GTEST_SKIP() << "built without CUDA";
 #else
-  const std::string rope = "_Z11rope_kernelPfPKfiiii", gemv = "_Z17gemv_rows2_kernelILi1EEvPKfS1_";
-  EXPECT_TRUE(cuda_kernel_listed(rope, "rope_kernel"));
-  EXPECT_TRUE(cuda_kernel_listed(gemv, "absorb_q,gemv_rows2"));
-  EXPECT_TRUE(cuda_kernel_listed(rope, "x,,rope"));  // empty entries are ignored, not "match all"
-  EXPECT_FALSE(cuda_kernel_listed(rope, "gemv_kernel"));
-  EXPECT_FALSE(cuda_kernel_listed(gemv, "gemv_kernel"));  // gemv_rows2_kernel does not contain it
-  EXPECT_FALSE(cuda_kernel_listed(rope, ""));
-  EXPECT_FALSE(cuda_kernel_listed(rope, ",,"));
+  // What cudaFuncGetName gives: nested in the anonymous namespace, a template, a plain function.
+  EXPECT_EQ(cuda_kernel_name("_ZN5vireo4cuda12_GLOBAL__N_117gemv_rows2_kernelILi3ELb1ELi16EEEvPKfNS0_4DevWEPfi"),
+            "gemv_rows2_kernel");
+  EXPECT_EQ(cuda_kernel_name("_ZN5vireo12_GLOBAL__N_111rope_kernelEPflllllPKfii"), "rope_kernel");
+  EXPECT_EQ(cuda_kernel_name("_ZN5vireo4cuda12_GLOBAL__N_119add_rms_norm_kernelEPfPKflS4_fS2_"), "add_rms_norm_kernel");
+  // As an H200's runtime gave them (the anonymous namespace named after its file).
+  EXPECT_EQ(cuda_kernel_name("_ZN5vireo48_GLOBAL__N__ec0edd6b_15_cuda_backend_cu_e09bab8111rope_kernelEPfllllllPKfii"),
+            "rope_kernel");
+  EXPECT_EQ(cuda_kernel_name("_ZN5vireo4cuda47_GLOBAL__N__28eb2a4a_14_cuda_decode_cu_c627bef518moe_gate_up_kernelILi3ELb1E"
+                             "Lb1ELi16EEEvPKflliiiiiPKiPKNS0_9DevExpertEPf"),
+            "moe_gate_up_kernel");
+  EXPECT_EQ(cuda_kernel_name("_Z10fill_floatPffl"), "fill_float");
+  EXPECT_EQ(cuda_kernel_name("not_mangled"), "not_mangled");
+  EXPECT_EQ(cuda_kernel_name("_ZN5vir"), "_ZN5vir");  // a length past the end: unchanged
+  EXPECT_TRUE(cuda_kernel_listed("rope_kernel", "rope_kernel"));
+  EXPECT_TRUE(cuda_kernel_listed("gemv_rows2_kernel", "absorb_q_vec_kernel,gemv_rows2_kernel"));
+  EXPECT_TRUE(cuda_kernel_listed("rope_kernel", "x,,rope_kernel"));    // empty entries are ignored
+  EXPECT_FALSE(cuda_kernel_listed("add_rms_norm_kernel", "rms_norm_kernel"));  // whole names only
+  EXPECT_FALSE(cuda_kernel_listed("rms_norm_kernel", "rms_norm"));
+  EXPECT_FALSE(cuda_kernel_listed("rope_kernel", ""));
+  EXPECT_FALSE(cuda_kernel_listed("rope_kernel", ",,"));
+  EXPECT_FALSE(cuda_kernel_listed("", ",,"));
 #endif
 }

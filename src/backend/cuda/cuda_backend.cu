@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -1749,10 +1750,30 @@ bool cuda_kernel_listed(const std::string& name, const std::string& list) {
   for (size_t at = 0; at <= list.size();) {
     size_t end = list.find(',', at);
     if (end == std::string::npos) end = list.size();
-    if (end > at && name.find(list.substr(at, end - at)) != std::string::npos) return true;
+    if (list.compare(at, end - at, name) == 0 && end > at) return true;
     at = end + 1;
   }
   return false;
+}
+
+std::string cuda_kernel_name(const std::string& mangled) {
+  // _Z <len><name> ..., or _ZN <len><name> ... <len><name> [I ... E] E ...: the last source name
+  // of the nested name (the anonymous namespace is one too: 12_GLOBAL__N_1).
+  if (mangled.rfind("_Z", 0) != 0) return mangled;
+  size_t at = 2;
+  const bool nested = at < mangled.size() && mangled[at] == 'N';
+  if (nested) ++at;
+  std::string last;
+  while (at < mangled.size() && std::isdigit(static_cast<unsigned char>(mangled[at]))) {
+    size_t len = 0;
+    while (at < mangled.size() && std::isdigit(static_cast<unsigned char>(mangled[at])))
+      len = len * 10 + size_t(mangled[at++] - '0');
+    if (len == 0 || at + len > mangled.size()) return mangled;
+    last = mangled.substr(at, len);
+    at += len;
+    if (!nested) break;
+  }
+  return last.empty() ? mangled : last;
 }
 
 bool cuda::skip_launch(const void* kernel) {
@@ -1762,13 +1783,15 @@ bool cuda::skip_launch(const void* kernel) {
   auto it = decided.find(kernel);
   if (it != decided.end()) return it->second;
   static const std::string list = std::getenv("VIREO_SKIP_KERNELS");
-  const char* name = nullptr;
-  VIREO_CUDA_CHECK(cudaFuncGetName(&name, kernel));
-  const bool skip = name && cuda_kernel_listed(name, list);
+  const char* raw = nullptr;
+  VIREO_CUDA_CHECK(cudaFuncGetName(&raw, kernel));
+  const std::string name = cuda_kernel_name(raw ? raw : "");
+  const bool skip = cuda_kernel_listed(name, list);
   if (decided.empty())
     std::fprintf(stderr, "VIREO_SKIP_KERNELS=%s: listed kernels are not launched; results are wrong (timing only)\n",
                  list.c_str());
-  std::fprintf(stderr, "VIREO_SKIP_KERNELS: %s %s\n", skip ? "dropping" : "launching", name ? name : "(unnamed)");
+  std::fprintf(stderr, "VIREO_SKIP_KERNELS: %s %s (%s)\n", skip ? "dropping" : "launching", name.c_str(),
+               raw ? raw : "unnamed");
   decided.emplace(kernel, skip);
   return skip;
 }

@@ -49,8 +49,10 @@ double cuda_measure_copy_gbs(Backend& cuda);
 double cuda_measure_bf16_gemm_tflops(Backend& cuda, int n = 8192);
 // Waits for all queued device work (for host-side timing).
 void cuda_synchronize(Backend& cuda);
-// True when one of `list`'s comma-separated strings occurs in the kernel name `name`
-// (VIREO_SKIP_KERNELS, a timing switch: cuda_internal.h).
+// VIREO_SKIP_KERNELS (a timing switch: cuda_internal.h). A kernel's name as its source names it
+// (no namespace, template arguments or parameters) from the runtime's mangled name (the input
+// unchanged where it cannot be read), and whether `list` (comma-separated names) holds it.
+std::string cuda_kernel_name(const std::string& mangled);
 bool cuda_kernel_listed(const std::string& name, const std::string& list);
 // Host-to-device expert transfers ordered against `cuda`'s compute stream (transfer_link.h).
 std::unique_ptr<TransferLink> make_cuda_transfer_link(Backend& cuda);

@@ -33,13 +33,12 @@ inline bool env_switch(const char* name) {
 bool programmatic_launch();
 void set_programmatic_launch(bool on);
 
-// Timing experiments only: VIREO_SKIP_KERNELS=a,b,... drops every launch of a kernel whose name
-// (as the runtime gives it, mangled) contains one of the comma-separated strings, so that
-// `tools/ab-bench.sh - VIREO_SKIP_KERNELS=rope_kernel` measures what a kernel costs inside the
-// recorded step, PDL overlap included, where ncu times it alone. Results are wrong while it is set;
-// stderr says so, and names each kernel the first time it is dropped or launched (a string that
-// matches nothing, e.g. VIREO_SKIP_KERNELS=none, lists the kernels a run launches). Mangled names
-// carry each identifier's length: "15rms_norm_kernel" matches rms_norm_kernel, not add_rms_norm_kernel.
+// Timing experiments only: VIREO_SKIP_KERNELS=a,b,... drops every launch of the kernels so named
+// (as in the source: rope_kernel, gemv_rows2_kernel for all its instances), so that
+// `tools/kernel-costs.sh` or `tools/ab-bench.sh - VIREO_SKIP_KERNELS=rope_kernel` measure what a
+// kernel costs inside the recorded step, PDL overlap included, where ncu times it alone. Results
+// are wrong while it is set; stderr says so, and names each kernel the first time it is dropped
+// or launched (a name that matches nothing, e.g. VIREO_SKIP_KERNELS=none, lists what a run launches).
 inline bool skipping_kernels() {
   static const bool on = [] {
     const char* e = std::getenv("VIREO_SKIP_KERNELS");

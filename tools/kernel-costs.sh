@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# What each CUDA kernel costs inside the recorded decode step: `vireo bench` with every launch of
+# one kernel dropped (VIREO_SKIP_KERNELS, cuda_internal.h), against the bench unchanged, the runs
+# interleaved (base, k1, k2, .., base, k1, ..) on one machine. Per kernel and decode context: the
+# median tok/s, and the time it saves a step and a layer. ncu times a kernel alone; here it is what
+# the step loses to it, PDL and branches included (BENCHMARKS.md, "Session 20").
+#
+#   tools/kernel-costs.sh [-r ROUNDS] [-o DIR] [KERNEL...] [-- BENCH ARGS]
+#
+# KERNEL is a kernel's name as the source writes it (rope_kernel: every instance of it); with none
+# given, every kernel the bench launches (a first run with VIREO_SKIP_KERNELS=none lists them).
+# BENCH ARGS default to the fp8 decode of BENCHMARKS.md's CUDA tables:
+#   --device cuda --synthetic glm5 --layers 8 --experts 16 --dtype fp8 --decode 64 --math fast-fp8 --math-only
+# "a layer" divides by --layers. The dropped runs compute wrong results by design, so a kernel whose
+# output sizes later work reads as costing that work too (the indexer's top-k: the attention then
+# reads stale key counts), and one whose output indexes memory may make the run fail (the router:
+# reported as failed, the others go on). ~14 s a run at 8 layers on an H200. VIREO: the binary.
+set -u
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+VIREO=${VIREO:-$ROOT/build/vireo}
+[ -x "$VIREO" ] || VIREO=$ROOT/build-cuda/vireo
+ROUNDS=1
+DIR=./kernel-costs-out
+usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit "$1"; }
+# BENCH ARGS apart first (getopts would take a "--" that directly follows the options as its own).
+ARGS=() BENCH=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do ARGS+=("$1"); shift; done
+[ $# -gt 0 ] && shift
+BENCH=("$@")
+set -- ${ARGS[@]+"${ARGS[@]}"}
+while getopts "r:o:h" opt; do
+  case $opt in
+    r) ROUNDS=$OPTARG ;;
+    o) DIR=$OPTARG ;;
+    h) usage 0 ;;
+    *) usage 2 ;;
+  esac
+done
+shift $((OPTIND - 1))
+KERNELS=("$@")
+[ ${#BENCH[@]} -eq 0 ] && BENCH=(--device cuda --synthetic glm5 --layers 8 --experts 16 --dtype fp8 --decode 64
+                                 --math fast-fp8 --math-only)
+if ! [[ $ROUNDS =~ ^[1-9][0-9]*$ ]]; then echo "kernel-costs: -r expects a positive count, got '$ROUNDS'" >&2; exit 2; fi
+for k in ${KERNELS[@]+"${KERNELS[@]}"}; do
+  [[ $k =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]] || { echo "kernel-costs: '$k' is not a kernel name (letters, digits, _)" >&2; exit 2; }
+done
+LAYERS=0
+for ((i = 0; i + 1 < ${#BENCH[@]}; ++i)); do [ "${BENCH[$i]}" = "--layers" ] && LAYERS=${BENCH[$((i + 1))]}; done
+[[ $LAYERS =~ ^[0-9]+$ ]] || LAYERS=0
+[ -x "$VIREO" ] || { echo "kernel-costs: no vireo binary at $VIREO (build first, or set VIREO=path)" >&2; exit 2; }
+mkdir -p "$DIR"
+
+if [ ${#KERNELS[@]} -eq 0 ]; then
+  if ! VIREO_SKIP_KERNELS=none "$VIREO" bench "${BENCH[@]}" >"$DIR/list.txt" 2>&1; then
+    echo "kernel-costs: the listing run failed: $(tail -1 "$DIR/list.txt")" >&2
+    exit 1
+  fi
+  mapfile -t KERNELS < <(awk '/^VIREO_SKIP_KERNELS: launching / { print $3 }' "$DIR/list.txt" | sort -u)
+  if [ ${#KERNELS[@]} -eq 0 ]; then
+    echo "kernel-costs: the listing run named no kernels (not a CUDA run? see $DIR/list.txt)" >&2
+    exit 1
+  fi
+  echo "kernels launched: ${KERNELS[*]}"
+fi
+
+# "label<TAB>tok/s" for each "decode ctx N ... X tok/s" line of one run.
+tps_points() {
+  awk '/^decode ctx [0-9]+ / { for (i = 4; i < NF; ++i) if ($(i + 1) == "tok/s") { print "ctx " $3 "\t" $i; break } }' "$1"
+}
+run() {  # name env-value round
+  local out="$DIR/$1_$3.txt"
+  if [ -n "$2" ]; then VIREO_SKIP_KERNELS=$2 "$VIREO" bench "${BENCH[@]}" >"$out" 2>&1
+  else "$VIREO" bench "${BENCH[@]}" >"$out" 2>&1; fi || { mv "$out" "$DIR/$1_$3.failed"; return 1; }
+  [ -n "$(tps_points "$out")" ] || { mv "$out" "$DIR/$1_$3.failed"; return 1; }
+}
+for ((r = 1; r <= ROUNDS; ++r)); do
+  run base "" "$r" || { echo "kernel-costs: the unchanged bench failed: $(tail -1 "$DIR/base_$r.failed")" >&2; exit 1; }
+  for k in "${KERNELS[@]}"; do run "$k" "$k" "$r" || true; done
+done
+
+# Median tok/s a label over the rounds of one name: "label<TAB>median" lines.
+medians() {
+  for ((r = 1; r <= ROUNDS; ++r)); do [ -f "$DIR/$1_$r.txt" ] && tps_points "$DIR/$1_$r.txt"; done |
+    awk -F'\t' '{ v[$1] = v[$1] " " $2; if (!($1 in seen)) { seen[$1] = 1; order[++n] = $1 } }
+      END { for (k = 1; k <= n; ++k) {
+              c = split(v[order[k]], a, " "); for (x = 1; x <= c; ++x) for (y = x + 1; y <= c; ++y)
+                if (a[y] + 0 < a[x] + 0) { t = a[x]; a[x] = a[y]; a[y] = t }
+              printf "%s\t%s\n", order[k], c % 2 ? a[(c + 1) / 2] : (a[c / 2] + a[c / 2 + 1]) / 2 } }'
+}
+medians base >"$DIR/base.median"
+echo "median of $ROUNDS round(s); saved: us a step (and a layer, of $LAYERS) against the unchanged bench"
+printf '%-32s' "(unchanged)"
+awk -F'\t' '{ printf "  %s %.1f tok/s", $1, $2 }' "$DIR/base.median"
+echo
+for k in "${KERNELS[@]}"; do
+  printf '%-32s' "$k"
+  if [ -z "$(medians "$k")" ]; then
+    f=$(ls "$DIR/${k}"_*.failed 2>/dev/null | head -1)
+    echo "  failed: $( [ -n "$f" ] && tail -1 "$f")"
+    continue
+  fi
+  medians "$k" | awk -F'\t' -v L="$LAYERS" 'NR == FNR { base[$1] = $2; next }
+    ($1 in base) { d = 1e6 / base[$1] - 1e6 / $2
+                   printf "  %s %.1f tok/s saved %.0f us", $1, $2, d; if (L > 0) printf " (%.1f a layer)", d / L }' \
+    "$DIR/base.median" -
+  echo
+done
