@@ -195,28 +195,34 @@ TEST(Cli, BadFlagsAreRejected) {
 
 // tools/ab-bench.sh reads `vireo bench`'s decode lines: two variants, two rounds each, interleaved,
 // then one median line a variant with a percentage; a bad variant is refused by name.
+// An executable shell script: a stand-in for vireo in the tools' tests.
+static std::string write_script(const std::string& path, const std::string& text) {
+  {
+    std::ofstream f(path);
+    f << "#!/bin/sh\n" << text;
+  }
+  std::filesystem::permissions(path, std::filesystem::perms::owner_all);
+  return path;
+}
+
 // tools/kernel-costs.sh against a stand-in for the CUDA bench (no GPU here): the kernels listed
 // by a VIREO_SKIP_KERNELS=none run, one run a kernel with it dropped, each one's tok/s and the
 // time it saves a step and a layer; a run that fails is reported, the rest go on.
 TEST(Cli, KernelCostsToolTimesEachKernelDropped) {
   TempDir tmp("kc");
-  const std::string fake = tmp / "fake-vireo";
-  {
-    std::ofstream f(fake);
-    f << "#!/bin/sh\n"
-         "case \"$VIREO_SKIP_KERNELS\" in\n"
-         "  none) for k in rope_kernel moe_route_kernel gemv_rows2_kernel rope_kernel; do\n"
-         "          echo \"VIREO_SKIP_KERNELS: launching $k (_Z3$k)\" >&2; done; T0=400; T4=250 ;;\n"
-         "  rope_kernel) T0=500; T4=250 ;;\n"
-         "  moe_route_kernel) echo 'error: CUDA error: an illegal memory access was encountered' >&2; exit 1 ;;\n"
-         "  *) T0=400; T4=250 ;;\n"
-         "esac\n"
-         "echo \"decode ctx 0       greedy/device   $T0.00 tok/s  6.022 GB/token     3201 GB/s  =  75.1% of copy "
-         "bandwidth\"\n"
-         "echo \"decode ctx 4096    greedy/device   $T4.00 tok/s  6.076 GB/token     2795 GB/s  =  65.7% of copy "
-         "bandwidth\"\n";
-  }
-  std::filesystem::permissions(fake, std::filesystem::perms::owner_all);
+  const std::string fake = write_script(
+      tmp / "fake-vireo",
+      "case \"$VIREO_SKIP_KERNELS\" in\n"
+      "  none) for k in rope_kernel moe_route_kernel gemv_rows2_kernel rope_kernel; do\n"
+      "          echo \"VIREO_SKIP_KERNELS: launching $k (_Z3$k)\" >&2; done; T0=400; T4=250 ;;\n"
+      "  rope_kernel) T0=500; T4=250 ;;\n"
+      "  moe_route_kernel) echo 'error: CUDA error: an illegal memory access was encountered' >&2; exit 1 ;;\n"
+      "  *) T0=400; T4=250 ;;\n"
+      "esac\n"
+      "echo \"decode ctx 0       greedy/device   $T0.00 tok/s  6.022 GB/token     3201 GB/s  =  75.1% of copy "
+      "bandwidth\"\n"
+      "echo \"decode ctx 4096    greedy/device   $T4.00 tok/s  6.076 GB/token     2795 GB/s  =  65.7% of copy "
+      "bandwidth\"\n");
   auto sh = [&](const std::string& args, int& code) {
     const std::string cmd = "VIREO=" + fake + " bash " + std::string(VIREO_SOURCE_DIR) + "/tools/kernel-costs.sh " +
                             args + " >" + (tmp / "out") + " 2>" + (tmp / "err");
@@ -284,20 +290,16 @@ TEST(Cli, AbBenchToolReadsTheBenchOutput) {
 
   // The CUDA bench's lines (no GPU here: a stand-in prints them, its percentages set by the
   // variant's environment): decode contexts and prefill lengths, each variant's median.
-  const std::string fake = tmp / "fake-vireo";
-  {
-    std::ofstream f(fake);
-    f << "#!/bin/sh\n"
-         "echo \"decode ctx 0       greedy/device     531.50 tok/s  6.022 GB/token     3201 GB/s  = ${D0:-75.1}% of "
-         "copy bandwidth\"\n"
-         "echo \"decode ctx 4096    greedy/device     460.00 tok/s  6.076 GB/token     2795 GB/s  =  65.7% of copy "
-         "bandwidth\"\n"
-         "echo \"prefill 512    fast-fp8   15000.0 tok/s  0.0341 s    310.0 TFLOP/s  =  ${P0:-39.4}% of bf16 GEMM "
-         "peak (median of 3)\"\n"
-         "echo \"prefill 4096   fast-fp8   20000.0 tok/s  0.2000 s    420.0 TFLOP/s  =  53.9% of bf16 GEMM peak "
-         "(median of 3)\"\n";
-  }
-  std::filesystem::permissions(fake, std::filesystem::perms::owner_all);
+  const std::string fake = write_script(
+      tmp / "fake-vireo",
+      "echo \"decode ctx 0       greedy/device     531.50 tok/s  6.022 GB/token     3201 GB/s  = ${D0:-75.1}% of "
+      "copy bandwidth\"\n"
+      "echo \"decode ctx 4096    greedy/device     460.00 tok/s  6.076 GB/token     2795 GB/s  =  65.7% of copy "
+      "bandwidth\"\n"
+      "echo \"prefill 512    fast-fp8   15000.0 tok/s  0.0341 s    310.0 TFLOP/s  =  ${P0:-39.4}% of bf16 GEMM "
+      "peak (median of 3)\"\n"
+      "echo \"prefill 4096   fast-fp8   20000.0 tok/s  0.2000 s    420.0 TFLOP/s  =  53.9% of bf16 GEMM peak "
+      "(median of 3)\"\n");
   const std::string cmd = "VIREO=" + fake + " bash " + std::string(VIREO_SOURCE_DIR) + "/tools/ab-bench.sh -r 3 -o " +
                           (tmp / "fake") + " - D0=80.5,P0=51.3 >" + (tmp / "out") + " 2>" + (tmp / "err");
   const int status = std::system(cmd.c_str());

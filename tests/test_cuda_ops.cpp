@@ -1460,15 +1460,16 @@ TEST(CudaOps, SkipKernelsNamesKernelsAsTheSourceDoes) {
   // As an H200's runtime gave them (the anonymous namespace named after its file).
   EXPECT_EQ(cuda_kernel_name("_ZN5vireo48_GLOBAL__N__ec0edd6b_15_cuda_backend_cu_e09bab8111rope_kernelEPfllllllPKfii"),
             "rope_kernel");
-  EXPECT_EQ(cuda_kernel_name("_ZN5vireo4cuda47_GLOBAL__N__28eb2a4a_14_cuda_decode_cu_c627bef518moe_gate_up_kernelILi3ELb1E"
-                             "Lb1ELi16EEEvPKflliiiiiPKiPKNS0_9DevExpertEPf"),
-            "moe_gate_up_kernel");
+  EXPECT_EQ(
+      cuda_kernel_name("_ZN5vireo4cuda47_GLOBAL__N__28eb2a4a_14_cuda_decode_cu_c627bef518moe_gate_up_kernelILi3ELb1E"
+                       "Lb1ELi16EEEvPKflliiiiiPKiPKNS0_9DevExpertEPf"),
+      "moe_gate_up_kernel");
   EXPECT_EQ(cuda_kernel_name("_Z10fill_floatPffl"), "fill_float");
   EXPECT_EQ(cuda_kernel_name("not_mangled"), "not_mangled");
   EXPECT_EQ(cuda_kernel_name("_ZN5vir"), "_ZN5vir");  // a length past the end: unchanged
   EXPECT_TRUE(cuda_kernel_listed("rope_kernel", "rope_kernel"));
   EXPECT_TRUE(cuda_kernel_listed("gemv_rows2_kernel", "absorb_q_vec_kernel,gemv_rows2_kernel"));
-  EXPECT_TRUE(cuda_kernel_listed("rope_kernel", "x,,rope_kernel"));    // empty entries are ignored
+  EXPECT_TRUE(cuda_kernel_listed("rope_kernel", "x,,rope_kernel"));            // empty entries are ignored
   EXPECT_FALSE(cuda_kernel_listed("add_rms_norm_kernel", "rms_norm_kernel"));  // whole names only
   EXPECT_FALSE(cuda_kernel_listed("rms_norm_kernel", "rms_norm"));
   EXPECT_FALSE(cuda_kernel_listed("rope_kernel", ""));

@@ -11,30 +11,10 @@
 # parent commit's). BENCH ARGS default to the fp8 decode of BENCHMARKS.md's CUDA tables:
 #   --device cuda --synthetic glm5 --layers 8 --experts 16 --dtype fp8 --decode 64 --math fast-fp8 --math-only
 # Each run's whole output goes to DIR (default ./ab-bench-out) as <variant index>_<round>.txt.
-set -u
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-VIREO=${VIREO:-$ROOT/build/vireo}
-[ -x "$VIREO" ] || VIREO=$ROOT/build-cuda/vireo
-ROUNDS=2
-DIR=./ab-bench-out
-usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit "$1"; }
-while getopts "r:o:h" opt; do
-  case $opt in
-    r) ROUNDS=$OPTARG ;;
-    o) DIR=$OPTARG ;;
-    h) usage 0 ;;
-    *) usage 2 ;;
-  esac
-done
-shift $((OPTIND - 1))
-VARIANTS=()
-while [ $# -gt 0 ] && [ "$1" != "--" ]; do VARIANTS+=("$1"); shift; done
-[ $# -gt 0 ] && shift
-BENCH=("$@")
-[ ${#BENCH[@]} -eq 0 ] && BENCH=(--device cuda --synthetic glm5 --layers 8 --experts 16 --dtype fp8 --decode 64
-                                 --math fast-fp8 --math-only)
+ROUNDS=2 DIR=./ab-bench-out USAGE_LINES=2,16
+source "$(dirname "$0")/bench-args.sh"
+VARIANTS=(${POSITIONAL[@]+"${POSITIONAL[@]}"})
 if [ ${#VARIANTS[@]} -eq 0 ]; then echo "ab-bench: no variants given (e.g. - VIREO_SHORT_ATTENTION=0)" >&2; exit 2; fi
-if ! [[ $ROUNDS =~ ^[1-9][0-9]*$ ]]; then echo "ab-bench: -r expects a positive count, got '$ROUNDS'" >&2; exit 2; fi
 for v in "${VARIANTS[@]}"; do
   case $v in
     -) ;;

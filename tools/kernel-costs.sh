@@ -15,32 +15,9 @@
 # output sizes later work reads as costing that work too (the indexer's top-k: the attention then
 # reads stale key counts), and one whose output indexes memory may make the run fail (the router:
 # reported as failed, the others go on). ~14 s a run at 8 layers on an H200. VIREO: the binary.
-set -u
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-VIREO=${VIREO:-$ROOT/build/vireo}
-[ -x "$VIREO" ] || VIREO=$ROOT/build-cuda/vireo
-ROUNDS=1
-DIR=./kernel-costs-out
-usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit "$1"; }
-# BENCH ARGS apart first (getopts would take a "--" that directly follows the options as its own).
-ARGS=() BENCH=()
-while [ $# -gt 0 ] && [ "$1" != "--" ]; do ARGS+=("$1"); shift; done
-[ $# -gt 0 ] && shift
-BENCH=("$@")
-set -- ${ARGS[@]+"${ARGS[@]}"}
-while getopts "r:o:h" opt; do
-  case $opt in
-    r) ROUNDS=$OPTARG ;;
-    o) DIR=$OPTARG ;;
-    h) usage 0 ;;
-    *) usage 2 ;;
-  esac
-done
-shift $((OPTIND - 1))
-KERNELS=("$@")
-[ ${#BENCH[@]} -eq 0 ] && BENCH=(--device cuda --synthetic glm5 --layers 8 --experts 16 --dtype fp8 --decode 64
-                                 --math fast-fp8 --math-only)
-if ! [[ $ROUNDS =~ ^[1-9][0-9]*$ ]]; then echo "kernel-costs: -r expects a positive count, got '$ROUNDS'" >&2; exit 2; fi
+ROUNDS=1 DIR=./kernel-costs-out USAGE_LINES=2,20
+source "$(dirname "$0")/bench-args.sh"
+KERNELS=(${POSITIONAL[@]+"${POSITIONAL[@]}"})
 for k in ${KERNELS[@]+"${KERNELS[@]}"}; do
   [[ $k =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]] || { echo "kernel-costs: '$k' is not a kernel name (letters, digits, _)" >&2; exit 2; }
 done

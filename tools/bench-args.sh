@@ -1,0 +1,30 @@
+# Sourced by tools/ab-bench.sh and tools/kernel-costs.sh: the vireo binary and their common
+# arguments. In: ROUNDS and DIR (defaults), USAGE_LINES (the caller's header lines that -h
+# prints), then the caller's "$@". Out: VIREO (the environment's, else build/vireo, else
+# build-cuda/vireo), ROUNDS, DIR (-r, -o), BENCH (what follows the first "--"; default the fp8
+# decode of BENCHMARKS.md's CUDA tables) and POSITIONAL (the rest).
+set -u
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VIREO=${VIREO:-$ROOT/build/vireo}
+[ -x "$VIREO" ] || VIREO=$ROOT/build-cuda/vireo
+TOOL=$(basename "$0" .sh)
+usage() { sed -n "${USAGE_LINES}p" "$0" | sed 's/^# \{0,1\}//'; exit "$1"; }
+# BENCH ARGS apart first (getopts would take a "--" that directly follows the options as its own).
+POSITIONAL=() BENCH=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do POSITIONAL+=("$1"); shift; done
+[ $# -gt 0 ] && shift
+BENCH=("$@")
+set -- ${POSITIONAL[@]+"${POSITIONAL[@]}"}
+while getopts "r:o:h" opt; do
+  case $opt in
+    r) ROUNDS=$OPTARG ;;
+    o) DIR=$OPTARG ;;
+    h) usage 0 ;;
+    *) usage 2 ;;
+  esac
+done
+shift $((OPTIND - 1))
+POSITIONAL=("$@")
+[ ${#BENCH[@]} -eq 0 ] && BENCH=(--device cuda --synthetic glm5 --layers 8 --experts 16 --dtype fp8 --decode 64
+                                 --math fast-fp8 --math-only)
+if ! [[ $ROUNDS =~ ^[1-9][0-9]*$ ]]; then echo "$TOOL: -r expects a positive count, got '$ROUNDS'" >&2; exit 2; fi
