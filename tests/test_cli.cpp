@@ -249,6 +249,10 @@ TEST(Cli, KernelCostsToolTimesEachKernelDropped) {
   EXPECT_EQ(out.find("kernels launched"), std::string::npos) << out;
   EXPECT_NE(out.find("rope_kernel                       ctx 0 500.0 tok/s saved 500 us  ctx 4096"), std::string::npos)
       << out;  // no --layers: no column a layer
+  out = sh("-h", code);  // the script's leading comments, not its code
+  EXPECT_EQ(code, 0);
+  EXPECT_EQ(out.rfind("What each CUDA kernel costs", 0), 0u) << out;
+  EXPECT_EQ(out.find("source "), std::string::npos) << out;
   sh("rope-kernel", code);
   EXPECT_EQ(code, 2);
   EXPECT_NE(read_file(tmp / "err").find("'rope-kernel' is not a kernel name"), std::string::npos);

@@ -11,7 +11,7 @@
 # parent commit's). BENCH ARGS default to the fp8 decode of BENCHMARKS.md's CUDA tables:
 #   --device cuda --synthetic glm5 --layers 8 --experts 16 --dtype fp8 --decode 64 --math fast-fp8 --math-only
 # Each run's whole output goes to DIR (default ./ab-bench-out) as <variant index>_<round>.txt.
-ROUNDS=2 DIR=./ab-bench-out USAGE_LINES=2,16
+ROUNDS=2 DIR=./ab-bench-out
 source "$(dirname "$0")/bench-args.sh"
 VARIANTS=(${POSITIONAL[@]+"${POSITIONAL[@]}"})
 if [ ${#VARIANTS[@]} -eq 0 ]; then echo "ab-bench: no variants given (e.g. - VIREO_SHORT_ATTENTION=0)" >&2; exit 2; fi

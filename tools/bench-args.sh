@@ -1,6 +1,6 @@
 # Sourced by tools/ab-bench.sh and tools/kernel-costs.sh: the vireo binary and their common
-# arguments. In: ROUNDS and DIR (defaults), USAGE_LINES (the caller's header lines that -h
-# prints), then the caller's "$@". Out: VIREO (the environment's, else build/vireo, else
+# arguments. In: ROUNDS and DIR (defaults), then the caller's "$@" (-h prints the caller's
+# leading comment block). Out: VIREO (the environment's, else build/vireo, else
 # build-cuda/vireo), ROUNDS, DIR (-r, -o), BENCH (what follows the first "--"; default the fp8
 # decode of BENCHMARKS.md's CUDA tables) and POSITIONAL (the rest).
 set -u
@@ -8,7 +8,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VIREO=${VIREO:-$ROOT/build/vireo}
 [ -x "$VIREO" ] || VIREO=$ROOT/build-cuda/vireo
 TOOL=$(basename "$0" .sh)
-usage() { sed -n "${USAGE_LINES}p" "$0" | sed 's/^# \{0,1\}//'; exit "$1"; }
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit "$1"; }
 # BENCH ARGS apart first (getopts would take a "--" that directly follows the options as its own).
 POSITIONAL=() BENCH=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do POSITIONAL+=("$1"); shift; done

@@ -15,7 +15,7 @@
 # output sizes later work reads as costing that work too (the indexer's top-k: the attention then
 # reads stale key counts), and one whose output indexes memory may make the run fail (the router:
 # reported as failed, the others go on). ~14 s a run at 8 layers on an H200. VIREO: the binary.
-ROUNDS=1 DIR=./kernel-costs-out USAGE_LINES=2,20
+ROUNDS=1 DIR=./kernel-costs-out
 source "$(dirname "$0")/bench-args.sh"
 KERNELS=(${POSITIONAL[@]+"${POSITIONAL[@]}"})
 for k in ${KERNELS[@]+"${KERNELS[@]}"}; do
