@@ -252,7 +252,7 @@ TEST(Cli, KernelCostsToolTimesEachKernelDropped) {
   out = sh("-h", code);  // the script's leading comments, not its code
   EXPECT_EQ(code, 0);
   EXPECT_EQ(out.rfind("What each CUDA kernel costs", 0), 0u) << out;
-  EXPECT_EQ(out.find("source "), std::string::npos) << out;
+  EXPECT_EQ(out.find("ROUNDS="), std::string::npos) << out;
   sh("rope-kernel", code);
   EXPECT_EQ(code, 2);
   EXPECT_NE(read_file(tmp / "err").find("'rope-kernel' is not a kernel name"), std::string::npos);
