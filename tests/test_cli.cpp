@@ -213,8 +213,10 @@ TEST(Cli, KernelCostsToolTimesEachKernelDropped) {
   const std::string fake = write_script(
       tmp / "fake-vireo",
       "case \"$VIREO_SKIP_KERNELS\" in\n"
-      "  none) for k in rope_kernel moe_route_kernel gemv_rows2_kernel rope_kernel; do\n"
-      "          echo \"VIREO_SKIP_KERNELS: launching $k (_Z3$k)\" >&2; done; T0=400; T4=250 ;;\n"
+      "  none) for k in rope_kernel moe_route_kernel gemv_rows2_kernel rope_kernel random_bf16_kernel; do\n"
+      "          echo \"VIREO_SKIP_KERNELS: launching $k (_Z3$k)\" >&2; done\n"
+      "        [ -n \"$FAKE_NO_GRAPH\" ] || for k in gemv_rows2_kernel rope_kernel moe_route_kernel; do\n"
+      "          echo \"VIREO_SKIP_KERNELS: launching $k (_Z3$k) in a recorded graph\" >&2; done; T0=400; T4=250 ;;\n"
       "  rope_kernel) T0=500; T4=250 ;;\n"
       "  moe_route_kernel) echo 'error: CUDA error: an illegal memory access was encountered' >&2; exit 1 ;;\n"
       "  *) T0=400; T4=250 ;;\n"
@@ -223,9 +225,9 @@ TEST(Cli, KernelCostsToolTimesEachKernelDropped) {
       "bandwidth\"\n"
       "echo \"decode ctx 4096    greedy/device   $T4.00 tok/s  6.076 GB/token     2795 GB/s  =  65.7% of copy "
       "bandwidth\"\n");
-  auto sh = [&](const std::string& args, int& code) {
-    const std::string cmd = "VIREO=" + fake + " bash " + std::string(VIREO_SOURCE_DIR) + "/tools/kernel-costs.sh " +
-                            args + " >" + (tmp / "out") + " 2>" + (tmp / "err");
+  auto sh = [&](const std::string& args, int& code, const std::string& env = "") {
+    const std::string cmd = env + "VIREO=" + fake + " bash " + std::string(VIREO_SOURCE_DIR) +
+                            "/tools/kernel-costs.sh " + args + " >" + (tmp / "out") + " 2>" + (tmp / "err");
     const int status = std::system(cmd.c_str());
     code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
     return read_file(tmp / "out");
@@ -233,7 +235,11 @@ TEST(Cli, KernelCostsToolTimesEachKernelDropped) {
   int code = -1;
   std::string out = sh("-r 2 -o " + (tmp / "runs") + " -- --layers 8", code);
   ASSERT_EQ(code, 0) << out << read_file(tmp / "err");
-  EXPECT_NE(out.find("kernels launched: gemv_rows2_kernel moe_route_kernel rope_kernel\n"), std::string::npos) << out;
+  // Only the recorded step's kernels: random_bf16_kernel ran outside it (setup).
+  EXPECT_NE(out.find("kernels launched in the recorded decode step: gemv_rows2_kernel moe_route_kernel rope_kernel\n"),
+            std::string::npos)
+      << out;
+  EXPECT_EQ(out.find("random_bf16_kernel"), std::string::npos) << out;
   EXPECT_NE(out.find("(unchanged)                       ctx 0 400.0 tok/s  ctx 4096 250.0 tok/s"), std::string::npos)
       << out;
   // 1e6 / 400 - 1e6 / 500 = 500 us a step, 62.5 a layer of 8.
@@ -242,6 +248,13 @@ TEST(Cli, KernelCostsToolTimesEachKernelDropped) {
             std::string::npos)
       << out;
   EXPECT_NE(out.find("moe_route_kernel                  failed: error: CUDA error: an illegal memory access"),
+            std::string::npos)
+      << out;
+  // With no recorded step (--no-graph), every kernel the run launched.
+  out = sh("-r 1 -o " + (tmp / "runs-ng") + " -- --no-graph", code, "FAKE_NO_GRAPH=1 ");
+  ASSERT_EQ(code, 0) << out << read_file(tmp / "err");
+  EXPECT_NE(out.find("kernels launched (no recorded decode step, so every kernel of the run): gemv_rows2_kernel "
+                     "moe_route_kernel random_bf16_kernel rope_kernel\n"),
             std::string::npos)
       << out;
   out = sh("-r 1 -o " + (tmp / "runs2") + " rope_kernel -- --device cuda", code);  // named: no listing run

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <chrono>
+#include <set>
 #include <sstream>
 #include <memory>
 #include <random>
@@ -20,6 +21,7 @@
 #include "backend/cuda/cuda_backend.h"
 #include "backend_test_util.h"
 #include "cuda_test_util.h"
+#include "test_helpers.h"
 #include "core/dtype.h"
 #include "core/thread_pool.h"
 
@@ -1448,6 +1450,28 @@ TEST(CudaOps, MoeExpertsSeesBankEntriesChangedBetweenCalls) {
 
 // VIREO_SKIP_KERNELS' names (a timing switch: the launches it drops are the kernels named here).
 // Runs without a GPU: it is the name test alone.
+// The listing kernel-costs.sh reads: kernels launched into the recorded decode step are named
+// again, marked, apart from those of prefill (launched outside any recording).
+TEST(CudaOps, SkipKernelsListingMarksTheRecordedStep) {
+  REQUIRE_CUDA();
+  vireo::test::TempDir tmp("skiplist");
+  const std::string cmd = "VIREO_SKIP_KERNELS=none " + std::string(VIREO_BIN) + " bench -m " +
+                          std::string(VIREO_FIXTURES_DIR) + "/glm_dsa_full_f32 --device cuda --prompt 4 --decode 4 >" +
+                          (tmp / "out") + " 2>" + (tmp / "err");
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << vireo::test::read_file(tmp / "err");
+  std::istringstream err(vireo::test::read_file(tmp / "err"));
+  std::set<std::string> recorded, outside;
+  for (std::string line; std::getline(err, line);) {
+    if (line.rfind("VIREO_SKIP_KERNELS: launching ", 0) != 0) continue;
+    const std::string name = line.substr(30, line.find(' ', 30) - 30);
+    const bool marked = line.size() > 20 && line.compare(line.size() - 20, 20, " in a recorded graph") == 0;
+    (marked ? recorded : outside).insert(name);
+  }
+  EXPECT_GT(recorded.size(), 5u) << vireo::test::read_file(tmp / "err");
+  EXPECT_GT(outside.size(), 5u);  // prefill's launches, unmarked
+  EXPECT_NE(vireo::test::read_file(tmp / "out").find("decode"), std::string::npos);
+}
+
 TEST(CudaOps, SkipKernelsNamesKernelsAsTheSourceDoes) {
 #ifndef VIREO_HAVE_CUDA
   GTEST_SKIP() << "built without CUDA";

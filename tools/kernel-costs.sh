@@ -8,7 +8,8 @@
 #   tools/kernel-costs.sh [-r ROUNDS] [-o DIR] [KERNEL...] [-- BENCH ARGS]
 #
 # KERNEL is a kernel's name as the source writes it (rope_kernel: every instance of it); with none
-# given, every kernel the bench launches (a first run with VIREO_SKIP_KERNELS=none lists them).
+# given, every kernel the recorded decode step launches (a first run with VIREO_SKIP_KERNELS=none
+# lists them; with --no-graph, every kernel the bench launches).
 # BENCH ARGS default to the fp8 decode of BENCHMARKS.md's CUDA tables:
 #   --device cuda --synthetic glm5 --layers 8 --experts 16 --dtype fp8 --decode 64 --math fast-fp8 --math-only
 # "a layer" divides by --layers. The dropped runs compute wrong results by design, so a kernel whose
@@ -32,12 +33,19 @@ if [ ${#KERNELS[@]} -eq 0 ]; then
     echo "kernel-costs: the listing run failed: $(tail -1 "$DIR/list.txt")" >&2
     exit 1
   fi
-  mapfile -t KERNELS < <(awk '/^VIREO_SKIP_KERNELS: launching / { print $3 }' "$DIR/list.txt" | sort -u)
-  if [ ${#KERNELS[@]} -eq 0 ]; then
-    echo "kernel-costs: the listing run named no kernels (not a CUDA run? see $DIR/list.txt)" >&2
-    exit 1
+  # The kernels the recorded decode step launches (prefill's and setup's run outside it, and
+  # dropping them times nothing but the spread); with no recorded step (--no-graph), every kernel.
+  mapfile -t KERNELS < <(awk '/^VIREO_SKIP_KERNELS: launching .* in a recorded graph$/ { print $3 }' "$DIR/list.txt" | sort -u)
+  if [ ${#KERNELS[@]} -gt 0 ]; then
+    echo "kernels launched in the recorded decode step: ${KERNELS[*]}"
+  else
+    mapfile -t KERNELS < <(awk '/^VIREO_SKIP_KERNELS: launching / { print $3 }' "$DIR/list.txt" | sort -u)
+    if [ ${#KERNELS[@]} -eq 0 ]; then
+      echo "kernel-costs: the listing run named no kernels (not a CUDA run? see $DIR/list.txt)" >&2
+      exit 1
+    fi
+    echo "kernels launched (no recorded decode step, so every kernel of the run): ${KERNELS[*]}"
   fi
-  echo "kernels launched: ${KERNELS[*]}"
 fi
 
 # "label<TAB>tok/s" for each "decode ctx N ... X tok/s" line of one run.

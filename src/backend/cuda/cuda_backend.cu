@@ -15,6 +15,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <map>
 #include <unordered_map>
 #include <vector>
 
@@ -1776,11 +1777,16 @@ std::string cuda_kernel_name(const std::string& mangled) {
   return last.empty() ? mangled : last;
 }
 
-bool cuda::skip_launch(const void* kernel) {
+bool cuda::skip_launch(const void* kernel, cudaStream_t st) {
   static std::mutex mu;
-  static std::unordered_map<const void*, bool> decided;  // kernel -> listed (asked once a kernel)
+  // (kernel, launched into a graph being recorded) -> listed: asked and named once each, so that
+  // the listing tells the decode step's kernels from those of prefill and setup.
+  static std::map<std::pair<const void*, bool>, bool> decided;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  VIREO_CUDA_CHECK(cudaStreamIsCapturing(st, &capture));
+  const bool recorded = capture == cudaStreamCaptureStatusActive;
   std::lock_guard<std::mutex> lock(mu);
-  auto it = decided.find(kernel);
+  auto it = decided.find({kernel, recorded});
   if (it != decided.end()) return it->second;
   static const std::string list = std::getenv("VIREO_SKIP_KERNELS");
   const char* raw = nullptr;
@@ -1790,9 +1796,9 @@ bool cuda::skip_launch(const void* kernel) {
   if (decided.empty())
     std::fprintf(stderr, "VIREO_SKIP_KERNELS=%s: listed kernels are not launched; results are wrong (timing only)\n",
                  list.c_str());
-  std::fprintf(stderr, "VIREO_SKIP_KERNELS: %s %s (%s)\n", skip ? "dropping" : "launching", name.c_str(),
-               raw ? raw : "unnamed");
-  decided.emplace(kernel, skip);
+  std::fprintf(stderr, "VIREO_SKIP_KERNELS: %s %s (%s)%s\n", skip ? "dropping" : "launching", name.c_str(),
+               raw ? raw : "unnamed", recorded ? " in a recorded graph" : "");
+  decided.emplace(std::make_pair(kernel, recorded), skip);
   return skip;
 }
 

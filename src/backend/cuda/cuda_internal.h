@@ -38,7 +38,8 @@ void set_programmatic_launch(bool on);
 // `tools/kernel-costs.sh` or `tools/ab-bench.sh - VIREO_SKIP_KERNELS=rope_kernel` measure what a
 // kernel costs inside the recorded step, PDL overlap included, where ncu times it alone. Results
 // are wrong while it is set; stderr says so, and names each kernel the first time it is dropped
-// or launched (a name that matches nothing, e.g. VIREO_SKIP_KERNELS=none, lists what a run launches).
+// or launched, and again the first time in a recorded graph (a decode step), marked so (a name
+// that matches nothing, e.g. VIREO_SKIP_KERNELS=none, lists what a run launches).
 inline bool skipping_kernels() {
   static const bool on = [] {
     const char* e = std::getenv("VIREO_SKIP_KERNELS");
@@ -46,14 +47,15 @@ inline bool skipping_kernels() {
   }();
   return on;
 }
-bool skip_launch(const void* kernel);  // cuda_backend.cu: listed in VIREO_SKIP_KERNELS (cuda_kernel_listed)
+// cuda_backend.cu: listed in VIREO_SKIP_KERNELS (cuda_kernel_listed); st: where it would run.
+bool skip_launch(const void* kernel, cudaStream_t st);
 
 // kernel<<<grid, block, smem, st>>>(args...), as a programmatic dependent launch when
 // programmatic_launch() is on (the kernel must begin with pdl_begin(); tests/test_cuda_sources.cpp
 // checks that every kernel does). Launch errors fail at once.
 template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, Args&&... args) {
-  if (skipping_kernels() && skip_launch(reinterpret_cast<const void*>(kernel))) return;
+  if (skipping_kernels() && skip_launch(reinterpret_cast<const void*>(kernel), st)) return;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = programmatic_launch() ? 1 : 0;
