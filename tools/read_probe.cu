@@ -21,13 +21,13 @@
 
 namespace {
 
-#define CHECK(x)                                                                           \
-  do {                                                                                     \
-    const cudaError_t e_ = (x);                                                            \
-    if (e_ != cudaSuccess) {                                                               \
-      std::fprintf(stderr, "vireo_read_probe: %s: %s\n", #x, cudaGetErrorString(e_));      \
-      std::exit(1);                                                                        \
-    }                                                                                      \
+#define CHECK(x)                                                                      \
+  do {                                                                                \
+    const cudaError_t e_ = (x);                                                       \
+    if (e_ != cudaSuccess) {                                                          \
+      std::fprintf(stderr, "vireo_read_probe: %s: %s\n", #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                   \
+    }                                                                                 \
   } while (0)
 
 constexpr int64_t kRows = 2048, kRowBytes = 6144, kSlots = 8;
@@ -182,12 +182,11 @@ __global__ void __launch_bounds__(288, 1) bulk_ring_kernel(const uint4* const* m
       const uint32_t dst = smem_addr(ring + size_t(st) * stage_bytes), bar = smem_addr(&full[st]);
       asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(stage_bytes) : "memory");
       for (int m = 0; m < 2; ++m)
-        asm volatile(
-            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                dst + uint32_t(m * RPS * kRowBytes)),
-            "l"(mats[2 * s + m] + int64_t(u % groups) * RPS * kRowBytes / 16), "r"(uint32_t(RPS * kRowBytes)),
-            "r"(bar)
-            : "memory");
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                         dst + uint32_t(m * RPS * kRowBytes)),
+                     "l"(mats[2 * s + m] + int64_t(u % groups) * RPS * kRowBytes / 16), "r"(uint32_t(RPS * kRowBytes)),
+                     "r"(bar)
+                     : "memory");
     }
     return;
   }
