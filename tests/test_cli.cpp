@@ -218,6 +218,9 @@ TEST(Cli, KernelCostsToolTimesEachKernelDropped) {
       "        [ -n \"$FAKE_NO_GRAPH\" ] || for k in gemv_rows2_kernel rope_kernel moe_route_kernel; do\n"
       "          echo \"VIREO_SKIP_KERNELS: launching $k (_Z3$k) in a recorded graph\" >&2; done; T0=400; T4=250 ;;\n"
       "  rope_kernel) T0=500; T4=250 ;;\n"
+      "  '') T0=400; T4=250\n"  // the unchanged bench; FAKE_VARY: 400, 500, 400, ... at context 0
+      "      if [ -n \"$FAKE_VARY\" ]; then n=$(cat \"$FAKE_VARY\" 2>/dev/null || echo 0); echo $((n + 1)) >\"$FAKE_VARY\"\n"
+      "        [ $((n % 2)) = 1 ] && T0=500; fi ;;\n"
       "  moe_route_kernel) echo 'error: CUDA error: an illegal memory access was encountered' >&2; exit 1 ;;\n"
       "  *) T0=400; T4=250 ;;\n"
       "esac\n"
@@ -242,6 +245,9 @@ TEST(Cli, KernelCostsToolTimesEachKernelDropped) {
   EXPECT_EQ(out.find("random_bf16_kernel"), std::string::npos) << out;
   EXPECT_NE(out.find("(unchanged)                       ctx 0 400.0 tok/s  ctx 4096 250.0 tok/s"), std::string::npos)
       << out;
+  EXPECT_NE(out.find("(its spread over 2 rounds)        ctx 0 0 us (0.0 a layer)  ctx 4096 0 us (0.0 a layer)"),
+            std::string::npos)
+      << out;
   // 1e6 / 400 - 1e6 / 500 = 500 us a step, 62.5 a layer of 8.
   EXPECT_NE(out.find("rope_kernel                       ctx 0 500.0 tok/s saved 500 us (62.5 a layer)  ctx 4096 250.0 "
                      "tok/s saved 0 us (0.0 a layer)"),
@@ -260,8 +266,15 @@ TEST(Cli, KernelCostsToolTimesEachKernelDropped) {
   out = sh("-r 1 -o " + (tmp / "runs2") + " rope_kernel -- --device cuda", code);  // named: no listing run
   ASSERT_EQ(code, 0) << out << read_file(tmp / "err");
   EXPECT_EQ(out.find("kernels launched"), std::string::npos) << out;
+  EXPECT_EQ(out.find("spread"), std::string::npos) << out;  // one round: no spread to tell
   EXPECT_NE(out.find("rope_kernel                       ctx 0 500.0 tok/s saved 500 us  ctx 4096"), std::string::npos)
       << out;  // no --layers: no column a layer
+  // Rounds of the unchanged bench at 400, 500, 400 tok/s: 1e6 / 400 - 1e6 / 500 = 500 us apart.
+  out = sh("-r 3 -o " + (tmp / "runs3") + " rope_kernel -- --layers 8", code, "FAKE_VARY=" + (tmp / "count") + " ");
+  ASSERT_EQ(code, 0) << out << read_file(tmp / "err");
+  EXPECT_NE(out.find("(unchanged)                       ctx 0 400.0 tok/s"), std::string::npos) << out;
+  EXPECT_NE(out.find("(its spread over 3 rounds)        ctx 0 500 us (62.5 a layer)  ctx 4096 0 us"), std::string::npos)
+      << out;
   out = sh("-h", code);  // the script's leading comments, not its code
   EXPECT_EQ(code, 0);
   EXPECT_EQ(out.rfind("What each CUDA kernel costs", 0), 0u) << out;

@@ -15,7 +15,9 @@
 # "a layer" divides by --layers. The dropped runs compute wrong results by design, so a kernel whose
 # output sizes later work reads as costing that work too (the indexer's top-k: the attention then
 # reads stale key counts), and one whose output indexes memory may make the run fail (the router:
-# reported as failed, the others go on). ~14 s a run at 8 layers on an H200. VIREO: the binary.
+# reported as failed, the others go on). With 2 or more rounds it also prints how far the unchanged
+# bench's rounds lie apart: a kernel that "saves" less saved nothing these runs can tell. ~14 s a
+# run at 8 layers on an H200. VIREO: the binary.
 ROUNDS=1 DIR=./kernel-costs-out
 source "$(dirname "$0")/bench-args.sh"
 KERNELS=(${POSITIONAL[@]+"${POSITIONAL[@]}"})
@@ -63,20 +65,28 @@ for ((r = 1; r <= ROUNDS; ++r)); do
   for k in "${KERNELS[@]}"; do run "$k" "$k" "$r" || true; done
 done
 
-# Median tok/s a label over the rounds of one name: "label<TAB>median" lines.
+# Median tok/s a label over the rounds of one name: "label<TAB>median<TAB>min<TAB>max" lines.
 medians() {
   for ((r = 1; r <= ROUNDS; ++r)); do [ -f "$DIR/$1_$r.txt" ] && tps_points "$DIR/$1_$r.txt"; done |
     awk -F'\t' '{ v[$1] = v[$1] " " $2; if (!($1 in seen)) { seen[$1] = 1; order[++n] = $1 } }
       END { for (k = 1; k <= n; ++k) {
               c = split(v[order[k]], a, " "); for (x = 1; x <= c; ++x) for (y = x + 1; y <= c; ++y)
                 if (a[y] + 0 < a[x] + 0) { t = a[x]; a[x] = a[y]; a[y] = t }
-              printf "%s\t%s\n", order[k], c % 2 ? a[(c + 1) / 2] : (a[c / 2] + a[c / 2 + 1]) / 2 } }'
+              printf "%s\t%s\t%s\t%s\n", order[k], c % 2 ? a[(c + 1) / 2] : (a[c / 2] + a[c / 2 + 1]) / 2, a[1], a[c] } }'
 }
 medians base >"$DIR/base.median"
 echo "median of $ROUNDS round(s); saved: us a step (and a layer, of $LAYERS) against the unchanged bench"
 printf '%-32s' "(unchanged)"
 awk -F'\t' '{ printf "  %s %.1f tok/s", $1, $2 }' "$DIR/base.median"
 echo
+# How far the unchanged bench's rounds lie apart: a kernel "saving" less than this saved nothing
+# that these runs can tell (one round: see the kernels that run outside the step, or use -r 3).
+if [ "$ROUNDS" -gt 1 ]; then
+  printf '%-32s' "(its spread over $ROUNDS rounds)"
+  awk -F'\t' -v L="$LAYERS" '{ d = 1e6 / $3 - 1e6 / $4; printf "  %s %.0f us", $1, d; if (L > 0) printf " (%.1f a layer)", d / L }' \
+    "$DIR/base.median"
+  echo
+fi
 for k in "${KERNELS[@]}"; do
   printf '%-32s' "$k"
   if [ -z "$(medians "$k")" ]; then
