@@ -284,6 +284,50 @@ TEST(Cli, KernelCostsToolTimesEachKernelDropped) {
   EXPECT_NE(read_file(tmp / "err").find("'rope-kernel' is not a kernel name"), std::string::npos);
 }
 
+// tools/gpu-check.sh against stand-ins for the carried binaries: its summary counts each test's
+// own result line (a failing DemoModel test counts, the closing lists are not counted twice),
+// runs the read probe and both benches.
+TEST(Cli, GpuCheckSummarizesTestsProbeAndBench) {
+  TempDir tmp("gc");
+  std::filesystem::create_directories(tmp / "root/tools");
+  std::filesystem::create_directories(tmp / "root/.devcarry/bin");
+  std::filesystem::copy_file(std::string(VIREO_SOURCE_DIR) + "/tools/gpu-check.sh", tmp / "root/tools/gpu-check.sh");
+  const std::string bin = tmp / "root/.devcarry/bin";
+  write_script(bin + "/vireo_tests",
+               "case \"$*\" in\n"
+               "  *NormsRopeElementwise*) echo '[  PASSED  ] 1 test.'; exit 0 ;;\n"
+               "esac\n"
+               "echo \"$*\" >\"$(dirname \"$0\")/tests_args\"\n"
+               "cat <<'E'\n"
+               "[       OK ] CudaOps.A (3 ms)\n"
+               "tests/x.cpp:1: Failure\n"
+               "[  FAILED  ] DemoModel.B (5 ms)\n"
+               "[  SKIPPED ] CudaBench.C (0 ms)\n"
+               "[       OK ] Branches.D (1 ms)\n"
+               "[  PASSED  ] 2 tests.\n"
+               "[  SKIPPED ] 1 test, listed below:\n"
+               "[  SKIPPED ] CudaBench.C\n"
+               "[  FAILED  ] 1 test, listed below:\n"
+               "[  FAILED  ] DemoModel.B\n"
+               "E\n"
+               "exit 1\n");
+  write_script(bin + "/vireo", "echo \"decode ctx 0  stand-in $*\"\n");
+  write_script(bin + "/vireo_read_probe", "echo 'flat, one buffer  4357 GB/s'\n");
+  const std::string cmd = "GPU_CHECK_NO_LINK=1 OUT=" + (tmp / "out") + " bash " + (tmp / "root/tools/gpu-check.sh") +
+                          " --layers 3 >" + (tmp / "stdout") + " 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << read_file(tmp / "stdout");
+  const std::string summary = read_file(tmp / "out/summary.txt"), out = read_file(tmp / "stdout");
+  EXPECT_NE(summary.find("binaries: carried prebuilt"), std::string::npos) << summary;
+  EXPECT_NE(summary.find("tests: 2 passed, 1 failed, 1 skipped"), std::string::npos) << summary;
+  EXPECT_NE(read_file(bin + "/tests_args").find("Branches.*"), std::string::npos);
+  EXPECT_NE(summary.find("read probe: rc 0"), std::string::npos) << summary;
+  EXPECT_NE(out.find("--- read probe\nflat, one buffer  4357 GB/s"), std::string::npos) << out;
+  EXPECT_NE(summary.find("bench fp8: rc 0"), std::string::npos) << summary;
+  EXPECT_NE(out.find("stand-in bench --device cuda --synthetic glm5 --dtype fp8 --decode 128 --layers 3"),
+            std::string::npos)
+      << out;
+}
+
 TEST(Cli, AbBenchToolReadsTheBenchOutput) {
   TempDir tmp("ab");
   auto sh = [&](const std::string& args, RunResult& r) {
