@@ -63,12 +63,7 @@ done
 echo "median of $ROUNDS round(s), % of bandwidth (decode) or of the GEMM peak (prefill):"
 for i in "${!VARIANTS[@]}"; do
   line=$(for ((r = 1; r <= ROUNDS; ++r)); do [ -f "$DIR/${i}_$r.txt" ] && decode_points "$DIR/${i}_$r.txt"; done |
-         awk -F'\t' '{v[$1] = v[$1] " " $2; if (!($1 in seen)) { seen[$1] = 1; order[++n] = $1 } }
-           END { for (k = 1; k <= n; ++k) {
-                   c = split(v[order[k]], a, " "); for (x = 1; x <= c; ++x) for (y = x + 1; y <= c; ++y)
-                     if (a[y] + 0 < a[x] + 0) { t = a[x]; a[x] = a[y]; a[y] = t }
-                   m = c % 2 ? a[(c + 1) / 2] : (a[c / 2] + a[c / 2 + 1]) / 2
-                   printf "%s %.1f%%  ", order[k], m } }')
+         medians_by_label | awk -F'\t' '{ printf "%s %.1f%%  ", $1, $2 }')
   echo "  $(printf '%-40s' "${VARIANTS[$i]}")  ${line:-no decode lines (see $DIR/${i}_*.txt)}"
 done
 exit $status

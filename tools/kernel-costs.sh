@@ -67,12 +67,7 @@ done
 
 # Median tok/s a label over the rounds of one name: "label<TAB>median<TAB>min<TAB>max" lines.
 medians() {
-  for ((r = 1; r <= ROUNDS; ++r)); do [ -f "$DIR/$1_$r.txt" ] && tps_points "$DIR/$1_$r.txt"; done |
-    awk -F'\t' '{ v[$1] = v[$1] " " $2; if (!($1 in seen)) { seen[$1] = 1; order[++n] = $1 } }
-      END { for (k = 1; k <= n; ++k) {
-              c = split(v[order[k]], a, " "); for (x = 1; x <= c; ++x) for (y = x + 1; y <= c; ++y)
-                if (a[y] + 0 < a[x] + 0) { t = a[x]; a[x] = a[y]; a[y] = t }
-              printf "%s\t%s\t%s\t%s\n", order[k], c % 2 ? a[(c + 1) / 2] : (a[c / 2] + a[c / 2 + 1]) / 2, a[1], a[c] } }'
+  for ((r = 1; r <= ROUNDS; ++r)); do [ -f "$DIR/$1_$r.txt" ] && tps_points "$DIR/$1_$r.txt"; done | medians_by_label
 }
 medians base >"$DIR/base.median"
 echo "median of $ROUNDS round(s); saved: us a step (and a layer, of $LAYERS) against the unchanged bench"
