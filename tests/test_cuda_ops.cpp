@@ -1448,8 +1448,6 @@ TEST(CudaOps, MoeExpertsSeesBankEntriesChangedBetweenCalls) {
   }
 }
 
-// VIREO_SKIP_KERNELS' names (a timing switch: the launches it drops are the kernels named here).
-// Runs without a GPU: it is the name test alone.
 // The listing kernel-costs.sh reads: kernels launched into the recorded decode step are named
 // again, marked, apart from those of prefill (launched outside any recording).
 TEST(CudaOps, SkipKernelsListingMarksTheRecordedStep) {
@@ -1472,6 +1470,8 @@ TEST(CudaOps, SkipKernelsListingMarksTheRecordedStep) {
   EXPECT_NE(vireo::test::read_file(tmp / "out").find("decode"), std::string::npos);
 }
 
+// VIREO_SKIP_KERNELS' names (a timing switch: the launches it drops are the kernels named here).
+// Runs without a GPU: it is the name test alone.
 TEST(CudaOps, SkipKernelsNamesKernelsAsTheSourceDoes) {
 #ifndef VIREO_HAVE_CUDA
   GTEST_SKIP() << "built without CUDA";
