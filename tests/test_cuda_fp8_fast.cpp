@@ -320,3 +320,54 @@ TEST(CudaOps, Fp8FastDecodeProducts) {
   }
 }
 #endif
+
+#ifdef VIREO_HAVE_CUDA
+// The fast-fp8 prefill attention's kv_b expansion on an FP8 weight: act_quant of the latent, then
+// the block-scaled FP8 x FP8 GEMM writing bf16 itself (as DeepSeek's reference runs wkv_b). GLM-5
+// head dims with 8 heads (kv_b 3584 x 512), 333 queries over 560 keys. Against the CPU reference
+// given the latent as act_quant rounds it, what is left is fast mode's bf16 roundings (kv_b's
+// output, Q, P: ~1e-5, as CudaFastAttention.PrefillMatchesCpu); against the CPU on the unrounded
+// latent, the e4m3 rounding shows (~1e-3), which tells that the FP8 path ran.
+TEST(CudaOps, Fp8FastPrefillAttentionKvbOnFp8) {
+  REQUIRE_CUDA();
+  auto cpu = make_cpu_backend();
+  auto gpu = make_cuda_backend();
+  const int64_t H = 8, nope = 192, rope = 64, vd = 256, L = 512, N = 560, T = 333, pos0 = N - T;
+  const int64_t qw = nope + rope, kvw = L + rope, hw = nope + vd;
+  Fp8Weight kvb = fp8_weight(H * hw, L, 51);
+  std::vector<float> kv = vireo::test::randv(size_t(N * kvw), 52), q = vireo::test::randv(size_t(T * H * qw), 53);
+  // The latent as act_quant rounds it, per key row (the rope part is not quantized).
+  std::vector<float> latent(size_t(N * L)), kv_quant = kv;
+  for (int64_t n = 0; n < N; ++n) std::copy_n(kv.begin() + n * kvw, L, latent.begin() + n * L);
+  const std::vector<double> lq = act_quant_host(latent, N, L);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t j = 0; j < L; ++j) kv_quant[size_t(n * kvw + j)] = float(lq[size_t(n * L + j)]);
+  const MlaAttentionArgs a =
+      vireo::test::mla_shape(T, H, nope, rope, vd, L, N, pos0, 1.0f / std::sqrt(float(qw)), false);
+  const std::vector<float> want = vireo::test::cpu_mla_attention(*cpu, a, q, kv, kvb.w, nullptr);
+  const std::vector<float> want_q = vireo::test::cpu_mla_attention(*cpu, a, q, kv_quant, kvb.w, nullptr);
+
+  vireo::test::Dev dev(*gpu);
+  const Weight gkvb = gpu->upload_weight(kvb.w);
+  MlaAttentionArgs g = a;
+  g.q = dev.up(q);
+  g.kv = dev.up(kv);
+  g.kv_b = &gkvb;
+  g.out = dev.up(std::vector<float>(want.size(), NAN));
+  cuda_set_gemm_mode(*gpu, CudaGemmMode::Fp8);
+  cuda_set_profile(*gpu, true);
+  gpu->mla_attention(g);
+  const std::string report = cuda_profile_report(*gpu, 1.0);
+  cuda_set_profile(*gpu, false);
+  cuda_set_gemm_mode(*gpu, CudaGemmMode::Split);
+  const std::vector<float> got = dev.down(g.out, want.size());
+  const double e_q = nmse(got, want_q), e = nmse(got, want);
+  std::printf("  kv_b fp8 3584x512, T %lld: NMSE vs CPU on the act_quant latent %.3g, on the latent %.3g\n",
+              (long long)T, e_q, e);
+  if (!is_hopper()) GTEST_SKIP() << "the FP8 x FP8 path needs sm_90";
+  EXPECT_NE(report.find("3584x512 lt fp8xfp8 bf16-out"), std::string::npos) << report;
+  EXPECT_LT(e_q, 1e-4);
+  EXPECT_GT(e, 3 * e_q);
+  EXPECT_LT(e, 1e-2);
+}
+#endif
