@@ -995,6 +995,21 @@ class CudaBackend final : public Backend {
     if (!grouped_experts_fit(D, I, all, fp8) || reinterpret_cast<uintptr_t>(x) % 16 != 0 ||
         reinterpret_cast<uintptr_t>(out) % 16 != 0)
       return false;
+    // FP8 with a dense job (the shared expert lists every token once, so x has dense_rows rows):
+    // x quantized once, and each chunk's gather copies its rows' e4m3 bytes and scales. A row's
+    // act_quant depends on that row alone, so these are the bytes quantizing each gathered row
+    // gives, made once a token instead of once a row (9 times at GLM-5's 8 + 1 experts).
+    const uint8_t* xq = nullptr;
+    const float* xqs = nullptr;
+    if (fp8 && dense_rows > 0) {
+      const size_t qbytes = size_t(dense_rows * D + 15) / 16 * 16;
+      char* buf = grouped_xq_.get<char>(qbytes + size_t((D / 128) * dense_rows) * 4);
+      xq = reinterpret_cast<uint8_t*>(buf);
+      xqs = reinterpret_cast<float*>(buf + qbytes);
+      ProfScope ps(prof_, stream_, [] { return std::string("grouped experts: act_quant x"); }, 0.0);
+      act_quant(x, dense_rows, dense_rows, D, reinterpret_cast<uint8_t*>(buf), reinterpret_cast<float*>(buf + qbytes),
+                stream_);
+    }
     for (size_t j0 = 0; j0 < all.size();) {
       size_t j1 = j0;
       int64_t rows = 0;
@@ -1021,6 +1036,9 @@ class CudaBackend final : public Backend {
       char* table = grouped_table_.get<char>(tb.bytes.size());
       h2d(table, tb.bytes.data(), tb.bytes.size());  // ordered after the last chunk's reads of it
       r.x = x;
+      r.xq = xq;
+      r.xqs = xqs;
+      r.n_tokens = dense_rows;
       r.index = index + at0 + base;
       r.scale = scale + at0 + base;
       if (dense_rows > 0 && j0 == all.size()) {
@@ -1040,8 +1058,10 @@ class CudaBackend final : public Backend {
       {
         ProfScope ps(
             prof_, stream_,
-            [fp8] {
-              return std::string(fp8 ? "grouped experts: gather + act_quant" : "grouped experts: gather + convert");
+            [fp8, xq] {
+              return std::string(!fp8 ? "grouped experts: gather + convert"
+                                 : xq ? "grouped experts: gather e4m3 rows"
+                                      : "grouped experts: gather + act_quant");
             },
             0.0);
         grouped_gather(r, stream_);
@@ -1701,6 +1721,7 @@ class CudaBackend final : public Backend {
     return e ? std::atoll(e) : int64_t(0);  // 0: by the tile loads (grouped_experts_add)
   }();
   Scratch grouped_xb_, grouped_h_, grouped_y_, grouped_table_;  // grouped_experts_add's chunk buffers
+  Scratch grouped_xq_;  // its x quantized once (FP8 with a dense job): e4m3 [T, D], scales [D / 128, T]
   Scratch grouped_index_, grouped_scale_;                       // a chunk's index and scale, when it holds a dense job
   int64_t fp8_chunk_bytes_ = int64_t(CudaBufferSizes::kFp8ChunkBytes);
   OpProfiler prof_;

@@ -393,6 +393,19 @@ __global__ void grouped_gather_kernel(const float* __restrict__ x, const int32_t
   }
 }
 
+// xb[r] = xq[index[r]] (e4m3 rows, 16 bytes a thread) and xs[kb][r] = xqs[kb][index[r]]: the
+// gathered rows of an x quantized once. One block a row.      xq [T, D], xb [R, D]; D % 16 == 0
+__global__ void grouped_gather_q8_kernel(const uint4* __restrict__ xq, const float* __restrict__ xqs, int64_t T,
+                                         const int32_t* __restrict__ index, int64_t D, int64_t R,
+                                         uint4* __restrict__ xb, float* __restrict__ xs) {
+  pdl_begin();
+  const int64_t r = blockIdx.x, t = index[r], n16 = D / 16;
+  const uint4* src = xq + t * n16;
+  uint4* dst = xb + r * n16;
+  for (int64_t j = threadIdx.x; j < n16; j += blockDim.x) dst[j] = src[j];
+  for (int64_t kb = threadIdx.x; kb < D / 128; kb += blockDim.x) xs[kb * R + r] = xqs[kb * T + t];
+}
+
 // A chunk's index and scale when its last job is dense (every token, scale 1: a shared
 // expert): the routed rows' entries copied, then (t, 1) for t < rows - routed.
 __global__ void grouped_dense_rows_kernel(const int32_t* __restrict__ index, const float* __restrict__ scale,
@@ -658,6 +671,12 @@ GroupedTables grouped_tables(const std::vector<GroupedJob>& jobs, int64_t D, int
 
 void grouped_gather(const GroupedRun& r, cudaStream_t st) {
   if (r.R == 0) return;
+  if (r.tables->fp8 && r.xq) {
+    launch(grouped_gather_q8_kernel, unsigned(r.R), 128, 0, st, reinterpret_cast<const uint4*>(r.xq), r.xqs,
+           r.n_tokens, r.index, r.D, r.R, static_cast<uint4*>(r.xb), r.xs);
+    VIREO_CUDA_LAUNCHED();
+    return;
+  }
   if (r.tables->fp8) return act_quant(r.x, r.R, r.R, r.D, static_cast<uint8_t*>(r.xb), r.xs, st, r.index);
   launch(grouped_gather_kernel, unsigned(r.R), 256, 0, st, r.x, r.index, r.D, static_cast<__nv_bfloat162*>(r.xb));
   VIREO_CUDA_LAUNCHED();

@@ -77,13 +77,19 @@ struct GroupedRun {
   float* xs = nullptr;  // FP8 only
   float* hs = nullptr;
   float* h32 = nullptr;
+  // FP8, optional: x already quantized, e4m3 [n_tokens, D] and scales [D / 128, n_tokens]
+  // (act_quant's layout); grouped_gather then copies rows index[r] of them.
+  const uint8_t* xq = nullptr;
+  const float* xqs = nullptr;
+  int64_t n_tokens = 0;
 };
 // index_out, scale_out [rows]: index, scale [routed] then (t, 1) for each t < rows - routed, the
 // rows of a dense last job (a shared expert: every token, unscaled).
 void grouped_dense_rows(const int32_t* index, const float* scale, int64_t routed, int64_t rows, int32_t* index_out,
                         float* scale_out, cudaStream_t st);
 void grouped_gather(const GroupedRun& r, cudaStream_t st);
-// FP8: grouped_gather quantizes the gathered rows into xb, xs; grouped_quantize_h turns h32 into h, hs.
+// FP8: grouped_gather quantizes the gathered rows into xb, xs (or copies them from xq, xqs);
+// grouped_quantize_h turns h32 into h, hs.
 void grouped_quantize_h(const GroupedRun& r, cudaStream_t st);
 void grouped_gate_up(const GroupedRun& r, cudaStream_t st);
 void grouped_down(const GroupedRun& r, cudaStream_t st);
