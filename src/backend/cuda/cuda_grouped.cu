@@ -419,17 +419,21 @@ __global__ void grouped_dense_rows_kernel(const int32_t* __restrict__ index, con
 }
 
 // out[t] += y rows of token t in job order (y already scaled): the same roundings, in the same
-// order, as one scatter_add_rows per job. Block r: row r's token t; the block of t's first row
-// (the lowest job holding t: rows are numbered job by job) does the additions, the others leave.
-// Each thread binary-searches t in its jobs' strictly increasing token lists. Shared: the
-// found row of every job [n_jobs], then the found rows in job order.
+// order, as one scatter_add_rows per job. by_token: block t, for every token of x (those without
+// a row in the chunk leave). Else block r: row r's token t; the block of t's first row (the
+// lowest job holding t: rows are numbered job by job) does the additions, the others leave
+// (a block a row spent most of its time in the searches of blocks that then left: 4608 blocks
+// for 512 tokens' additions at GLM-5's 9 rows a token). Each thread binary-searches t in its
+// jobs' strictly increasing token lists. Shared: the found row of every job [n_jobs], then the
+// found rows in job order.
 __global__ void grouped_combine_kernel(const int32_t* __restrict__ index, const int2* __restrict__ spans, int n_jobs,
-                                       const float4* __restrict__ y, int64_t D4, float4* __restrict__ out) {
+                                       bool by_token, const float4* __restrict__ y, int64_t D4,
+                                       float4* __restrict__ out) {
   pdl_begin();
   extern __shared__ int32_t found[];
   int32_t* order = found + n_jobs;
   __shared__ int n_found;
-  const int r = int(blockIdx.x), t = index[r];
+  const int r = by_token ? -1 : int(blockIdx.x), t = by_token ? int(blockIdx.x) : index[r];
   bool earlier = false;
   for (int j = int(threadIdx.x); j < n_jobs; j += blockDim.x) {
     const int2 s = spans[j];
@@ -441,7 +445,7 @@ __global__ void grouped_combine_kernel(const int32_t* __restrict__ index, const 
     }
     const int at = lo < s.x + s.y && index[lo] == t ? lo : -1;
     found[j] = at;
-    earlier |= at >= 0 && at < r;
+    earlier |= at >= 0 && at < r;  // (never by token: r = -1)
   }
   if (__syncthreads_or(earlier)) return;  // not the token's first row
   if (threadIdx.x < 32) {                 // warp 0 lists the found rows in job order
@@ -457,15 +461,26 @@ __global__ void grouped_combine_kernel(const int32_t* __restrict__ index, const 
   }
   __syncthreads();
   const int n = n_found;
+  if (n == 0) return;  // (by token: not in this chunk)
   float4* o = out + int64_t(t) * D4;
+  // Up to kBatch rows' loads in flight before their additions (one row at a time was a round
+  // trip per row: 54 us a GLM-5 layer at 512 tokens, 9 rows a token; H200).
+  constexpr int kBatch = 8;
   for (int64_t c = threadIdx.x; c < D4; c += blockDim.x) {
     float4 acc = o[c];
-    for (int k = 0; k < n; ++k) {
-      const float4 v = y[int64_t(order[k]) * D4 + c];
-      acc.x = __fadd_rn(acc.x, v.x);
-      acc.y = __fadd_rn(acc.y, v.y);
-      acc.z = __fadd_rn(acc.z, v.z);
-      acc.w = __fadd_rn(acc.w, v.w);
+    for (int k0 = 0; k0 < n; k0 += kBatch) {
+      float4 v[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u)
+        if (k0 + u < n) v[u] = y[int64_t(order[k0 + u]) * D4 + c];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u)
+        if (k0 + u < n) {
+          acc.x = __fadd_rn(acc.x, v[u].x);
+          acc.y = __fadd_rn(acc.y, v[u].y);
+          acc.z = __fadd_rn(acc.z, v[u].z);
+          acc.w = __fadd_rn(acc.w, v[u].w);
+        }
     }
     o[c] = acc;
   }
@@ -697,8 +712,9 @@ void grouped_down(const GroupedRun& r, cudaStream_t st) { gemm(r, false, st); }
 void grouped_combine(const GroupedRun& r, cudaStream_t st) {
   if (r.R == 0) return;
   const int n = r.tables->n_jobs;
-  launch(grouped_combine_kernel, unsigned(r.R), 256, size_t(2 * n) * sizeof(int32_t), st, r.index,
-         table_at<int2>(r, r.tables->spans_at), n, reinterpret_cast<const float4*>(r.y), r.D / 4,
+  const bool by_token = r.n_tokens > 0;
+  launch(grouped_combine_kernel, unsigned(by_token ? r.n_tokens : r.R), 256, size_t(2 * n) * sizeof(int32_t), st,
+         r.index, table_at<int2>(r, r.tables->spans_at), n, by_token, reinterpret_cast<const float4*>(r.y), r.D / 4,
          reinterpret_cast<float4*>(r.out));
   VIREO_CUDA_LAUNCHED();
 }

@@ -77,11 +77,13 @@ struct GroupedRun {
   float* xs = nullptr;  // FP8 only
   float* hs = nullptr;
   float* h32 = nullptr;
-  // FP8, optional: x already quantized, e4m3 [n_tokens, D] and scales [D / 128, n_tokens]
-  // (act_quant's layout); grouped_gather then copies rows index[r] of them.
+  // Optional: x's row count, where known (a run with a dense job); grouped_combine then runs a
+  // block a token instead of a block a row. FP8, optional: x already quantized, e4m3
+  // [n_tokens, D] and scales [D / 128, n_tokens] (act_quant's layout); grouped_gather then copies
+  // rows index[r] of them.
+  int64_t n_tokens = 0;
   const uint8_t* xq = nullptr;
   const float* xqs = nullptr;
-  int64_t n_tokens = 0;
 };
 // index_out, scale_out [rows]: index, scale [routed] then (t, 1) for each t < rows - routed, the
 // rows of a dense last job (a shared expert: every token, unscaled).
