@@ -1006,7 +1006,8 @@ class CudaBackend final : public Backend {
       char* buf = grouped_xq_.get<char>(qbytes + size_t((D / 128) * dense_rows) * 4);
       xq = reinterpret_cast<uint8_t*>(buf);
       xqs = reinterpret_cast<float*>(buf + qbytes);
-      ProfScope ps(prof_, stream_, [] { return std::string("grouped experts: act_quant x"); }, 0.0);
+      ProfScope ps(
+          prof_, stream_, [] { return std::string("grouped experts: act_quant x"); }, 0.0);
       act_quant(x, dense_rows, dense_rows, D, reinterpret_cast<uint8_t*>(buf), reinterpret_cast<float*>(buf + qbytes),
                 stream_);
     }

@@ -687,8 +687,8 @@ GroupedTables grouped_tables(const std::vector<GroupedJob>& jobs, int64_t D, int
 void grouped_gather(const GroupedRun& r, cudaStream_t st) {
   if (r.R == 0) return;
   if (r.tables->fp8 && r.xq) {
-    launch(grouped_gather_q8_kernel, unsigned(r.R), 128, 0, st, reinterpret_cast<const uint4*>(r.xq), r.xqs,
-           r.n_tokens, r.index, r.D, r.R, static_cast<uint4*>(r.xb), r.xs);
+    launch(grouped_gather_q8_kernel, unsigned(r.R), 128, 0, st, reinterpret_cast<const uint4*>(r.xq), r.xqs, r.n_tokens,
+           r.index, r.D, r.R, static_cast<uint4*>(r.xb), r.xs);
     VIREO_CUDA_LAUNCHED();
     return;
   }
