@@ -381,4 +381,29 @@ TEST(Cli, AbBenchToolReadsTheBenchOutput) {
   const std::string out = read_file(tmp / "out");
   EXPECT_NE(out.find("ctx 0 75.1%  ctx 4096 65.7%  prefill 512 39.4%  prefill 4096 53.9%"), std::string::npos) << out;
   EXPECT_NE(out.find("ctx 0 80.5%  ctx 4096 65.7%  prefill 512 51.3%  prefill 4096 53.9%"), std::string::npos) << out;
+  EXPECT_NE(out.find("ctx 0 80.5% (80.5-80.5)  ctx 4096 65.7% (65.7-65.7)"), std::string::npos) << out;
+
+  // Rounds that differ: each median is followed by the rounds' lowest and highest (a stand-in
+  // whose prefill reads 41.1, 45.6, 42.8 in its three calls); one round prints no range.
+  const std::string varying = write_script(
+      tmp / "varying-vireo",
+      "n=$(cat " + (tmp / "calls") + " 2>/dev/null || echo 0); echo $((n + 1)) >" + (tmp / "calls") +
+          "\n"
+          "case $n in 0) p=41.1 ;; 1) p=45.6 ;; *) p=42.8 ;; esac\n"
+          "echo \"prefill 512    fast-fp8   15000.0 tok/s  0.0341 s    310.0 TFLOP/s  =  $p% of bf16 GEMM peak\"\n");
+  for (int rounds : {3, 1}) {
+    std::filesystem::remove(tmp / "calls");
+    const std::string vc = "VIREO=" + varying + " bash " + std::string(VIREO_SOURCE_DIR) + "/tools/ab-bench.sh -r " +
+                           std::to_string(rounds) + " -o " + (tmp / "varying") + " - >" + (tmp / "out") + " 2>" +
+                           (tmp / "err");
+    const int vs = std::system(vc.c_str());
+    ASSERT_TRUE(WIFEXITED(vs) && WEXITSTATUS(vs) == 0) << read_file(tmp / "err");
+    const std::string vo = read_file(tmp / "out");
+    const std::string medians = vo.substr(std::min(vo.size(), vo.find("median of")));
+    if (rounds == 3) EXPECT_NE(medians.find("prefill 512 42.8% (41.1-45.6)"), std::string::npos) << vo;
+    else
+      EXPECT_TRUE(medians.find("prefill 512 41.1%  ") != std::string::npos &&
+                  medians.find("(41.1") == std::string::npos)
+          << vo;
+  }
 }

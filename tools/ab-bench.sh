@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Same-call A/B runs of `vireo bench`: each variant runs ROUNDS times, interleaved (A B C A B C ..),
 # so that the machine's drift over the call falls on every variant alike; then one line a variant
-# with the median of each decode (and CUDA prefill) line's percentage. H200s differ by 1.5-3
+# with the median of each decode (and CUDA prefill) line's percentage and, with 2+ rounds, the
+# rounds' range. H200s differ by 1.5-3
 # points of decode from machine to machine (BENCHMARKS.md), so compare only variants of one call.
 #
 #   tools/ab-bench.sh [-r ROUNDS] [-o DIR] VARIANT... [-- BENCH ARGS]
@@ -60,10 +61,13 @@ for ((r = 1; r <= ROUNDS; ++r)); do
   done
 done
 
-echo "median of $ROUNDS round(s), % of bandwidth (decode) or of the GEMM peak (prefill):"
+# With 2+ rounds each median is followed by the rounds' range: on an H200 one binary's prefill at
+# 2 layers spans 4 points over rounds, decode 1-3, so a difference inside the ranges is no result.
+echo "median of $ROUNDS round(s)$([ "$ROUNDS" -gt 1 ] && echo ' (lowest-highest)'), % of bandwidth (decode) or of the GEMM peak (prefill):"
 for i in "${!VARIANTS[@]}"; do
   line=$(for ((r = 1; r <= ROUNDS; ++r)); do [ -f "$DIR/${i}_$r.txt" ] && decode_points "$DIR/${i}_$r.txt"; done |
-         medians_by_label | awk -F'\t' '{ printf "%s %.1f%%  ", $1, $2 }')
+         medians_by_label | awk -F'\t' -v range=$((ROUNDS > 1)) '{
+           if (range) printf "%s %.1f%% (%.1f-%.1f)  ", $1, $2, $3, $4; else printf "%s %.1f%%  ", $1, $2 }')
   echo "  $(printf '%-40s' "${VARIANTS[$i]}")  ${line:-no decode lines (see $DIR/${i}_*.txt)}"
 done
 exit $status
