@@ -182,6 +182,11 @@ TEST(Cli, BadFlagsAreRejected) {
   EXPECT_NE(r.err.find("--model DIR or --synthetic"), std::string::npos) << r.err;
   r = run_vireo("bench --model " + kFixture + " --profile");  // the profile is the CUDA backend's
   expect_clean_error(r, "--profile needs --device cuda");
+  r = run_vireo("bench --model " + kFixture + " --profiler-range prefill");  // brackets CUDA runs
+  expect_clean_error(r, "--profiler-range needs --device cuda");
+  r = run_vireo("bench --model " + kFixture + " --device cuda --profiler-range steps");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("--profiler-range"), std::string::npos) << r.err;
   r = run_vireo("bench --model " + kFixture + " --batch 4");  // batched decode is timed on CUDA
   expect_clean_error(r, "--batch needs --device cuda");
   r = run_vireo("bench --model " + kFixture + " --capacity 4096");  // sizes the CUDA decode's cache

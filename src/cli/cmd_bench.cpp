@@ -117,7 +117,7 @@ namespace {
 // against a device-to-device copy and a cuBLASLt bf16 GEMM measured in the same run.
 int bench_cuda(const std::string& dir, const std::string& synthetic, const std::string& dtype, int layers, int experts,
                int64_t n_decode, bool record, bool profile, const SamplingParams& sampling, const std::string& math,
-               bool math_only, int batch, int64_t capacity) {
+               bool math_only, int batch, int64_t capacity, const std::string& profiler_range) {
 #ifndef VIREO_HAVE_CUDA
   fail("--device cuda: this vireo was built without CUDA (no nvcc at build time)");
 #else
@@ -190,11 +190,14 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
     };
     for (int64_t i = 0; i < 2; ++i) step(&ids[size_t(ctx + i)]);
     ctx += 2;
-    cuda_profiler_range(*backend, true);  // `ncu --profile-from-start off` sees the timed steps only
+    // `ncu --profile-from-start off` sees the timed steps only (or, --profiler-range prefill, the
+    // timed prefill runs only; a profiler started on its own stops at the first range's end).
+    const bool in_range = profiler_range == "decode";
+    if (in_range) cuda_profiler_range(*backend, true);
     auto a = clock::now();
     for (int64_t i = 0; i < n_decode; ++i) step(&ids[size_t(ctx + i)]);
     const double s = secs(a, clock::now());
-    cuda_profiler_range(*backend, false);
+    if (in_range) cuda_profiler_range(*backend, false);
     const double bytes = weights + decode_cache_bytes(c, ctx + n_decode / 2);
     dec.push_back({ctx - 2, double(n_decode) / s, bytes, pick});
   };
@@ -240,9 +243,12 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
     std::vector<double> runs;
     for (int r = 0; r < 4; ++r) {
       cache.trim(0, 0);
+      const bool in_range = r > 0 && profiler_range == "prefill";
+      if (in_range) cuda_profiler_range(*backend, true);
       auto a = clock::now();
       model->forward_next(ids.data(), T, cache, 0, nullptr, AttentionPath::Reconstructed);
       if (r > 0) runs.push_back(secs(a, clock::now()));
+      if (in_range) cuda_profiler_range(*backend, false);
     }
     std::sort(runs.begin(), runs.end());
     pre.push_back({T, runs[1], mm_flops_per_token * double(T) + lm_head_flops + prefill_attention_flops(c, T), name});
@@ -463,6 +469,7 @@ Action add_bench(CLI::App& app) {
     std::string device = "cpu";
     std::string math = "exact";  // --math: CUDA prefill products
     bool profile = false, math_only = false;
+    std::string profiler_range = "decode";
     SamplingParams s;
   };
   auto o = std::make_shared<Opts>();
@@ -496,6 +503,10 @@ Action add_bench(CLI::App& app) {
                "and 4096 and of decode");
   app.add_flag("--math-only", o->math_only,
                "CUDA: time (and profile) prefill in the --math mode only, not in every mode");
+  app.add_option("--profiler-range", o->profiler_range,
+                 "CUDA: what an external profiler started with --profile-from-start off (ncu, nsys) records: the "
+                 "timed decode steps (decode, the default) or the timed prefill runs (prefill)")
+      ->check(CLI::IsMember({"decode", "prefill"}));
   app.add_option("--temp", o->s.temperature,
                  "Decode steps sample at this temperature (0: greedy); CUDA: timed sampling on the device and on "
                  "the host, beside greedy");
@@ -514,6 +525,7 @@ Action add_bench(CLI::App& app) {
     check_device_flags(o->device, o->math, o->sf);
     if (o->profile && o->device != "cuda") fail("--profile needs --device cuda");
     if (o->math_only && o->device != "cuda") fail("--math-only needs --device cuda");
+    if (o->profiler_range != "decode" && o->device != "cuda") fail("--profiler-range needs --device cuda");
     if (o->batch > 1 && (o->device != "cuda" || !o->sf.gpu_budget.empty()))
       fail("--batch needs --device cuda without --gpu-budget (batched decode is timed on the resident model)");
     if (o->device == "cuda" && !o->sf.gpu_budget.empty() && o->s.temperature != 0.0f)
@@ -523,7 +535,7 @@ Action add_bench(CLI::App& app) {
                                   o->math);
     if (o->device == "cuda")
       return bench_cuda(o->model, o->synthetic, o->dtype, o->layers, o->experts, o->decode, !o->no_graph, o->profile,
-                        o->s, o->math, o->math_only, o->batch, o->capacity);
+                        o->s, o->math, o->math_only, o->batch, o->capacity, o->profiler_range);
     ThreadPool& pool = ThreadPool::global();
     auto backend = make_cpu_backend();
     std::unique_ptr<GlmDsaModel> model;
