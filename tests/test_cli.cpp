@@ -184,6 +184,8 @@ TEST(Cli, BadFlagsAreRejected) {
   expect_clean_error(r, "--profile needs --device cuda");
   r = run_vireo("bench --model " + kFixture + " --profiler-range prefill");  // brackets CUDA runs
   expect_clean_error(r, "--profiler-range needs --device cuda");
+  r = run_vireo("bench --model " + kFixture + " --device cuda --gpu-budget 1G --profiler-range prefill");
+  expect_clean_error(r, "--profiler-range needs --device cuda without --gpu-budget");
   r = run_vireo("bench --model " + kFixture + " --device cuda --profiler-range steps");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.err.find("--profiler-range"), std::string::npos) << r.err;

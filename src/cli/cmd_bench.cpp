@@ -520,12 +520,13 @@ Action add_bench(CLI::App& app) {
     validate_sampling(o->s);
     if (o->capacity > 0 && (o->device != "cuda" || !o->sf.gpu_budget.empty()))
       fail("--capacity needs --device cuda without --gpu-budget (it sizes the resident model's decode cache)");
+    if (o->profiler_range != "decode" && (o->device != "cuda" || !o->sf.gpu_budget.empty()))
+      fail("--profiler-range needs --device cuda without --gpu-budget (it brackets the resident model's timed runs)");
     if (o->capacity > 0 && o->capacity < o->decode + 8)
       fail("--capacity ", o->capacity, ": the context-0 decode needs at least --decode + 8 = ", o->decode + 8, " rows");
     check_device_flags(o->device, o->math, o->sf);
     if (o->profile && o->device != "cuda") fail("--profile needs --device cuda");
     if (o->math_only && o->device != "cuda") fail("--math-only needs --device cuda");
-    if (o->profiler_range != "decode" && o->device != "cuda") fail("--profiler-range needs --device cuda");
     if (o->batch > 1 && (o->device != "cuda" || !o->sf.gpu_budget.empty()))
       fail("--batch needs --device cuda without --gpu-budget (batched decode is timed on the resident model)");
     if (o->device == "cuda" && !o->sf.gpu_budget.empty() && o->s.temperature != 0.0f)
