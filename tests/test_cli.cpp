@@ -180,24 +180,29 @@ TEST(Cli, BadFlagsAreRejected) {
   r = run_vireo("bench");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.err.find("--model DIR or --synthetic"), std::string::npos) << r.err;
-  r = run_vireo("bench --model " + kFixture + " --profile");  // the profile is the CUDA backend's
-  expect_clean_error(r, "--profile needs --device cuda");
-  r = run_vireo("bench --model " + kFixture + " --profiler-range prefill");  // brackets CUDA runs
-  expect_clean_error(r, "--profiler-range needs --device cuda");
-  r = run_vireo("bench --model " + kFixture + " --device cuda --gpu-budget 1G --profiler-range prefill");
-  expect_clean_error(r, "--profiler-range needs --device cuda without --gpu-budget");
-  r = run_vireo("bench --model " + kFixture + " --device cuda --profiler-range steps");
-  EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.err.find("--profiler-range"), std::string::npos) << r.err;
-  r = run_vireo("bench --model " + kFixture + " --batch 4");  // batched decode is timed on CUDA
-  expect_clean_error(r, "--batch needs --device cuda");
-  r = run_vireo("bench --model " + kFixture + " --capacity 4096");  // sizes the CUDA decode's cache
-  expect_clean_error(r, "--capacity needs --device cuda");
-  r = run_vireo("bench --model " + kFixture + " --device cuda --decode 64 --capacity 70");
-  expect_clean_error(r, "--capacity 70: the context-0 decode needs at least --decode + 8 = 72 rows");
-  r = run_vireo("bench --model " + kFixture + " --batch 0");
-  EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.err.find("--batch"), std::string::npos) << r.err;
+  // bench flags that need the resident CUDA bench, refused elsewhere with one line each.
+  const std::pair<const char*, const char*> refused[] = {
+      {"--profile", "--profile needs --device cuda"},                        // the profile is the CUDA backend's
+      {"--profiler-range prefill", "--profiler-range needs --device cuda"},  // brackets CUDA runs
+      {"--device cuda --gpu-budget 1G --profiler-range prefill",
+       "--profiler-range needs --device cuda without --gpu-budget"},
+      {"--batch 4", "--batch needs --device cuda"},           // batched decode is timed on CUDA
+      {"--capacity 4096", "--capacity needs --device cuda"},  // sizes the CUDA decode's cache
+      {"--device cuda --decode 64 --capacity 70",
+       "--capacity 70: the context-0 decode needs at least --decode + 8 = 72 rows"},
+  };
+  for (const auto& [flags, message] : refused) {
+    SCOPED_TRACE(flags);
+    expect_clean_error(run_vireo("bench --model " + kFixture + " " + flags), message);
+  }
+  // Values out of a flag's range, refused by the parser, naming the flag.
+  const std::pair<const char*, const char*> out_of_range[] = {
+      {"--device cuda --profiler-range steps", "--profiler-range"}, {"--batch 0", "--batch"}};
+  for (const auto& [flags, name] : out_of_range) {
+    r = run_vireo("bench --model " + kFixture + " " + flags);
+    EXPECT_NE(r.exit_code, 0) << flags;
+    EXPECT_NE(r.err.find(name), std::string::npos) << r.err;
+  }
 }
 
 // tools/ab-bench.sh reads `vireo bench`'s decode lines: two variants, two rounds each, interleaved,
