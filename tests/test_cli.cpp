@@ -183,6 +183,7 @@ TEST(Cli, BadFlagsAreRejected) {
   // bench flags that need the resident CUDA bench, refused elsewhere with one line each.
   const std::pair<const char*, const char*> refused[] = {
       {"--profile", "--profile needs --device cuda"},                        // the profile is the CUDA backend's
+      {"--profile-mode queued", "--profile-mode needs --profile"},           // a mode of that profile
       {"--profiler-range prefill", "--profiler-range needs --device cuda"},  // brackets CUDA runs
       {"--device cuda --gpu-budget 1G --profiler-range prefill",
        "--profiler-range needs --device cuda without --gpu-budget"},
@@ -197,7 +198,9 @@ TEST(Cli, BadFlagsAreRejected) {
   }
   // Values out of a flag's range, refused by the parser, naming the flag.
   const std::pair<const char*, const char*> out_of_range[] = {
-      {"--device cuda --profiler-range steps", "--profiler-range"}, {"--batch 0", "--batch"}};
+      {"--device cuda --profiler-range steps", "--profiler-range"},
+      {"--profile --profile-mode fast", "--profile-mode"},
+      {"--batch 0", "--batch"}};
   for (const auto& [flags, name] : out_of_range) {
     r = run_vireo("bench --model " + kFixture + " " + flags);
     EXPECT_NE(r.exit_code, 0) << flags;

@@ -1050,6 +1050,15 @@ TEST(CudaOps, GroupedFp8ExpertsMatchLanesAndCpu) {
     EXPECT_EQ(run(true, 0, true, true), grouped) << what << ": run to run";
     EXPECT_EQ(run(true, 700, true, true), grouped) << what << ": in chunks of at most 700 rows";
     EXPECT_EQ(run(true, 1, true, true), grouped) << what << ": a job a chunk";
+    // Both tile forms, whichever the rows' fill picks: the same sums in the same order. Token
+    // columns take 1 to 128 tokens a tile (N 16 .. 128, token boxes of 32, 64, 128 rows): the
+    // jobs' rows here leave 1 to 127 in a job's last tile.
+    for (int form : {1, 2}) {
+      cuda_set_grouped_fp8_form(*p.gpu, form);
+      EXPECT_EQ(run(true, 0, true, true), grouped) << what << ": form " << form;
+      EXPECT_EQ(run(true, 1, true, true), grouped) << what << ": form " << form << ", a job a chunk";
+    }
+    cuda_set_grouped_fp8_form(*p.gpu, 0);
     EXPECT_EQ(run(true, 0, false, false), lanes) << what << ": without TMA, the lanes";
     const double to_cpu = nmse(grouped, ref.want), to_lanes = nmse(grouped, lanes), lanes_cpu = nmse(lanes, ref.want);
     std::printf("  %s: grouped NMSE %.2e against the CPU, %.2e against the lanes (lanes %.2e)\n", what.c_str(), to_cpu,

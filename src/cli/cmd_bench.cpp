@@ -117,7 +117,8 @@ namespace {
 // against a device-to-device copy and a cuBLASLt bf16 GEMM measured in the same run.
 int bench_cuda(const std::string& dir, const std::string& synthetic, const std::string& dtype, int layers, int experts,
                int64_t n_decode, bool record, bool profile, const SamplingParams& sampling, const std::string& math,
-               bool math_only, int batch, int64_t capacity, const std::string& profiler_range) {
+               bool math_only, int batch, int64_t capacity, const std::string& profiler_range,
+               const std::string& profile_mode) {
 #ifndef VIREO_HAVE_CUDA
   fail("--device cuda: this vireo was built without CUDA (no nvcc at build time)");
 #else
@@ -293,7 +294,7 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
   if (profile) {  // after the timed runs: the profile's syncs would distort them
     model->set_recording(false);  // op by op: each op timed on its own
     auto run = [&](const char* what, auto&& body) {
-      cuda_set_profile(*backend, true);
+      cuda_set_profile(*backend, true, profile_mode == "queued");
       auto a = clock::now();
       body();
       const double ms = 1e3 * secs(a, clock::now());
@@ -470,6 +471,7 @@ Action add_bench(CLI::App& app) {
     std::string math = "exact";  // --math: CUDA prefill products
     bool profile = false, math_only = false;
     std::string profiler_range = "decode";
+    std::string profile_mode = "synced";
     SamplingParams s;
   };
   auto o = std::make_shared<Opts>();
@@ -501,6 +503,10 @@ Action add_bench(CLI::App& app) {
   app.add_flag("--profile", o->profile,
                "CUDA: after the timed runs, an op-level GPU profile (time per op and matmul shape) of prefill 512 "
                "and 4096 and of decode");
+  app.add_option("--profile-mode", o->profile_mode,
+                 "CUDA, with --profile: synced (each op waits for the one before: its own time) or queued (nothing "
+                 "waits: the ops as the GPU ran them, and how long it sat idle between them waiting for the host)")
+      ->check(CLI::IsMember({"synced", "queued"}));
   app.add_flag("--math-only", o->math_only,
                "CUDA: time (and profile) prefill in the --math mode only, not in every mode");
   app.add_option("--profiler-range", o->profiler_range,
@@ -526,6 +532,7 @@ Action add_bench(CLI::App& app) {
       fail("--capacity ", o->capacity, ": the context-0 decode needs at least --decode + 8 = ", o->decode + 8, " rows");
     check_device_flags(o->device, o->math, o->sf);
     if (o->profile && o->device != "cuda") fail("--profile needs --device cuda");
+    if (o->profile_mode != "synced" && !o->profile) fail("--profile-mode needs --profile");
     if (o->math_only && o->device != "cuda") fail("--math-only needs --device cuda");
     if (o->batch > 1 && (o->device != "cuda" || !o->sf.gpu_budget.empty()))
       fail("--batch needs --device cuda without --gpu-budget (batched decode is timed on the resident model)");
@@ -536,7 +543,8 @@ Action add_bench(CLI::App& app) {
                                   o->math);
     if (o->device == "cuda")
       return bench_cuda(o->model, o->synthetic, o->dtype, o->layers, o->experts, o->decode, !o->no_graph, o->profile,
-                        o->s, o->math, o->math_only, o->batch, o->capacity, o->profiler_range);
+                        o->s, o->math, o->math_only, o->batch, o->capacity, o->profiler_range,
+                        o->profile_mode);
     ThreadPool& pool = ThreadPool::global();
     auto backend = make_cpu_backend();
     std::unique_ptr<GlmDsaModel> model;

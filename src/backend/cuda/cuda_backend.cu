@@ -411,6 +411,7 @@ class CudaBackend final : public Backend {
     grouped_rows_ = chunk_rows > 0 ? chunk_rows : CudaBufferSizes::kGroupedRows;
   }
   void set_grouped_tma(bool on) { grouped_tma_ = on; }
+  void set_grouped_fp8_form(GroupedFp8Form f) { grouped_fp8_form_ = f; }
 
   void set_fast_decode(bool attention, bool scores, bool topk) {
     fast_attention_ = attention;
@@ -1022,6 +1023,7 @@ class CudaBackend final : public Backend {
       if (rows == 0) continue;
       // (Buffers first: growing one syncs the device, never between the chunk's launches.)
       GroupedRun r;
+      r.fp8_form = grouped_fp8_form_;
       r.xb = grouped_xb_.get<__nv_bfloat16>(size_t(rows * D));
       r.h = grouped_h_.get<__nv_bfloat16>(size_t(rows * I));
       r.y = grouped_y_.get<float>(size_t(rows * D));
@@ -1693,6 +1695,7 @@ class CudaBackend final : public Backend {
   // VIREO_GROUPED=0 runs them on the side lanes instead (A/B runs).
   bool grouped_on_ = env_switch("VIREO_GROUPED");
   bool grouped_tma_ = env_switch("VIREO_GROUPED_TMA");    // TMA tile loads (else cp.async), for A/B runs
+  GroupedFp8Form grouped_fp8_form_ = GroupedFp8Form::Auto;  // tests force either form
   // Branches (begin_branch): on, or every op in order on one stream (VIREO_BRANCHES=0, A/B runs).
   bool branches_ = env_switch("VIREO_BRANCHES");
   cudaStream_t branch_stream_ = nullptr;
@@ -1850,6 +1853,10 @@ void cuda_set_grouped_experts(Backend& b, bool on, int64_t chunk_rows) {
   as_cuda(b).set_grouped_experts(on, chunk_rows);
 }
 void cuda_set_grouped_tma(Backend& b, bool on) { as_cuda(b).set_grouped_tma(on); }
+void cuda_set_grouped_fp8_form(Backend& b, int form) {
+  VIREO_ASSERT(form >= 0 && form <= 2);
+  as_cuda(b).set_grouped_fp8_form(GroupedFp8Form(form));
+}
 void cuda_set_fast_decode(Backend& b, bool attention, bool indexer_scores, bool indexer_topk) {
   as_cuda(b).set_fast_decode(attention, indexer_scores, indexer_topk);
 }
@@ -1863,14 +1870,16 @@ void cuda_profiler_range(Backend& b, bool on) {
   VIREO_CUDA_CHECK(on ? cudaProfilerStart() : cudaProfilerStop());
 }
 
-void cuda_set_profile(Backend& b, bool on) {
+void cuda_set_profile(Backend& b, bool on, bool queued) {
   OpProfiler& p = as_cuda(b).profiler();
-  p.set_on(on);
+  p.set_on(on, queued);
   p.clear();
 }
 
 std::string cuda_profile_report(Backend& b, double wall_ms) {
-  const auto& stats = as_cuda(b).profiler().stats();
+  OpProfiler& prof = as_cuda(b).profiler();
+  prof.flush();
+  const auto& stats = prof.stats();
   std::vector<std::pair<std::string, OpProfiler::Stat>> rows(stats.begin(), stats.end());
   std::stable_sort(rows.begin(), rows.end(), [](const auto& x, const auto& y) { return x.second.ms > y.second.ms; });
   double top = 0;
@@ -1888,10 +1897,16 @@ std::string cuda_profile_report(Backend& b, double wall_ms) {
                   100.0 * st.ms / std::max(top, 1e-9), 1e3 * st.ms / double(st.calls), tf);
     s += line;
   }
-  std::snprintf(line, sizeof line,
-                "  top-level ops %.3f ms of %.3f ms wall (the rest: host work between ops, inflated by the profile's "
-                "syncs)\n",
-                top, wall_ms);
+  if (prof.queued())
+    std::snprintf(line, sizeof line,
+                  "  top-level ops %.3f ms + the GPU idle between them %.3f ms, of %.3f ms wall (queued: nothing "
+                  "waited; an op's time includes the host's work inside it where the GPU had caught up)\n",
+                  top, prof.idle_ms(), wall_ms);
+  else
+    std::snprintf(line, sizeof line,
+                  "  top-level ops %.3f ms of %.3f ms wall (the rest: host work between ops, inflated by the profile's "
+                  "syncs)\n",
+                  top, wall_ms);
   s += line;
   return s;
 }

@@ -100,6 +100,9 @@ void cuda_set_grouped_experts(Backend& cuda, bool on, int64_t chunk_rows = 0);
 // is found; VIREO_GROUPED_TMA=0 turns it off) or by cp.async (off): the same sums, so tests
 // compare the two bit for bit.
 void cuda_set_grouped_tma(Backend& cuda, bool on);
+// The grouped FP8 products' tile form: 0 chosen by the rows' fill (the default), 1 row tiles,
+// 2 token columns (GroupedFp8Form, cuda_grouped.h): the same sums, so tests compare them bit for bit.
+void cuda_set_grouped_fp8_form(Backend& cuda, int form);
 // Programmatic dependent launches for every CUDA kernel of the process (on, the default;
 // VIREO_PDL=0 turns them off for A/B runs): a kernel's blocks are dispatched while the kernel
 // before it runs and wait for it on the device. The same kernels and sums either way.
@@ -113,9 +116,11 @@ void cuda_set_fast_decode(Backend& cuda, bool attention, bool indexer_scores, bo
 // of this size, multiples of 128 rows; default 256 MiB). Tests set it small to cover chunking.
 void cuda_set_fp8_chunk_bytes(Backend& cuda, size_t bytes);
 // Op-level profile (`vireo bench --profile`): when on, every op is bracketed with CUDA events
-// (the outermost waits for the stream first), and time, calls and FLOPs accumulate per op name and
-// per matmul dtype/shape/path. Turning it on or off clears it. Off: no syncs, nothing recorded.
-void cuda_set_profile(Backend& cuda, bool on);
+// (the outermost waits for the stream first, unless `queued`: then nothing waits and the GPU's
+// idle time between ops is measured too; cuda_profile.h), and time, calls and FLOPs accumulate
+// per op name and per matmul dtype/shape/path. Turning it on or off clears it. Off: no syncs,
+// nothing recorded.
+void cuda_set_profile(Backend& cuda, bool on, bool queued = false);
 // Marks where an external profiler started with `--profile-from-start off` (ncu, nsys) records:
 // on = cudaProfilerStart, off = cudaProfilerStop. A no-op when no profiler is attached.
 void cuda_profiler_range(Backend& cuda, bool on);

@@ -358,7 +358,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kF8TK / 32; ++kk)
-        wgmma_e4m3_m64n128(p, da + so + desc_off(uint32_t(kk * 32)), db + so + desc_off(uint32_t(kk * 32)), kk > 0);
+        wgmma_e4m3_m64nk32<128>(p, da + so + desc_off(uint32_t(kk * 32)), db + so + desc_off(uint32_t(kk * 32)), kk > 0);
       wgmma_commit();
     }
     wgmma_wait<0>();
@@ -377,6 +377,175 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     }
   }
   store_tile<NT, true>(d, t, wgi, warp, lane, swiglu, scale, n_out, out);
+}
+
+// The FP8 products with the operands' roles swapped ("token columns"): a tile's 128 weight rows
+// are the MMA's M side (64 a warpgroup: gate | up tiles give one warpgroup the 64 gate rows, the
+// other the same 64 rows of up) and its n <= 128 tokens the N side, rounded up to 16 instead of
+// to the 128 rows of an M tile. Why: an expert's rows fill its 128-row M tiles only partly (the
+// 16-expert bench at 512 tokens: 1472 gate | up tiles for 1024 tiles' worth of rows; a GLM-5
+// expert's ~16 rows fill an eighth of one), and an M tile's MMAs, loads and time do not shrink
+// with its rows, where these do: the MMAs run N = 16 .. 128 columns and the token box is 32, 64
+// or 128 rows. Same sums, in the same order, as grouped_fp8_kernel: each k-block's partial sums
+// scaled by (token scale x weight block scale) and added to the accumulators.
+// The producer warp (all 32 lanes) also copies each stage's scales into shared memory: the
+// tokens' activation scales and the two warpgroups' weight block scales, so the math warps read
+// no global memory in the loop; full[s] completes on the 32 lanes' copies and the TMA bytes.
+constexpr int kTcTokens = 128;  // a tile's tokens at most (a tile row range, grouped_tables)
+constexpr uint32_t kTcWBytes = 128 * kF8TK;                        // 16 KB of weight rows
+constexpr uint32_t kTcStageBytes = kTcWBytes + kTcTokens * kF8TK;  // + up to 16 KB of tokens
+constexpr int kTcScales = kTcTokens + 2;                           // floats a stage: tokens', then 2 weights'
+constexpr size_t kTcSmem = size_t(kF8Stages) * kTcStageBytes + size_t(kF8Stages) * kTcScales * 4 + 1024;
+
+// A warpgroup's k-loop for tiles of NB token columns: d (+)= the scaled k-blocks.
+template <int NB>
+__device__ __forceinline__ void token_columns_loop(float (&d)[16][4], uint64_t (&full)[kF8Stages],
+                                              uint64_t (&empty)[kF8Stages], uint32_t sbase,
+                                              const float* __restrict__ sscale, int wgi, int lane, int KT) {
+  constexpr int NT = NB / 8;
+  const int tq = lane & 3;
+  const uint64_t dw = gmma_desc(sbase + uint32_t(wgi * 64 * 128), 16, 1024), dx = gmma_desc(sbase + kTcWBytes, 16, 1024);
+  float p[16][4];
+  for (int kt = 0; kt < KT; ++kt) {
+    const int s = kt % kF8Stages;
+    mbar_wait(smem_u32(&full[s]), uint32_t(kt / kF8Stages) & 1u);
+    const uint64_t so = desc_off(uint32_t(s) * kTcStageBytes);
+    pin(p);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kF8TK / 32; ++kk)
+      wgmma_e4m3_m64nk32<NB>(p, dw + so + desc_off(uint32_t(kk * 32)), dx + so + desc_off(uint32_t(kk * 32)), kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    pin(p);
+    const float* sc = sscale + s * kTcScales;
+    const float ws = sc[kTcTokens + wgi];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      // grouped_fp8_kernel's products: activation scale x weight scale, then one fma a sum
+      const float2 a = *reinterpret_cast<const float2*>(sc + 8 * nt + 2 * tq);
+      const float s0 = a.x * ws, s1 = a.y * ws;
+      d[nt][0] = fmaf(p[nt][0], s0, d[nt][0]);
+      d[nt][1] = fmaf(p[nt][1], s1, d[nt][1]);
+      d[nt][2] = fmaf(p[nt][2], s0, d[nt][2]);
+      d[nt][3] = fmaf(p[nt][3], s1, d[nt][3]);
+    }
+    release(smem_u32(&empty[s]), lane);  // the stage (and its scales) is read
+  }
+}
+
+__global__ void __launch_bounds__(kTmaThreads, 1)
+    grouped_fp8_tokens_kernel(const CUtensorMap* __restrict__ maps, int4 a_maps, const float* __restrict__ a_scale, int R,
+                            int K, const int4* __restrict__ job_maps, const JobW* __restrict__ jobs,
+                            const int4* __restrict__ tiles, bool swiglu, const float* __restrict__ scale, int n_out,
+                            float* __restrict__ out) {
+  pdl_begin();
+  extern __shared__ unsigned char gg_smem[];
+  __shared__ alignas(8) uint64_t full[kF8Stages], empty[kF8Stages];
+  const uint32_t raw = smem_u32(gg_smem), sbase = (raw + 1023u) & ~1023u;
+  float* sscale = reinterpret_cast<float*>(gg_smem + (sbase - raw) + size_t(kF8Stages) * kTcStageBytes);
+  const int tid = int(threadIdx.x), wgi = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int4 t = tiles[blockIdx.x];
+  const int n = min(t.z - t.y, kTcTokens);  // the tile's tokens
+  const int KT = K / kF8TK;
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < kF8Stages; ++s) {
+      mbar_init(smem_u32(&full[s]), 33);  // the 32 lanes' scale copies, lane 0's expect_tx
+      mbar_init(smem_u32(&empty[s]), kMathWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (wgi == 2) {  // the producer warp
+    const int4 jm = job_maps[t.x];
+    const JobW jw = jobs[t.x];
+    const int box = n <= 32 ? 32 : n <= 64 ? 64 : 128;  // the token box: 32, 64 or 128 rows
+    const CUtensorMap* mx = maps + (box == 32 ? a_maps.z : box == 64 ? a_maps.y : a_maps.x);
+    const CUtensorMap* mw = maps + (swiglu ? jm.x : jm.z);
+    const CUtensorMap* mu = maps + jm.y;
+    // weight block scales: gate and up (or down's one block for both warpgroups) of column block t.w / 128
+    const float* sw0 = (swiglu ? jw.gate_s : jw.down_s) + int64_t(t.w / 128) * KT;
+    const float* sw1 = swiglu ? jw.up_s + int64_t(t.w / 128) * KT : sw0;
+    if (lane == 0) {
+      tensormap_acquire(mx);
+      tensormap_acquire(mw);
+      if (swiglu) tensormap_acquire(mu);
+    }
+    for (int kt = 0; kt < KT; ++kt) {
+      const int s = kt % kF8Stages;
+      if (kt >= kF8Stages) mbar_wait(smem_u32(&empty[s]), uint32_t((kt / kF8Stages) + 1) & 1u);
+      // The scales by cp.async, whose completion is one of full[s]'s arrivals (a load waited for
+      // here put an L2 round trip into every stage's issue: 20% slower than grouped_fp8_kernel).
+      // Tokens past the tile read a clamped row: their sums are never stored.
+      const uint32_t sc = smem_u32(sscale + s * kTcScales);
+      for (int i = lane; i < kTcTokens; i += 32)
+        cp_async4(sc + uint32_t(i) * 4u, a_scale + int64_t(kt) * R + min(t.y + i, R - 1));
+      if (lane < 2) cp_async4(sc + uint32_t(kTcTokens + lane) * 4u, (lane == 0 ? sw0 : sw1) + kt);
+      const uint32_t st = sbase + uint32_t(s) * kTcStageBytes, fb = smem_u32(&full[s]);
+      asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(fb) : "memory");
+      if (lane == 0) {
+        mbar_expect_tx(fb, kTcWBytes + uint32_t(box) * kF8TK);
+        if (swiglu) {  // weight rows: 64 of gate, then the same 64 of up
+          tma_load_2d(st, mw, kt * kF8TK, t.w, fb);
+          tma_load_2d(st + 64u * kF8TK, mu, kt * kF8TK, t.w, fb);
+        } else {
+          tma_load_2d(st, mw, kt * kF8TK, t.w, fb);
+        }
+        tma_load_2d(st + kTcWBytes, mx, kt * kF8TK, t.y, fb);  // the tokens (zeros past the run)
+      }
+    }
+    return;
+  }
+  float d[16][4];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) d[i][0] = d[i][1] = d[i][2] = d[i][3] = 0.0f;
+  switch ((n + 15) / 16) {
+    case 1: token_columns_loop<16>(d, full, empty, sbase, sscale, wgi, lane, KT); break;
+    case 2: token_columns_loop<32>(d, full, empty, sbase, sscale, wgi, lane, KT); break;
+    case 3: token_columns_loop<48>(d, full, empty, sbase, sscale, wgi, lane, KT); break;
+    case 4: token_columns_loop<64>(d, full, empty, sbase, sscale, wgi, lane, KT); break;
+    case 5: token_columns_loop<80>(d, full, empty, sbase, sscale, wgi, lane, KT); break;
+    case 6: token_columns_loop<96>(d, full, empty, sbase, sscale, wgi, lane, KT); break;
+    case 7: token_columns_loop<112>(d, full, empty, sbase, sscale, wgi, lane, KT); break;
+    default: token_columns_loop<128>(d, full, empty, sbase, sscale, wgi, lane, KT); break;
+  }
+  // d[nt][e]: weight row 16 warp + g (+ 8 for e >= 2) of the warpgroup's 64, token 8 nt + 2 tq (+ 1).
+  const int g = lane >> 2, tq = lane & 3;
+  if (swiglu) {
+    // The up warpgroup hands its sums to the gate one through shared memory (the ring is read:
+    // every stage's MMAs were waited for before the barrier), element v of thread i at v * 128 + i.
+    float* xch = reinterpret_cast<float*>(gg_smem + (sbase - raw));
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");
+    const int i = tid & 127;
+    if (wgi == 1) {
+#pragma unroll
+      for (int v = 0; v < 64; ++v) xch[v * 128 + i] = d[v / 4][v % 4];
+    }
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");
+    if (wgi == 1) return;
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int tok = 8 * nt + 2 * tq + (e & 1);
+        if (tok >= n) continue;
+        const int col = t.w + warp * 16 + g + 8 * (e >> 1);
+        const float gv = d[nt][e], uv = xch[(nt * 4 + e) * 128 + i];
+        // swiglu_kernel's arithmetic, kept in f32 (act_quant of h follows), as store_tile's
+        out[int64_t(t.y + tok) * n_out + col] = gv / (1.0f + expf(-gv)) * uv;
+      }
+  } else {
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int tok = 8 * nt + 2 * tq + (e & 1);
+        if (tok >= n) continue;
+        const int col = t.w + wgi * 64 + warp * 16 + g + 8 * (e >> 1);
+        out[int64_t(t.y + tok) * n_out + col] = __fmul_rn(scale[t.y + tok], d[nt][e]);
+      }
+  }
 }
 
 // xb[r] = bf16(x[index[r]]), one block a row.                      x [*, D], xb [R, D]; D % 4 == 0
@@ -513,6 +682,25 @@ void gemm(const GroupedRun& r, bool swiglu, cudaStream_t st) {
   if (tiles == 0) return;
   if (r.tables->fp8) {
     if (r.tables->n_maps == 0) fail("grouped FP8 experts: no tensor maps (the FP8 products load by TMA only)");
+    // Token columns where the rows fill less than 60% of their row tiles (GroupedFp8Form);
+    // VIREO_FP8_TOKEN_COLUMNS=0 keeps row tiles everywhere (A/B runs).
+    static const bool token_columns_allowed = env_switch("VIREO_FP8_TOKEN_COLUMNS");
+    const bool token_columns =
+        r.fp8_form == GroupedFp8Form::TokenColumns ||
+        (r.fp8_form == GroupedFp8Form::Auto && token_columns_allowed &&
+         r.tables->rows * 10 < r.tables->row_tiles * kF8TM * 6);
+    if (token_columns && r.tables->n_maps > 2 + 3 * r.tables->n_jobs) {
+      allow_dynamic_smem<grouped_fp8_tokens_kernel, kTcSmem>();
+      const int small = 2 + 3 * r.tables->n_jobs;  // the token boxes of 64 and 32 rows (grouped_tables)
+      const int4 a_maps = swiglu ? make_int4(0, small, small + 1, 0) : make_int4(1, small + 2, small + 3, 0);
+      launch(grouped_fp8_tokens_kernel, unsigned(tiles), kTmaThreads, kTcSmem, st,
+             table_at<CUtensorMap>(r, r.tables->maps_at), a_maps, swiglu ? r.xs : r.hs, int(r.R),
+             int(swiglu ? r.D : r.I), table_at<int4>(r, r.tables->job_maps_at), table_at<JobW>(r, r.tables->jobs_at),
+             table_at<int4>(r, swiglu ? r.tables->gate_up_at : r.tables->down_at), swiglu, r.scale,
+             int(swiglu ? r.I : r.D), swiglu ? r.h32 : r.y);
+      VIREO_CUDA_LAUNCHED();
+      return;
+    }
     static bool fp8_configured = false;
     if (!fp8_configured) {
       VIREO_CUDA_CHECK(
@@ -647,6 +835,12 @@ GroupedTables grouped_tables(const std::vector<GroupedJob>& jobs, int64_t D, int
       ok = ok && weight_map(&maps[size_t(b + 2)], jobs[j].down, D, I, tn, fp8);
       jm.push_back(make_int4(b, b + 1, b + 2, 0));
     }
+    if (fp8) {  // the token-column form's smaller token boxes: xb by 64 and 32 rows, then h
+      maps.resize(maps.size() + 4);
+      const size_t m = maps.size() - 4;
+      ok = ok && encode_map(&maps[m], tma->xb, tma->R, D, 64, fp8) && encode_map(&maps[m + 1], tma->xb, tma->R, D, 32, fp8);
+      ok = ok && encode_map(&maps[m + 2], tma->h, tma->R, I, 64, fp8) && encode_map(&maps[m + 3], tma->h, tma->R, I, 32, fp8);
+    }
     if (!ok) maps.clear(), jm.clear();
   }
   std::vector<JobW> jw;
@@ -657,6 +851,8 @@ GroupedTables grouped_tables(const std::vector<GroupedJob>& jobs, int64_t D, int
     jw.push_back({static_cast<const __nv_bfloat16*>(e.gate), static_cast<const __nv_bfloat16*>(e.up),
                   static_cast<const __nv_bfloat16*>(e.down), e.gate_s, e.up_s, e.down_s});
     spans.push_back(make_int2(e.row0, e.rows));
+    t.rows += e.rows;
+    t.row_tiles += (e.rows + tm - 1) / tm;
     // The m-tiles of one column tile adjacent: blocks on the chip together share its weight rows
     // in L2 (each weight byte comes from DRAM about once per job).
     for (int64_t n0 = 0; n0 < I; n0 += tn / 2)

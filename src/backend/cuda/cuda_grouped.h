@@ -47,6 +47,7 @@ struct GroupedTables {
   std::vector<char> bytes;
   bool fp8 = false;
   int n_jobs = 0, gate_up_tiles = 0, down_tiles = 0, n_maps = 0;
+  int64_t rows = 0, row_tiles = 0;  // the jobs' rows, and the 128-row tiles they take (a product's column tile's)
   size_t maps_at = 0, job_maps_at = 0, jobs_at = 0, spans_at = 0, gate_up_at = 0, down_at = 0;  // into bytes
 };
 struct GroupedTmaOperands {
@@ -63,7 +64,13 @@ GroupedTables grouped_tables(const std::vector<GroupedJob>& jobs, int64_t D, int
 // [R, I] bf16 scratch, y [R, D] f32 scratch; out [*, D] accumulates. FP8: xb and h hold e4m3
 // rows, xs [D / 128, R] and hs [I / 128, R] their scales (act_quant's layout), and the gate | up
 // product writes h32 [R, I] f32, which grouped_quantize_h turns into h and hs.
+// The FP8 products' two tile forms (cuda_grouped.cu): 128 rows x 128 weight columns, or the
+// operands' roles swapped, 128 weight rows x a tile's tokens rounded up to 16. Auto takes token
+// columns where the jobs fill less than 60% of their row tiles (measured: faster at GLM-5's ~16
+// rows an expert and at ~64, slower at ~256 and more).
+enum class GroupedFp8Form { Auto, RowTiles, TokenColumns };
 struct GroupedRun {
+  GroupedFp8Form fp8_form = GroupedFp8Form::Auto;
   const float* x = nullptr;
   const int32_t* index = nullptr;
   const float* scale = nullptr;

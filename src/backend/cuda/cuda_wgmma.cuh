@@ -113,15 +113,75 @@ __device__ __forceinline__ void wgmma_ss_m64n128(float (&d)[16][4], uint64_t da,
       : "l"(da), "l"(db), "r"(accumulate));
 }
 
-// d [64 x 128] (+)= A B^T with e4m3 operands (FP8, k-step 32): A [64 x 32] and B [128 x 32]
-// K-major in shared memory, a row 128 bytes = 128 elements (one FP8 scale block) in the same
-// 128-byte swizzle as the bf16 tiles, so a k-step is again 32 bytes along the line. d's layout
-// is the m64n64 form's, with 16 column tiles of 8.
-__device__ __forceinline__ void wgmma_e4m3_m64n128(float (&d)[16][4], uint64_t da, uint64_t db, int accumulate) {
+// d [64 x N] (+)= A B^T with e4m3 operands (FP8, k-step 32), N = 16 .. 128 in steps of 16: A
+// [64 x 32] and B [N x 32] K-major in shared memory, a row 128 bytes = 128 elements (one FP8
+// scale block) in the same 128-byte swizzle as the bf16 tiles, so a k-step is again 32 bytes
+// along the line. d's layout is the m64n64 form's, on d's first N / 8 column tiles (the rest is
+// not touched): N = 128 for the grouped products' row tiles, less for their token columns.
+template <int N>
+__device__ __forceinline__ void wgmma_e4m3_m64nk32(float (&d)[16][4], uint64_t da, uint64_t db, int accumulate);
+template <>
+__device__ __forceinline__ void wgmma_e4m3_m64nk32<16>(float (&d)[16][4], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1;\n}\n"
+      : VIREO_WGMMA_D4(d, 0), VIREO_WGMMA_D4(d, 1)
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+template <>
+__device__ __forceinline__ void wgmma_e4m3_m64nk32<32>(float (&d)[16][4], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1;\n}\n"
+      : VIREO_WGMMA_D4(d, 0), VIREO_WGMMA_D4(d, 1), VIREO_WGMMA_D4(d, 2), VIREO_WGMMA_D4(d, 3)
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+template <>
+__device__ __forceinline__ void wgmma_e4m3_m64nk32<48>(float (&d)[16][4], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %26, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n48k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, %24, %25, p, 1, 1;\n}\n"
+      : VIREO_WGMMA_D4(d, 0), VIREO_WGMMA_D4(d, 1), VIREO_WGMMA_D4(d, 2), VIREO_WGMMA_D4(d, 3), VIREO_WGMMA_D4(d, 4), VIREO_WGMMA_D4(d, 5)
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+template <>
+__device__ __forceinline__ void wgmma_e4m3_m64nk32<64>(float (&d)[16][4], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
+      : VIREO_WGMMA_D4(d, 0), VIREO_WGMMA_D4(d, 1), VIREO_WGMMA_D4(d, 2), VIREO_WGMMA_D4(d, 3), VIREO_WGMMA_D4(d, 4), VIREO_WGMMA_D4(d, 5), VIREO_WGMMA_D4(d, 6), VIREO_WGMMA_D4(d, 7)
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+template <>
+__device__ __forceinline__ void wgmma_e4m3_m64nk32<80>(float (&d)[16][4], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n80k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, %40, %41, p, 1, 1;\n}\n"
+      : VIREO_WGMMA_D4(d, 0), VIREO_WGMMA_D4(d, 1), VIREO_WGMMA_D4(d, 2), VIREO_WGMMA_D4(d, 3), VIREO_WGMMA_D4(d, 4), VIREO_WGMMA_D4(d, 5), VIREO_WGMMA_D4(d, 6), VIREO_WGMMA_D4(d, 7), VIREO_WGMMA_D4(d, 8), VIREO_WGMMA_D4(d, 9)
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+template <>
+__device__ __forceinline__ void wgmma_e4m3_m64nk32<96>(float (&d)[16][4], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %50, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n96k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, %48, %49, p, 1, 1;\n}\n"
+      : VIREO_WGMMA_D4(d, 0), VIREO_WGMMA_D4(d, 1), VIREO_WGMMA_D4(d, 2), VIREO_WGMMA_D4(d, 3), VIREO_WGMMA_D4(d, 4), VIREO_WGMMA_D4(d, 5), VIREO_WGMMA_D4(d, 6), VIREO_WGMMA_D4(d, 7), VIREO_WGMMA_D4(d, 8), VIREO_WGMMA_D4(d, 9), VIREO_WGMMA_D4(d, 10), VIREO_WGMMA_D4(d, 11)
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+template <>
+__device__ __forceinline__ void wgmma_e4m3_m64nk32<112>(float (&d)[16][4], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %58, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n112k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55}, %56, %57, p, 1, 1;\n}\n"
+      : VIREO_WGMMA_D4(d, 0), VIREO_WGMMA_D4(d, 1), VIREO_WGMMA_D4(d, 2), VIREO_WGMMA_D4(d, 3), VIREO_WGMMA_D4(d, 4), VIREO_WGMMA_D4(d, 5), VIREO_WGMMA_D4(d, 6), VIREO_WGMMA_D4(d, 7), VIREO_WGMMA_D4(d, 8), VIREO_WGMMA_D4(d, 9), VIREO_WGMMA_D4(d, 10), VIREO_WGMMA_D4(d, 11), VIREO_WGMMA_D4(d, 12), VIREO_WGMMA_D4(d, 13)
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+template <>
+__device__ __forceinline__ void wgmma_e4m3_m64nk32<128>(float (&d)[16][4], uint64_t da, uint64_t db, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " VIREO_WGMMA_R64 ", %64, %65, p, 1, 1;\n}\n"
-      : VIREO_WGMMA_D16(d)
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
+      : VIREO_WGMMA_D4(d, 0), VIREO_WGMMA_D4(d, 1), VIREO_WGMMA_D4(d, 2), VIREO_WGMMA_D4(d, 3), VIREO_WGMMA_D4(d, 4), VIREO_WGMMA_D4(d, 5), VIREO_WGMMA_D4(d, 6), VIREO_WGMMA_D4(d, 7), VIREO_WGMMA_D4(d, 8), VIREO_WGMMA_D4(d, 9), VIREO_WGMMA_D4(d, 10), VIREO_WGMMA_D4(d, 11), VIREO_WGMMA_D4(d, 12), VIREO_WGMMA_D4(d, 13), VIREO_WGMMA_D4(d, 14), VIREO_WGMMA_D4(d, 15)
       : "l"(da), "l"(db), "r"(accumulate));
 }
 
