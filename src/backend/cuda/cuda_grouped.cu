@@ -27,7 +27,8 @@
 // gate | up 512 / 661 TFLOP/s at 256 / 2048 rows an expert, down 433 / 586 (session 11); TMA 518
 // / 710 and 487 / 635 (session 12). At 256 rows an expert what is left is the tiles themselves:
 // an expert of 257-300 rows takes a third tile for a few rows, and 704 tiles are 5.3 waves of
-// 132 (BENCHMARKS, session 12).
+// 132 (BENCHMARKS, session 12). FP8 experts have two tile forms (grouped_fp8_kernel and
+// grouped_fp8_tokens_kernel, chosen per run by how well the rows fill 128-row tiles).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
