@@ -543,8 +543,7 @@ Action add_bench(CLI::App& app) {
                                   o->math);
     if (o->device == "cuda")
       return bench_cuda(o->model, o->synthetic, o->dtype, o->layers, o->experts, o->decode, !o->no_graph, o->profile,
-                        o->s, o->math, o->math_only, o->batch, o->capacity, o->profiler_range,
-                        o->profile_mode);
+                        o->s, o->math, o->math_only, o->batch, o->capacity, o->profiler_range, o->profile_mode);
     ThreadPool& pool = ThreadPool::global();
     auto backend = make_cpu_backend();
     std::unique_ptr<GlmDsaModel> model;

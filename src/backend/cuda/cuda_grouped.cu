@@ -359,7 +359,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kF8TK / 32; ++kk)
-        wgmma_e4m3_m64nk32<128>(p, da + so + desc_off(uint32_t(kk * 32)), db + so + desc_off(uint32_t(kk * 32)), kk > 0);
+        wgmma_e4m3_m64nk32<128>(p, da + so + desc_off(uint32_t(kk * 32)), db + so + desc_off(uint32_t(kk * 32)),
+                                kk > 0);
       wgmma_commit();
     }
     wgmma_wait<0>();
@@ -392,8 +393,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
 // The producer warp (all 32 lanes) also copies each stage's scales into shared memory: the
 // tokens' activation scales and the two warpgroups' weight block scales, so the math warps read
 // no global memory in the loop; full[s] completes on the 32 lanes' copies and the TMA bytes.
-constexpr int kTcTokens = 128;  // a tile's tokens at most (a tile row range, grouped_tables)
-constexpr uint32_t kTcWBytes = 128 * kF8TK;                        // 16 KB of weight rows
+constexpr int kTcTokens = 128;               // a tile's tokens at most (a tile row range, grouped_tables)
+constexpr uint32_t kTcWBytes = 128 * kF8TK;  // 16 KB of weight rows
 constexpr uint32_t kTcStageBytes = kTcWBytes + kTcTokens * kF8TK;  // + up to 16 KB of tokens
 constexpr int kTcScales = kTcTokens + 2;                           // floats a stage: tokens', then 2 weights'
 constexpr size_t kTcSmem = size_t(kF8Stages) * kTcStageBytes + size_t(kF8Stages) * kTcScales * 4 + 1024;
@@ -401,11 +402,12 @@ constexpr size_t kTcSmem = size_t(kF8Stages) * kTcStageBytes + size_t(kF8Stages)
 // A warpgroup's k-loop for tiles of NB token columns: d (+)= the scaled k-blocks.
 template <int NB>
 __device__ __forceinline__ void token_columns_loop(float (&d)[16][4], uint64_t (&full)[kF8Stages],
-                                              uint64_t (&empty)[kF8Stages], uint32_t sbase,
-                                              const float* __restrict__ sscale, int wgi, int lane, int KT) {
+                                                   uint64_t (&empty)[kF8Stages], uint32_t sbase,
+                                                   const float* __restrict__ sscale, int wgi, int lane, int KT) {
   constexpr int NT = NB / 8;
   const int tq = lane & 3;
-  const uint64_t dw = gmma_desc(sbase + uint32_t(wgi * 64 * 128), 16, 1024), dx = gmma_desc(sbase + kTcWBytes, 16, 1024);
+  const uint64_t dw = gmma_desc(sbase + uint32_t(wgi * 64 * 128), 16, 1024),
+                 dx = gmma_desc(sbase + kTcWBytes, 16, 1024);
   float p[16][4];
   for (int kt = 0; kt < KT; ++kt) {
     const int s = kt % kF8Stages;
@@ -436,10 +438,10 @@ __device__ __forceinline__ void token_columns_loop(float (&d)[16][4], uint64_t (
 }
 
 __global__ void __launch_bounds__(kTmaThreads, 1)
-    grouped_fp8_tokens_kernel(const CUtensorMap* __restrict__ maps, int4 a_maps, const float* __restrict__ a_scale, int R,
-                            int K, const int4* __restrict__ job_maps, const JobW* __restrict__ jobs,
-                            const int4* __restrict__ tiles, bool swiglu, const float* __restrict__ scale, int n_out,
-                            float* __restrict__ out) {
+    grouped_fp8_tokens_kernel(const CUtensorMap* __restrict__ maps, int4 a_maps, const float* __restrict__ a_scale,
+                              int R, int K, const int4* __restrict__ job_maps, const JobW* __restrict__ jobs,
+                              const int4* __restrict__ tiles, bool swiglu, const float* __restrict__ scale, int n_out,
+                              float* __restrict__ out) {
   pdl_begin();
   extern __shared__ unsigned char gg_smem[];
   __shared__ alignas(8) uint64_t full[kF8Stages], empty[kF8Stages];
@@ -687,9 +689,8 @@ void gemm(const GroupedRun& r, bool swiglu, cudaStream_t st) {
     // VIREO_FP8_TOKEN_COLUMNS=0 keeps row tiles everywhere (A/B runs).
     static const bool token_columns_allowed = env_switch("VIREO_FP8_TOKEN_COLUMNS");
     const bool token_columns =
-        r.fp8_form == GroupedFp8Form::TokenColumns ||
-        (r.fp8_form == GroupedFp8Form::Auto && token_columns_allowed &&
-         r.tables->rows * 10 < r.tables->row_tiles * kF8TM * 6);
+        r.fp8_form == GroupedFp8Form::TokenColumns || (r.fp8_form == GroupedFp8Form::Auto && token_columns_allowed &&
+                                                       r.tables->rows * 10 < r.tables->row_tiles * kF8TM * 6);
     if (token_columns && r.tables->n_maps > 2 + 3 * r.tables->n_jobs) {
       allow_dynamic_smem<grouped_fp8_tokens_kernel, kTcSmem>();
       const int small = 2 + 3 * r.tables->n_jobs;  // the token boxes of 64 and 32 rows (grouped_tables)
@@ -839,8 +840,10 @@ GroupedTables grouped_tables(const std::vector<GroupedJob>& jobs, int64_t D, int
     if (fp8) {  // the token-column form's smaller token boxes: xb by 64 and 32 rows, then h
       maps.resize(maps.size() + 4);
       const size_t m = maps.size() - 4;
-      ok = ok && encode_map(&maps[m], tma->xb, tma->R, D, 64, fp8) && encode_map(&maps[m + 1], tma->xb, tma->R, D, 32, fp8);
-      ok = ok && encode_map(&maps[m + 2], tma->h, tma->R, I, 64, fp8) && encode_map(&maps[m + 3], tma->h, tma->R, I, 32, fp8);
+      ok = ok && encode_map(&maps[m], tma->xb, tma->R, D, 64, fp8) &&
+           encode_map(&maps[m + 1], tma->xb, tma->R, D, 32, fp8);
+      ok = ok && encode_map(&maps[m + 2], tma->h, tma->R, I, 64, fp8) &&
+           encode_map(&maps[m + 3], tma->h, tma->R, I, 32, fp8);
     }
     if (!ok) maps.clear(), jm.clear();
   }

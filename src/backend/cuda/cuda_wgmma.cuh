@@ -132,7 +132,8 @@ template <>
 __device__ __forceinline__ void wgmma_e4m3_m64nk32<32>(float (&d)[16][4], uint64_t da, uint64_t db, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1;\n}\n"
+      "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
+      "%13, %14, %15}, %16, %17, p, 1, 1;\n}\n"
       : VIREO_WGMMA_D4(d, 0), VIREO_WGMMA_D4(d, 1), VIREO_WGMMA_D4(d, 2), VIREO_WGMMA_D4(d, 3)
       : "l"(da), "l"(db), "r"(accumulate));
 }
@@ -140,48 +141,71 @@ template <>
 __device__ __forceinline__ void wgmma_e4m3_m64nk32<48>(float (&d)[16][4], uint64_t da, uint64_t db, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %26, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n48k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, %24, %25, p, 1, 1;\n}\n"
-      : VIREO_WGMMA_D4(d, 0), VIREO_WGMMA_D4(d, 1), VIREO_WGMMA_D4(d, 2), VIREO_WGMMA_D4(d, 3), VIREO_WGMMA_D4(d, 4), VIREO_WGMMA_D4(d, 5)
+      "wgmma.mma_async.sync.aligned.m64n48k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
+      "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, %24, %25, p, 1, 1;\n}\n"
+      : VIREO_WGMMA_D4(d, 0), VIREO_WGMMA_D4(d, 1), VIREO_WGMMA_D4(d, 2), VIREO_WGMMA_D4(d, 3), VIREO_WGMMA_D4(d, 4),
+        VIREO_WGMMA_D4(d, 5)
       : "l"(da), "l"(db), "r"(accumulate));
 }
 template <>
 __device__ __forceinline__ void wgmma_e4m3_m64nk32<64>(float (&d)[16][4], uint64_t da, uint64_t db, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
-      : VIREO_WGMMA_D4(d, 0), VIREO_WGMMA_D4(d, 1), VIREO_WGMMA_D4(d, 2), VIREO_WGMMA_D4(d, 3), VIREO_WGMMA_D4(d, 4), VIREO_WGMMA_D4(d, 5), VIREO_WGMMA_D4(d, 6), VIREO_WGMMA_D4(d, 7)
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
+      "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, "
+      "1;\n}\n"
+      : VIREO_WGMMA_D4(d, 0), VIREO_WGMMA_D4(d, 1), VIREO_WGMMA_D4(d, 2), VIREO_WGMMA_D4(d, 3), VIREO_WGMMA_D4(d, 4),
+        VIREO_WGMMA_D4(d, 5), VIREO_WGMMA_D4(d, 6), VIREO_WGMMA_D4(d, 7)
       : "l"(da), "l"(db), "r"(accumulate));
 }
 template <>
 __device__ __forceinline__ void wgmma_e4m3_m64nk32<80>(float (&d)[16][4], uint64_t da, uint64_t db, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n80k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, %40, %41, p, 1, 1;\n}\n"
-      : VIREO_WGMMA_D4(d, 0), VIREO_WGMMA_D4(d, 1), VIREO_WGMMA_D4(d, 2), VIREO_WGMMA_D4(d, 3), VIREO_WGMMA_D4(d, 4), VIREO_WGMMA_D4(d, 5), VIREO_WGMMA_D4(d, 6), VIREO_WGMMA_D4(d, 7), VIREO_WGMMA_D4(d, 8), VIREO_WGMMA_D4(d, 9)
+      "wgmma.mma_async.sync.aligned.m64n80k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
+      "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, "
+      "%35, %36, %37, %38, %39}, %40, %41, p, 1, 1;\n}\n"
+      : VIREO_WGMMA_D4(d, 0), VIREO_WGMMA_D4(d, 1), VIREO_WGMMA_D4(d, 2), VIREO_WGMMA_D4(d, 3), VIREO_WGMMA_D4(d, 4),
+        VIREO_WGMMA_D4(d, 5), VIREO_WGMMA_D4(d, 6), VIREO_WGMMA_D4(d, 7), VIREO_WGMMA_D4(d, 8), VIREO_WGMMA_D4(d, 9)
       : "l"(da), "l"(db), "r"(accumulate));
 }
 template <>
 __device__ __forceinline__ void wgmma_e4m3_m64nk32<96>(float (&d)[16][4], uint64_t da, uint64_t db, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %50, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n96k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, %48, %49, p, 1, 1;\n}\n"
-      : VIREO_WGMMA_D4(d, 0), VIREO_WGMMA_D4(d, 1), VIREO_WGMMA_D4(d, 2), VIREO_WGMMA_D4(d, 3), VIREO_WGMMA_D4(d, 4), VIREO_WGMMA_D4(d, 5), VIREO_WGMMA_D4(d, 6), VIREO_WGMMA_D4(d, 7), VIREO_WGMMA_D4(d, 8), VIREO_WGMMA_D4(d, 9), VIREO_WGMMA_D4(d, 10), VIREO_WGMMA_D4(d, 11)
+      "wgmma.mma_async.sync.aligned.m64n96k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
+      "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, "
+      "%35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, %48, %49, p, 1, 1;\n}\n"
+      : VIREO_WGMMA_D4(d, 0), VIREO_WGMMA_D4(d, 1), VIREO_WGMMA_D4(d, 2), VIREO_WGMMA_D4(d, 3), VIREO_WGMMA_D4(d, 4),
+        VIREO_WGMMA_D4(d, 5), VIREO_WGMMA_D4(d, 6), VIREO_WGMMA_D4(d, 7), VIREO_WGMMA_D4(d, 8), VIREO_WGMMA_D4(d, 9),
+        VIREO_WGMMA_D4(d, 10), VIREO_WGMMA_D4(d, 11)
       : "l"(da), "l"(db), "r"(accumulate));
 }
 template <>
 __device__ __forceinline__ void wgmma_e4m3_m64nk32<112>(float (&d)[16][4], uint64_t da, uint64_t db, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %58, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n112k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55}, %56, %57, p, 1, 1;\n}\n"
-      : VIREO_WGMMA_D4(d, 0), VIREO_WGMMA_D4(d, 1), VIREO_WGMMA_D4(d, 2), VIREO_WGMMA_D4(d, 3), VIREO_WGMMA_D4(d, 4), VIREO_WGMMA_D4(d, 5), VIREO_WGMMA_D4(d, 6), VIREO_WGMMA_D4(d, 7), VIREO_WGMMA_D4(d, 8), VIREO_WGMMA_D4(d, 9), VIREO_WGMMA_D4(d, 10), VIREO_WGMMA_D4(d, 11), VIREO_WGMMA_D4(d, 12), VIREO_WGMMA_D4(d, 13)
+      "wgmma.mma_async.sync.aligned.m64n112k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
+      "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, "
+      "%35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55}, %56, "
+      "%57, p, 1, 1;\n}\n"
+      : VIREO_WGMMA_D4(d, 0), VIREO_WGMMA_D4(d, 1), VIREO_WGMMA_D4(d, 2), VIREO_WGMMA_D4(d, 3), VIREO_WGMMA_D4(d, 4),
+        VIREO_WGMMA_D4(d, 5), VIREO_WGMMA_D4(d, 6), VIREO_WGMMA_D4(d, 7), VIREO_WGMMA_D4(d, 8), VIREO_WGMMA_D4(d, 9),
+        VIREO_WGMMA_D4(d, 10), VIREO_WGMMA_D4(d, 11), VIREO_WGMMA_D4(d, 12), VIREO_WGMMA_D4(d, 13)
       : "l"(da), "l"(db), "r"(accumulate));
 }
 template <>
 __device__ __forceinline__ void wgmma_e4m3_m64nk32<128>(float (&d)[16][4], uint64_t da, uint64_t db, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
-      : VIREO_WGMMA_D4(d, 0), VIREO_WGMMA_D4(d, 1), VIREO_WGMMA_D4(d, 2), VIREO_WGMMA_D4(d, 3), VIREO_WGMMA_D4(d, 4), VIREO_WGMMA_D4(d, 5), VIREO_WGMMA_D4(d, 6), VIREO_WGMMA_D4(d, 7), VIREO_WGMMA_D4(d, 8), VIREO_WGMMA_D4(d, 9), VIREO_WGMMA_D4(d, 10), VIREO_WGMMA_D4(d, 11), VIREO_WGMMA_D4(d, 12), VIREO_WGMMA_D4(d, 13), VIREO_WGMMA_D4(d, 14), VIREO_WGMMA_D4(d, 15)
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
+      "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, "
+      "%35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, "
+      "%57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
+      : VIREO_WGMMA_D4(d, 0), VIREO_WGMMA_D4(d, 1), VIREO_WGMMA_D4(d, 2), VIREO_WGMMA_D4(d, 3), VIREO_WGMMA_D4(d, 4),
+        VIREO_WGMMA_D4(d, 5), VIREO_WGMMA_D4(d, 6), VIREO_WGMMA_D4(d, 7), VIREO_WGMMA_D4(d, 8), VIREO_WGMMA_D4(d, 9),
+        VIREO_WGMMA_D4(d, 10), VIREO_WGMMA_D4(d, 11), VIREO_WGMMA_D4(d, 12), VIREO_WGMMA_D4(d, 13),
+        VIREO_WGMMA_D4(d, 14), VIREO_WGMMA_D4(d, 15)
       : "l"(da), "l"(db), "r"(accumulate));
 }
 
