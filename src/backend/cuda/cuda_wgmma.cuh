@@ -120,94 +120,40 @@ __device__ __forceinline__ void wgmma_ss_m64n128(float (&d)[16][4], uint64_t da,
 // not touched): N = 128 for the grouped products' row tiles, less for their token columns.
 template <int N>
 __device__ __forceinline__ void wgmma_e4m3_m64nk32(float (&d)[16][4], uint64_t da, uint64_t db, int accumulate);
-template <>
-__device__ __forceinline__ void wgmma_e4m3_m64nk32<16>(float (&d)[16][4], uint64_t da, uint64_t db, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1;\n}\n"
-      : VIREO_WGMMA_D4(d, 0), VIREO_WGMMA_D4(d, 1)
-      : "l"(da), "l"(db), "r"(accumulate));
-}
-template <>
-__device__ __forceinline__ void wgmma_e4m3_m64nk32<32>(float (&d)[16][4], uint64_t da, uint64_t db, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
-      "%13, %14, %15}, %16, %17, p, 1, 1;\n}\n"
-      : VIREO_WGMMA_D4(d, 0), VIREO_WGMMA_D4(d, 1), VIREO_WGMMA_D4(d, 2), VIREO_WGMMA_D4(d, 3)
-      : "l"(da), "l"(db), "r"(accumulate));
-}
-template <>
-__device__ __forceinline__ void wgmma_e4m3_m64nk32<48>(float (&d)[16][4], uint64_t da, uint64_t db, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %26, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n48k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
-      "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, %24, %25, p, 1, 1;\n}\n"
-      : VIREO_WGMMA_D4(d, 0), VIREO_WGMMA_D4(d, 1), VIREO_WGMMA_D4(d, 2), VIREO_WGMMA_D4(d, 3), VIREO_WGMMA_D4(d, 4),
-        VIREO_WGMMA_D4(d, 5)
-      : "l"(da), "l"(db), "r"(accumulate));
-}
-template <>
-__device__ __forceinline__ void wgmma_e4m3_m64nk32<64>(float (&d)[16][4], uint64_t da, uint64_t db, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
-      "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, "
-      "1;\n}\n"
-      : VIREO_WGMMA_D4(d, 0), VIREO_WGMMA_D4(d, 1), VIREO_WGMMA_D4(d, 2), VIREO_WGMMA_D4(d, 3), VIREO_WGMMA_D4(d, 4),
-        VIREO_WGMMA_D4(d, 5), VIREO_WGMMA_D4(d, 6), VIREO_WGMMA_D4(d, 7)
-      : "l"(da), "l"(db), "r"(accumulate));
-}
-template <>
-__device__ __forceinline__ void wgmma_e4m3_m64nk32<80>(float (&d)[16][4], uint64_t da, uint64_t db, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n80k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
-      "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, "
-      "%35, %36, %37, %38, %39}, %40, %41, p, 1, 1;\n}\n"
-      : VIREO_WGMMA_D4(d, 0), VIREO_WGMMA_D4(d, 1), VIREO_WGMMA_D4(d, 2), VIREO_WGMMA_D4(d, 3), VIREO_WGMMA_D4(d, 4),
-        VIREO_WGMMA_D4(d, 5), VIREO_WGMMA_D4(d, 6), VIREO_WGMMA_D4(d, 7), VIREO_WGMMA_D4(d, 8), VIREO_WGMMA_D4(d, 9)
-      : "l"(da), "l"(db), "r"(accumulate));
-}
-template <>
-__device__ __forceinline__ void wgmma_e4m3_m64nk32<96>(float (&d)[16][4], uint64_t da, uint64_t db, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %50, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n96k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
-      "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, "
-      "%35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, %48, %49, p, 1, 1;\n}\n"
-      : VIREO_WGMMA_D4(d, 0), VIREO_WGMMA_D4(d, 1), VIREO_WGMMA_D4(d, 2), VIREO_WGMMA_D4(d, 3), VIREO_WGMMA_D4(d, 4),
-        VIREO_WGMMA_D4(d, 5), VIREO_WGMMA_D4(d, 6), VIREO_WGMMA_D4(d, 7), VIREO_WGMMA_D4(d, 8), VIREO_WGMMA_D4(d, 9),
-        VIREO_WGMMA_D4(d, 10), VIREO_WGMMA_D4(d, 11)
-      : "l"(da), "l"(db), "r"(accumulate));
-}
-template <>
-__device__ __forceinline__ void wgmma_e4m3_m64nk32<112>(float (&d)[16][4], uint64_t da, uint64_t db, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %58, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n112k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
-      "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, "
-      "%35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55}, %56, "
-      "%57, p, 1, 1;\n}\n"
-      : VIREO_WGMMA_D4(d, 0), VIREO_WGMMA_D4(d, 1), VIREO_WGMMA_D4(d, 2), VIREO_WGMMA_D4(d, 3), VIREO_WGMMA_D4(d, 4),
-        VIREO_WGMMA_D4(d, 5), VIREO_WGMMA_D4(d, 6), VIREO_WGMMA_D4(d, 7), VIREO_WGMMA_D4(d, 8), VIREO_WGMMA_D4(d, 9),
-        VIREO_WGMMA_D4(d, 10), VIREO_WGMMA_D4(d, 11), VIREO_WGMMA_D4(d, 12), VIREO_WGMMA_D4(d, 13)
-      : "l"(da), "l"(db), "r"(accumulate));
-}
-template <>
-__device__ __forceinline__ void wgmma_e4m3_m64nk32<128>(float (&d)[16][4], uint64_t da, uint64_t db, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
-      "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, "
-      "%35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, "
-      "%57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
-      : VIREO_WGMMA_D4(d, 0), VIREO_WGMMA_D4(d, 1), VIREO_WGMMA_D4(d, 2), VIREO_WGMMA_D4(d, 3), VIREO_WGMMA_D4(d, 4),
-        VIREO_WGMMA_D4(d, 5), VIREO_WGMMA_D4(d, 6), VIREO_WGMMA_D4(d, 7), VIREO_WGMMA_D4(d, 8), VIREO_WGMMA_D4(d, 9),
-        VIREO_WGMMA_D4(d, 10), VIREO_WGMMA_D4(d, 11), VIREO_WGMMA_D4(d, 12), VIREO_WGMMA_D4(d, 13),
-        VIREO_WGMMA_D4(d, 14), VIREO_WGMMA_D4(d, 15)
-      : "l"(da), "l"(db), "r"(accumulate));
-}
+// The forms N = 16 K: the first K groups of 8 accumulator registers (in the instruction and as
+// constraints), then the operands da, db and accumulate (%8K, %8K + 1, %8K + 2).
+#define VIREO_WGMMA_REGS_1 "%0, %1, %2, %3, %4, %5, %6, %7"
+#define VIREO_WGMMA_REGS_2 VIREO_WGMMA_REGS_1 ", %8, %9, %10, %11, %12, %13, %14, %15"
+#define VIREO_WGMMA_REGS_3 VIREO_WGMMA_REGS_2 ", %16, %17, %18, %19, %20, %21, %22, %23"
+#define VIREO_WGMMA_REGS_4 VIREO_WGMMA_REGS_3 ", %24, %25, %26, %27, %28, %29, %30, %31"
+#define VIREO_WGMMA_REGS_5 VIREO_WGMMA_REGS_4 ", %32, %33, %34, %35, %36, %37, %38, %39"
+#define VIREO_WGMMA_REGS_6 VIREO_WGMMA_REGS_5 ", %40, %41, %42, %43, %44, %45, %46, %47"
+#define VIREO_WGMMA_REGS_7 VIREO_WGMMA_REGS_6 ", %48, %49, %50, %51, %52, %53, %54, %55"
+#define VIREO_WGMMA_REGS_8 VIREO_WGMMA_REGS_7 ", %56, %57, %58, %59, %60, %61, %62, %63"
+#define VIREO_WGMMA_DS_1(d) VIREO_WGMMA_D4(d, 0), VIREO_WGMMA_D4(d, 1)
+#define VIREO_WGMMA_DS_2(d) VIREO_WGMMA_DS_1(d), VIREO_WGMMA_D4(d, 2), VIREO_WGMMA_D4(d, 3)
+#define VIREO_WGMMA_DS_3(d) VIREO_WGMMA_DS_2(d), VIREO_WGMMA_D4(d, 4), VIREO_WGMMA_D4(d, 5)
+#define VIREO_WGMMA_DS_4(d) VIREO_WGMMA_DS_3(d), VIREO_WGMMA_D4(d, 6), VIREO_WGMMA_D4(d, 7)
+#define VIREO_WGMMA_DS_5(d) VIREO_WGMMA_DS_4(d), VIREO_WGMMA_D4(d, 8), VIREO_WGMMA_D4(d, 9)
+#define VIREO_WGMMA_DS_6(d) VIREO_WGMMA_DS_5(d), VIREO_WGMMA_D4(d, 10), VIREO_WGMMA_D4(d, 11)
+#define VIREO_WGMMA_DS_7(d) VIREO_WGMMA_DS_6(d), VIREO_WGMMA_D4(d, 12), VIREO_WGMMA_D4(d, 13)
+#define VIREO_WGMMA_DS_8(d) VIREO_WGMMA_DS_7(d), VIREO_WGMMA_D4(d, 14), VIREO_WGMMA_D4(d, 15)
+#define VIREO_WGMMA_E4M3(N, K, A, B, ACC)                                                                             \
+  template <>                                                                                                         \
+  __device__ __forceinline__ void wgmma_e4m3_m64nk32<N>(float(&d)[16][4], uint64_t da, uint64_t db, int accumulate) { \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " ACC ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N                 \
+                 "k32.f32.e4m3.e4m3 {" VIREO_WGMMA_REGS_##K "}, " A ", " B ", p, 1, 1;\n}\n"                          \
+                 : VIREO_WGMMA_DS_##K(d)                                                                              \
+                 : "l"(da), "l"(db), "r"(accumulate));                                                                \
+  }
+VIREO_WGMMA_E4M3(16, 1, "%8", "%9", "%10")
+VIREO_WGMMA_E4M3(32, 2, "%16", "%17", "%18")
+VIREO_WGMMA_E4M3(48, 3, "%24", "%25", "%26")
+VIREO_WGMMA_E4M3(64, 4, "%32", "%33", "%34")
+VIREO_WGMMA_E4M3(80, 5, "%40", "%41", "%42")
+VIREO_WGMMA_E4M3(96, 6, "%48", "%49", "%50")
+VIREO_WGMMA_E4M3(112, 7, "%56", "%57", "%58")
+VIREO_WGMMA_E4M3(128, 8, "%64", "%65", "%66")
 
 // Shared-memory barriers (mbarrier) and tensor-memory-accelerator loads (TMA), for kernels whose
 // operand tiles arrive by cp.async.bulk.tensor. Addresses are shared-window offsets (smem_u32).
