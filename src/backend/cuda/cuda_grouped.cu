@@ -228,6 +228,18 @@ __device__ __forceinline__ void ring_init(uint64_t (&full)[Stages], uint64_t (&e
   }
   __syncthreads();
 }
+// A loading lane's first use of a tile's tensor maps (c may be null).
+__device__ __forceinline__ void acquire_maps(const CUtensorMap* a, const CUtensorMap* b, const CUtensorMap* c) {
+  tensormap_acquire(a);
+  tensormap_acquire(b);
+  if (c) tensormap_acquire(c);
+}
+// Before a producer refills stage kt % Stages: its last use was step kt - Stages, whose release by
+// the math warps is that phase of empty[s].
+template <int Stages>
+__device__ __forceinline__ void wait_stage_free(uint64_t (&empty)[Stages], int kt) {
+  if (kt >= Stages) mbar_wait(smem_u32(&empty[kt % Stages]), uint32_t((kt / Stages) + 1) & 1u);
+}
 // The producer warp's one loading lane: each k-step's boxes into stage kt % Stages once every
 // math warp has released that stage's previous use. A stage of the tile t (job, first row, end
 // row, first column) is A's TM rows x TK columns at 0, then B's TN rows at ABytes: the job's gate
@@ -241,13 +253,10 @@ __device__ __forceinline__ void ring_produce(uint64_t (&full)[Stages], uint64_t 
   const CUtensorMap* ma = maps + a_map;
   const CUtensorMap* mb = maps + (swiglu ? jm.x : jm.z);
   const CUtensorMap* mu = maps + jm.y;
-  tensormap_acquire(ma);
-  tensormap_acquire(mb);
-  if (swiglu) tensormap_acquire(mu);
+  acquire_maps(ma, mb, swiglu ? mu : nullptr);
   for (int kt = 0; kt < KT; ++kt) {
     const int s = kt % Stages;
-    // The stage's last use was step kt - Stages: its release is that phase of empty[s].
-    if (kt >= Stages) mbar_wait(smem_u32(&empty[s]), uint32_t((kt / Stages) + 1) & 1u);
+    wait_stage_free(empty, kt);
     const uint32_t st = sbase + uint32_t(s) * StageBytes, fb = smem_u32(&full[s]);
     mbar_expect_tx(fb, StageBytes);
     tma_load_2d(st, ma, kt * TK, t.y, fb);  // A: the tile's rows (zeros past the run)
@@ -470,14 +479,10 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     // weight block scales: gate and up (or down's one block for both warpgroups) of column block t.w / 128
     const float* sw0 = (swiglu ? jw.gate_s : jw.down_s) + int64_t(t.w / 128) * KT;
     const float* sw1 = swiglu ? jw.up_s + int64_t(t.w / 128) * KT : sw0;
-    if (lane == 0) {
-      tensormap_acquire(mx);
-      tensormap_acquire(mw);
-      if (swiglu) tensormap_acquire(mu);
-    }
+    if (lane == 0) acquire_maps(mx, mw, swiglu ? mu : nullptr);
     for (int kt = 0; kt < KT; ++kt) {
       const int s = kt % kF8Stages;
-      if (kt >= kF8Stages) mbar_wait(smem_u32(&empty[s]), uint32_t((kt / kF8Stages) + 1) & 1u);
+      wait_stage_free(empty, kt);
       // The scales by cp.async, whose completion is one of full[s]'s arrivals (a load waited for
       // here put an L2 round trip into every stage's issue: 20% slower than grouped_fp8_kernel).
       // Tokens past the tile read a clamped row: their sums are never stored.
@@ -515,40 +520,31 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   }
   // d[nt][e]: weight row 16 warp + g (+ 8 for e >= 2) of the warpgroup's 64, token 8 nt + 2 tq (+ 1).
   const int g = lane >> 2, tq = lane & 3;
+  float* xch = reinterpret_cast<float*>(gg_smem + (sbase - raw));
   if (swiglu) {
     // The up warpgroup hands its sums to the gate one through shared memory (the ring is read:
     // every stage's MMAs were waited for before the barrier), element v of thread i at v * 128 + i.
-    float* xch = reinterpret_cast<float*>(gg_smem + (sbase - raw));
     asm volatile("bar.sync 1, 256;\n" ::: "memory");
-    const int i = tid & 127;
     if (wgi == 1) {
 #pragma unroll
-      for (int v = 0; v < 64; ++v) xch[v * 128 + i] = d[v / 4][v % 4];
+      for (int v = 0; v < 64; ++v) xch[v * 128 + (tid & 127)] = d[v / 4][v % 4];
     }
     asm volatile("bar.sync 1, 256;\n" ::: "memory");
     if (wgi == 1) return;
-#pragma unroll
-    for (int nt = 0; nt < 16; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int tok = 8 * nt + 2 * tq + (e & 1);
-        if (tok >= n) continue;
-        const int col = t.w + warp * 16 + g + 8 * (e >> 1);
-        const float gv = d[nt][e], uv = xch[(nt * 4 + e) * 128 + i];
-        // swiglu_kernel's arithmetic, kept in f32 (act_quant of h follows), as store_tile's
-        out[int64_t(t.y + tok) * n_out + col] = gv / (1.0f + expf(-gv)) * uv;
-      }
-  } else {
-#pragma unroll
-    for (int nt = 0; nt < 16; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int tok = 8 * nt + 2 * tq + (e & 1);
-        if (tok >= n) continue;
-        const int col = t.w + wgi * 64 + warp * 16 + g + 8 * (e >> 1);
-        out[int64_t(t.y + tok) * n_out + col] = __fmul_rn(scale[t.y + tok], d[nt][e]);
-      }
   }
+  const int col0 = t.w + (swiglu ? 0 : wgi * 64) + warp * 16 + g, i = tid & 127;
+#pragma unroll
+  for (int nt = 0; nt < 16; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int tok = 8 * nt + 2 * tq + (e & 1);
+      if (tok >= n) continue;
+      const float v = d[nt][e];
+      // gate | up: swiglu_kernel's arithmetic, kept in f32 (act_quant of h follows), as store_tile's;
+      // down: the routing weight applied as scatter_add_rows does
+      out[int64_t(t.y + tok) * n_out + col0 + 8 * (e >> 1)] =
+          swiglu ? v / (1.0f + expf(-v)) * xch[(nt * 4 + e) * 128 + i] : __fmul_rn(scale[t.y + tok], v);
+    }
 }
 
 // xb[r] = bf16(x[index[r]]), one block a row.                      x [*, D], xb [R, D]; D % 4 == 0
