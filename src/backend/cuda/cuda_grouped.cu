@@ -497,12 +497,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(fb) : "memory");
       if (lane == 0) {
         mbar_expect_tx(fb, kTcWBytes + uint32_t(box) * kF8TK);
-        if (swiglu) {  // weight rows: 64 of gate, then the same 64 of up
-          tma_load_2d(st, mw, kt * kF8TK, t.w, fb);
-          tma_load_2d(st + 64u * kF8TK, mu, kt * kF8TK, t.w, fb);
-        } else {
-          tma_load_2d(st, mw, kt * kF8TK, t.w, fb);
-        }
+        tma_load_2d(st, mw, kt * kF8TK, t.w, fb);                            // gate's 64 rows (down's 128)
+        if (swiglu) tma_load_2d(st + 64u * kF8TK, mu, kt * kF8TK, t.w, fb);  // then the same 64 rows of up
         tma_load_2d(st + kTcWBytes, mx, kt * kF8TK, t.y, fb);  // the tokens (zeros past the run)
       }
     }

@@ -61,8 +61,10 @@ class OpProfiler {
     VIREO_CUDA_CHECK(cudaEventSynchronize(done_.back().stop));
     for (Done& d : done_) {
       if (d.depth == 0) {
-        if (have_last_stop_) idle_ms_ += std::max(0.0f, elapsed(last_stop_, d.start));
-        if (have_last_stop_) pool_.push_back(last_stop_);
+        if (have_last_stop_) {
+          idle_ms_ += std::max(0.0f, elapsed(last_stop_, d.start));
+          pool_.push_back(last_stop_);
+        }
         last_stop_ = d.stop;
         have_last_stop_ = true;
       }
