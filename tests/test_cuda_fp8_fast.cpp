@@ -28,6 +28,7 @@
 #include "backend/backend.h"
 #include "backend/cpu/matmul.h"
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/cuda_fp8_gemm.h"
 #include "core/dtype.h"
 #include "core/thread_pool.h"
 #include "backend_test_util.h"
@@ -245,6 +246,73 @@ TEST(CudaOps, Fp8FastMatmulOffsets) {
 
 // Shapes the path leaves to the bf16 dequantizing GEMM: out % 8 != 0, in % 16 != 0, and (for now,
 // see fp8_fast_plan) out or in under 128.
+// act_quant at sizes that take its 4-items-a-warp form (session 25): 1001 tokens x 2192 columns
+// (18 blocks, the last of 16 columns; 4 padding rows; groups of 4 items that cross tokens and a
+// partial last group): the plain form against the host's bytes and scales, the gathered form
+// against the host's on the gathered rows, and the SwiGLU form against the plain form of the
+// backend's swiglu output (the same f32 arithmetic; the host's expf may differ by an ulp).
+TEST(CudaOps, Fp8ActQuantWideForms) {
+  REQUIRE_CUDA();
+  auto gpu = make_cuda_backend();
+  const int64_t T = 1001, Tp = 1004, K = 2192, KB = (K + 127) / 128;
+  const std::vector<float> x = activations(T, K, 61), up = activations(T, K, 62);
+  std::vector<int32_t> index(static_cast<size_t>(T));
+  for (int64_t t = 0; t < T; ++t) index[size_t(t)] = int32_t((t * 37 + 5) % T);
+  auto xd = gpu->alloc_f32(x.size()), ud = gpu->alloc_f32(up.size()), hd = gpu->alloc_f32(x.size());
+  auto id = gpu->alloc_i32(index.size());
+  gpu->copy_from_host(xd.get(), x.data(), x.size());
+  gpu->copy_from_host(ud.get(), up.data(), up.size());
+  gpu->copy_from_host_i32(id.get(), index.data(), index.size());
+  gpu->swiglu(xd.get(), ud.get(), hd.get(), T * K);
+  cuda_synchronize(*gpu);
+  auto quantize = [&](const float* src, const int32_t* ix, const float* u) {
+    uint8_t* q = nullptr;
+    float* sc = nullptr;
+    EXPECT_EQ(cudaMalloc(&q, size_t(Tp * K)), cudaSuccess);
+    EXPECT_EQ(cudaMalloc(&sc, size_t(KB * Tp) * 4), cudaSuccess);
+    vireo::cuda::act_quant(src, T, Tp, K, q, sc, nullptr, ix, u);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::pair<std::vector<uint8_t>, std::vector<float>> r{std::vector<uint8_t>(size_t(Tp * K)),
+                                                          std::vector<float>(size_t(KB * Tp))};
+    cudaMemcpy(r.first.data(), q, r.first.size(), cudaMemcpyDeviceToHost);
+    cudaMemcpy(r.second.data(), sc, r.second.size() * 4, cudaMemcpyDeviceToHost);
+    cudaFree(q);
+    cudaFree(sc);
+    return r;
+  };
+  // The host's bytes and scales of rows src[row(t)].
+  auto host = [&](const std::vector<float>& src, auto row) {
+    std::pair<std::vector<uint8_t>, std::vector<float>> r{std::vector<uint8_t>(size_t(Tp * K), 0),
+                                                          std::vector<float>(size_t(KB * Tp), 1.0f)};
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t b = 0; b < KB; ++b) {
+        const float* xr = &src[size_t(row(t) * K)];
+        const int64_t e = std::min(K, (b + 1) * 128);
+        float a = 0.0f;
+        for (int64_t j = b * 128; j < e; ++j) a = std::max(a, std::fabs(xr[j]));
+        const float sc = a > 0.0f ? a / 448.0f : 1.0f;
+        r.second[size_t(b * Tp + t)] = sc;
+        for (int64_t j = b * 128; j < e; ++j) r.first[size_t(t * K + j)] = f32_to_fp8_e4m3(xr[j] / sc);
+      }
+    return r;
+  };
+  auto same_codes = [](const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
+    size_t bad = 0;  // +-0 are one value
+    for (size_t i = 0; i < a.size(); ++i) bad += a[i] != b[i] && ((a[i] | b[i]) & 0x7f) != 0;
+    return bad;
+  };
+  const auto plain = quantize(xd.get(), nullptr, nullptr), want = host(x, [](int64_t t) { return t; });
+  EXPECT_EQ(same_codes(plain.first, want.first), 0u);
+  EXPECT_EQ(plain.second, want.second);
+  const auto gathered = quantize(xd.get(), id.get(), nullptr);
+  const auto want_g = host(x, [&](int64_t t) { return int64_t(index[size_t(t)]); });
+  EXPECT_EQ(same_codes(gathered.first, want_g.first), 0u);
+  EXPECT_EQ(gathered.second, want_g.second);
+  const auto fused = quantize(xd.get(), nullptr, ud.get()), of_h = quantize(hd.get(), nullptr, nullptr);
+  EXPECT_EQ(fused.first, of_h.first);
+  EXPECT_EQ(fused.second, of_h.second);
+}
+
 TEST(CudaOps, Fp8FastMatmulFallbackShapes) {
   REQUIRE_CUDA();
   auto gpu = make_cuda_backend();

@@ -535,6 +535,44 @@ TEST(CudaDeviceStore, FastPrefillGroupedExpertsMatchLanes) {
 #endif
 }
 
+// A resident bank's experts at prefill as one grouped run whose tables are made on the device
+// from moe_group's counts (nothing read back) against the forward's grouping (the row counts read
+// back, the tables made on the host): the same jobs in the same order, so the same bits. BF16
+// and FP8 checkpoints in their fast modes; 200 tokens (~25 rows an expert of 64) and 600 (~75,
+// some experts past one 128-row tile).
+TEST(CudaDeviceStore, FastPrefillBankRunMatchesForwardGrouping) {
+  REQUIRE_CUDA();
+#ifdef VIREO_HAVE_CUDA
+  test::TempDir fp8_dir{"device_ck_fp8"};
+  auto r = test::run_vireo("synth --out " + fp8_dir.str() + " --arch tiny --layers 2 --experts 64 --dtype fp8 --quiet");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto be = make_cuda_backend();
+  for (const auto& [dir, mode] : {std::pair{tiny().dir.str(), CudaGemmMode::Bf16}, std::pair{fp8_dir.str(), CudaGemmMode::Fp8}}) {
+    SCOPED_TRACE(dir);
+    cuda_set_gemm_mode(*be, mode);
+    auto m = GlmDsaModel::load(dir, *be);
+    for (size_t n : {size_t(200), size_t(600)}) {
+      std::vector<int32_t> ids(n);
+      for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t(i * 7 % 1000);
+      auto run = [&](bool bank) {
+        cuda_set_bank_grouped(*be, bank);
+        cuda_set_profile(*be, true);
+        std::vector<float> out = prefill_logits(*m, *be, ids);
+        const std::string report = cuda_profile_report(*be, 1.0);
+        cuda_set_profile(*be, false);
+        EXPECT_NE(report.find("grouped experts: down"), std::string::npos) << report;
+        EXPECT_EQ(report.find("tiles on the device") != std::string::npos, bank) << report;
+        return out;
+      };
+      const std::vector<float> forward = run(false), bank = run(true);
+      EXPECT_EQ(bank, forward) << n << " tokens";
+    }
+  }
+  cuda_set_bank_grouped(*be, true);
+  cuda_set_gemm_mode(*be, CudaGemmMode::Split);
+#endif
+}
+
 TEST(CudaDeviceStore, PlanMatchesDeviceAllocationsWithin5Percent) {
   REQUIRE_CUDA();
 #ifdef VIREO_HAVE_CUDA

@@ -99,6 +99,13 @@ class Backend {
   // Makes a checkpoint weight usable by this backend's ops (the CPU backend uses the mapped
   // bytes as they are; a GPU backend uploads them once, in their stored dtype).
   virtual Weight upload_weight(const Weight& w) { return w; }
+  // upload_weight for weights that share their input (an attention layer's q_a, indexer keys and
+  // kv_a): a backend may place them side by side, in this order, and then run matmul_many over
+  // a run of adjacent ones as one product. Each *ws[i] is replaced by its usable form.
+  virtual void upload_weights_adjacent(Weight* const* ws, int n) {
+    for (int i = 0; i < n; ++i)
+      if (!ws[i]->w.empty()) *ws[i] = upload_weight(*ws[i]);
+  }
 
   // dst[r, 0:n] = src[r, 0:n] for r < rows, with row strides.
   virtual void copy_rows(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
@@ -208,6 +215,13 @@ class Backend {
   // True when moe_experts is the faster way to run N tokens' experts on this backend (else the
   // forward groups tokens by expert: moe_group + one product per expert).
   virtual bool prefers_moe_experts(int64_t N) const { return false; }
+  // True when moe_experts over this resident bank is the faster way to run N tokens' experts (a
+  // GPU backend may group the tokens and run the bank's experts without a host round trip at
+  // prefill too). The default: prefers_moe_experts.
+  virtual bool runs_moe_bank(int64_t N, int top_k, const ExpertBank& bank) {
+    (void)top_k, (void)bank;
+    return prefers_moe_experts(N);
+  }
   // Key lists up to which this backend's decode attention has short-context kernels (0: none). A
   // recorded step sized for at most this many keys takes them; the forward pass keeps a recording
   // for that bound beside the longer ones.

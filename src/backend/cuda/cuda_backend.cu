@@ -160,6 +160,35 @@ __global__ void rope_kernel(float* x, int64_t TH, int64_t H, int64_t ts, int64_t
   }
 }
 
+// matmul_joined's output [T, cols] split by columns: ys[i][t, 0:width_i] = y[t, col0_i : col0_i + width_i].
+struct JoinedColumns {
+  float* y[kMaxMany];
+  int col0[kMaxMany], width[kMaxMany];
+  int n;
+};
+// A block a row, the pieces one after another (float4 where every offset allows).
+__global__ void joined_columns_kernel(const float* __restrict__ y, int64_t cols, JoinedColumns jc, bool vec4) {
+  pdl_begin();
+  const int64_t t = blockIdx.x;
+  for (int i = 0; i < jc.n; ++i) {
+    const float* src = y + t * cols + jc.col0[i];
+    float* dst = jc.y[i] + t * jc.width[i];
+    if (vec4) {
+      for (int c = int(threadIdx.x); c < jc.width[i] / 4; c += int(blockDim.x))
+        reinterpret_cast<float4*>(dst)[c] = reinterpret_cast<const float4*>(src)[c];
+    } else {
+      for (int c = int(threadIdx.x); c < jc.width[i]; c += int(blockDim.x)) dst[c] = src[c];
+    }
+  }
+}
+void copy_joined_columns(const float* y, int64_t T, int64_t cols, const JoinedColumns& jc, cudaStream_t st) {
+  bool vec4 = cols % 4 == 0 && reinterpret_cast<uintptr_t>(y) % 16 == 0;
+  for (int i = 0; i < jc.n; ++i)
+    vec4 = vec4 && jc.col0[i] % 4 == 0 && jc.width[i] % 4 == 0 && reinterpret_cast<uintptr_t>(jc.y[i]) % 16 == 0;
+  launch(joined_columns_kernel, unsigned(T), 256, 0, st, y, cols, jc, vec4);
+  VIREO_CUDA_LAUNCHED();
+}
+
 __global__ void gather_rows_kernel(const float* x, const int32_t* index, int64_t n, float* rows) {
   pdl_begin();
   const int64_t i = blockIdx.x, src = index[i];
@@ -412,6 +441,7 @@ class CudaBackend final : public Backend {
   }
   void set_grouped_tma(bool on) { grouped_tma_ = on; }
   void set_grouped_fp8_form(GroupedFp8Form f) { grouped_fp8_form_ = f; }
+  void set_bank_grouped(bool on) { bank_grouped_ = on; }
 
   void set_fast_decode(bool attention, bool scores, bool topk) {
     fast_attention_ = attention;
@@ -462,6 +492,48 @@ class CudaBackend final : public Backend {
     }
     uploaded_[w.w.data] = d;
     return d;
+  }
+  // One allocation for all of them, each a view (bytes, then FP8 scales, each in order), where
+  // they share dtype and input width and each but the last fills whole 128-row scale blocks (so
+  // the scales of the run are those of one matrix); else one upload each.
+  void upload_weights_adjacent(Weight* const* ws, int n) override {
+    bool ok = n > 1;
+    size_t bytes = 0, sbytes = 0;
+    for (int i = 0; ok && i < n; ++i) {
+      const Weight& w = *ws[i];
+      ok = !w.w.empty() && w.w.device != Device::CUDA && w.w.ndim == 2 && w.w.dtype == ws[0]->w.dtype &&
+           w.in() == ws[0]->in() && w.w.nbytes() % 256 == 0;
+      if (ok && w.w.dtype == DType::F8_E4M3) {
+        const Tensor& sc = w.scale_inv;
+        ok = (i == n - 1 || w.out() % 128 == 0) && !sc.empty() && sc.dtype == DType::F32 && sc.ndim == 2 &&
+             sc.dim(0) == (w.out() + 127) / 128 && sc.dim(1) == (w.in() + 127) / 128;
+        sbytes += ok ? sc.nbytes() : 0;
+      }
+      bytes += w.w.nbytes();
+    }
+    if (!ok) return Backend::upload_weights_adjacent(ws, n);
+    dtype_code(ws[0]->w.dtype);
+    auto buf = device_alloc<char>(bytes + sbytes);
+    owned_.push_back(buf);
+    weight_bytes_ += bytes + sbytes;
+    size_t at = 0, sat = bytes;
+    for (int i = 0; i < n; ++i) {
+      const Weight host = *ws[i];
+      Weight d = host;
+      d.w.data = buf.get() + at;
+      d.w.device = Device::CUDA;
+      h2d_now(d.w.data, host.w.data, host.w.nbytes());
+      at += host.w.nbytes();
+      if (host.w.dtype == DType::F8_E4M3) {
+        d.scale_inv.data = buf.get() + sat;
+        d.scale_inv.device = Device::CUDA;
+        h2d_now(d.scale_inv.data, host.scale_inv.data, host.scale_inv.nbytes());
+        sat += host.scale_inv.nbytes();
+      }
+      uploaded_[host.w.data] = d;
+      if (i > 0) adjacent_next_[ws[i - 1]->w.data] = d.w.data;
+      *ws[i] = d;
+    }
   }
   // A host weight's device copy: the remembered one if it matches (same dtype and shape), else a
   // fresh upload.
@@ -575,6 +647,7 @@ class CudaBackend final : public Backend {
       one = dw[i].in == dw[0].in && dw[i].in % vec == 0 && reinterpret_cast<uintptr_t>(dw[i].w) % 16 == 0;
     }
     if (!one) {
+      if (T > kGemvRows && matmul_joined(x, T, ws, ys, n)) return;
       if (T > kGemvRows && matmul_many_by_dtype(x, T, ws, ys, n)) return;
       if (lt_bf16_many(x, T, ws, ys, n) || lt_fp8_fast_many(x, T, ws, ys, n)) return;
       return Backend::matmul_many(x, T, ws, ys, n);
@@ -599,6 +672,63 @@ class CudaBackend final : public Backend {
       if (m.n == 1) matmul(x, 1, *ws[i], ys[i]);
       else gemv_many(x, m, gemv_x_shared_, stream_);
     }
+  }
+
+  // Weights side by side in memory (upload_weights_adjacent), in any order in ws: each run of
+  // two or more as one product into joined_, whose columns one launch then copies out to their
+  // ys; the other weights as matmul_many does. False where no run of two is found. (Measured,
+  // H200, fp8, 512 tokens: q_a, indexer keys and kv_a as one 2752-row product 30.2 us, as three
+  // 71.7; cuBLASLt alone.)
+  bool matmul_joined(const float* x, int64_t T, const Weight* const* ws, float* const* ys, int n) {
+    static const bool on = env_switch("VIREO_JOINED_PRODUCTS");  // 0: one product each (A/B runs)
+    if (!on || n < 2 || n > kMaxMany) return false;
+    DevW dw[kMaxMany];
+    for (int i = 0; i < n; ++i) dw[i] = devw(*ws[i]);
+    // next[i]: the weight uploaded right after weight i in one allocation (upload_weights_adjacent
+    // checked the dtype, width and scale blocks), or -1. (Only those: two allocations of their own
+    // may also sit back to back, but one product must not read across them.)
+    int next[kMaxMany], prev_count[kMaxMany] = {};
+    for (int i = 0; i < n; ++i) {
+      next[i] = -1;
+      const auto it = adjacent_next_.find(dw[i].w);
+      for (int j = 0; j < n && it != adjacent_next_.end(); ++j)
+        if (j != i && dw[j].w == it->second) next[i] = j;
+      if (next[i] >= 0) ++prev_count[next[i]];
+    }
+    bool any = false;
+    for (int i = 0; i < n; ++i) any = any || next[i] >= 0;
+    if (!any) return false;
+    const Weight* rest_w[kMaxMany];
+    float* rest_y[kMaxMany];
+    int n_rest = 0;
+    for (int i = 0; i < n; ++i) {
+      if (prev_count[i] > 0) continue;  // not a run's first
+      if (next[i] < 0) {
+        rest_w[n_rest] = ws[i], rest_y[n_rest++] = ys[i];
+        continue;
+      }
+      JoinedColumns jc;
+      jc.n = 0;
+      int64_t rows = 0;
+      for (int k = i; k >= 0; k = next[k]) {
+        jc.y[jc.n] = ys[k];
+        jc.col0[jc.n] = int(rows);
+        jc.width[jc.n++] = int(dw[k].out);
+        rows += dw[k].out;
+      }
+      Weight joined = *ws[i];
+      joined.w = Tensor(const_cast<void*>(dw[i].w), ws[i]->w.dtype, {rows, dw[i].in},
+                        Device::CUDA);
+      if (dw[i].dt == W_FP8)
+        joined.scale_inv = Tensor(const_cast<float*>(dw[i].s), DType::F32, {(rows + 127) / 128, dw[i].s_cols}, Device::CUDA);
+      // (Tp rows: the FP8 product may write T rounded up to 4.)
+      float* y = joined_.get<float>(size_t((T + 3) / 4 * 4 * rows));
+      matmul(x, T, joined, y);
+      VIREO_PROF("joined columns out");
+      copy_joined_columns(y, T, rows, jc, stream_);
+    }
+    if (n_rest > 0) matmul_many(x, T, rest_w, rest_y, n_rest);
+    return true;
   }
 
   // Weights of several dtypes (an FP8 layer's bf16 indexer products beside q_a and kv_a): one
@@ -731,6 +861,9 @@ class CudaBackend final : public Backend {
                    const ExpertBank& bank, float* out) override {
     if (N <= 0) return;
     VIREO_PROF("moe_experts");
+    if (N > kGemvRows) {
+      if (BankRun* b = bank_run(N, top_k, bank)) return grouped_bank_add(x, N, ids, weights, top_k, bank, *b, out);
+    }
     const SharedGateUp mine{x, N, top_k, &bank};
     const bool ahead = shared_gate_up_ == mine;  // queued by moe_shared_gate_up
     shared_gate_up_ = {};
@@ -744,6 +877,9 @@ class CudaBackend final : public Backend {
                       b.table.get(), b.dtype, b.vec, gemv_x_shared_, part, h, out, stream_);
   }
   bool prefers_moe_experts(int64_t N) const override { return N <= kGemvRows; }
+  bool runs_moe_bank(int64_t N, int top_k, const ExpertBank& bank) override {
+    return N <= kGemvRows || bank_run(N, top_k, bank) != nullptr;
+  }
   int64_t short_context_keys() const override { return kDecodeShortMaxKeys; }
 
   void argmax_rows(const float* x, int64_t rows, int64_t n, int32_t* out) override {
@@ -988,30 +1124,13 @@ class CudaBackend final : public Backend {
     // grouped ahead). The bf16 TMA tiles are ahead at both (session 12): no limit unless one is
     // set. The FP8 tiles are ahead at 256 rows an expert and behind at 2048+ (session 13: 8-layer
     // prefill at 4096 tokens 60.7% against the lanes' 62.1%; gate | up 873 TFLOP/s there).
-    const int64_t max_mean = grouped_max_mean_rows_ > 0                ? grouped_max_mean_rows_
-                             : fp8                                     ? int64_t(1024)
-                             : grouped_tma_ && grouped_tma_available() ? int64_t(1) << 40
-                                                                       : int64_t(1024);
-    if (total > max_mean * n) return false;
+    if (total > grouped_max_mean(fp8) * n) return false;
     if (!grouped_experts_fit(D, I, all, fp8) || reinterpret_cast<uintptr_t>(x) % 16 != 0 ||
         reinterpret_cast<uintptr_t>(out) % 16 != 0)
       return false;
-    // FP8 with a dense job (the shared expert lists every token once, so x has dense_rows rows):
-    // x quantized once, and each chunk's gather copies its rows' e4m3 bytes and scales. A row's
-    // act_quant depends on that row alone, so these are the bytes quantizing each gathered row
-    // gives, made once a token instead of once a row (9 times at GLM-5's 8 + 1 experts).
     const uint8_t* xq = nullptr;
     const float* xqs = nullptr;
-    if (fp8 && dense_rows > 0) {
-      const size_t qbytes = size_t(dense_rows * D + 15) / 16 * 16;
-      char* buf = grouped_xq_.get<char>(qbytes + size_t((D / 128) * dense_rows) * 4);
-      xq = reinterpret_cast<uint8_t*>(buf);
-      xqs = reinterpret_cast<float*>(buf + qbytes);
-      ProfScope ps(
-          prof_, stream_, [] { return std::string("grouped experts: act_quant x"); }, 0.0);
-      act_quant(x, dense_rows, dense_rows, D, reinterpret_cast<uint8_t*>(buf), reinterpret_cast<float*>(buf + qbytes),
-                stream_);
-    }
+    if (fp8 && dense_rows > 0) quantize_x_once(x, dense_rows, D, xq, xqs);
     for (size_t j0 = 0; j0 < all.size();) {
       size_t j1 = j0;
       int64_t rows = 0;
@@ -1058,46 +1177,192 @@ class CudaBackend final : public Backend {
       r.tables = &tb;
       r.table = table;
       r.out = out;
-      {
-        ProfScope ps(
-            prof_, stream_,
-            [fp8, xq] {
-              return std::string(!fp8 ? "grouped experts: gather + convert"
-                                 : xq ? "grouped experts: gather e4m3 rows"
-                                      : "grouped experts: gather + act_quant");
-            },
-            0.0);
-        grouped_gather(r, stream_);
-      }
-      {
-        ProfScope ps(
-            prof_, stream_,
-            [fp8] {
-              return std::string(fp8 ? "grouped experts: gate | up + swiglu (fp8)"
-                                     : "grouped experts: gate | up + swiglu");
-            },
-            4.0 * double(rows) * double(I) * double(D));
-        grouped_gate_up(r, stream_);
-      }
-      if (fp8) {
-        ProfScope ps(
-            prof_, stream_, [] { return std::string("grouped experts: act_quant h"); }, 0.0);
-        grouped_quantize_h(r, stream_);
-      }
-      {
-        ProfScope ps(
-            prof_, stream_,
-            [fp8] { return std::string(fp8 ? "grouped experts: down (fp8)" : "grouped experts: down"); },
-            2.0 * double(rows) * double(I) * double(D));
-        grouped_down(r, stream_);
-      }
-      {
-        ProfScope ps(
-            prof_, stream_, [] { return std::string("grouped experts: add in job order"); }, 0.0);
-        grouped_combine(r, stream_);
-      }
+      run_grouped(r, fp8);
     }
     return true;
+  }
+  // The most rows an expert the grouped products take on average (more: the side lanes, whose
+  // cuBLASLt kernels are as fast there). Experts of many rows each fill the SMs one at a time:
+  // measured, 2048 rows an expert lanes ahead; 256, grouped ahead. The bf16 TMA tiles are ahead at
+  // both (session 12): no limit unless one is set. The FP8 tiles are ahead at 256 rows an expert
+  // and behind at 2048+ (session 13: 8-layer prefill at 4096 tokens 60.7% against the lanes' 62.1%).
+  int64_t grouped_max_mean(bool fp8) const {
+    return grouped_max_mean_rows_ > 0                ? grouped_max_mean_rows_
+           : fp8                                     ? int64_t(1024)
+           : grouped_tma_ && grouped_tma_available() ? int64_t(1) << 40
+                                                     : int64_t(1024);
+  }
+  // FP8 with a dense job (the shared expert lists every token once, so x has T rows): x quantized
+  // once, and each run's gather copies its rows' e4m3 bytes and scales. A row's act_quant depends
+  // on that row alone, so these are the bytes quantizing each gathered row gives, made once a
+  // token instead of once a row (9 times at GLM-5's 8 + 1 experts).
+  void quantize_x_once(const float* x, int64_t T, int64_t D, const uint8_t*& xq, const float*& xqs) {
+    const size_t qbytes = size_t(T * D + 15) / 16 * 16;
+    char* buf = grouped_xq_.get<char>(qbytes + size_t((D / 128) * T) * 4);
+    xq = reinterpret_cast<uint8_t*>(buf);
+    xqs = reinterpret_cast<float*>(buf + qbytes);
+    ProfScope ps(
+        prof_, stream_, [] { return std::string("grouped experts: act_quant x"); }, 0.0);
+    act_quant(x, T, T, D, reinterpret_cast<uint8_t*>(buf), reinterpret_cast<float*>(buf + qbytes), stream_);
+  }
+
+  // A resident bank's experts over many tokens (moe_experts at prefill) as one grouped run whose
+  // tables are made on the device from moe_group's counts: nothing is read back, where the
+  // forward's own grouping (moe_group, then experts_add) waits for the row counts once a MoE
+  // layer and builds the tables on the host meanwhile. The same jobs in the same order (every
+  // routed expert, empty ones included, then the shared expert), so the same sums and bits.
+  // A bank's tables (its experts' weights, the run buffers' tensor maps) are made and uploaded
+  // once and kept while the bank's weights and the buffers stay where they are.
+  struct BankRun {
+    std::vector<const void*> sources;  // bank_sources
+    uint64_t buffers = 0;              // the run buffers the maps were made for (bank_buffers_)
+    GroupedTables made;
+    std::shared_ptr<char> table;
+  };
+  // The bank's run tables for N tokens, or nullptr where the grouped run does not take them:
+  // exact math, a dtype or shape the grouped products do not take, more than one shared expert,
+  // more rows than one chunk, or more rows an expert than grouped_max_mean.
+  BankRun* bank_run(int64_t N, int top_k, const ExpertBank& bank) {
+    static const bool on = env_switch("VIREO_BANK_GROUPED");  // 0: the forward's grouping (A/B runs)
+    const int64_t E = int64_t(bank.gate.size());
+    if (!on || !bank_grouped_ || !grouped_on_ || !fast_math() || N <= kGemvRows || bank.n_shared > 1 ||
+        E - bank.n_shared < 2 || bank.up.size() != size_t(E) || bank.down.size() != size_t(E) || top_k <= 0)
+      return nullptr;
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    VIREO_CUDA_CHECK(cudaStreamIsCapturing(stream_, &cs));
+    if (cs != cudaStreamCaptureStatusNone) return nullptr;  // (the tables may need an upload)
+    const Weight& g0 = bank.gate[0];
+    const bool fp8 = mode_ == CudaGemmMode::Fp8 && g0.w.dtype == DType::F8_E4M3;
+    if (fp8 ? !(grouped_tma_ && grouped_tma_available() && g0.out() <= g0.in()) : g0.w.dtype != DType::BF16)
+      return nullptr;
+    const int64_t D = g0.in(), I = g0.out(), dense = bank.n_shared > 0 ? N : 0, R = N * top_k + dense;
+    if (R > grouped_rows_ || R > grouped_max_mean(fp8) * E) return nullptr;
+    // Buffers of at least R rows (grown in steps, zeroed when made: rows past a run are loaded).
+    if (R > bank_rows_cap_ || bank_rows_d_ != D || bank_rows_i_ != I) {
+      bank_rows_cap_ = std::max(R, bank_rows_cap_ * 2 + 1024) / 1024 * 1024;
+      bank_rows_d_ = D, bank_rows_i_ = I;
+      ++bank_buffers_;
+      for (Scratch* b : {&bank_xb_, &bank_h_, &bank_y_}) *b = Scratch{};
+      for (auto [b, bytes] : {std::pair{&bank_xb_, bank_rows_cap_ * D * 2}, std::pair{&bank_h_, bank_rows_cap_ * I * 2},
+                              std::pair{&bank_y_, bank_rows_cap_ * D * 4}})
+        VIREO_CUDA_CHECK(cudaMemsetAsync(b->get<char>(size_t(bytes)), 0, size_t(bytes), stream_));
+    }
+    std::vector<const void*> sources = bank_sources(bank);
+    BankRun& b = bank_runs_[&bank];
+    if (b.table && b.sources == sources && b.buffers == bank_buffers_) return &b;
+    std::vector<GroupedJob> jobs;
+    const int want = fp8 ? W_FP8 : W_BF16;
+    for (int64_t e = 0; e < E; ++e) {
+      const DevW wg = devw(bank.gate[size_t(e)]), wu = devw(bank.up[size_t(e)]), wd = devw(bank.down[size_t(e)]);
+      if (wg.dt != want || wu.dt != want || wd.dt != want || wg.in != D || wg.out != I || wu.in != D ||
+          wu.out != I || wd.in != I || wd.out != D)
+        return nullptr;
+      jobs.push_back({wg.w, wu.w, wd.w, 0, 0, fp8 ? wg.s : nullptr, fp8 ? wu.s : nullptr, fp8 ? wd.s : nullptr});
+    }
+    if (!grouped_experts_fit(D, I, jobs, fp8)) return nullptr;
+    const GroupedTmaOperands tma{bank_xb_.buf.get(), bank_h_.buf.get(), bank_rows_cap_};
+    const int64_t max_tiles = grouped_max_row_tiles(bank_rows_cap_, int(E - bank.n_shared), bank_rows_cap_);
+    GroupedTables made = grouped_tables_device(jobs, max_tiles, D, I, grouped_tma_ ? &tma : nullptr, fp8);
+    if (fp8 && made.n_maps == 0) return nullptr;
+    b.table = device_alloc<char>(made.bytes.size());
+    h2d_now(b.table.get(), made.bytes.data(), made.bytes.size());
+    made.bytes.clear();
+    b.made = std::move(made);
+    b.sources = std::move(sources);
+    b.buffers = bank_buffers_;
+    return &b;
+  }
+  void grouped_bank_add(const float* x, int64_t N, const int32_t* ids, const float* weights, int top_k,
+                        const ExpertBank& bank, BankRun& b, float* out) {
+    const bool fp8 = b.made.fp8;
+    const int n_routed = int(bank.gate.size()) - bank.n_shared;
+    const int64_t D = bank_rows_d_, I = bank_rows_i_, routed = N * top_k, dense = bank.n_shared > 0 ? N : 0;
+    const int64_t R = routed + dense;
+    // (Buffers first: growing one syncs the device, never between the run's launches.)
+    int32_t* offsets = bank_offsets_.get<int32_t>(size_t(n_routed + 1));
+    int32_t* token_of = bank_index_.get<int32_t>(size_t(R));
+    float* weight_of = bank_scale_.get<float>(size_t(R));
+    int32_t* index = dense ? bank_dense_index_.get<int32_t>(size_t(R)) : token_of;
+    float* scale = dense ? bank_dense_scale_.get<float>(size_t(R)) : weight_of;
+    moe_group(ids, weights, N, top_k, n_routed, offsets, token_of, weight_of);
+    GroupedTables tb;
+    {
+      ProfScope ps(
+          prof_, stream_, [] { return std::string("grouped experts: tiles on the device"); }, 0.0);
+      tb = grouped_device_tiles(b.made, b.table.get(), offsets, n_routed, routed, dense, D, I, stream_);
+    }
+    const uint8_t* xq = nullptr;
+    const float* xqs = nullptr;
+    if (fp8 && dense > 0) quantize_x_once(x, N, D, xq, xqs);
+    if (dense > 0) grouped_dense_rows(token_of, weight_of, routed, R, index, scale, stream_);
+    if (dense == 0) fill(out, 0.0f, N * D);  // (with the shared expert every token has a row: written once)
+    GroupedRun r;
+    r.fp8_form = grouped_fp8_form_;
+    r.xb = bank_xb_.buf.get();
+    r.h = bank_h_.buf.get();
+    r.y = static_cast<float*>(static_cast<void*>(bank_y_.buf.get()));
+    if (fp8) {  // as grouped_experts_add's chunks, after the buffers' rows_cap rows
+      r.xs = reinterpret_cast<float*>(bank_xb_.buf.get() + size_t(bank_rows_cap_ * D + 15) / 16 * 16);
+      r.hs = reinterpret_cast<float*>(bank_h_.buf.get() + size_t(bank_rows_cap_ * I + 15) / 16 * 16);
+      r.h32 = r.y;
+    }
+    r.x = x;
+    r.xq = xq;
+    r.xqs = xqs;
+    r.n_tokens = dense;
+    r.out_overwrite = dense > 0;
+    r.index = index;
+    r.scale = scale;
+    r.R = R;
+    r.D = D;
+    r.I = I;
+    r.tables = &tb;
+    r.table = b.table.get();
+    r.out = out;
+    run_grouped(r, fp8);
+  }
+
+  // A grouped run's launches: the gather, both products (and, FP8, h's quantization between
+  // them), the additions into r.out in job order.
+  void run_grouped(const GroupedRun& r, bool fp8) {
+    const uint8_t* xq = r.xq;
+    const double flops = 2.0 * double(r.R) * double(r.I) * double(r.D);  // the down product's; gate | up twice
+    {
+      ProfScope ps(
+          prof_, stream_,
+          [fp8, xq] {
+            return std::string(!fp8 ? "grouped experts: gather + convert"
+                               : xq ? "grouped experts: gather e4m3 rows"
+                                    : "grouped experts: gather + act_quant");
+          },
+          0.0);
+      grouped_gather(r, stream_);
+    }
+    {
+      ProfScope ps(
+          prof_, stream_,
+          [fp8] {
+            return std::string(fp8 ? "grouped experts: gate | up + swiglu (fp8)" : "grouped experts: gate | up + swiglu");
+          },
+          2.0 * flops);
+      grouped_gate_up(r, stream_);
+    }
+    if (fp8) {
+      ProfScope ps(
+          prof_, stream_, [] { return std::string("grouped experts: act_quant h"); }, 0.0);
+      grouped_quantize_h(r, stream_);
+    }
+    {
+      ProfScope ps(
+          prof_, stream_, [fp8] { return std::string(fp8 ? "grouped experts: down (fp8)" : "grouped experts: down"); },
+          flops);
+      grouped_down(r, stream_);
+    }
+    {
+      ProfScope ps(
+          prof_, stream_, [] { return std::string("grouped experts: add in job order"); }, 0.0);
+      grouped_combine(r, stream_);
+    }
   }
   // While alive, the ops the backend queues go to the lane: its stream, workspace and the
   // product scratch are swapped in (and back out on destruction, also on a throw).
@@ -1727,11 +1992,20 @@ class CudaBackend final : public Backend {
   Scratch grouped_xb_, grouped_h_, grouped_y_, grouped_table_;  // grouped_experts_add's chunk buffers
   Scratch grouped_xq_;  // its x quantized once (FP8 with a dense job): e4m3 [T, D], scales [D / 128, T]
   Scratch grouped_index_, grouped_scale_;                       // a chunk's index and scale, when it holds a dense job
+  // grouped_bank_add's run buffers (bank_rows_cap_ rows of D and I columns: the bank tables' maps
+  // point at them), moe_group's lists, and the rows' index and scale with the shared expert's.
+  Scratch bank_xb_, bank_h_, bank_y_, bank_offsets_, bank_index_, bank_scale_, bank_dense_index_, bank_dense_scale_;
+  int64_t bank_rows_cap_ = 0, bank_rows_d_ = 0, bank_rows_i_ = 0;
+  uint64_t bank_buffers_ = 0;  // counts the run buffers' reallocations
+  std::map<const ExpertBank*, BankRun> bank_runs_;
+  bool bank_grouped_ = true;  // tests turn it off (cuda_set_bank_grouped)
   int64_t fp8_chunk_bytes_ = int64_t(CudaBufferSizes::kFp8ChunkBytes);
   OpProfiler prof_;
   std::vector<std::shared_ptr<char>> owned_;
   uint64_t weight_bytes_ = 0;  // bytes of weights uploaded (owned_)
   std::unordered_map<const void*, Weight> uploaded_;
+  Scratch joined_;  // matmul_joined's product, [T, the run's rows]
+  std::unordered_map<const void*, const void*> adjacent_next_;  // upload_weights_adjacent: a weight -> the next
   Scratch argmax_parts_, flag_, scores_, dscores_, route_, xbf16_, wbf16_, qlat_, part_, latent_, kvx_, mask_, moe_h_, kvbf16_;
   // The fast FP8 path: e4m3 x + its scales; D when it is bf16 or has padding rows; the weight
   // scales with padded rows.
@@ -1857,6 +2131,7 @@ void cuda_set_grouped_fp8_form(Backend& b, int form) {
   VIREO_ASSERT(form >= 0 && form <= 2);
   as_cuda(b).set_grouped_fp8_form(GroupedFp8Form(form));
 }
+void cuda_set_bank_grouped(Backend& b, bool on) { as_cuda(b).set_bank_grouped(on); }
 void cuda_set_fast_decode(Backend& b, bool attention, bool indexer_scores, bool indexer_topk) {
   as_cuda(b).set_fast_decode(attention, indexer_scores, indexer_topk);
 }
@@ -1887,14 +2162,18 @@ std::string cuda_profile_report(Backend& b, double wall_ms) {
     if (r.second.depth == 0) top += r.second.ms;
   std::string s;
   char line[512];
-  std::snprintf(line, sizeof line, "  %-58s %7s %10s %6s %10s %8s\n", "op (a / b: piece b inside op a)", "calls", "ms",
-                "%", "us/call", "TFLOP/s");
+  // Queued: an "idle before" column, the GPU's idle time right before each top-level op (where the
+  // host held it up: a read-back, a host-side plan, launches).
+  const bool queued = prof.queued();
+  std::snprintf(line, sizeof line, "  %-58s %7s %10s %6s %10s %8s%s\n", "op (a / b: piece b inside op a)", "calls", "ms",
+                "%", "us/call", "TFLOP/s", queued ? "  idle before ms" : "");
   s += line;
   for (const auto& [key, st] : rows) {
-    char tf[32] = "";
+    char tf[32] = "", idle[32] = "";
     if (st.flops > 0) std::snprintf(tf, sizeof tf, "%.1f", st.flops / (st.ms * 1e-3) / 1e12);
-    std::snprintf(line, sizeof line, "  %-58s %7lld %10.3f %6.1f %10.1f %8s\n", key.c_str(), (long long)st.calls, st.ms,
-                  100.0 * st.ms / std::max(top, 1e-9), 1e3 * st.ms / double(st.calls), tf);
+    if (queued && st.depth == 0) std::snprintf(idle, sizeof idle, "  %15.3f", st.idle_before_ms);
+    std::snprintf(line, sizeof line, "  %-58s %7lld %10.3f %6.1f %10.1f %8s%s\n", key.c_str(), (long long)st.calls,
+                  st.ms, 100.0 * st.ms / std::max(top, 1e-9), 1e3 * st.ms / double(st.calls), tf, idle);
     s += line;
   }
   if (prof.queued())

@@ -103,6 +103,10 @@ void cuda_set_grouped_tma(Backend& cuda, bool on);
 // The grouped FP8 products' tile form: 0 chosen by the rows' fill (the default), 1 row tiles,
 // 2 token columns (GroupedFp8Form, cuda_grouped.h): the same sums, so tests compare them bit for bit.
 void cuda_set_grouped_fp8_form(Backend& cuda, int form);
+// A resident bank's experts at prefill as one grouped run with its tables made on the device
+// (moe_experts, runs_moe_bank: on, the default; VIREO_BANK_GROUPED=0 turns it off) or the
+// forward's grouping with the row counts read back (off). The same jobs and sums either way.
+void cuda_set_bank_grouped(Backend& cuda, bool on);
 // Programmatic dependent launches for every CUDA kernel of the process (on, the default;
 // VIREO_PDL=0 turns them off for A/B runs): a kernel's blocks are dispatched while the kernel
 // before it runs and wait for it on the device. The same kernels and sums either way.

@@ -163,6 +163,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int c = tid & 7, lr = tid >> 3;
   const uint32_t soff = uint32_t(lr * 128 + ((c ^ (lr & 7)) << 4));
   const int4 t = tiles[blockIdx.x];
+  if (t.x < 0) return;  // past a device-made run's tiles (grouped_device_tiles)
   // A warpgroup whose 64 rows are all past the job (an expert's last tile of <= 64 rows) skips
   // its MMAs; it still loads and waits with the other.
   const bool active = t.y + wgi * 64 < t.z;
@@ -284,6 +285,7 @@ __global__ void __launch_bounds__(kTmaThreads, MinBlocks)
   const uint32_t raw = smem_u32(gg_smem), sbase = (raw + 1023u) & ~1023u;
   const int tid = int(threadIdx.x), wgi = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const int4 t = tiles[blockIdx.x];
+  if (t.x < 0) return;  // past a device-made run's tiles (grouped_device_tiles)
   const int KT = K / kTK;
   ring_init(full, empty, tid);
   if (wgi == 2) {  // the producer warp: one lane issues every load
@@ -335,6 +337,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   const uint32_t raw = smem_u32(gg_smem), sbase = (raw + 1023u) & ~1023u;
   const int tid = int(threadIdx.x), wgi = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const int4 t = tiles[blockIdx.x];
+  if (t.x < 0) return;  // past a device-made run's tiles (grouped_device_tiles)
   const int KT = K / kF8TK;
   ring_init(full, empty, tid);
   if (wgi == 2) {  // the producer warp, as grouped_gemm_tma_kernel's
@@ -461,6 +464,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   float* sscale = reinterpret_cast<float*>(gg_smem + (sbase - raw) + size_t(kF8Stages) * kTcStageBytes);
   const int tid = int(threadIdx.x), wgi = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const int4 t = tiles[blockIdx.x];
+  if (t.x < 0) return;  // past a device-made run's tiles (grouped_device_tiles)
   const int n = min(t.z - t.y, kTcTokens);  // the tile's tokens
   const int KT = K / kF8TK;
   if (tid == 0) {
@@ -573,6 +577,56 @@ __global__ void grouped_gather_q8_kernel(const uint4* __restrict__ xq, const flo
   for (int64_t kb = threadIdx.x; kb < D / 128; kb += blockDim.x) xs[kb * R + r] = xqs[kb * T + t];
 }
 
+// grouped_device_tiles' one block: the spans of the jobs (routed job j: offsets[j] .. offsets[j + 1];
+// a dense last job: dense_rows rows after the routed ones), their row tiles' prefix, then each
+// warp writes its jobs' tiles in grouped_tables' order (a job's column tiles one after another,
+// a column's row tiles adjacent), and the entries past the last tile up to the grids' sizes get
+// job -1 (their blocks leave). Shared: rows, row0 [n_jobs], the tiles' prefix [n_jobs + 1].
+__global__ void grouped_tiles_kernel(const int32_t* __restrict__ offsets, int n_routed, int dense_rows, int n_jobs,
+                                     int tm, int gu_cols, int gu_step, int dn_cols, int dn_step, int2* __restrict__ spans,
+                                     int4* __restrict__ gu, int gu_grid, int4* __restrict__ dn, int dn_grid) {
+  pdl_begin();
+  extern __shared__ int32_t tl[];
+  int32_t* rows = tl;
+  int32_t* row0 = tl + n_jobs;
+  int32_t* pre = tl + 2 * n_jobs;
+  const int tid = int(threadIdx.x), lane = tid & 31, warp = tid >> 5, warps = int(blockDim.x >> 5);
+  for (int j = tid; j < n_jobs; j += int(blockDim.x)) {
+    const int r0 = j < n_routed ? offsets[j] : offsets[n_routed];
+    const int rw = j < n_routed ? offsets[j + 1] - r0 : dense_rows;
+    rows[j] = rw;
+    row0[j] = r0;
+    spans[j] = make_int2(r0, rw);
+  }
+  __syncthreads();
+  if (warp == 0) {
+    int carry = 0;
+    for (int j0 = 0; j0 < n_jobs; j0 += 32) {
+      const int j = j0 + lane;
+      const int v = j < n_jobs ? (rows[j] + tm - 1) / tm : 0;
+      int inc = v;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int u = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += u;
+      }
+      if (j < n_jobs) pre[j] = carry + inc - v;
+      carry += __shfl_sync(0xffffffffu, inc, 31);
+    }
+    if (lane == 0) pre[n_jobs] = carry;
+  }
+  __syncthreads();
+  for (int j = warp; j < n_jobs; j += warps) {
+    const int nt = (rows[j] + tm - 1) / tm, end = row0[j] + rows[j];
+    for (int k = lane; k < nt * gu_cols; k += 32)
+      gu[int64_t(pre[j]) * gu_cols + k] = make_int4(j, row0[j] + (k % nt) * tm, end, (k / nt) * gu_step);
+    for (int k = lane; k < nt * dn_cols; k += 32)
+      dn[int64_t(pre[j]) * dn_cols + k] = make_int4(j, row0[j] + (k % nt) * tm, end, (k / nt) * dn_step);
+  }
+  for (int i = pre[n_jobs] * gu_cols + tid; i < gu_grid; i += int(blockDim.x)) gu[i] = make_int4(-1, 0, 0, 0);
+  for (int i = pre[n_jobs] * dn_cols + tid; i < dn_grid; i += int(blockDim.x)) dn[i] = make_int4(-1, 0, 0, 0);
+}
+
 // A chunk's index and scale when its last job is dense (every token, scale 1: a shared
 // expert): the routed rows' entries copied, then (t, 1) for t < rows - routed.
 __global__ void grouped_dense_rows_kernel(const int32_t* __restrict__ index, const float* __restrict__ scale,
@@ -594,7 +648,7 @@ __global__ void grouped_dense_rows_kernel(const int32_t* __restrict__ index, con
 // jobs' strictly increasing token lists. Shared: the found row of every job [n_jobs], then the
 // found rows in job order.
 __global__ void grouped_combine_kernel(const int32_t* __restrict__ index, const int2* __restrict__ spans, int n_jobs,
-                                       bool by_token, const float4* __restrict__ y, int64_t D4,
+                                       bool by_token, bool overwrite, const float4* __restrict__ y, int64_t D4,
                                        float4* __restrict__ out) {
   pdl_begin();
   extern __shared__ int32_t found[];
@@ -634,7 +688,7 @@ __global__ void grouped_combine_kernel(const int32_t* __restrict__ index, const 
   // trip per row: 54 us a GLM-5 layer at 512 tokens, 9 rows a token; H200).
   constexpr int kBatch = 8;
   for (int64_t c = threadIdx.x; c < D4; c += blockDim.x) {
-    float4 acc = o[c];
+    float4 acc = overwrite ? make_float4(0.0f, 0.0f, 0.0f, 0.0f) : o[c];  // (0 + a: the bits a fill of 0 gave)
     for (int k0 = 0; k0 < n; k0 += kBatch) {
       float4 v[kBatch];
 #pragma unroll
@@ -879,6 +933,59 @@ GroupedTables grouped_tables(const std::vector<GroupedJob>& jobs, int64_t D, int
   return t;
 }
 
+int64_t grouped_max_row_tiles(int64_t routed, int n_routed, int64_t dense) {
+  // sum ceil(m_j / 128) over at most min(n_routed, routed) non-empty jobs of routed rows together
+  const int64_t used = std::min<int64_t>(n_routed, routed);
+  return (routed + used * 127) / 128 + (dense + 127) / 128;
+}
+
+GroupedTables grouped_tables_device(const std::vector<GroupedJob>& jobs, int64_t max_row_tiles, int64_t D, int64_t I,
+                                    const GroupedTmaOperands* tma, bool fp8) {
+  std::vector<GroupedJob> empty = jobs;
+  for (GroupedJob& j : empty) j.row0 = 0, j.rows = 0;
+  GroupedTables t = grouped_tables(empty, D, I, tma, fp8);
+  const int tn = fp8 ? kF8TN : kTN;
+  const int64_t gu = max_row_tiles * (I / (tn / 2)), dn = max_row_tiles * (D / tn);
+  auto room = [&](size_t bytes) {
+    const size_t off = (t.bytes.size() + 15) / 16 * 16;
+    t.bytes.resize(off + bytes);
+    return off;
+  };
+  t.spans_at = room(jobs.size() * sizeof(int2));
+  t.gate_up_at = room(size_t(gu) * sizeof(int4));
+  t.down_at = room(size_t(dn) * sizeof(int4));
+  t.max_row_tiles = max_row_tiles;
+  return t;
+}
+
+GroupedTables grouped_device_tiles(const GroupedTables& made, char* table, const int32_t* offsets, int n_routed,
+                                   int64_t routed_rows, int64_t dense_rows, int64_t D, int64_t I, cudaStream_t st) {
+  GroupedTables t;  // (no bytes: those are on the device)
+  t.fp8 = made.fp8;
+  t.n_jobs = made.n_jobs;
+  t.n_maps = made.n_maps;
+  t.maps_at = made.maps_at, t.job_maps_at = made.job_maps_at, t.jobs_at = made.jobs_at;
+  t.spans_at = made.spans_at, t.gate_up_at = made.gate_up_at, t.down_at = made.down_at;
+  const int tm = made.fp8 ? kF8TM : kTM, tn = made.fp8 ? kF8TN : kTN;
+  const int64_t max_tiles = grouped_max_row_tiles(routed_rows, n_routed, dense_rows);
+  if (max_tiles > made.max_row_tiles || t.n_jobs != n_routed + (dense_rows > 0 ? 1 : 0))
+    fail("grouped experts: a device-made run of ", routed_rows, " + ", dense_rows, " rows needs up to ", max_tiles,
+         " row tiles; its tables hold ", made.max_row_tiles);
+  const int gu_cols = int(I / (tn / 2)), dn_cols = int(D / tn);
+  t.gate_up_tiles = int(max_tiles * gu_cols);
+  t.down_tiles = int(max_tiles * dn_cols);
+  // For the FP8 form's choice (rows against their row tiles): the row tiles of evenly spread rows.
+  t.rows = routed_rows + dense_rows;
+  const int64_t used = std::min<int64_t>(n_routed, routed_rows);
+  t.row_tiles = (used > 0 ? used * ((routed_rows / used + tm - 1) / tm) : 0) + (dense_rows + tm - 1) / tm;
+  launch(grouped_tiles_kernel, 1, 1024, size_t(3 * t.n_jobs + 1) * sizeof(int32_t), st, offsets, n_routed,
+         int(dense_rows), t.n_jobs, tm, gu_cols, tn / 2, dn_cols, tn, reinterpret_cast<int2*>(table + t.spans_at),
+         reinterpret_cast<int4*>(table + t.gate_up_at), t.gate_up_tiles, reinterpret_cast<int4*>(table + t.down_at),
+         t.down_tiles);
+  VIREO_CUDA_LAUNCHED();
+  return t;
+}
+
 void grouped_gather(const GroupedRun& r, cudaStream_t st) {
   if (r.R == 0) return;
   if (r.tables->fp8 && r.xq) {
@@ -909,7 +1016,8 @@ void grouped_combine(const GroupedRun& r, cudaStream_t st) {
   const int n = r.tables->n_jobs;
   const bool by_token = r.n_tokens > 0;
   launch(grouped_combine_kernel, unsigned(by_token ? r.n_tokens : r.R), 256, size_t(2 * n) * sizeof(int32_t), st,
-         r.index, table_at<int2>(r, r.tables->spans_at), n, by_token, reinterpret_cast<const float4*>(r.y), r.D / 4,
+         r.index, table_at<int2>(r, r.tables->spans_at), n, by_token, by_token && r.out_overwrite,
+         reinterpret_cast<const float4*>(r.y), r.D / 4,
          reinterpret_cast<float4*>(r.out));
   VIREO_CUDA_LAUNCHED();
 }

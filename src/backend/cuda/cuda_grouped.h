@@ -48,6 +48,7 @@ struct GroupedTables {
   bool fp8 = false;
   int n_jobs = 0, gate_up_tiles = 0, down_tiles = 0, n_maps = 0;
   int64_t rows = 0, row_tiles = 0;  // the jobs' rows, and the 128-row tiles they take (a product's column tile's)
+  int64_t max_row_tiles = 0;        // grouped_tables_device: the row tiles its room holds
   size_t maps_at = 0, job_maps_at = 0, jobs_at = 0, spans_at = 0, gate_up_at = 0, down_at = 0;  // into bytes
 };
 struct GroupedTmaOperands {
@@ -59,6 +60,23 @@ bool grouped_tma_available();
 // fp8: the jobs' weights are e4m3; needs tma (else the tables come back with n_maps == 0).
 GroupedTables grouped_tables(const std::vector<GroupedJob>& jobs, int64_t D, int64_t I,
                              const GroupedTmaOperands* tma = nullptr, bool fp8 = false);
+
+// Runs whose rows per job are known on the device only (moe_group's offsets over a resident
+// bank: every expert a job, the shared expert a dense last job), so that nothing is read back:
+// grouped_tables_device makes grouped_tables' maps and job tables for jobs of 0 rows, with room
+// after them for the spans and the tiles of up to max_row_tiles row tiles (grouped_max_row_tiles);
+// the caller uploads the bytes once. tma->R: the rows xb and h hold (their maps cover them all; a
+// run of fewer rows loads stale rows past its end into tiles' rows that are never stored).
+// grouped_device_tiles then writes one run's spans and tiles into the uploaded table on `st` and
+// returns the tables to run it with: routed job j has offsets[j + 1] - offsets[j] rows from
+// offsets[j] (offsets [n_routed + 1], on the device), a dense last job dense_rows rows after them;
+// its launches are sized for the most tiles the rows can take (the blocks past the real tiles
+// leave), and the FP8 form is chosen as if the routed rows were spread evenly.
+int64_t grouped_max_row_tiles(int64_t routed_rows, int n_routed, int64_t dense_rows);
+GroupedTables grouped_tables_device(const std::vector<GroupedJob>& jobs, int64_t max_row_tiles, int64_t D, int64_t I,
+                                    const GroupedTmaOperands* tma, bool fp8);
+GroupedTables grouped_device_tiles(const GroupedTables& made, char* table, const int32_t* offsets, int n_routed,
+                                   int64_t routed_rows, int64_t dense_rows, int64_t D, int64_t I, cudaStream_t st);
 
 // The four launches above on `st`. table: the uploaded GroupedTables bytes; xb [R, D] and h
 // [R, I] bf16 scratch, y [R, D] f32 scratch; out [*, D] accumulates. FP8: xb and h hold e4m3
@@ -89,6 +107,7 @@ struct GroupedRun {
   // [n_tokens, D] and scales [D / 128, n_tokens] (act_quant's layout); grouped_gather then copies
   // rows index[r] of them.
   int64_t n_tokens = 0;
+  bool out_overwrite = false;  // with n_tokens and a dense job: out is written, not added to
   const uint8_t* xq = nullptr;
   const float* xqs = nullptr;
 };

@@ -27,6 +27,7 @@ class OpProfiler {
     double ms = 0, flops = 0;
     int64_t calls = 0;
     int depth = 0;  // 0: a top-level op; > 0: a piece inside one (its time is in its parent's too)
+    double idle_before_ms = 0;  // queued, top-level ops: the GPU idle right before them (the host late)
   };
 
   ~OpProfiler() {
@@ -62,7 +63,9 @@ class OpProfiler {
     for (Done& d : done_) {
       if (d.depth == 0) {
         if (have_last_stop_) {
-          idle_ms_ += std::max(0.0f, elapsed(last_stop_, d.start));
+          const double idle = std::max(0.0f, elapsed(last_stop_, d.start));
+          idle_ms_ += idle;
+          stats_[d.key].idle_before_ms += idle;
           pool_.push_back(last_stop_);
         }
         last_stop_ = d.stop;

@@ -191,6 +191,15 @@ void GlmDsaModel::upload_weights() {
     v(L.attn_norm);
     v(L.ffn_norm);
     AttentionWeights& a = L.attn;
+    // The layer input's products of one dtype side by side: on a GPU at prefill one GEMM instead
+    // of three small ones (block-aligned in this order: q_a's and the keys' rows are multiples of
+    // 128; an FP8 checkpoint keeps the keys in bf16, and they then go alone).
+    {
+      std::vector<Weight*> side;
+      for (Weight* w : {&a.q_a_proj, &a.q_proj, &a.idx_wk, &a.kv_a_proj})
+        if (!w->w.empty() && (side.empty() || w->w.dtype == side[0]->w.dtype)) side.push_back(w);
+      backend_.upload_weights_adjacent(side.data(), int(side.size()));
+    }
     for (Weight* w : {&a.q_a_proj, &a.q_b_proj, &a.q_proj, &a.kv_a_proj, &a.kv_b_proj, &a.o_proj, &a.idx_wq_b,
                       &a.idx_wk, &a.idx_weights_proj, &L.mlp.gate, &L.mlp.up, &L.mlp.down, &L.router,
                       &L.shared.gate, &L.shared.up, &L.shared.down})
@@ -638,9 +647,10 @@ void GlmDsaModel::moe(int layer, const float* xn, int64_t N, float* out) {
   const int64_t K = c.experts_per_token;
   int32_t* ids_dev = scratch_i32(2, size_t(N * K));
   float* wts_dev = scratch(27, size_t(N * K));
-  if (experts_->bank(layer) && backend_.prefers_moe_experts(N)) {
-    // Few tokens, every expert resident: run them by id on the backend, nothing read back (the
-    // shared expert too, when it fits the bank). The shared expert's first products need no
+  if (experts_->bank(layer) && backend_.runs_moe_bank(N, int(K), fused_banks_[size_t(layer)])) {
+    // Every expert resident, and few tokens (or a backend that groups many on its own, a GPU's
+    // prefill): run them by id on the backend, nothing read back (the shared expert too, when it
+    // fits the bank). The shared expert's first products need no
     // routing: a branch beside the router, whose small kernels leave memory bandwidth idle (H200,
     // 8 layers, bf16 decode: +0.8-1.0 points at 4096 cached; fp8 unchanged; session 15).
     const ExpertBank& bank = fused_banks_[size_t(layer)];
