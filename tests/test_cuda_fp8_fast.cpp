@@ -246,12 +246,11 @@ TEST(CudaOps, Fp8FastMatmulOffsets) {
 
 // Shapes the path leaves to the bf16 dequantizing GEMM: out % 8 != 0, in % 16 != 0, and (for now,
 // see fp8_fast_plan) out or in under 128.
-// act_quant at sizes that take its 4-items-a-warp form (session 25): 1001 tokens x 2192 columns
-// (18 blocks, the last of 16 columns; 4 padding rows; groups of 4 items that cross tokens and a
-// partial last group): the plain form against the host's bytes and scales, the gathered form
-// against the host's on the gathered rows, and the SwiGLU form against the plain form of the
+// act_quant's three forms at a prefill size, 1001 tokens x 2192 columns (18 blocks, the last of
+// 16 columns; 4 padding rows): the plain form against the host's bytes and scales, the gathered
+// form against the host's on the gathered rows, and the SwiGLU form against the plain form of the
 // backend's swiglu output (the same f32 arithmetic; the host's expf may differ by an ulp).
-TEST(CudaOps, Fp8ActQuantWideForms) {
+TEST(CudaOps, Fp8ActQuantForms) {
   REQUIRE_CUDA();
   auto gpu = make_cuda_backend();
   const int64_t T = 1001, Tp = 1004, K = 2192, KB = (K + 127) / 128;

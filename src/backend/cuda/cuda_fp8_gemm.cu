@@ -13,12 +13,10 @@ namespace vireo::cuda {
 
 namespace {
 
-// One warp per U consecutive (token, 128-column block) items, 8 warps a thread block. VEC: each
-// lane takes 4 consecutive columns of an item with one 16-byte load (x 16-byte aligned, K % 4 ==
-// 0, so a group of 4 is wholly inside or wholly past K) and writes them as one 4-byte word, the
-// U items' loads issued before any is used (one 512-byte load a warp in flight ran at ~1.6 TB/s,
-// H200, session 25); else lanes stride by 32 with scalar accesses. Columns past K (the last
-// block of a K that is no multiple of 128) count as 0.
+// One warp per (token, 128-column block), 8 per thread block. VEC: each lane takes 4 consecutive
+// columns with one 16-byte load (x 16-byte aligned, K % 4 == 0, so a group of 4 is wholly inside
+// or wholly past K) and writes them as one 4-byte word; else lanes stride by 32 with scalar
+// accesses. Columns past K (the last block of a K that is no multiple of 128) count as 0.
 // s = amax / 448 and q = x / s, both IEEE f32 divisions as in DeepSeek's act_quant (nvcc's default
 // -prec-div=true), then __nv_cvt_float_to_fp8: round to nearest even, saturating to +-448 (x / s
 // can come out a rounding above 448 for the block's largest element). Rows t in [T, Tp) are
@@ -26,79 +24,60 @@ namespace {
 // The value quantized is produced in the same pass, so no f32 copy of it is written first:
 // row t of x, or row index[t] of x (an expert's gathered tokens), or, with `up`, the SwiGLU
 // silu(x) * up of row t with swiglu_kernel's arithmetic (an expert's down-product input).
-template <bool VEC, int U>
+template <bool VEC>
 __global__ void __launch_bounds__(256) act_quant_kernel(const float* __restrict__ x, const int32_t* __restrict__ index,
                                                         const float* __restrict__ up, int64_t T, int64_t Tp,
                                                         int64_t K, int KB, uint8_t* __restrict__ q,
                                                         float* __restrict__ s) {
   pdl_begin();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t item0 = (int64_t(blockIdx.x) * 8 + warp) * U, items = Tp * KB;
-  if (item0 >= items) return;
-  float v[U][4];
+  const int64_t item = int64_t(blockIdx.x) * 8 + warp;
+  if (item >= Tp * KB) return;
+  const int64_t t = item / KB;
+  const int kb = int(item % KB);
+  const int64_t c0 = int64_t(kb) * 128;
+  const int64_t src = t < T && index ? int64_t(index[t]) : t;
+  const float* xr = x + src * K;
+  const float* ur = up ? up + t * K : nullptr;
+  float v[4];
+  if (t >= T) {
+    v[0] = v[1] = v[2] = v[3] = 0.0f;
+  } else if constexpr (VEC) {
+    const int64_t c = c0 + 4 * lane;
+    const float4 f = c < K ? *reinterpret_cast<const float4*>(xr + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    v[0] = f.x;
+    v[1] = f.y;
+    v[2] = f.z;
+    v[3] = f.w;
+    if (ur) {
+      const float4 g = c < K ? *reinterpret_cast<const float4*>(ur + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      v[0] = v[0] / (1.0f + expf(-v[0])) * g.x;
+      v[1] = v[1] / (1.0f + expf(-v[1])) * g.y;
+      v[2] = v[2] / (1.0f + expf(-v[2])) * g.z;
+      v[3] = v[3] / (1.0f + expf(-v[3])) * g.w;
+    }
+  } else {
 #pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int64_t item = item0 + u, t = item / KB;
-    const int64_t c0 = (item % KB) * 128;
-    v[u][0] = v[u][1] = v[u][2] = v[u][3] = 0.0f;
-    if (item >= items || t >= T) continue;
-    const int64_t src = index ? int64_t(index[t]) : t;
-    const float* xr = x + src * K;
-    const float* ur = up ? up + t * K : nullptr;
-    if constexpr (VEC) {
-      const int64_t c = c0 + 4 * lane;
-      if (c < K) {
-        const float4 f = *reinterpret_cast<const float4*>(xr + c);
-        v[u][0] = f.x, v[u][1] = f.y, v[u][2] = f.z, v[u][3] = f.w;
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int64_t c = c0 + lane + 32 * i;
-        v[u][i] = c < K ? xr[c] : 0.0f;
-        if (ur && c < K) v[u][i] = v[u][i] / (1.0f + expf(-v[u][i])) * ur[c];
-      }
+    for (int i = 0; i < 4; ++i) {
+      const int64_t c = c0 + lane + 32 * i;
+      v[i] = c < K ? xr[c] : 0.0f;
+      if (ur && c < K) v[i] = v[i] / (1.0f + expf(-v[i])) * ur[c];
     }
   }
+  float sc;
+  const uint32_t packed = act_quant_lane(v, sc);
+  uint8_t* qr = q + t * K;
   if constexpr (VEC) {
-    if (up) {  // the up rows' loads after x's, all in flight before the first use
-      float4 g[U];
+    const int64_t c = c0 + 4 * lane;
+    if (c < K) *reinterpret_cast<uint32_t*>(qr + c) = packed;
+  } else {
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int64_t item = item0 + u, t = item / KB, c = (item % KB) * 128 + 4 * lane;
-        g[u] = item < items && t < T && c < K ? *reinterpret_cast<const float4*>(up + t * K + c)
-                                              : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      }
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        v[u][0] = v[u][0] / (1.0f + expf(-v[u][0])) * g[u].x;
-        v[u][1] = v[u][1] / (1.0f + expf(-v[u][1])) * g[u].y;
-        v[u][2] = v[u][2] / (1.0f + expf(-v[u][2])) * g[u].z;
-        v[u][3] = v[u][3] / (1.0f + expf(-v[u][3])) * g[u].w;
-      }
+    for (int i = 0; i < 4; ++i) {
+      const int64_t c = c0 + lane + 32 * i;
+      if (c < K) qr[c] = uint8_t(packed >> (8 * i));
     }
   }
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int64_t item = item0 + u, t = item / KB;
-    const int kb = int(item % KB);
-    if (item >= items) break;
-    float sc;
-    const uint32_t packed = act_quant_lane(v[u], sc);
-    uint8_t* qr = q + t * K;
-    const int64_t c0 = int64_t(kb) * 128;
-    if constexpr (VEC) {
-      const int64_t c = c0 + 4 * lane;
-      if (c < K) *reinterpret_cast<uint32_t*>(qr + c) = packed;
-    } else {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int64_t c = c0 + lane + 32 * i;
-        if (c < K) qr[c] = uint8_t(packed >> (8 * i));
-      }
-    }
-    if (lane == 0) s[int64_t(kb) * Tp + t] = sc;
-  }
+  if (lane == 0) s[int64_t(kb) * Tp + t] = sc;
 }
 
 __global__ void widen_bf16_kernel(const __nv_bfloat16* __restrict__ src, int64_t n, float* __restrict__ dst) {
@@ -112,16 +91,11 @@ __global__ void widen_bf16_kernel(const __nv_bfloat16* __restrict__ src, int64_t
 void act_quant(const float* x, int64_t T, int64_t Tp, int64_t K, uint8_t* q, float* s, cudaStream_t st,
                const int32_t* index, const float* up) {
   const int KB = int((K + 127) / 128);
+  const unsigned blocks = unsigned((Tp * KB + 7) / 8);
   const bool vec = K % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(up) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(q) % 4 == 0;
-  // 4 items a warp where that still leaves a few blocks an SM (VIREO_ACT_QUANT_WIDE=0: 1, A/B runs).
-  static const bool wide_allowed = env_switch("VIREO_ACT_QUANT_WIDE");
-  const bool wide = vec && wide_allowed && Tp * KB >= int64_t(32) * 4 * multiprocessors();
-  const int u = wide ? 4 : 1;
-  const unsigned blocks = unsigned((Tp * KB + 8 * u - 1) / (8 * u));
-  if (wide) launch(act_quant_kernel<true, 4>, blocks, 256, 0, st, x, index, up, T, Tp, K, KB, q, s);
-  else if (vec) launch(act_quant_kernel<true, 1>, blocks, 256, 0, st, x, index, up, T, Tp, K, KB, q, s);
-  else launch(act_quant_kernel<false, 1>, blocks, 256, 0, st, x, index, up, T, Tp, K, KB, q, s);
+  if (vec) launch(act_quant_kernel<true>, blocks, 256, 0, st, x, index, up, T, Tp, K, KB, q, s);
+  else launch(act_quant_kernel<false>, blocks, 256, 0, st, x, index, up, T, Tp, K, KB, q, s);
 }
 
 void widen_bf16(const void* src, int64_t n, float* dst, cudaStream_t st) {

@@ -285,14 +285,8 @@ template <int DT>
 void launch_skinny(const float* x, int64_t T, const DevW& w, float* y, cudaStream_t st) {
   if (w.out <= 16) {
     // (8 tokens a block, halving the weight rows' reads from L2, measured slower at 4096 tokens:
-    // 98 against 81 us, at 255 registers and one block a multiprocessor; session 12.) Fewer
-    // tokens a block where 4 would leave SMs without a second block (512 tokens: 128 blocks for
-    // 132 SMs, 18 us for 12.6 MB of x; session 25). A token's sums do not depend on its block's
-    // other tokens: the same bits at every TPB.
-    const int64_t sms = multiprocessors();
-    if (T >= 4 * 2 * sms) launch(skinny_kernel<DT, 16, 4>, unsigned((T + 3) / 4), 256, 0, st, x, T, w.in, int(w.out), w.w, y);
-    else if (T >= 2 * sms) launch(skinny_kernel<DT, 16, 2>, unsigned((T + 1) / 2), 256, 0, st, x, T, w.in, int(w.out), w.w, y);
-    else launch(skinny_kernel<DT, 16, 1>, unsigned(T), 256, 0, st, x, T, w.in, int(w.out), w.w, y);
+    // 98 against 81 us, at 255 registers and one block a multiprocessor; session 12.)
+    launch(skinny_kernel<DT, 16, 4>, unsigned((T + 3) / 4), 256, 0, st, x, T, w.in, int(w.out), w.w, y);
   } else {
     launch(skinny_kernel<DT, 32, 2>, unsigned((T + 1) / 2), 256, 0, st, x, T, w.in, int(w.out), w.w, y);
   }
