@@ -676,12 +676,15 @@ class CudaBackend final : public Backend {
 
   // Weights side by side in memory (upload_weights_adjacent), in any order in ws: each run of
   // two or more as one product into joined_, whose columns one launch then copies out to their
-  // ys; the other weights as matmul_many does. False where no run of two is found. (Measured,
-  // H200, fp8, 512 tokens: q_a, indexer keys and kv_a as one 2752-row product 30.2 us, as three
-  // 71.7; cuBLASLt alone.)
+  // ys; the other weights as matmul_many does. False where no run of two is found, or for more
+  // than kJoinedMaxRows rows. Why the limit (H200, fp8, GLM-5's q_a, indexer keys and kv_a, a
+  // layer, queued profile, session 25): at 512 tokens the three products leave most SMs idle and
+  // take ~75 us where the joined one and its copy-out take ~48; at 4096 the three fill the chip
+  // (~150 us) and the joined product and its copy-out of 45 MB took ~220.
+  static constexpr int64_t kJoinedMaxRows = 1024;
   bool matmul_joined(const float* x, int64_t T, const Weight* const* ws, float* const* ys, int n) {
     static const bool on = env_switch("VIREO_JOINED_PRODUCTS");  // 0: one product each (A/B runs)
-    if (!on || n < 2 || n > kMaxMany) return false;
+    if (!on || T > kJoinedMaxRows || n < 2 || n > kMaxMany) return false;
     DevW dw[kMaxMany];
     for (int i = 0; i < n; ++i) dw[i] = devw(*ws[i]);
     // next[i]: the weight uploaded right after weight i in one allocation (upload_weights_adjacent
