@@ -800,56 +800,57 @@ TEST(CudaOps, MatmulManyJoinsAdjacentWeights) {
   const DType b16 = DType::BF16, f8 = DType::F8_E4M3;
   // 1100 tokens: past kJoinedMaxRows, one product each (the products alone fill the GPU there).
   for (const int64_t T : {int64_t(100), int64_t(1100)})
-  for (const Case& c : {Case{{2048, 128, 576}, {b16, b16, b16}, CudaGemmMode::Split, "matmul bf16 2752x512"},
-                        Case{{2048, 128, 576}, {f8, b16, f8}, CudaGemmMode::Fp8, "matmul fp8 2624x512"},
-                        Case{{2048, 128, 576}, {f8, f8, f8}, CudaGemmMode::Fp8, "matmul fp8 2752x512"},
-                        Case{{130, 256}, {f8, f8}, CudaGemmMode::Fp8, nullptr}}) {
-    std::vector<HostWeight> hw;
-    for (size_t i = 0; i < c.outs.size(); ++i) hw.push_back(make_weight(c.dts[i], c.outs[i], in, uint32_t(70 + i)));
-    std::vector<Weight> gw;
-    for (const HostWeight& h : hw) gw.push_back(h.w);
-    // As the model uploads: those of the first one's dtype together, the others alone.
-    std::vector<Weight*> side;
-    for (Weight& w : gw)
-      if (w.w.dtype == c.dts[0]) side.push_back(&w);
-    p.gpu->upload_weights_adjacent(side.data(), int(side.size()));
-    for (Weight& w : gw) w = p.gpu->upload_weight(w);
-    const auto x = randv(size_t(T * in), 71);
-    float* gx = p.g.up(x);
-    // The model's order (q_a, kv_a, keys): not the upload order.
-    std::vector<size_t> order(c.outs.size());
-    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-    if (order.size() == 3) std::swap(order[1], order[2]);
-    std::vector<const Weight*> ws;
-    std::vector<float*> ys, sep;
-    for (size_t i : order) {
-      ws.push_back(&gw[i]);
-      ys.push_back(p.g.up(std::vector<float>(size_t(T * c.outs[i]), NAN)));
-      sep.push_back(p.g.up(std::vector<float>(size_t(T * c.outs[i]), NAN)));
+    for (const Case& c : {Case{{2048, 128, 576}, {b16, b16, b16}, CudaGemmMode::Split, "matmul bf16 2752x512"},
+                          Case{{2048, 128, 576}, {f8, b16, f8}, CudaGemmMode::Fp8, "matmul fp8 2624x512"},
+                          Case{{2048, 128, 576}, {f8, f8, f8}, CudaGemmMode::Fp8, "matmul fp8 2752x512"},
+                          Case{{130, 256}, {f8, f8}, CudaGemmMode::Fp8, nullptr}}) {
+      std::vector<HostWeight> hw;
+      for (size_t i = 0; i < c.outs.size(); ++i) hw.push_back(make_weight(c.dts[i], c.outs[i], in, uint32_t(70 + i)));
+      std::vector<Weight> gw;
+      for (const HostWeight& h : hw) gw.push_back(h.w);
+      // As the model uploads: those of the first one's dtype together, the others alone.
+      std::vector<Weight*> side;
+      for (Weight& w : gw)
+        if (w.w.dtype == c.dts[0]) side.push_back(&w);
+      p.gpu->upload_weights_adjacent(side.data(), int(side.size()));
+      for (Weight& w : gw) w = p.gpu->upload_weight(w);
+      const auto x = randv(size_t(T * in), 71);
+      float* gx = p.g.up(x);
+      // The model's order (q_a, kv_a, keys): not the upload order.
+      std::vector<size_t> order(c.outs.size());
+      for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+      if (order.size() == 3) std::swap(order[1], order[2]);
+      std::vector<const Weight*> ws;
+      std::vector<float*> ys, sep;
+      for (size_t i : order) {
+        ws.push_back(&gw[i]);
+        ys.push_back(p.g.up(std::vector<float>(size_t(T * c.outs[i]), NAN)));
+        sep.push_back(p.g.up(std::vector<float>(size_t(T * c.outs[i]), NAN)));
+      }
+      cuda_set_gemm_mode(*p.gpu, c.mode);
+      cuda_set_profile(*p.gpu, true);
+      p.gpu->matmul_many(gx, T, ws.data(), ys.data(), int(ws.size()));
+      const std::string report = cuda_profile_report(*p.gpu, 1.0);
+      cuda_set_profile(*p.gpu, false);
+      for (size_t k = 0; k < ws.size(); ++k) p.gpu->matmul(gx, T, *ws[k], sep[k]);
+      cuda_set_gemm_mode(*p.gpu, CudaGemmMode::Split);
+      if (c.joined && T <= 1024) {
+        EXPECT_NE(report.find(c.joined), std::string::npos) << report;
+      } else {
+        EXPECT_EQ(report.find("joined columns out"), std::string::npos) << report;
+      }
+      for (size_t k = 0; k < ws.size(); ++k) {
+        const size_t i = order[k];
+        std::vector<float> want(size_t(T * c.outs[i]));
+        cpu_matmul(x.data(), T, hw[i].w, want.data(), ThreadPool::global());
+        const std::vector<float> got = p.g.down(ys[k], want.size()), alone = p.g.down(sep[k], want.size());
+        // Against the product run alone (the same operands; cuBLASLt may sum a taller matrix in
+        // another order) and against the CPU at the mode's bound.
+        EXPECT_LT(nmse(got, alone), 1e-12) << "weight " << i << " rows " << c.outs[i];
+        EXPECT_LT(nmse(got, want), c.mode == CudaGemmMode::Fp8 ? 2e-3 : 1e-9)
+            << "weight " << i << " rows " << c.outs[i];
+      }
     }
-    cuda_set_gemm_mode(*p.gpu, c.mode);
-    cuda_set_profile(*p.gpu, true);
-    p.gpu->matmul_many(gx, T, ws.data(), ys.data(), int(ws.size()));
-    const std::string report = cuda_profile_report(*p.gpu, 1.0);
-    cuda_set_profile(*p.gpu, false);
-    for (size_t k = 0; k < ws.size(); ++k) p.gpu->matmul(gx, T, *ws[k], sep[k]);
-    cuda_set_gemm_mode(*p.gpu, CudaGemmMode::Split);
-    if (c.joined && T <= 1024) {
-      EXPECT_NE(report.find(c.joined), std::string::npos) << report;
-    } else {
-      EXPECT_EQ(report.find("joined columns out"), std::string::npos) << report;
-    }
-    for (size_t k = 0; k < ws.size(); ++k) {
-      const size_t i = order[k];
-      std::vector<float> want(size_t(T * c.outs[i]));
-      cpu_matmul(x.data(), T, hw[i].w, want.data(), ThreadPool::global());
-      const std::vector<float> got = p.g.down(ys[k], want.size()), alone = p.g.down(sep[k], want.size());
-      // Against the product run alone (the same operands; cuBLASLt may sum a taller matrix in
-      // another order) and against the CPU at the mode's bound.
-      EXPECT_LT(nmse(got, alone), 1e-12) << "weight " << i << " rows " << c.outs[i];
-      EXPECT_LT(nmse(got, want), c.mode == CudaGemmMode::Fp8 ? 2e-3 : 1e-9) << "weight " << i << " rows " << c.outs[i];
-    }
-  }
 #endif
 }
 

@@ -547,7 +547,8 @@ TEST(CudaDeviceStore, FastPrefillBankRunMatchesForwardGrouping) {
   auto r = test::run_vireo("synth --out " + fp8_dir.str() + " --arch tiny --layers 2 --experts 64 --dtype fp8 --quiet");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   auto be = make_cuda_backend();
-  for (const auto& [dir, mode] : {std::pair{tiny().dir.str(), CudaGemmMode::Bf16}, std::pair{fp8_dir.str(), CudaGemmMode::Fp8}}) {
+  for (const auto& [dir, mode] :
+       {std::pair{tiny().dir.str(), CudaGemmMode::Bf16}, std::pair{fp8_dir.str(), CudaGemmMode::Fp8}}) {
     SCOPED_TRACE(dir);
     cuda_set_gemm_mode(*be, mode);
     auto m = GlmDsaModel::load(dir, *be);

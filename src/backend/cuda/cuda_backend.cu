@@ -720,10 +720,10 @@ class CudaBackend final : public Backend {
         rows += dw[k].out;
       }
       Weight joined = *ws[i];
-      joined.w = Tensor(const_cast<void*>(dw[i].w), ws[i]->w.dtype, {rows, dw[i].in},
-                        Device::CUDA);
+      joined.w = Tensor(const_cast<void*>(dw[i].w), ws[i]->w.dtype, {rows, dw[i].in}, Device::CUDA);
       if (dw[i].dt == W_FP8)
-        joined.scale_inv = Tensor(const_cast<float*>(dw[i].s), DType::F32, {(rows + 127) / 128, dw[i].s_cols}, Device::CUDA);
+        joined.scale_inv =
+            Tensor(const_cast<float*>(dw[i].s), DType::F32, {(rows + 127) / 128, dw[i].s_cols}, Device::CUDA);
       // (Tp rows: the FP8 product may write T rounded up to 4.)
       float* y = joined_.get<float>(size_t((T + 3) / 4 * 4 * rows));
       matmul(x, T, joined, y);
@@ -1257,8 +1257,8 @@ class CudaBackend final : public Backend {
     const int want = fp8 ? W_FP8 : W_BF16;
     for (int64_t e = 0; e < E; ++e) {
       const DevW wg = devw(bank.gate[size_t(e)]), wu = devw(bank.up[size_t(e)]), wd = devw(bank.down[size_t(e)]);
-      if (wg.dt != want || wu.dt != want || wd.dt != want || wg.in != D || wg.out != I || wu.in != D ||
-          wu.out != I || wd.in != I || wd.out != D)
+      if (wg.dt != want || wu.dt != want || wd.dt != want || wg.in != D || wg.out != I || wu.in != D || wu.out != I ||
+          wd.in != I || wd.out != D)
         return nullptr;
       jobs.push_back({wg.w, wu.w, wd.w, 0, 0, fp8 ? wg.s : nullptr, fp8 ? wu.s : nullptr, fp8 ? wd.s : nullptr});
     }
@@ -1345,7 +1345,8 @@ class CudaBackend final : public Backend {
       ProfScope ps(
           prof_, stream_,
           [fp8] {
-            return std::string(fp8 ? "grouped experts: gate | up + swiglu (fp8)" : "grouped experts: gate | up + swiglu");
+            return std::string(fp8 ? "grouped experts: gate | up + swiglu (fp8)"
+                                   : "grouped experts: gate | up + swiglu");
           },
           2.0 * flops);
       grouped_gate_up(r, stream_);
@@ -2007,7 +2008,7 @@ class CudaBackend final : public Backend {
   std::vector<std::shared_ptr<char>> owned_;
   uint64_t weight_bytes_ = 0;  // bytes of weights uploaded (owned_)
   std::unordered_map<const void*, Weight> uploaded_;
-  Scratch joined_;  // matmul_joined's product, [T, the run's rows]
+  Scratch joined_;                                              // matmul_joined's product, [T, the run's rows]
   std::unordered_map<const void*, const void*> adjacent_next_;  // upload_weights_adjacent: a weight -> the next
   Scratch argmax_parts_, flag_, scores_, dscores_, route_, xbf16_, wbf16_, qlat_, part_, latent_, kvx_, mask_, moe_h_, kvbf16_;
   // The fast FP8 path: e4m3 x + its scales; D when it is bf16 or has padding rows; the weight
@@ -2168,8 +2169,8 @@ std::string cuda_profile_report(Backend& b, double wall_ms) {
   // Queued: an "idle before" column, the GPU's idle time right before each top-level op (where the
   // host held it up: a read-back, a host-side plan, launches).
   const bool queued = prof.queued();
-  std::snprintf(line, sizeof line, "  %-58s %7s %10s %6s %10s %8s%s\n", "op (a / b: piece b inside op a)", "calls", "ms",
-                "%", "us/call", "TFLOP/s", queued ? "  idle before ms" : "");
+  std::snprintf(line, sizeof line, "  %-58s %7s %10s %6s %10s %8s%s\n", "op (a / b: piece b inside op a)", "calls",
+                "ms", "%", "us/call", "TFLOP/s", queued ? "  idle before ms" : "");
   s += line;
   for (const auto& [key, st] : rows) {
     char tf[32] = "", idle[32] = "";

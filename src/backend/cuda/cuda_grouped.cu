@@ -464,7 +464,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   float* sscale = reinterpret_cast<float*>(gg_smem + (sbase - raw) + size_t(kF8Stages) * kTcStageBytes);
   const int tid = int(threadIdx.x), wgi = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const int4 t = tiles[blockIdx.x];
-  if (t.x < 0) return;  // past a device-made run's tiles (grouped_device_tiles)
+  if (t.x < 0) return;                      // past a device-made run's tiles (grouped_device_tiles)
   const int n = min(t.z - t.y, kTcTokens);  // the tile's tokens
   const int KT = K / kF8TK;
   if (tid == 0) {
@@ -583,8 +583,9 @@ __global__ void grouped_gather_q8_kernel(const uint4* __restrict__ xq, const flo
 // a column's row tiles adjacent), and the entries past the last tile up to the grids' sizes get
 // job -1 (their blocks leave). Shared: rows, row0 [n_jobs], the tiles' prefix [n_jobs + 1].
 __global__ void grouped_tiles_kernel(const int32_t* __restrict__ offsets, int n_routed, int dense_rows, int n_jobs,
-                                     int tm, int gu_cols, int gu_step, int dn_cols, int dn_step, int2* __restrict__ spans,
-                                     int4* __restrict__ gu, int gu_grid, int4* __restrict__ dn, int dn_grid) {
+                                     int tm, int gu_cols, int gu_step, int dn_cols, int dn_step,
+                                     int2* __restrict__ spans, int4* __restrict__ gu, int gu_grid,
+                                     int4* __restrict__ dn, int dn_grid) {
   pdl_begin();
   extern __shared__ int32_t tl[];
   int32_t* rows = tl;
@@ -1017,8 +1018,7 @@ void grouped_combine(const GroupedRun& r, cudaStream_t st) {
   const bool by_token = r.n_tokens > 0;
   launch(grouped_combine_kernel, unsigned(by_token ? r.n_tokens : r.R), 256, size_t(2 * n) * sizeof(int32_t), st,
          r.index, table_at<int2>(r, r.tables->spans_at), n, by_token, by_token && r.out_overwrite,
-         reinterpret_cast<const float4*>(r.y), r.D / 4,
-         reinterpret_cast<float4*>(r.out));
+         reinterpret_cast<const float4*>(r.y), r.D / 4, reinterpret_cast<float4*>(r.out));
   VIREO_CUDA_LAUNCHED();
 }
 
