@@ -1144,16 +1144,9 @@ class CudaBackend final : public Backend {
       j0 = j1;
       if (rows == 0) continue;
       // (Buffers first: growing one syncs the device, never between the chunk's launches.)
-      GroupedRun r;
-      r.fp8_form = grouped_fp8_form_;
-      r.xb = grouped_xb_.get<__nv_bfloat16>(size_t(rows * D));
-      r.h = grouped_h_.get<__nv_bfloat16>(size_t(rows * I));
-      r.y = grouped_y_.get<float>(size_t(rows * D));
-      if (fp8) {  // e4m3 rows and their scales in the bf16 rows' buffers (half their bytes and a 32nd)
-        r.xs = reinterpret_cast<float*>(static_cast<char*>(r.xb) + size_t(rows * D + 15) / 16 * 16);
-        r.hs = reinterpret_cast<float*>(static_cast<char*>(r.h) + size_t(rows * I + 15) / 16 * 16);
-        r.h32 = r.y;
-      }
+      GroupedRun r =
+          grouped_run(grouped_xb_.get<char>(size_t(rows * D) * 2), grouped_h_.get<char>(size_t(rows * I) * 2),
+                      grouped_y_.get<float>(size_t(rows * D)), rows, D, I, fp8);
       const GroupedTmaOperands tma{r.xb, r.h, rows};
       const GroupedTables tb = grouped_tables(part, D, I, grouped_tma_ ? &tma : nullptr, fp8);
       if (fp8 && tb.n_maps == 0)
@@ -1299,16 +1292,8 @@ class CudaBackend final : public Backend {
     if (fp8 && dense > 0) quantize_x_once(x, N, D, xq, xqs);
     if (dense > 0) grouped_dense_rows(token_of, weight_of, routed, R, index, scale, stream_);
     if (dense == 0) fill(out, 0.0f, N * D);  // (with the shared expert every token has a row: written once)
-    GroupedRun r;
-    r.fp8_form = grouped_fp8_form_;
-    r.xb = bank_xb_.buf.get();
-    r.h = bank_h_.buf.get();
-    r.y = static_cast<float*>(static_cast<void*>(bank_y_.buf.get()));
-    if (fp8) {  // as grouped_experts_add's chunks, after the buffers' rows_cap rows
-      r.xs = reinterpret_cast<float*>(bank_xb_.buf.get() + size_t(bank_rows_cap_ * D + 15) / 16 * 16);
-      r.hs = reinterpret_cast<float*>(bank_h_.buf.get() + size_t(bank_rows_cap_ * I + 15) / 16 * 16);
-      r.h32 = r.y;
-    }
+    GroupedRun r = grouped_run(bank_xb_.buf.get(), bank_h_.buf.get(), reinterpret_cast<float*>(bank_y_.buf.get()),
+                               bank_rows_cap_, D, I, fp8);
     r.x = x;
     r.xq = xq;
     r.xqs = xqs;
@@ -1325,6 +1310,21 @@ class CudaBackend final : public Backend {
     run_grouped(r, fp8);
   }
 
+  // A run's buffers: xb [rows, D] and h [rows, I] of bf16 (FP8: their e4m3 rows, then the rows'
+  // scales, in the same bytes: half of them and a 32nd), y [rows, D] f32 (FP8: also h32).
+  GroupedRun grouped_run(char* xb, char* h, float* y, int64_t rows, int64_t D, int64_t I, bool fp8) const {
+    GroupedRun r;
+    r.fp8_form = grouped_fp8_form_;
+    r.xb = xb;
+    r.h = h;
+    r.y = y;
+    if (fp8) {
+      r.xs = reinterpret_cast<float*>(xb + size_t(rows * D + 15) / 16 * 16);
+      r.hs = reinterpret_cast<float*>(h + size_t(rows * I + 15) / 16 * 16);
+      r.h32 = y;
+    }
+    return r;
+  }
   // A grouped run's launches: the gather, both products (and, FP8, h's quantization between
   // them), the additions into r.out in job order.
   void run_grouped(const GroupedRun& r, bool fp8) {
