@@ -864,7 +864,8 @@ class CudaBackend final : public Backend {
                    const ExpertBank& bank, float* out) override {
     if (N <= 0) return;
     VIREO_PROF("moe_experts");
-    if (N > kGemvRows) {
+    const bool aligned = reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
+    if (N > kGemvRows && aligned) {  // (the run's gather and additions read x and out 16 bytes at a time)
       if (BankRun* b = bank_run(N, top_k, bank)) return grouped_bank_add(x, N, ids, weights, top_k, bank, *b, out);
     }
     const SharedGateUp mine{x, N, top_k, &bank};
