@@ -538,8 +538,10 @@ TEST(CudaDeviceStore, FastPrefillGroupedExpertsMatchLanes) {
 // A resident bank's experts at prefill as one grouped run whose tables are made on the device
 // from moe_group's counts (nothing read back) against the forward's grouping (the row counts read
 // back, the tables made on the host): the same jobs in the same order, so the same bits. BF16
-// and FP8 checkpoints in their fast modes; 200 tokens (~25 rows an expert of 64) and 600 (~75,
-// some experts past one 128-row tile).
+// and FP8 checkpoints in their fast modes; 600 tokens first (~75 rows an expert of 64, some past
+// one 128-row tile; the run buffers made for rows that are no multiple of their 1024-row steps),
+// then 200 (~25: the buffers hold stale rows past the run), then 1500 (the buffers grown, the
+// bank's tables made again for them).
 TEST(CudaDeviceStore, FastPrefillBankRunMatchesForwardGrouping) {
   REQUIRE_CUDA();
 #ifdef VIREO_HAVE_CUDA
@@ -552,7 +554,7 @@ TEST(CudaDeviceStore, FastPrefillBankRunMatchesForwardGrouping) {
     SCOPED_TRACE(dir);
     cuda_set_gemm_mode(*be, mode);
     auto m = GlmDsaModel::load(dir, *be);
-    for (size_t n : {size_t(200), size_t(600)}) {
+    for (size_t n : {size_t(600), size_t(200), size_t(1500)}) {
       std::vector<int32_t> ids(n);
       for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t(i * 7 % 1000);
       auto run = [&](bool bank) {

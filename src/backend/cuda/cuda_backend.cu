@@ -1234,9 +1234,11 @@ class CudaBackend final : public Backend {
       return nullptr;
     const int64_t D = g0.in(), I = g0.out(), dense = bank.n_shared > 0 ? N : 0, R = N * top_k + dense;
     if (R > grouped_rows_ || R > grouped_max_mean(fp8) * E) return nullptr;
-    // Buffers of at least R rows (grown in steps, zeroed when made: rows past a run are loaded).
+    // Buffers of at least R rows (grown in steps of whole 1024 rows, at most a chunk's rounded up;
+    // zeroed when made: rows past a run are loaded).
     if (R > bank_rows_cap_ || bank_rows_d_ != D || bank_rows_i_ != I) {
-      bank_rows_cap_ = std::max(R, bank_rows_cap_ * 2 + 1024) / 1024 * 1024;
+      const int64_t want = std::max(R, std::min(bank_rows_cap_ * 2 + 1024, grouped_rows_));
+      bank_rows_cap_ = (want + 1023) / 1024 * 1024;
       bank_rows_d_ = D, bank_rows_i_ = I;
       ++bank_buffers_;
       for (Scratch* b : {&bank_xb_, &bank_h_, &bank_y_}) *b = Scratch{};
@@ -1275,6 +1277,7 @@ class CudaBackend final : public Backend {
     const int n_routed = int(bank.gate.size()) - bank.n_shared;
     const int64_t D = bank_rows_d_, I = bank_rows_i_, routed = N * top_k, dense = bank.n_shared > 0 ? N : 0;
     const int64_t R = routed + dense;
+    VIREO_ASSERT(R <= bank_rows_cap_);  // (bank_run made the buffers)
     // (Buffers first: growing one syncs the device, never between the run's launches.)
     int32_t* offsets = bank_offsets_.get<int32_t>(size_t(n_routed + 1));
     int32_t* token_of = bank_index_.get<int32_t>(size_t(R));
