@@ -442,6 +442,7 @@ class CudaBackend final : public Backend {
   void set_grouped_tma(bool on) { grouped_tma_ = on; }
   void set_grouped_fp8_form(GroupedFp8Form f) { grouped_fp8_form_ = f; }
   void set_bank_grouped(bool on) { bank_grouped_ = on; }
+  void set_moe_slot_counts(bool on) { moe_slot_counts_ = on; }
 
   void set_fast_decode(bool attention, bool scores, bool topk) {
     fast_attention_ = attention;
@@ -878,7 +879,18 @@ class CudaBackend final : public Backend {
     const DeviceBank& b = device_bank(bank);
     float* h = moe_h_.get<float>(size_t(N * (top_k + bank.n_shared) * (b.I + b.D)));
     cuda::moe_experts(x, N, b.D, b.I, top_k, bank.n_shared, int(bank.gate.size()) - bank.n_shared, ids, weights,
-                      b.table.get(), b.dtype, b.vec, gemv_x_shared_, part, h, out, stream_);
+                      b.table.get(), b.dtype, b.vec, gemv_x_shared_, part, h, out,
+                      moe_slot_counts(N * (top_k + bank.n_shared)), stream_);
+  }
+  // The zeroed counts moe_experts' down products wait on per slot (cuda_decode.h), or null: off
+  // (VIREO_MOE_SLOT_COUNTS=0, a test, or VIREO_SKIP_KERNELS, where a dropped gate | up would
+  // leave them waiting), or more slots than the buffer holds.
+  int* moe_slot_counts(int64_t slots) {
+    static const bool on = env_switch("VIREO_MOE_SLOT_COUNTS") && !skipping_kernels();
+    constexpr int64_t kCap = 1024;
+    if (!on || !moe_slot_counts_ || slots > kCap) return nullptr;
+    if (!moe_counts_) moe_counts_ = device_alloc<int>(kCap);  // zeroed
+    return moe_counts_.get();
   }
   bool prefers_moe_experts(int64_t N) const override { return N <= kGemvRows; }
   bool runs_moe_bank(int64_t N, int top_k, const ExpertBank& bank) override {
@@ -2007,6 +2019,8 @@ class CudaBackend final : public Backend {
   uint64_t bank_buffers_ = 0;  // counts the run buffers' reallocations
   std::map<const ExpertBank*, BankRun> bank_runs_;
   bool bank_grouped_ = true;  // tests turn it off (cuda_set_bank_grouped)
+  bool moe_slot_counts_ = true;  // tests turn it off (cuda_set_moe_slot_counts)
+  std::shared_ptr<int> moe_counts_;
   int64_t fp8_chunk_bytes_ = int64_t(CudaBufferSizes::kFp8ChunkBytes);
   OpProfiler prof_;
   std::vector<std::shared_ptr<char>> owned_;
@@ -2140,6 +2154,7 @@ void cuda_set_grouped_fp8_form(Backend& b, int form) {
   as_cuda(b).set_grouped_fp8_form(GroupedFp8Form(form));
 }
 void cuda_set_bank_grouped(Backend& b, bool on) { as_cuda(b).set_bank_grouped(on); }
+void cuda_set_moe_slot_counts(Backend& b, bool on) { as_cuda(b).set_moe_slot_counts(on); }
 void cuda_set_fast_decode(Backend& b, bool attention, bool indexer_scores, bool indexer_topk) {
   as_cuda(b).set_fast_decode(attention, indexer_scores, indexer_topk);
 }

@@ -107,6 +107,10 @@ void cuda_set_grouped_fp8_form(Backend& cuda, int form);
 // (moe_experts, runs_moe_bank: on, the default; VIREO_BANK_GROUPED=0 turns it off) or the
 // forward's grouping with the row counts read back (off). The same jobs and sums either way.
 void cuda_set_bank_grouped(Backend& cuda, bool on);
+// Decode's routed experts: each slot's down products begin once that slot's gate | up blocks have
+// counted (on, the default; VIREO_MOE_SLOT_COUNTS=0 turns it off) or once the whole gate | up
+// launch is done (off). The same kernels and sums either way.
+void cuda_set_moe_slot_counts(Backend& cuda, bool on);
 // Programmatic dependent launches for every CUDA kernel of the process (on, the default;
 // VIREO_PDL=0 turns them off for A/B runs): a kernel's blocks are dispatched while the kernel
 // before it runs and wait for it on the device. The same kernels and sums either way.

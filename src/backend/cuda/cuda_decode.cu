@@ -136,22 +136,33 @@ __device__ __forceinline__ float2 lane_dot2(const DevW& a, const DevW& b, int64_
 // h[s, row] = silu(gate_e[row] . x[t]) * (up_e[row] . x[t]) for slot s = (t, k), k in the launch's
 // slot range [k0, k0 + nk) of K + S (blockIdx.y = t nk + k - k0).
 // A warp per row; XS: x[t] staged in shared memory by the block (D floats of dynamic shared memory).
+// ready (may be null): each block adds 1 to ready[s] once its rows of h are written and visible
+// (moe_down_slots2_kernel waits for a slot's count instead of for this whole grid).
 template <int DT, bool VEC, bool XS = false, int WARPS = 8>
 __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
     moe_gate_up_kernel(const float* __restrict__ x, int64_t D, int64_t I, int K, int S, int n_routed, int k0, int nk,
-                       const int32_t* __restrict__ ids, const DevExpert* __restrict__ bank, float* __restrict__ h) {
+                       const int32_t* __restrict__ ids, const DevExpert* __restrict__ bank, float* __restrict__ h,
+                       int* __restrict__ ready) {
   pdl_begin();
   extern __shared__ float4 xs[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t row = int64_t(blockIdx.x) * WARPS + warp, t = blockIdx.y / nk, s = t * (K + S) + k0 + blockIdx.y % nk;
   if constexpr (XS) stage_x(x + t * D, D, xs);
-  if (row >= I) return;
-  const DevExpert& e = bank[slot_expert(ids, t, int(s % (K + S)), K, n_routed)];
-  float2 gu;
-  if constexpr (XS) gu = lane_dot2<DT, true>(e.gate, e.up, row, XShared{xs, 0}, lane);
-  else gu = lane_dot2<DT, VEC>(e.gate, e.up, row, XGlobal{x + t * D}, lane);
-  const float g = warp_sum(gu.x), u = warp_sum(gu.y);
-  if (lane == 0) h[s * I + row] = g / (1.0f + expf(-g)) * u;
+  if (row < I) {
+    const DevExpert& e = bank[slot_expert(ids, t, int(s % (K + S)), K, n_routed)];
+    float2 gu;
+    if constexpr (XS) gu = lane_dot2<DT, true>(e.gate, e.up, row, XShared{xs, 0}, lane);
+    else gu = lane_dot2<DT, VEC>(e.gate, e.up, row, XGlobal{x + t * D}, lane);
+    const float g = warp_sum(gu.x), u = warp_sum(gu.y);
+    if (lane == 0) h[s * I + row] = g / (1.0f + expf(-g)) * u;
+  }
+  if (ready) {  // the same for every thread of the block
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence();  // (cumulative: covers the block's stores the barrier ordered before it)
+      atomicAdd(ready + s, 1);
+    }
+  }
 }
 
 // out[t, row] = (0 + w0 * down_e0[row] . h[t, 0]) + w1 * ... in order of k, shared ones last.
@@ -216,17 +227,35 @@ __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
 // dependent round trip to DRAM for 4 KB (FP8), and took 50 us for GLM-5's 9 slots (113 MB, 2.3
 // TB/s; ncu, H200) where one slot alone as a dense product took 3.8. The same lane sums and warp
 // reductions as moe_down2_kernel, so moe_down_combine_kernel's sum has the same bits.
+//
+// ready (may be null: then the kernel waits for its predecessor, the gate | up, as every kernel
+// does): the gate | up blocks' counts per slot, need of them for each slot k < k_wait (the
+// slots that launch wrote; slots past it were written before it began). Waiting per slot lets
+// the blocks of the slots done first run while the gate | up's last blocks still stream (they
+// are dispatched slot by slot, so by its last wave most slots are done). The gate | up's blocks
+// have all begun by the time these are dispatched (PDL), so waiting on them cannot deadlock.
 template <int DT, int WARPS>
 __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<true, WARPS>)
     moe_down_slots2_kernel(const float* __restrict__ h, int64_t D, int64_t I, int K, int S, int n_routed,
-                           const int32_t* __restrict__ ids, const DevExpert* __restrict__ bank, float* __restrict__ y) {
-  pdl_begin();
+                           const int32_t* __restrict__ ids, const DevExpert* __restrict__ bank, float* __restrict__ y,
+                           const int* __restrict__ ready, int need, int k_wait) {
+  pdl_begin(ready == nullptr);
   extern __shared__ float4 xs[];
   __shared__ DevW down;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t t = blockIdx.z, s = t * (K + S) + blockIdx.y, row = (int64_t(blockIdx.x) * WARPS + warp) * 2;
-  if (threadIdx.x == 0) down = bank[slot_expert(ids, t, int(blockIdx.y), K, n_routed)].down;
-  stage_x(h + s * I, I, xs);  // its barrier also publishes down
+  if (threadIdx.x == 0) {
+    if (ready && int(blockIdx.y) < k_wait) wait_count(ready + s, need);
+    // Through L2, as h below: without griddepcontrol.wait nothing invalidates what this SM's L1
+    // kept of the last layer's ids (the same buffer), and a streaming store rewrites the table.
+    const int k = int(blockIdx.y);
+    const int e = k < K ? __ldcg(ids + t * K + k) : n_routed + (k - K);
+    down = load_cg(&bank[e].down);
+  }
+  // No thread reads h before the wait is over (stage_x's own barrier comes after its loads: the
+  // first form, without this one, read unwritten rows in the tiny test models' decode).
+  if (ready) __syncthreads();
+  stage_x<true>(h + s * I, I, xs);  // its barrier also publishes down
   if (row >= D) return;
   DevW next = down;
   next.w = static_cast<const char*>(down.w) + size_t(down.in) * elem_bytes<DT>();
@@ -240,9 +269,14 @@ __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<true, WARPS>)
 
 // out[t, row] = (0 + w0 y[t, 0, row]) + w1 y[t, 1, row] + ... in order of k, shared slots last
 // with weight 1: moe_down2_kernel's sum.
+// ready (may be null): the slots' counts moe_down_slots2_kernel waited on, zeroed for the next
+// layer (every gate | up block has counted by now: the down products, done, waited for them).
 __global__ void __launch_bounds__(256) moe_down_combine_kernel(const float* __restrict__ y, int64_t D, int K, int S,
-                                                               const float* __restrict__ wts, float* __restrict__ out) {
+                                                               const float* __restrict__ wts, float* __restrict__ out,
+                                                               int* __restrict__ ready) {
   pdl_begin();
+  if (ready && blockIdx.x == 0 && blockIdx.y == 0)
+    for (int i = int(threadIdx.x); i < int(gridDim.y) * (K + S); i += int(blockDim.x)) ready[i] = 0;
   const int64_t t = blockIdx.y, row = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (row >= D) return;
   float acc = 0.0f;
@@ -409,17 +443,21 @@ bool moe_down_slots() {
   return on;
 }
 
+// ready (may be null): the slot counts the gate | up launch just before bumped, need per slot
+// for its slots k < k_wait.
 template <int DT, int WARPS>
 void launch_down_xs(float* h, int64_t N, int64_t D, int64_t I, int K, int S, int n_routed, const int32_t* ids,
-                    const float* wts, const DevExpert* bank, float* out, cudaStream_t st) {
+                    const float* wts, const DevExpert* bank, float* out, int* ready, int need, int k_wait,
+                    cudaStream_t st) {
   if (moe_down_slots()) {
     constexpr auto kernel = moe_down_slots2_kernel<DT, WARPS>;
     allow_xs<kernel>();
     float* y = h + N * (K + S) * I;  // the slots' down products, after their gate | up products
     launch(kernel, dim3(unsigned((D / 2 + WARPS - 1) / WARPS), unsigned(K + S), unsigned(N)), 32 * WARPS, size_t(I) * 4,
-           st, h, D, I, K, S, n_routed, ids, bank, y);
+           st, h, D, I, K, S, n_routed, ids, bank, y, static_cast<const int*>(ready), need, k_wait);
     VIREO_CUDA_LAUNCHED();
-    launch(moe_down_combine_kernel, dim3(unsigned((D + 255) / 256), unsigned(N)), 256, 0, st, y, D, K, S, wts, out);
+    launch(moe_down_combine_kernel, dim3(unsigned((D + 255) / 256), unsigned(N)), 256, 0, st, y, D, K, S, wts, out,
+           ready);
     VIREO_CUDA_LAUNCHED();
     return;
   }
@@ -433,7 +471,7 @@ void launch_down_xs(float* h, int64_t N, int64_t D, int64_t I, int K, int S, int
 template <int DT, bool VEC>
 void launch_moe(bool x_shared, MoePart part, const float* x, int64_t N, int64_t D, int64_t I, int K, int S,
                 int n_routed, const int32_t* ids, const float* wts, const DevExpert* bank, float* h, float* out,
-                cudaStream_t st) {
+                int* ready, cudaStream_t st) {
   // The gate | up launch's slots of each token: [k0, k0 + nk).
   const int k0 = part == MoePart::SharedGateUp ? K : 0;
   const int nk = part == MoePart::All ? K + S : part == MoePart::SharedGateUp ? S : K;
@@ -444,14 +482,17 @@ void launch_moe(bool x_shared, MoePart part, const float* x, int64_t N, int64_t 
     // moe_down2_kernel).
     const size_t x_bytes = size_t(D) * 4, h_bytes = size_t(moe_down_slots() ? 1 : K + S) * size_t(I) * 4;
     if (x_shared && D % 2 == 0 && x_bytes <= kXsMaxBytes && h_bytes <= kXsMaxBytes) {
+      // The slot counts only where the down products wait on them (k0 = 0 then: Rest or All).
+      if (!down || !moe_down_slots() || nk == 0) ready = nullptr;
+      const unsigned row_blocks = unsigned((I + kXsWarps - 1) / kXsWarps);
       if (nk > 0) {
         allow_xs<moe_gate_up_kernel<DT, true, true, kXsWarps>>();
-        launch(moe_gate_up_kernel<DT, true, true, kXsWarps>,
-               dim3(unsigned((I + kXsWarps - 1) / kXsWarps), unsigned(N * nk)), 32 * kXsWarps, x_bytes, st, x, D, I, K,
-               S, n_routed, k0, nk, ids, bank, h);
+        launch(moe_gate_up_kernel<DT, true, true, kXsWarps>, dim3(row_blocks, unsigned(N * nk)), 32 * kXsWarps, x_bytes,
+               st, x, D, I, K, S, n_routed, k0, nk, ids, bank, h, ready);
         VIREO_CUDA_LAUNCHED();
       }
-      if (down) launch_down_xs<DT, kXsWarps>(h, N, D, I, K, S, n_routed, ids, wts, bank, out, st);
+      if (down)
+        launch_down_xs<DT, kXsWarps>(h, N, D, I, K, S, n_routed, ids, wts, bank, out, ready, int(row_blocks), nk, st);
       return;
     }
     if (DT == W_FP8 && I % kFp8GateUpRows == 0 && D % kFp8DownRows == 0 && K + S <= 16) {
@@ -471,7 +512,7 @@ void launch_moe(bool x_shared, MoePart part, const float* x, int64_t N, int64_t 
   }
   if (nk > 0) {
     launch(moe_gate_up_kernel<DT, VEC>, dim3(unsigned((I + 7) / 8), unsigned(N * nk)), 256, 0, st, x, D, I, K, S,
-           n_routed, k0, nk, ids, bank, h);
+           n_routed, k0, nk, ids, bank, h, static_cast<int*>(nullptr));
     VIREO_CUDA_LAUNCHED();
   }
   if (!down) return;
@@ -487,9 +528,9 @@ void launch_moe(bool x_shared, MoePart part, const float* x, int64_t N, int64_t 
 template <int DT>
 void launch_moe_dt(bool vec, bool x_shared, MoePart part, const float* x, int64_t N, int64_t D, int64_t I, int K, int S,
                    int n_routed, const int32_t* ids, const float* wts, const DevExpert* bank, float* h, float* out,
-                   cudaStream_t st) {
-  if (vec) launch_moe<DT, true>(x_shared, part, x, N, D, I, K, S, n_routed, ids, wts, bank, h, out, st);
-  else launch_moe<DT, false>(x_shared, part, x, N, D, I, K, S, n_routed, ids, wts, bank, h, out, st);
+                   int* ready, cudaStream_t st) {
+  if (vec) launch_moe<DT, true>(x_shared, part, x, N, D, I, K, S, n_routed, ids, wts, bank, h, out, ready, st);
+  else launch_moe<DT, false>(x_shared, part, x, N, D, I, K, S, n_routed, ids, wts, bank, h, out, ready, st);
 }
 
 // y[row] for rows 2i and 2i + 1 by one warp, x read once for both (T = 1, rows 16-byte aligned).
@@ -744,10 +785,10 @@ __global__ void argmax_final_kernel(const float* __restrict__ x, int64_t n, cons
 
 void moe_experts(const float* x, int64_t N, int64_t D, int64_t I, int K, int S, int n_routed, const int32_t* ids,
                  const float* weights, const DevExpert* bank, int dtype, bool vec, bool x_shared, MoePart part,
-                 float* h, float* out, cudaStream_t st) {
+                 float* h, float* out, int* ready, cudaStream_t st) {
   if (N <= 0) return;
   auto run = [&](auto launch_dt) {
-    launch_dt(vec, x_shared, part, x, N, D, I, K, S, n_routed, ids, weights, bank, h, out, st);
+    launch_dt(vec, x_shared, part, x, N, D, I, K, S, n_routed, ids, weights, bank, h, out, ready, st);
   };
   switch (dtype) {
     case W_F32: run(launch_moe_dt<W_F32>); break;

@@ -22,9 +22,11 @@ enum class MoePart { All, SharedGateUp, Rest };
 // then + the S shared experts (bank[n_routed ..], weight 1). h is scratch [N * (K + S), I + D]
 // (the slots' gate | up products, then their down products before they are summed).
 // x_shared: BF16/FP8 kernels read x from a copy in shared memory (else through L1; same sums).
+// ready (may be null): N * (K + S) ints, zero, that the shared-memory kernels use to let each slot's
+// down products begin once that slot's gate | up is written (and zero again after); the same sums.
 void moe_experts(const float* x, int64_t N, int64_t D, int64_t I, int K, int S, int n_routed, const int32_t* ids,
                  const float* weights, const DevExpert* bank, int dtype, bool vec, bool x_shared, MoePart part,
-                 float* h, float* out, cudaStream_t st);
+                 float* h, float* out, int* ready, cudaStream_t st);
 
 // h += x; y = rms_norm(h) * w, row by row (bit-identical to add then rms_norm).   [T, n]
 void add_rms_norm(float* h, const float* x, int64_t T, int64_t n, const float* w, float eps, float* y,

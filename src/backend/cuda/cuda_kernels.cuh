@@ -61,6 +61,40 @@ __device__ __forceinline__ void pdl_begin() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
+// pdl_begin where the wait is optional: wait = false only in a kernel that synchronizes with its
+// predecessor through counters in memory instead (moe_down_slots2_kernel waits for each slot's
+// gate | up blocks to have written it), so that its blocks start on the work already done while
+// the predecessor's last blocks still run. Such a kernel's dependents still launch as before.
+__device__ __forceinline__ void pdl_begin(bool wait) {
+  if (wait) asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+// Spins until *count >= need (an acquire load, so what the counting blocks wrote before their
+// fence is visible after). A count that never comes would hang the GPU: after ~2^26 tries (seconds)
+// the kernel traps, and the launch's error names it.
+__device__ __forceinline__ void wait_count(const int* count, int need) {
+  for (unsigned tries = 0;; ++tries) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(count) : "memory");
+    if (v >= need) return;
+    if (tries == (1u << 26)) __trap();
+    __nanosleep(100);
+  }
+}
+
+// *p read through L2 (ld.global.cg, 8 bytes at a time): see wait_count's callers.
+template <class T>
+__device__ __forceinline__ T load_cg(const T* p) {
+  static_assert(sizeof(T) % 8 == 0 && alignof(T) >= 8, "8-byte words");
+  T v;
+  const unsigned long long* src = reinterpret_cast<const unsigned long long*>(p);
+  unsigned long long* dst = reinterpret_cast<unsigned long long*>(&v);
+#pragma unroll
+  for (int i = 0; i < int(sizeof(T) / 8); ++i) dst[i] = __ldcg(src + i);
+  return v;
+}
+
 template <int DT> __host__ __device__ constexpr int elem_bytes() { return DT == W_F32 ? 4 : DT == W_FP8 ? 1 : 2; }
 
 // e4m3 -> f16 by moving sign, exponent and mantissa into place: the f16 holds the e4m3 value
@@ -323,9 +357,12 @@ struct XShared {
   __device__ __forceinline__ float4 operator()(int64_t q) const { return xs[xs_slot(q0 + int(q))]; }
 };
 // The block copies n floats (n % 4 == 0, 16-byte aligned) into xs, swizzled; then a barrier.
+// COHERENT: loads through L2 only (x may have been written by a kernel still running, see
+// pdl_begin(bool)); else the read-only path.
+template <bool COHERENT = false>
 __device__ __forceinline__ void stage_x(const float* __restrict__ x, int64_t n, float4* xs) {
   const float4* x4 = reinterpret_cast<const float4*>(x);
-  for (int q = int(threadIdx.x); q < int(n / 4); q += int(blockDim.x)) xs[xs_slot(q)] = __ldg(x4 + q);
+  for (int q = int(threadIdx.x); q < int(n / 4); q += int(blockDim.x)) xs[xs_slot(q)] = COHERENT ? __ldcg(x4 + q) : __ldg(x4 + q);
   __syncthreads();
 }
 
