@@ -644,62 +644,66 @@ TEST(CudaOps, MoeSlotCountsKeepTheSums) {
   REQUIRE_CUDA();
 #ifdef VIREO_HAVE_CUDA
   Pair p;
-  struct Shape { int64_t D, I; int K, E; };
+  struct Shape {
+    int64_t D, I;
+    int K, E;
+  };
   const int kCalls = 6;
   for (Shape sh : {Shape{2048, 1024, 8, 16}, Shape{256, 32, 2, 8}})
-  for (DType dt : {DType::F8_E4M3, DType::BF16})
-    for (int64_t N : {int64_t(1), int64_t(3)}) {
-      const int64_t D = sh.D, I = sh.I;
-      const int K = sh.K, E = sh.E;
-      ExpertBank gb;
-      gb.n_shared = 1;
-      std::vector<HostWeight> hw;
-      for (int e = 0; e <= E; ++e)
-        for (int m = 0; m < 3; ++m) {
-          hw.push_back(m < 2 ? make_weight(dt, I, D, uint32_t(900 + 3 * e + m)) : make_weight(dt, D, I, uint32_t(902 + 3 * e)));
-          std::vector<Weight>& g = m == 0 ? gb.gate : m == 1 ? gb.up : gb.down;
-          g.push_back(p.gpu->upload_weight(hw.back().w));
-        }
-      // Each call routes to other experts through the same ids buffer, as a step's layers do (the
-      // buffer rewritten by a copy queued between calls, as by each layer's router).
-      std::mt19937 rng(uint32_t(N) + 7);
-      std::vector<std::vector<int32_t>> ids(kCalls);
-      for (auto& call : ids)
-        for (int64_t t = 0; t < N; ++t) {
-          std::vector<int32_t> all(static_cast<size_t>(E));
-          for (int e = 0; e < E; ++e) all[size_t(e)] = e;
-          std::shuffle(all.begin(), all.end(), rng);
-          call.insert(call.end(), all.begin(), all.begin() + K);
-        }
-      std::vector<int32_t*> call_ids;
-      for (const auto& call : ids) call_ids.push_back(p.g.up_i(call));
-      std::vector<float*> xs;
-      for (int c = 0; c < kCalls; ++c) xs.push_back(p.g.up(randv(size_t(N * D), uint32_t(70 + c), 2.0f)));
-      int32_t* gids = p.g.up_i(ids[0]);
-      float* gw = p.g.up(randv(ids[0].size(), 64));
-      auto run = [&](bool counts) {
-        cuda_set_moe_slot_counts(*p.gpu, counts);
-        std::vector<float*> outs;
-        for (int c = 0; c < kCalls; ++c) outs.push_back(p.g.up(std::vector<float>(size_t(N * D), NAN)));
-        for (int c = 0; c < kCalls; ++c) {  // queued back to back, read after the last
-          p.gpu->copy_rows(reinterpret_cast<float*>(gids), N * K, reinterpret_cast<const float*>(call_ids[size_t(c)]),
-                           N * K, 1, N * K);  // the ids' bits, copied on the stream
-          float* gx = xs[size_t(c)];
-          if (c % 2) p.gpu->moe_shared_gate_up(gx, N, K, gb);  // the decode step's order (Rest), or All
-          p.gpu->moe_experts(gx, N, gids, gw, K, gb, outs[size_t(c)]);
-        }
-        std::vector<std::vector<float>> got;
-        for (float* o : outs) got.push_back(p.g.down(o, size_t(N * D)));
-        return got;
-      };
-      const auto whole = run(false), per_slot = run(true);
-      for (int c = 0; c < kCalls; ++c) {
-        EXPECT_EQ(per_slot[size_t(c)], whole[size_t(c)]) << dt_name(dt) << " D " << D << " N " << N << " call " << c;
-        if (c > 0) {
-          EXPECT_NE(whole[size_t(c)], whole[size_t(c - 1)]) << "inputs did not change";
+    for (DType dt : {DType::F8_E4M3, DType::BF16})
+      for (int64_t N : {int64_t(1), int64_t(3)}) {
+        const int64_t D = sh.D, I = sh.I;
+        const int K = sh.K, E = sh.E;
+        ExpertBank gb;
+        gb.n_shared = 1;
+        std::vector<HostWeight> hw;
+        for (int e = 0; e <= E; ++e)
+          for (int m = 0; m < 3; ++m) {
+            hw.push_back(m < 2 ? make_weight(dt, I, D, uint32_t(900 + 3 * e + m))
+                               : make_weight(dt, D, I, uint32_t(902 + 3 * e)));
+            std::vector<Weight>& g = m == 0 ? gb.gate : m == 1 ? gb.up : gb.down;
+            g.push_back(p.gpu->upload_weight(hw.back().w));
+          }
+        // Each call routes to other experts through the same ids buffer, as a step's layers do (the
+        // buffer rewritten by a copy queued between calls, as by each layer's router).
+        std::mt19937 rng(uint32_t(N) + 7);
+        std::vector<std::vector<int32_t>> ids(kCalls);
+        for (auto& call : ids)
+          for (int64_t t = 0; t < N; ++t) {
+            std::vector<int32_t> all(static_cast<size_t>(E));
+            for (int e = 0; e < E; ++e) all[size_t(e)] = e;
+            std::shuffle(all.begin(), all.end(), rng);
+            call.insert(call.end(), all.begin(), all.begin() + K);
+          }
+        std::vector<int32_t*> call_ids;
+        for (const auto& call : ids) call_ids.push_back(p.g.up_i(call));
+        std::vector<float*> xs;
+        for (int c = 0; c < kCalls; ++c) xs.push_back(p.g.up(randv(size_t(N * D), uint32_t(70 + c), 2.0f)));
+        int32_t* gids = p.g.up_i(ids[0]);
+        float* gw = p.g.up(randv(ids[0].size(), 64));
+        auto run = [&](bool counts) {
+          cuda_set_moe_slot_counts(*p.gpu, counts);
+          std::vector<float*> outs;
+          for (int c = 0; c < kCalls; ++c) outs.push_back(p.g.up(std::vector<float>(size_t(N * D), NAN)));
+          for (int c = 0; c < kCalls; ++c) {  // queued back to back, read after the last
+            p.gpu->copy_rows(reinterpret_cast<float*>(gids), N * K, reinterpret_cast<const float*>(call_ids[size_t(c)]),
+                             N * K, 1, N * K);  // the ids' bits, copied on the stream
+            float* gx = xs[size_t(c)];
+            if (c % 2) p.gpu->moe_shared_gate_up(gx, N, K, gb);  // the decode step's order (Rest), or All
+            p.gpu->moe_experts(gx, N, gids, gw, K, gb, outs[size_t(c)]);
+          }
+          std::vector<std::vector<float>> got;
+          for (float* o : outs) got.push_back(p.g.down(o, size_t(N * D)));
+          return got;
+        };
+        const auto whole = run(false), per_slot = run(true);
+        for (int c = 0; c < kCalls; ++c) {
+          EXPECT_EQ(per_slot[size_t(c)], whole[size_t(c)]) << dt_name(dt) << " D " << D << " N " << N << " call " << c;
+          if (c > 0) {
+            EXPECT_NE(whole[size_t(c)], whole[size_t(c - 1)]) << "inputs did not change";
+          }
         }
       }
-    }
   cuda_set_moe_slot_counts(*p.gpu, true);
 #endif
 }

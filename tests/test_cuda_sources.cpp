@@ -1,8 +1,8 @@
 // Rules of the CUDA backend's sources that no compiler checks, read from the source files (so
 // they run on machines without a GPU, and without nvcc). Every kernel is launched as a
 // programmatic dependent launch (`launch`, cuda_internal.h) and must call pdl_begin() (or
-// pdl_begin(wait), cuda_kernels.cuh) before anything else: a kernel that skipped it would run concurrently with its predecessor and read
-// its inputs before they are written, a race no result test is sure to catch.
+// pdl_begin(wait), cuda_kernels.cuh) before anything else: a kernel that skipped it would run concurrently with its
+// predecessor and read its inputs before they are written, a race no result test is sure to catch.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -57,8 +57,7 @@ Finding scan(const std::string& name, const std::string& text) {
     size_t q = body + 1;
     while (q < s.size() && std::isspace(static_cast<unsigned char>(s[q]))) ++q;
     // pdl_begin() or pdl_begin(wait), the form whose wait a kernel that waits on counters instead may skip.
-    if (s.compare(q, 10, "pdl_begin(") != 0)
-      f.missing_wait.push_back(name + ":" + std::to_string(line_of(s, p)));
+    if (s.compare(q, 10, "pdl_begin(") != 0) f.missing_wait.push_back(name + ":" + std::to_string(line_of(s, p)));
   }
   for (size_t p = s.find("<<<"); p != std::string::npos; p = s.find("<<<", p + 3))
     f.chevron_launch.push_back(name + ":" + std::to_string(line_of(s, p)));

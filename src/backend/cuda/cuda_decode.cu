@@ -271,9 +271,9 @@ __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<true, WARPS>)
 // with weight 1: moe_down2_kernel's sum.
 // ready (may be null): the slots' counts moe_down_slots2_kernel waited on, zeroed for the next
 // layer (every gate | up block has counted by now: the down products, done, waited for them).
-__global__ void __launch_bounds__(256) moe_down_combine_kernel(const float* __restrict__ y, int64_t D, int K, int S,
-                                                               const float* __restrict__ wts, float* __restrict__ out,
-                                                               int* __restrict__ ready) {
+__global__ void __launch_bounds__(256)
+    moe_down_combine_kernel(const float* __restrict__ y, int64_t D, int K, int S, const float* __restrict__ wts,
+                            float* __restrict__ out, int* __restrict__ ready) {
   pdl_begin();
   if (ready && blockIdx.x == 0 && blockIdx.y == 0)
     for (int i = int(threadIdx.x); i < int(gridDim.y) * (K + S); i += int(blockDim.x)) ready[i] = 0;

@@ -362,7 +362,8 @@ struct XShared {
 template <bool COHERENT = false>
 __device__ __forceinline__ void stage_x(const float* __restrict__ x, int64_t n, float4* xs) {
   const float4* x4 = reinterpret_cast<const float4*>(x);
-  for (int q = int(threadIdx.x); q < int(n / 4); q += int(blockDim.x)) xs[xs_slot(q)] = COHERENT ? __ldcg(x4 + q) : __ldg(x4 + q);
+  for (int q = int(threadIdx.x); q < int(n / 4); q += int(blockDim.x))
+    xs[xs_slot(q)] = COHERENT ? __ldcg(x4 + q) : __ldg(x4 + q);
   __syncthreads();
 }
 
