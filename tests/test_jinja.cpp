@@ -60,6 +60,21 @@ TEST(Jinja, UnitGoldens) {
   EXPECT_GT(checked, 90);
 }
 
+// A macro is a value in the scope it closes over (a reference cycle): a render must still leave no
+// scope behind, or a server leaks every chat render's scopes (GLM-5's template defines macros).
+TEST(Jinja, RendersLeaveNoScopesBehind) {
+  const int64_t before = vireo::jinja::live_scopes();
+  const std::string src =
+      "{% macro item(x) %}[{{ x }}{% if caller is defined %}{{ caller() }}{% endif %}]{% endmacro %}"
+      "{% macro tree(n) %}{% if n > 0 %}({{ tree(n - 1) }}){% endif %}{% endmacro %}"
+      "{% for i in range(3) %}{% macro inner(y) %}{{ item(y) }}{% endmacro %}{{ inner(i) }}{% endfor %}"
+      "{% call item(7) %}c{% endcall %}{{ tree(3) }}{% set ns = namespace(f=item) %}{{ ns.f(1) }}";
+  EXPECT_EQ(render(src), "[0][1][2][7c]((()))[1]");
+  EXPECT_EQ(vireo::jinja::live_scopes(), before) << "a render that succeeded";
+  EXPECT_THROW(render(src + "{{ raise_exception('stop') }}"), Error);
+  EXPECT_EQ(vireo::jinja::live_scopes(), before) << "a render that failed";
+}
+
 TEST(Jinja, HandChecked) {
   EXPECT_EQ(render("{% for m in ms %}{{ loop.index0 }}:{{ m }}{% if not loop.last %}, {% endif %}{% endfor %}",
                    {{"ms", {"a", "b"}}}),

@@ -3,6 +3,7 @@
 #include "text/jinja.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <ctime>
@@ -28,9 +29,16 @@ constexpr size_t kMaxOutput = size_t(64) << 20;  // guards against runaway templ
 constexpr int kMaxCallDepth = 100;  // recursive macros (nested JSON schemas) stay far below
 constexpr int64_t kMaxRange = 100000;  // jinja2's sandbox limit
 
+std::atomic<int64_t> g_live_scopes{0};
+
 struct Scope {
   std::shared_ptr<Scope> parent;
   std::vector<std::pair<std::string, Value>> vars;
+
+  Scope() { ++g_live_scopes; }
+  ~Scope() { --g_live_scopes; }
+  Scope(const Scope&) = delete;
+  Scope& operator=(const Scope&) = delete;
 
   const Value* find(const std::string& name) const {
     for (const Scope* s = this; s; s = s->parent.get())
@@ -494,7 +502,7 @@ Value string_method(const std::string& s, const std::string& name) {
     bool right = name[0] == 'r';
     bool raise = name.find("index") != std::string::npos;
     return m([right, raise](const std::string& s, Args a) -> Value {
-      const std::string& sub = need_string(a.get(0, "sub"), "find arg");
+      const std::string sub = need_string(a.get(0, "sub"), "find arg");  // (a copy: get() returns a temporary)
       size_t q = right ? s.rfind(sub) : s.find(sub);
       if (q == std::string::npos) {
         if (raise) fail("substring not found");
@@ -505,7 +513,7 @@ Value string_method(const std::string& s, const std::string& name) {
   }
   if (name == "count")
     return m([](const std::string& s, Args a) -> Value {
-      const std::string& sub = need_string(a.get(0, "sub"), "count arg");
+      const std::string sub = need_string(a.get(0, "sub"), "count arg");  // (a copy: get() returns a temporary)
       if (sub.empty()) return Value(static_cast<int64_t>(utf8_length(s) + 1));
       int64_t n = 0;
       for (size_t q = s.find(sub); q != std::string::npos; q = s.find(sub, q + sub.size())) ++n;
@@ -821,7 +829,22 @@ class Interp {
   explicit Interp(const Program& prog) : prog_(prog) {}
 
   std::string run(const nlohmann::ordered_json& context) {
-    auto globals = std::make_shared<Scope>();
+    // A macro keeps the scope it was defined in (its closure) and is itself a value in that
+    // scope: a reference cycle, so without this every render that defined a macro leaked its
+    // scopes and everything in them (~150 KB a GLM-5 chat render; LeakSanitizer). Once the render
+    // is over (or has failed) nothing can call a macro any more: empty every scope it made.
+    struct ReleaseScopes {
+      std::vector<std::weak_ptr<Scope>>& made;
+      ~ReleaseScopes() {
+        for (auto& w : made)
+          if (ScopePtr s = w.lock()) {
+            s->vars.clear();
+            s->parent.reset();
+          }
+        made.clear();
+      }
+    } release{scopes_};
+    auto globals = child(nullptr);
     install_globals(*globals);
     auto root = child(globals);
     if (context.is_object())
@@ -1227,9 +1250,22 @@ class Interp {
     return Value();
   }
 
+  // A new scope under parent, remembered so that run() can empty it at the end.
+  ScopePtr child(const ScopePtr& parent) {
+    if (scopes_.size() >= 2 * scopes_live_ + 64) {  // forget the ones already gone (loops make many)
+      std::erase_if(scopes_, [](const std::weak_ptr<Scope>& w) { return w.expired(); });
+      scopes_live_ = scopes_.size();
+    }
+    ScopePtr s = jinja::child(parent);
+    scopes_.push_back(s);
+    return s;
+  }
+
   const Program& prog_;
   std::string* sink_ = nullptr;
   int depth_ = 0;
+  std::vector<std::weak_ptr<Scope>> scopes_;
+  size_t scopes_live_ = 0;
 };
 
 // --- filters -------------------------------------------------------------------------------------
@@ -1658,5 +1694,7 @@ std::string Template::render(const nlohmann::ordered_json& context) const {
     throw Error(program_->name + ": internal error while rendering: " + e.what());
   }
 }
+
+int64_t live_scopes() { return g_live_scopes.load(); }
 
 }  // namespace vireo::jinja

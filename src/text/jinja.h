@@ -33,4 +33,8 @@ class Template {
   std::shared_ptr<const Program> program_;
 };
 
+// Variable scopes alive in this process, all renders together (a test's view: a finished render
+// leaves none behind, macros and their closures included).
+int64_t live_scopes();
+
 }  // namespace vireo::jinja

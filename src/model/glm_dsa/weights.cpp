@@ -1,5 +1,7 @@
 #include "model/glm_dsa/weights.h"
 
+#include <cstring>
+
 #include "experts/expert_store.h"
 
 namespace vireo {
@@ -7,11 +9,20 @@ namespace vireo {
 std::vector<float> load_vector(const Checkpoint& ck, const std::string& name, int64_t n) {
   const TensorInfo& t = ck.require(name, {n});
   std::vector<float> out(static_cast<size_t>(n));
+  // Element by element through memcpy: safetensors does not align a tensor's data to its element
+  // size (a header of odd length, or an odd-length 2-byte tensor before a 4-byte one), and a
+  // misaligned float or uint16_t load is undefined behaviour (UBSan flagged it here).
+  const auto* bytes = static_cast<const unsigned char*>(t.data);
   for (int64_t i = 0; i < n; ++i) {
     switch (t.dtype) {
-      case DType::F32: out[size_t(i)] = static_cast<const float*>(t.data)[i]; break;
-      case DType::BF16: out[size_t(i)] = bf16_to_f32(static_cast<const uint16_t*>(t.data)[i]); break;
-      case DType::F16: out[size_t(i)] = f16_to_f32(static_cast<const uint16_t*>(t.data)[i]); break;
+      case DType::F32: std::memcpy(&out[size_t(i)], bytes + 4 * i, 4); break;
+      case DType::BF16:
+      case DType::F16: {
+        uint16_t h;
+        std::memcpy(&h, bytes + 2 * i, 2);
+        out[size_t(i)] = t.dtype == DType::BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+        break;
+      }
       default: fail(ck.dir(), ": tensor ", name, " has dtype ", dtype_name(t.dtype), " (expected F32, BF16 or F16)");
     }
   }
