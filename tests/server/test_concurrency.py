@@ -2,6 +2,7 @@
 different lengths arriving at staggered times, 9 of them cancelled mid-stream by closing the
 connection. Every surviving stream must be complete and equal to transformers' greedy continuation;
 afterwards no cache bytes are in use and the process RSS is back near its baseline."""
+import os
 import random
 import threading
 import time
@@ -99,7 +100,10 @@ def test_many_streams_with_cancellations(busy):
     assert m["vireo_running_batch_size"] == 0 and m["vireo_cache_bytes_reserved"] == 0
     assert m["vireo_time_to_first_token_seconds_count"] >= 2 * len(survivors)
     grown = busy.rss_bytes() - baseline
-    assert grown < 16 << 20, f"RSS grew by {grown} bytes after a round of {N_STREAMS} streams"
+    # scripts/test-sanitized.sh allows more: ASan's shadow memory and allocator caches grow RSS
+    # with no leak (16.2-17.6 MB there; LeakSanitizer checks for leaks instead).
+    slack = int(os.environ.get("VIREO_TEST_RSS_SLACK_MB", "0")) << 20
+    assert grown < (16 << 20) + slack, f"RSS grew by {grown} bytes after a round of {N_STREAMS} streams"
     # And it still serves.
     r = busy.client().completions.create(model=MODEL, prompt=demo_cases()[0]["prompt_ids"], max_tokens=48,
                                          temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
