@@ -831,8 +831,8 @@ class Interp {
   std::string run(const nlohmann::ordered_json& context) {
     // A macro keeps the scope it was defined in (its closure) and is itself a value in that
     // scope: a reference cycle, so without this every render that defined a macro leaked its
-    // scopes and everything in them (~150 KB a GLM-5 chat render; LeakSanitizer). Once the render
-    // is over (or has failed) nothing can call a macro any more: empty every scope it made.
+    // scopes and everything in them (255 KB over the GLM-5 template's goldens; LeakSanitizer).
+    // Once the render is over (or has failed) nothing can call a macro: empty every scope it made.
     struct ReleaseScopes {
       std::vector<std::weak_ptr<Scope>>& made;
       ~ReleaseScopes() {
