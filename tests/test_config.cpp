@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "model/glm_dsa/config.h"
+#include "test_helpers.h"
 
 using namespace vireo;
 
@@ -127,10 +128,10 @@ TEST(Config, ErrorsNameTheField) {
 
 TEST(Config, FuzzedConfigsFailCleanly) {
   const std::string good = base_config(R"(, "index_topk_freq": 2, "mlp_layer_types": ["dense","sparse","sparse","sparse","sparse","sparse"])");
-  uint64_t s = 12345;
+  uint64_t s = vireo::test::fuzz_seed(12345);
   auto rnd = [&]() { s = s * 6364136223846793005ull + 1442695040888963407ull; return uint32_t(s >> 33); };
   const char alphabet[] = "{}[]\",:0123456789-.eE truefalsnul";
-  for (int it = 0; it < 3000; ++it) {
+  for (int it = 0; it < vireo::test::fuzz_iterations(3000); ++it) {
     std::string t = good;
     int edits = 1 + int(rnd() % 4);
     for (int k = 0; k < edits; ++k) {

@@ -4,7 +4,9 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -70,6 +72,19 @@ inline RunResult run_vireo(const std::string& args, const std::string& stdin_tex
   r.out = read_file(out);
   r.err = read_file(err);
   return r;
+}
+
+// The fuzz tests' size and seed: as CI runs them by default; VIREO_FUZZ_SCALE=N runs N times the
+// iterations and VIREO_FUZZ_SEED=S shifts every seed, for longer campaigns (e.g. under
+// scripts/test-sanitized.sh: `VIREO_FUZZ_SCALE=50 VIREO_FUZZ_SEED=7 bash scripts/test-sanitized.sh -R Fuzz`).
+inline int fuzz_iterations(int base) {
+  const char* e = std::getenv("VIREO_FUZZ_SCALE");
+  const long k = e && *e ? std::strtol(e, nullptr, 10) : 1;
+  return base * int(k > 0 ? k : 1);
+}
+inline uint64_t fuzz_seed(uint64_t base) {
+  const char* e = std::getenv("VIREO_FUZZ_SEED");
+  return base + (e && *e ? std::strtoull(e, nullptr, 10) * 0x9E3779B97F4A7C15ull : 0);
 }
 
 inline int count_lines(const std::string& s) {

@@ -139,9 +139,9 @@ TEST(Jinja, FuzzMutationsNeverCrash) {
   ojson ctx = {{"messages", {{{"role", "user"}, {"content", "hi"}}, {{"role", "assistant"}, {"content", "yo"}}}},
                {"add_generation_prompt", true},
                {"tools", nullptr}};
-  std::mt19937 rng(12345);
+  std::mt19937 rng(uint32_t(vireo::test::fuzz_seed(12345)));
   int rendered = 0, rejected = 0;
-  for (int iter = 0; iter < 3000; ++iter) {
+  for (int iter = 0; iter < vireo::test::fuzz_iterations(3000); ++iter) {
     std::string s = seeds[rng() % seeds.size()];
     int edits = 1 + rng() % 4;
     for (int e = 0; e < edits; ++e) {
@@ -167,6 +167,6 @@ TEST(Jinja, FuzzMutationsNeverCrash) {
       ++rejected;
     }
   }
-  EXPECT_EQ(rendered + rejected, 3000);
+  EXPECT_EQ(rendered + rejected, vireo::test::fuzz_iterations(3000));
   EXPECT_GT(rejected, 0);
 }

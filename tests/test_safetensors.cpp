@@ -104,10 +104,10 @@ TEST(Safetensors, MalformedFilesAreErrors) {
 TEST(Safetensors, FuzzedHeadersFailCleanly) {
   const std::string good = pack(kValidHeader, valid_data());
   TempDir d("fuzz");
-  uint64_t s = 99;
+  uint64_t s = vireo::test::fuzz_seed(99);
   auto rnd = [&]() { s = s * 6364136223846793005ull + 1442695040888963407ull; return uint32_t(s >> 33); };
   int opened = 0;
-  for (int it = 0; it < 600; ++it) {
+  for (int it = 0; it < vireo::test::fuzz_iterations(600); ++it) {
     std::string t = good;
     int edits = 1 + int(rnd() % 3);
     for (int k = 0; k < edits && !t.empty(); ++k) {

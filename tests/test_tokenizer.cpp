@@ -17,6 +17,7 @@
 #include "core/error.h"
 #include "text/tokenizer.h"
 #include "text/unicode.h"
+#include "test_helpers.h"
 
 namespace {
 
@@ -312,7 +313,7 @@ TEST(TokenizerFile, FuzzMutationsLoadOrFailCleanly) {
   const json base = json::parse(text);
   // Mutation targets: every node outside the vocab and merges, plus a sample of those.
   std::vector<json::json_pointer> targets;
-  std::mt19937 rng(4242);
+  std::mt19937 rng(uint32_t(vireo::test::fuzz_seed(4242)));
   std::function<void(const json&, const json::json_pointer&)> walk = [&](const json& j, const json::json_pointer& p) {
     const std::string s = p.to_string();
     const bool big = s == "/model/vocab" || s == "/model/merges";
@@ -330,7 +331,7 @@ TEST(TokenizerFile, FuzzMutationsLoadOrFailCleanly) {
   const std::vector<json> values = {nullptr, -1, 0, 7, int64_t(1) << 40, 1.5, "", "x", "Ġ", "a b c", "(", "[^", true,
                                     json::array(), json::object(), json::array({1, 2}), json::object({{"type", "Nope"}})};
   int loaded = 0, refused = 0;
-  for (int iter = 0; iter < 300; ++iter) {
+  for (int iter = 0; iter < vireo::test::fuzz_iterations(300); ++iter) {
     std::string mutated;
     if (iter % 8 == 7) {  // bytes: cut short, or a stray byte
       mutated = text;
