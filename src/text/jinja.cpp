@@ -57,12 +57,6 @@ struct Scope {
 };
 using ScopePtr = std::shared_ptr<Scope>;
 
-ScopePtr child(const ScopePtr& parent) {
-  auto s = std::make_shared<Scope>();
-  s->parent = parent;
-  return s;
-}
-
 Value make_function(std::string name, std::function<Value(CallArgs&)> fn) {
   auto f = std::make_shared<Function>();
   f->name = std::move(name);
@@ -1256,7 +1250,8 @@ class Interp {
       std::erase_if(scopes_, [](const std::weak_ptr<Scope>& w) { return w.expired(); });
       scopes_live_ = scopes_.size();
     }
-    ScopePtr s = jinja::child(parent);
+    auto s = std::make_shared<Scope>();
+    s->parent = parent;
     scopes_.push_back(s);
     return s;
   }

@@ -56,16 +56,11 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float x, float y) {
 // that returned before waiting could finish before its predecessor, and the kernel after it,
 // which waits only for this one, would read stale data. Then launch_dependents lets the next
 // kernel's blocks be dispatched while this one runs (they wait in their own pdl_begin).
-__device__ __forceinline__ void pdl_begin() {
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
-
-// pdl_begin where the wait is optional: wait = false only in a kernel that synchronizes with its
-// predecessor through counters in memory instead (moe_down_slots2_kernel waits for each slot's
-// gate | up blocks to have written it), so that its blocks start on the work already done while
-// the predecessor's last blocks still run. Such a kernel's dependents still launch as before.
-__device__ __forceinline__ void pdl_begin(bool wait) {
+// wait = false only in a kernel that synchronizes with its predecessor through counters in memory
+// instead (moe_down_slots2_kernel waits for each slot's gate | up blocks to have written it), so
+// that its blocks start on the work already done while the predecessor's last blocks still run.
+// Such a kernel's dependents still launch as before.
+__device__ __forceinline__ void pdl_begin(bool wait = true) {
   if (wait) asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
@@ -358,7 +353,7 @@ struct XShared {
 };
 // The block copies n floats (n % 4 == 0, 16-byte aligned) into xs, swizzled; then a barrier.
 // COHERENT: loads through L2 only (x may have been written by a kernel still running, see
-// pdl_begin(bool)); else the read-only path.
+// pdl_begin(false)); else the read-only path.
 template <bool COHERENT = false>
 __device__ __forceinline__ void stage_x(const float* __restrict__ x, int64_t n, float4* xs) {
   const float4* x4 = reinterpret_cast<const float4*>(x);
