@@ -64,10 +64,12 @@ TEST(CudaOps, MatmulAllDtypesAndShapes) {
     // per 4 or 2 tokens (70: a partial last warp). 256 x 6144: 8 tokens' x is 192 KB, the
     // largest copy in shared memory (several tokens), 3 tokens' 72 KB; 128 x 8192: 8 tokens' x
     // (256 KB) in two groups, FP8. 6144 x 512: one token's 3072 row pairs spread over the SMs
-    // (more blocks than SMs; BF16 and FP8 with x in shared memory), against L1's blocks in order.
-    for (Shape s :
-         {Shape{300, 520}, Shape{256, 1024}, Shape{1000, 384}, Shape{4098, 512}, Shape{4098, 1152}, Shape{200, 400},
-          Shape{16, 512}, Shape{32, 256}, Shape{7, 384}, Shape{256, 6144}, Shape{128, 8192}, Shape{6144, 512}})
+    // (more blocks than SMs; BF16 and FP8 with x in shared memory: one block of 32 warps an SM),
+    // against L1's blocks in order; 12000 x 512: 6000 pairs, more than 132 SMs' blocks of 32 warps
+    // hold at once (blocks of 16 spread).
+    for (Shape s : {Shape{300, 520}, Shape{256, 1024}, Shape{1000, 384}, Shape{4098, 512}, Shape{4098, 1152},
+                    Shape{200, 400}, Shape{16, 512}, Shape{32, 256}, Shape{7, 384}, Shape{256, 6144}, Shape{128, 8192},
+                    Shape{6144, 512}, Shape{12000, 512}})
       for (int64_t T : {1, 3, 8, 9, 70}) {
         HostWeight hw = make_weight(dt, s.out, s.in, uint32_t(s.out * 7 + T));
         auto x = randv(size_t(T * s.in), uint32_t(T * 13 + s.in));
@@ -490,12 +492,15 @@ TEST(CudaOps, IndexerSelectIsIdentical) {
     // Ties: repeated keys give equal scores; the lower position must win.
     for (int64_t u = 0; u + 1 < N; u += 7)
       std::copy(keys.begin() + u * d, keys.begin() + (u + 1) * d, keys.begin() + (u + 1) * d);
-    const IndexerArgs a = indexer_shape(T, nI, d, N, pos0, topk);
+    IndexerArgs a = indexer_shape(T, nI, d, N, pos0, topk);
     IndexerArgs g = a;
     g.q = p.g.up(q);
     g.weights = p.g.up(w);
     g.keys = p.g.up(keys);
     expect_same_selection(cpu_select(p, a, q, w, keys), gpu_select(p, g), topk, "T " + std::to_string(T));
+    // The head weights' scale folded into the scores (a negative one reverses the ranking).
+    a.weight_scale = g.weight_scale = -0.75f;
+    expect_same_selection(cpu_select(p, a, q, w, keys), gpu_select(p, g), topk, "weight scale, T " + std::to_string(T));
   }
 }
 
@@ -813,9 +818,11 @@ TEST(CudaOps, MatmulManyMatchesCpu) {
   Pair p;
   struct Case { std::vector<int64_t> outs; std::vector<DType> dts; int64_t T; };
   const int64_t in = 512;
-  // One token's 2784 and 2752 rows: more blocks than SMs, spread over them (x in shared memory).
+  // One token's 2784 and 2752 rows: one block of 32 warps an SM, rows dealt round-robin (x in
+  // shared memory); 4800 rows: more than those blocks hold at once (blocks of 8, spread or in order).
   for (const Case& c : {Case{{2048, 576, 128, 32}, {DType::BF16, DType::BF16, DType::BF16, DType::BF16}, 1},
                         Case{{2048, 576, 128}, {DType::F8_E4M3, DType::F8_E4M3, DType::F8_E4M3}, 1},
+                        Case{{4096, 576, 128}, {DType::F8_E4M3, DType::F8_E4M3, DType::F8_E4M3}, 1},
                         Case{{256, 130, 2}, {DType::F8_E4M3, DType::F8_E4M3, DType::F8_E4M3}, 1},
                         Case{{300, 77}, {DType::F32, DType::F32}, 1}, Case{{256, 32}, {DType::F8_E4M3, DType::BF16}, 1},
                         Case{{64, 32}, {DType::BF16, DType::BF16}, 3},

@@ -205,6 +205,34 @@ TEST(Ops, IndexerTopkTiesPickLowerPosition) {
   EXPECT_EQ(sel, (std::vector<int32_t>{0, 3, 7}));
 }
 
+// weight_scale multiplies each head weight before it weighs that head's scores, the same float
+// product as weights scaled beforehand: the same selection, and a negative scale reverses the
+// ranking (so a backend that ignored it would choose other keys).
+TEST(Ops, IndexerWeightScaleEqualsScaledWeights) {
+  auto be = make_cpu_backend();
+  const int64_t N = 300, T = 2, nI = 4, d = 8, topk = 40;
+  auto keys = random_vec(size_t(N * d), 23), q = random_vec(size_t(T * nI * d), 24);
+  auto w = random_vec(size_t(T * nI), 25);
+  for (float& x : w) x = std::fabs(x) + 0.1f;  // every head counts with the same sign
+  auto select = [&](const std::vector<float>& weights, float weight_scale) {
+    std::vector<int32_t> sel(static_cast<size_t>(T * topk), -1), cnt(static_cast<size_t>(T));
+    IndexerArgs a;
+    a.q = q.data(); a.weights = weights.data(); a.keys = keys.data();
+    a.T = T; a.n_heads = nI; a.head_dim = d; a.n_keys = N; a.pos0 = N - T; a.topk = topk;
+    a.scale = 1.0f / std::sqrt(float(d));
+    a.weight_scale = weight_scale;
+    a.selected = sel.data(); a.counts = cnt.data();
+    be->indexer_select(a);
+    return sel;
+  };
+  for (float s : {0.5f, -0.5f}) {
+    std::vector<float> scaled(w);
+    for (float& x : scaled) x = x * s;
+    EXPECT_EQ(select(w, s), select(scaled, 1.0f)) << "weight scale " << s;
+  }
+  EXPECT_NE(select(w, -0.5f), select(w, 1.0f)) << "a negative weight scale must reverse the ranking";
+}
+
 TEST(Ops, IndexerSelectsAllCausalKeysBelowTopk) {
   auto be = make_cpu_backend();
   const int64_t N = 6, T = 6, d = 4, topk = 4;

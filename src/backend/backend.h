@@ -46,12 +46,15 @@ struct MlaAttentionArgs {
 
 struct IndexerArgs {
   const float* q = nullptr;        // [T, n_heads, head_dim], rope part rotated
-  const float* weights = nullptr;  // [T, n_heads], already times n_heads^-1/2
+  const float* weights = nullptr;  // [T, n_heads], as the head weights' product gives them
   const float* keys = nullptr;     // [N, head_dim]
   int64_t T = 0, n_heads = 0, head_dim = 0, n_keys = 0, pos0 = 0;
   int64_t topk = 0;
   const int32_t* pos0_dev = nullptr;  // as MlaAttentionArgs::pos0_dev (n_keys: the bound, and the row stride)
   float scale = 1.0f;              // head_dim^-1/2
+  // Each head weight is first multiplied by this (one float product, as a separate scale op would
+  // round it): n_heads^-1/2. Folded into the scores, where a decode step paid a kernel for it.
+  float weight_scale = 1.0f;
   int32_t* selected = nullptr;     // [T, topk] key positions, ascending
   int32_t* counts = nullptr;       // [T]
 };

@@ -210,7 +210,8 @@ class CpuBackend final : public Backend {
           float s = 0;
           for (int64_t j = 0; j < a.n_heads; ++j) {
             float d = dot(qt + j * a.head_dim, k, a.head_dim) * a.scale;
-            s += wt[j] * std::max(d, 0.0f);
+            const float w = wt[j] * a.weight_scale;
+            s += w * std::max(d, 0.0f);
           }
           score[size_t(u)] = s;
         }

@@ -573,7 +573,7 @@ __global__ void __launch_bounds__(256, 1) mla_prefill_tc_kernel(
 __global__ void indexer_score_kernel(const float* __restrict__ q, const float* __restrict__ wts,
                                      const float* __restrict__ keys, int64_t nI, int64_t d, int64_t n_keys,
                                      int64_t pos0, const int32_t* __restrict__ pos0_dev, int64_t topk, float scale,
-                                     float* __restrict__ scores) {
+                                     float wscale, float* __restrict__ scores) {
   pdl_begin();
   extern __shared__ float sm[];
   if (pos0_dev) pos0 = *pos0_dev;
@@ -594,7 +594,7 @@ __global__ void indexer_score_kernel(const float* __restrict__ q, const float* _
     float acc = 0.0f;  // as the CPU reference: sequential, unfused multiply then add
     for (int64_t x = 0; x < d; ++x) acc = __fadd_rn(acc, __fmul_rn(qs[jh * d + x], ks[j * dp + x]));
     const float dd = __fmul_rn(acc, scale);
-    part[j * (nI + 1) + jh] = __fmul_rn(wts[t * nI + jh], fmaxf(dd, 0.0f));
+    part[j * (nI + 1) + jh] = __fmul_rn(__fmul_rn(wts[t * nI + jh], wscale), fmaxf(dd, 0.0f));
   }
   __syncthreads();
   if (threadIdx.x < 32) {
@@ -622,7 +622,7 @@ __global__ void __launch_bounds__(kV4Threads) indexer_score_v4_kernel(const floa
                                                                const float* __restrict__ keys, int64_t nI, int64_t d,
                                                                int64_t n_keys, int64_t pos0,
                                                                const int32_t* __restrict__ pos0_dev, int64_t topk,
-                                                               float scale, int64_t t_first,
+                                                               float scale, float wscale, int64_t t_first,
                                                                float* __restrict__ scores) {
   pdl_begin();
   extern __shared__ float4 sm4[];
@@ -663,7 +663,7 @@ __global__ void __launch_bounds__(kV4Threads) indexer_score_v4_kernel(const floa
     for (int i = 0; i < kV4H; ++i)
       if (h0 + i < nI) {
         const float dd = __fmul_rn(acc[i], scale);
-        part[j * (nI + 1) + h0 + i] = __fmul_rn(wts[t * nI + h0 + i], fmaxf(dd, 0.0f));
+        part[j * (nI + 1) + h0 + i] = __fmul_rn(__fmul_rn(wts[t * nI + h0 + i], wscale), fmaxf(dd, 0.0f));
       }
   }
   __syncthreads();
@@ -986,8 +986,8 @@ void mla_prefill(const PrefillAttnArgs& a, cudaStream_t st) {
 }
 
 void indexer_scores(const float* q, const float* wts, const float* keys, int64_t T, int64_t nI, int64_t d,
-                    int64_t n_keys, int64_t pos0, const int32_t* pos0_dev, int64_t topk, float scale, float* scores,
-                    cudaStream_t st, bool fast) {
+                    int64_t n_keys, int64_t pos0, const int32_t* pos0_dev, int64_t topk, float scale, float wscale,
+                    float* scores, cudaStream_t st, bool fast) {
   const bool aligned = reinterpret_cast<uintptr_t>(q) % 16 == 0 && reinterpret_cast<uintptr_t>(keys) % 16 == 0;
   const size_t smem4 = size_t(nI * d + 32 * (d + 4) + 32 * (nI + 1)) * 4;
   // Run-time positions (a recorded decode step): every row and the bound's key blocks are
@@ -1004,7 +1004,7 @@ void indexer_scores(const float* q, const float* wts, const float* keys, int64_t
     if (t_first >= T) return;
     dim3 grid(unsigned((n_keys + 31) / 32), unsigned(T - t_first));
     launch(indexer_score_v4_kernel, grid, kV4Threads, smem4, st, q, wts, keys, nI, d, n_keys, pos0, pos0_dev, topk,
-           scale, t_first, scores);
+           scale, wscale, t_first, scores);
     VIREO_CUDA_LAUNCHED();
     return;
   }
@@ -1017,7 +1017,8 @@ void indexer_scores(const float* q, const float* wts, const float* keys, int64_t
   }
   if (smem > 200 * 1024) fail("indexer: ", nI, " heads x ", d, " are too wide for the score kernel");
   dim3 grid(unsigned((n_keys + 31) / 32), unsigned(T));
-  launch(indexer_score_kernel, grid, 256, smem, st, q, wts, keys, nI, d, n_keys, pos0, pos0_dev, topk, scale, scores);
+  launch(indexer_score_kernel, grid, 256, smem, st, q, wts, keys, nI, d, n_keys, pos0, pos0_dev, topk, scale, wscale,
+         scores);
   VIREO_CUDA_LAUNCHED();
 }
 

@@ -936,10 +936,10 @@ class CudaBackend final : public Backend {
       // --math fast rounds the indexer's q and k too, in prefill (more than 8 rows, host positions).
       const bool bf16 = fast_math() && a.T > kGemvRows && !a.pos0_dev &&
                         indexer_scores_bf16(a.q, a.weights, a.keys, a.T, a.n_heads, a.head_dim, a.n_keys, a.pos0,
-                                            a.topk, a.scale, scores, stream_);
+                                            a.topk, a.scale, a.weight_scale, scores, stream_);
       if (!bf16)
         indexer_scores(a.q, a.weights, a.keys, a.T, a.n_heads, a.head_dim, a.n_keys, a.pos0, a.pos0_dev, a.topk,
-                       a.scale, scores, stream_, fast_scores_);
+                       a.scale, a.weight_scale, scores, stream_, fast_scores_);
     }
     ProfScope ps(prof_, stream_, [] { return std::string("topk"); }, 0.0);
     indexer_topk(scores, a.T, a.n_keys, a.pos0, a.pos0_dev, a.topk, a.selected, a.counts, stream_, fast_topk_);

@@ -437,6 +437,27 @@ unsigned spread_blocks(int64_t units, int warps, size_t smem) {
   return per_sm <= fit ? unsigned(per_sm * sms) : 0;
 }
 
+// Grid for `units` warp tasks of a kernel with x in shared memory in blocks of kWideWarps warps,
+// one block an SM (VIREO_GEMV_WIDE_BLOCKS): every SM copies x once and streams ~units / SMs, dealt
+// round-robin (spread). Blocks of 8 or 16 warps spread 2-3 to an SM copied x 2-3 times over: for
+// GLM-5's layer input (2752 rows of 6144) 396 blocks each copied x (24 KB) for ~7 rows of FP8
+// weights (42 KB), 9.5 MB of copies for 16.9 MB of weights, each block's first weight loads behind
+// its copy; o_proj's 264 blocks 17 MB of copies (x 64 KB). One block an SM: 3.2 and 8.4 MB. The
+// same sums (a warp still sums a whole row). H200, 8 layers fp8: +0.8 / +0.4 points of decode at
+// context 0 / 4096 (BENCHMARKS, session 27). 0 (the caller's grid): at most a unit an SM, or more
+// than an SM holds at once (one block of 1024 threads at 64 registers fills its register file).
+constexpr int kWideWarps = 32;
+template <auto Kernel>
+unsigned wide_blocks(int64_t units, size_t smem) {
+  static const bool on = env_switch("VIREO_GEMV_WIDE_BLOCKS");
+  const int64_t sms = multiprocessors();
+  if (!on || units <= sms) return 0;
+  const int64_t per_sm = (units + sms * kWideWarps - 1) / (sms * kWideWarps);
+  int fit = 0;
+  VIREO_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, Kernel, 32 * kWideWarps, smem));
+  return per_sm <= fit ? unsigned(per_sm * sms) : 0;
+}
+
 // VIREO_MOE_DOWN_SLOTS=0: the down products in moe_down2_kernel, slot after slot (A/B runs).
 bool moe_down_slots() {
   static const bool on = env_switch("VIREO_MOE_DOWN_SLOTS");
@@ -600,6 +621,14 @@ template <int DT>
 void launch_many(const float* x, const ManyW& m, bool x_shared, cudaStream_t st) {
   if constexpr (DT == W_FP8 || DT == W_BF16) {
     const size_t x_bytes = size_t(m.w[0].in) * 4;
+    if (x_shared && x_bytes <= kXsMaxBytes) {  // one block an SM where that holds every row
+      constexpr auto kernel = gemv_many_kernel<DT, false, true, kWideWarps>;
+      allow_xs<kernel>();
+      if (const unsigned blocks = wide_blocks<kernel>(m.row0[m.n], x_bytes)) {
+        launch(kernel, blocks, 32 * kWideWarps, x_bytes, st, x, m, 1);
+        return;
+      }
+    }
     if (x_shared && x_bytes <= kXsMaxBytes) {
       constexpr auto kernel = gemv_many_kernel<DT, false, true, kManyXsWarps>;
       allow_xs<kernel>();
@@ -845,9 +874,18 @@ void index_key_append(const float* k, int64_t T, int64_t d, const float* w, cons
 namespace {
 template <int DT, int WARPS>
 void launch_rows2_xs(const float* x, const DevW& w, float* y, cudaStream_t st) {
+  const size_t x_bytes = size_t(w.in) * 4;
+  {  // one block an SM where that holds every row pair
+    constexpr auto kernel = gemv_rows2_kernel<DT, true, kWideWarps>;
+    allow_xs<kernel>();
+    if (const unsigned blocks = wide_blocks<kernel>(w.out / 2, x_bytes)) {
+      launch(kernel, blocks, 32 * kWideWarps, x_bytes, st, x, w, y, 1);
+      VIREO_CUDA_LAUNCHED();
+      return;
+    }
+  }
   constexpr auto kernel = gemv_rows2_kernel<DT, true, WARPS>;
   allow_xs<kernel>();
-  const size_t x_bytes = size_t(w.in) * 4;
   const unsigned spread = spread_blocks<kernel>(w.out / 2, WARPS, x_bytes);
   launch(kernel, spread ? spread : unsigned((w.out / 2 + WARPS - 1) / WARPS), 32 * WARPS, x_bytes, st, x, w, y,
          spread ? 1 : 0);

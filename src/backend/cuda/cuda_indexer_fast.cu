@@ -30,7 +30,7 @@ constexpr int kIxQ = 64, kIxK = 128, kIxThreads = 256;
 // Grid (ceil(n_keys / kIxK), ceil(T / kIxQ)). d a multiple of 16, q 16-byte aligned.
 __global__ void __launch_bounds__(kIxThreads, 2) indexer_scores_bf16_kernel(
     const float* __restrict__ q, const float* __restrict__ wts, const float* __restrict__ keys, int64_t T, int nI,
-    int d, int64_t n_keys, int64_t pos0, int64_t topk, float scale, float* __restrict__ scores) {
+    int d, int64_t n_keys, int64_t pos0, int64_t topk, float scale, float wscale, float* __restrict__ scores) {
   pdl_begin();
   extern __shared__ uint32_t smw[];
   const int dw = d / 2 + 4;  // words per K row
@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(kIxThreads, 2) indexer_scores_bf16_kernel(
   }
   for (int i = tid; i < kIxQ * nI; i += kIxThreads) {
     const int64_t t = t0 + i / nI;
-    ws[i] = t < T ? wts[t * nI + i % nI] : 0.0f;
+    ws[i] = t < T ? __fmul_rn(wts[t * nI + i % nI], wscale) : 0.0f;
   }
   float acc[8][4];
 #pragma unroll
@@ -124,7 +124,8 @@ __global__ void __launch_bounds__(kIxThreads, 2) indexer_scores_bf16_kernel(
 }  // namespace
 
 bool indexer_scores_bf16(const float* q, const float* wts, const float* keys, int64_t T, int64_t nI, int64_t d,
-                         int64_t n_keys, int64_t pos0, int64_t topk, float scale, float* scores, cudaStream_t st) {
+                         int64_t n_keys, int64_t pos0, int64_t topk, float scale, float wscale, float* scores,
+                         cudaStream_t st) {
   if (d % 16 != 0 || d > 512 || nI > 128 || nI <= 0 || T <= 0) return false;
   if (reinterpret_cast<uintptr_t>(q) % 16 != 0 || reinterpret_cast<uintptr_t>(keys) % 8 != 0) return false;
   // GLM-5 (d 128, 32 heads): 112 KB, two blocks per SM.
@@ -138,7 +139,7 @@ bool indexer_scores_bf16(const float* q, const float* wts, const float* keys, in
   }
   dim3 grid(unsigned((n_keys + kIxK - 1) / kIxK), unsigned((T + kIxQ - 1) / kIxQ));
   launch(indexer_scores_bf16_kernel, grid, kIxThreads, smem, st, q, wts, keys, T, int(nI), int(d), n_keys, pos0, topk,
-         scale, scores);
+         scale, wscale, scores);
   VIREO_CUDA_LAUNCHED();
   return true;
 }

@@ -555,7 +555,6 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
     if (dense_dsa) {
       append_cache_entries();  // the branch is the short side here
     } else {
-      backend_.scale(wts, float(1.0 / std::sqrt(double(nI))), N * nI);
       backend_.matmul(q_resid, N, a.idx_wq_b, qi);
       backend_.rope(qi, N, nI, nI * d, d, 0, rope, cs, rope_kind(c.indexer_rope_style));
       for (const Segment& s : segs) {
@@ -571,6 +570,7 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
         ia.pos0_dev = s.pos0_dev;
         ia.topk = topk;
         ia.scale = float(1.0 / std::sqrt(double(d)));
+        ia.weight_scale = float(1.0 / std::sqrt(double(nI)));
         ia.selected = selected + s.offset * topk;
         ia.counts = counts + s.offset;
         backend_.indexer_select(ia);
