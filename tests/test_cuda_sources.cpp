@@ -3,6 +3,8 @@
 // programmatic dependent launch (`launch`, cuda_internal.h) and must call pdl_begin() (or
 // pdl_begin(wait), cuda_kernels.cuh) before anything else: a kernel that skipped it would run concurrently with its
 // predecessor and read its inputs before they are written, a race no result test is sure to catch.
+// The one exception is its own form: a first statement that calls pdl_begin_after(loads), whose
+// argument (loads of weights, which no kernel writes) is evaluated before the wait.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -56,8 +58,12 @@ Finding scan(const std::string& name, const std::string& text) {
     ++f.kernels;
     size_t q = body + 1;
     while (q < s.size() && std::isspace(static_cast<unsigned char>(s[q]))) ++q;
-    // pdl_begin() or pdl_begin(wait), the form whose wait a kernel that waits on counters instead may skip.
-    if (s.compare(q, 10, "pdl_begin(") != 0) f.missing_wait.push_back(name + ":" + std::to_string(line_of(s, p)));
+    // pdl_begin() or pdl_begin(wait), the form whose wait a kernel that waits on counters instead may skip;
+    // or a first statement that calls pdl_begin_after(...).
+    const size_t first_end = s.find(';', q);
+    const bool after = first_end != std::string::npos && s.substr(q, first_end - q).find("pdl_begin_after(") != std::string::npos;
+    if (s.compare(q, 10, "pdl_begin(") != 0 && !after)
+      f.missing_wait.push_back(name + ":" + std::to_string(line_of(s, p)));
   }
   for (size_t p = s.find("<<<"); p != std::string::npos; p = s.find("<<<", p + 3))
     f.chevron_launch.push_back(name + ":" + std::to_string(line_of(s, p)));
@@ -73,10 +79,14 @@ TEST(CudaSources, ScannerFindsAKernelWithoutPdlBegin) {
                            "template <int N>\n__global__ void __launch_bounds__(256) late(int n) {\n  if (n) return;\n"
                            "  pdl_begin();\n}\n"
                            "__global__ void declared(int);\n"
-                           "void host() { ok<<<1, 32, 0, 0>>>(1); }\n");
-  EXPECT_EQ(bad.kernels, 2);
-  ASSERT_EQ(bad.missing_wait.size(), 1u);
+                           "void host() { ok<<<1, 32, 0, 0>>>(1); }\n"
+                           "__global__ void ahead(const uint4* w) {\n  const uint4 a = pdl_begin_after(load(w));\n}\n"
+                           "__global__ void ahead_late(const uint4* w) {\n  const uint4 a = load(w);\n"
+                           "  pdl_begin_after(a);\n}\n");
+  EXPECT_EQ(bad.kernels, 4);
+  ASSERT_EQ(bad.missing_wait.size(), 2u);
   EXPECT_EQ(bad.missing_wait[0], "x.cu:7");
+  EXPECT_EQ(bad.missing_wait[1], "x.cu:16");
   ASSERT_EQ(bad.chevron_launch.size(), 1u);
   EXPECT_EQ(bad.chevron_launch[0], "x.cu:12");
 }

@@ -32,8 +32,45 @@ __device__ __forceinline__ int64_t warp_unit(int spread, int warp, int warps) {
 
 // This lane's share of dot(w[row, :], x) (reduce over the warp afterwards). XF: where x comes
 // from (a raw pointer: through L1; or an XShared copy).
+// A warp's first loads of a row (lane_dot) or a row pair (lane_dot2), issued before the kernel's
+// wait (pdl_begin_after); `on` false where the row has fewer chunks than the first batch.
+struct RowAhead {
+  uint4 a[8];
+  bool on = false;
+};
+struct PairAhead {
+  uint4 a[4], b[4];
+  bool on = false;
+};
+template <int DT>
+__device__ __forceinline__ RowAhead row_ahead(const DevW& w, int64_t row, int lane, bool want) {
+  RowAhead r;
+  r.on = want && row < w.out && lane + 224 < w.in / GemvVec<DT>::n;
+  if (r.on) {
+    const uint4* wr = reinterpret_cast<const uint4*>(static_cast<const char*>(w.w) + row * w.in * elem_bytes<DT>());
+#pragma unroll
+    for (int i = 0; i < 8; ++i) r.a[i] = ldg_stream_ahead(wr + lane + 32 * i);
+  }
+  return r;
+}
+template <int DT>
+__device__ __forceinline__ PairAhead pair_ahead(const DevW& w, int64_t row, int lane, bool want) {
+  PairAhead r;
+  r.on = want && row < w.out && lane + 96 < w.in / GemvVec<DT>::n;
+  if (r.on) {
+    const uint4* ar = reinterpret_cast<const uint4*>(static_cast<const char*>(w.w) + row * w.in * elem_bytes<DT>());
+    const uint4* br = ar + w.in * elem_bytes<DT>() / 16;  // the next row
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      r.a[i] = ldg_stream_ahead(ar + lane + 32 * i);
+      r.b[i] = ldg_stream_ahead(br + lane + 32 * i);
+    }
+  }
+  return r;
+}
+
 template <int DT, bool VEC, class XF = const float*>
-__device__ __forceinline__ float lane_dot(const DevW& w, int64_t row, XF x, int lane) {
+__device__ __forceinline__ float lane_dot(const DevW& w, int64_t row, XF x, int lane, const RowAhead* ahead = nullptr) {
   float acc[1] = {0.0f};
   if constexpr (VEC) {
     constexpr int N = GemvVec<DT>::n;
@@ -55,6 +92,11 @@ __device__ __forceinline__ float lane_dot(const DevW& w, int64_t row, XF x, int 
       }
     };
     int64_t v = lane;
+    if (ahead && ahead->on) {  // the first eight, loaded before the kernel's wait
+#pragma unroll
+      for (int i = 0; i < 8; ++i) consume(ahead->a[i], v + 32 * i);
+      v += 256;
+    }
     for (; v + 224 < nv; v += 256) {  // eight (then four) loads in flight before the first use
       uint4 a[8];
 #pragma unroll
@@ -87,7 +129,8 @@ __device__ __forceinline__ int slot_expert(const int32_t* ids, int64_t t, int k,
 // the GEMV's x reads come from L1 and, at 2-4x the weight bytes, are what L1 is busy with (ncu,
 // FP8 experts: L1 95.8% busy, DRAM 35%).
 template <int DT, bool VEC, class XF = XGlobal>
-__device__ __forceinline__ float2 lane_dot2(const DevW& a, const DevW& b, int64_t row, const XF& xf, int lane) {
+__device__ __forceinline__ float2 lane_dot2(const DevW& a, const DevW& b, int64_t row, const XF& xf, int lane,
+                                            const PairAhead* ahead = nullptr) {
   float acc_a = 0.0f, acc_b = 0.0f;
   if constexpr (VEC) {
     constexpr int N = GemvVec<DT>::n;
@@ -111,6 +154,11 @@ __device__ __forceinline__ float2 lane_dot2(const DevW& a, const DevW& b, int64_
       }
     };
     int64_t v = lane;
+    if (ahead && ahead->on) {  // the first four of each, loaded before the kernel's wait
+#pragma unroll
+      for (int i = 0; i < 4; ++i) consume(ahead->a[i], ahead->b[i], v + 32 * i);
+      v += 128;
+    }
     for (; v + 96 < nv; v += 128) {  // four chunks of each row in flight
       uint4 wa[4], wb[4];
 #pragma unroll
@@ -458,6 +506,16 @@ unsigned wide_blocks(int64_t units, size_t smem) {
   return per_sm <= fit ? unsigned(per_sm * sms) : 0;
 }
 
+// Whether the shared-x GEMVs (gemv_rows2's and gemv_many's) issue their warps' first weight loads
+// before their wait (pdl_begin_after): a block dispatched while the kernel before still runs
+// (programmatic launch) then has those bytes on the way by the time its input is ready, where the
+// step's small kernels (a norm, the attention's merge) otherwise left the memory idle between two
+// products. VIREO_WEIGHTS_AHEAD=0: after the wait (A/B runs). Results do not change.
+int weights_ahead() {
+  static const bool on = env_switch("VIREO_WEIGHTS_AHEAD");
+  return on ? 1 : 0;
+}
+
 // VIREO_MOE_DOWN_SLOTS=0: the down products in moe_down2_kernel, slot after slot (A/B runs).
 bool moe_down_slots() {
   static const bool on = env_switch("VIREO_MOE_DOWN_SLOTS");
@@ -617,8 +675,9 @@ struct XNorm {
 // XS: x staged in shared memory by the block (w.in floats), normalized there where norm.w is set.
 template <int DT, bool XS = false, int WARPS = 8>
 __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
-    gemv_rows2_kernel(const float* __restrict__ x, DevW w, float* __restrict__ y, int spread, XNorm norm) {
-  pdl_begin();
+    gemv_rows2_kernel(const float* __restrict__ x, DevW w, float* __restrict__ y, int spread, XNorm norm, int ahead_on) {
+  const PairAhead ahead =
+      pdl_begin_after(pair_ahead<DT>(w, warp_unit(spread, threadIdx.x >> 5, WARPS) * 2, threadIdx.x & 31, ahead_on));
   extern __shared__ float4 xs[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t row = warp_unit(spread, warp, WARPS) * 2;
@@ -630,8 +689,8 @@ __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
   DevW next = w;  // the same matrix one row on: FP8 rows 2i, 2i + 1 share a 128-row scale block
   next.w = static_cast<const char*>(w.w) + size_t(w.in) * elem_bytes<DT>();
   float2 v;
-  if constexpr (XS) v = lane_dot2<DT, true>(w, next, row, XShared{xs, 0}, lane);
-  else v = lane_dot2<DT, true>(w, next, row, XGlobal{x}, lane);
+  if constexpr (XS) v = lane_dot2<DT, true>(w, next, row, XShared{xs, 0}, lane, &ahead);
+  else v = lane_dot2<DT, true>(w, next, row, XGlobal{x}, lane, &ahead);
   const float a = warp_sum(v.x), b = warp_sum(v.y);
   if (lane == 0) {
     y[row] = a;
@@ -647,10 +706,19 @@ __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
 // XS: x staged in shared memory by blocks of WARPS warps, a warp per row (the shared copy makes
 // x reads cheap, so rows need not share them in pairs: twice the warps in flight).
 constexpr int kManyWarps = 2;
+// The shared-x form's first loads of its warp's row, before the wait (the other forms: none).
+template <int DT, bool PAIRS, bool XS, int WARPS>
+__device__ __forceinline__ RowAhead many_ahead(const ManyW& m, int spread, bool want) {
+  const int64_t r = warp_unit(spread, int(threadIdx.x >> 5), WARPS);
+  if (!XS || PAIRS || !want || r >= m.row0[m.n]) return RowAhead{};
+  int i = 0;
+  while (r >= m.row0[i + 1]) ++i;
+  return row_ahead<DT>(m.w[i], r - m.row0[i], int(threadIdx.x & 31), true);
+}
 template <int DT, bool PAIRS, bool XS = false, int WARPS = kManyWarps>
 __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
-    gemv_many_kernel(const float* __restrict__ x, ManyW m, int spread) {
-  pdl_begin();
+    gemv_many_kernel(const float* __restrict__ x, ManyW m, int spread, int ahead_on) {
+  const RowAhead ahead = pdl_begin_after(many_ahead<DT, PAIRS, XS, WARPS>(m, spread, ahead_on));
   extern __shared__ float4 xs[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t r = warp_unit(spread, warp, WARPS) * (PAIRS ? 2 : 1);
@@ -670,7 +738,7 @@ __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
     }
   } else {
     float v;
-    if constexpr (XS) v = warp_sum(lane_dot<DT, true>(m.w[i], row, XShared{xs, 0}, lane));
+    if constexpr (XS) v = warp_sum(lane_dot<DT, true>(m.w[i], row, XShared{xs, 0}, lane, &ahead));
     else v = warp_sum(lane_dot<DT, true>(m.w[i], row, x, lane));
     if (lane == 0) m.y[i][row] = v;
   }
@@ -687,7 +755,7 @@ void launch_many(const float* x, const ManyW& m, bool x_shared, cudaStream_t st)
       constexpr auto kernel = gemv_many_kernel<DT, false, true, kWideWarps>;
       allow_xs<kernel>();
       if (const unsigned blocks = wide_blocks<kernel>(m.row0[m.n], x_bytes)) {
-        launch(kernel, blocks, 32 * kWideWarps, x_bytes, st, x, m, 1);
+        launch(kernel, blocks, 32 * kWideWarps, x_bytes, st, x, m, 1, weights_ahead());
         return;
       }
     }
@@ -696,15 +764,15 @@ void launch_many(const float* x, const ManyW& m, bool x_shared, cudaStream_t st)
       allow_xs<kernel>();
       const unsigned spread = spread_blocks<kernel>(m.row0[m.n], kManyXsWarps, x_bytes);
       launch(kernel, spread ? spread : unsigned((m.row0[m.n] + kManyXsWarps - 1) / kManyXsWarps), 32 * kManyXsWarps,
-             x_bytes, st, x, m, spread ? 1 : 0);
+             x_bytes, st, x, m, spread ? 1 : 0, weights_ahead());
       return;
     }
   }
   bool pairs = true;
   for (int i = 0; i <= m.n; ++i) pairs = pairs && m.row0[i] % 2 == 0;
   const unsigned blocks = unsigned((m.row0[m.n] / (pairs ? 2 : 1) + kManyWarps - 1) / kManyWarps);
-  if (pairs) launch(gemv_many_kernel<DT, true>, blocks, 32 * kManyWarps, 0, st, x, m, 0);
-  else launch(gemv_many_kernel<DT, false>, blocks, 32 * kManyWarps, 0, st, x, m, 0);
+  if (pairs) launch(gemv_many_kernel<DT, true>, blocks, 32 * kManyWarps, 0, st, x, m, 0, 0);
+  else launch(gemv_many_kernel<DT, false>, blocks, 32 * kManyWarps, 0, st, x, m, 0, 0);
 }
 
 // Decode rows (T <= 8): each row spread over a cluster of kNormCluster blocks, where one block a
@@ -938,7 +1006,7 @@ void launch_rows2_xs(const float* x, const DevW& w, float* y, XNorm norm, cudaSt
     constexpr auto kernel = gemv_rows2_kernel<DT, true, kWideWarps>;
     allow_xs<kernel>();
     if (const unsigned blocks = wide_blocks<kernel>(w.out / 2, x_bytes)) {
-      launch(kernel, blocks, 32 * kWideWarps, x_bytes, st, x, w, y, 1, norm);
+      launch(kernel, blocks, 32 * kWideWarps, x_bytes, st, x, w, y, 1, norm, weights_ahead());
       VIREO_CUDA_LAUNCHED();
       return;
     }
@@ -947,7 +1015,7 @@ void launch_rows2_xs(const float* x, const DevW& w, float* y, XNorm norm, cudaSt
   allow_xs<kernel>();
   const unsigned spread = spread_blocks<kernel>(w.out / 2, WARPS, x_bytes);
   launch(kernel, spread ? spread : unsigned((w.out / 2 + WARPS - 1) / WARPS), 32 * WARPS, x_bytes, st, x, w, y,
-         spread ? 1 : 0, norm);
+         spread ? 1 : 0, norm, weights_ahead());
   VIREO_CUDA_LAUNCHED();
 }
 }  // namespace
@@ -972,10 +1040,10 @@ bool gemv_rows2(const float* x, const DevW& w, float* y, bool x_shared, cudaStre
   }
   const unsigned blocks = unsigned((w.out / 2 + 7) / 8);
   switch (w.dt) {
-    case W_F32: launch(gemv_rows2_kernel<W_F32>, blocks, 256, 0, st, x, w, y, 0, XNorm{}); break;
-    case W_BF16: launch(gemv_rows2_kernel<W_BF16>, blocks, 256, 0, st, x, w, y, 0, XNorm{}); break;
-    case W_F16: launch(gemv_rows2_kernel<W_F16>, blocks, 256, 0, st, x, w, y, 0, XNorm{}); break;
-    default: launch(gemv_rows2_kernel<W_FP8>, blocks, 256, 0, st, x, w, y, 0, XNorm{}); break;
+    case W_F32: launch(gemv_rows2_kernel<W_F32>, blocks, 256, 0, st, x, w, y, 0, XNorm{}, 0); break;
+    case W_BF16: launch(gemv_rows2_kernel<W_BF16>, blocks, 256, 0, st, x, w, y, 0, XNorm{}, 0); break;
+    case W_F16: launch(gemv_rows2_kernel<W_F16>, blocks, 256, 0, st, x, w, y, 0, XNorm{}, 0); break;
+    default: launch(gemv_rows2_kernel<W_FP8>, blocks, 256, 0, st, x, w, y, 0, XNorm{}, 0); break;
   }
   VIREO_CUDA_LAUNCHED();
   return true;

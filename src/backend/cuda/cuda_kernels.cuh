@@ -65,6 +65,15 @@ __device__ __forceinline__ void pdl_begin(bool wait = true) {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
+// pdl_begin() after `ahead`, the argument, is evaluated: a kernel's first statement may issue loads
+// of what no kernel writes (its weights) before the wait, so that they land while the kernel
+// before it finishes (pdl_begin_after(first_loads(...))). Nothing else may be read there.
+template <class T>
+__device__ __forceinline__ T pdl_begin_after(T ahead) {
+  pdl_begin();
+  return ahead;
+}
+
 // Spins until *count >= need (an acquire load, so what the counting blocks wrote before their
 // fence is visible after). A count that never comes would hang the GPU: after ~2^26 tries (seconds)
 // the kernel traps, and the launch's error names it.
@@ -263,6 +272,16 @@ __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
   asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
       : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
       : "l"(p));
+  return r;
+}
+
+// ldg_stream as a volatile asm: kept ahead of pdl_begin_after's wait (an ordinary asm with no
+// memory clobber could be moved past it).
+__device__ __forceinline__ uint4 ldg_stream_ahead(const uint4* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
   return r;
 }
 
