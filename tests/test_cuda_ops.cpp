@@ -863,51 +863,6 @@ TEST(CudaOps, MatmulManyMatchesCpu) {
   }
 }
 
-#ifdef VIREO_HAVE_CUDA
-// rms_norm_matmul: one token through a staged-x GEMV normalizes x as it stages it (q_b and the
-// indexer's queries of a decode step), bit for bit the separate norm then product; elsewhere the
-// separate ops. 16384 x 2048 (GLM-5's q_b: blocks of 16 warps spread), 4096 x 2048 (its indexer
-// queries: a block of 32 warps an SM), widths of 1, 2 and 3 elements a norm thread (512, 4096,
-// 6144), odd chunks (1000: 125 a cluster rank); 3 tokens, 300 rows and F32 take the separate ops.
-TEST(CudaOps, RmsNormMatmulEqualsNormThenMatmul) {
-  REQUIRE_CUDA();
-  Pair p;
-  struct Case { DType dt; int64_t out, n, T; bool inside; };
-  for (const Case& c : {Case{DType::F8_E4M3, 16384, 2048, 1, true}, Case{DType::F8_E4M3, 4096, 2048, 1, true},
-                        Case{DType::BF16, 4096, 2048, 1, true}, Case{DType::BF16, 6000, 512, 1, true},
-                        Case{DType::F8_E4M3, 4096, 4096, 1, true}, Case{DType::BF16, 4096, 6144, 1, true},
-                        Case{DType::F8_E4M3, 4096, 1024, 1, true}, Case{DType::BF16, 4096, 1000, 1, true},
-                        Case{DType::F8_E4M3, 4096, 2048, 3, false}, Case{DType::BF16, 300, 2048, 1, false},
-                        Case{DType::F32, 4096, 512, 1, false}}) {
-    const std::string what = std::string(dt_name(c.dt)) + " " + std::to_string(c.out) + "x" + std::to_string(c.n) +
-                             " T " + std::to_string(c.T);
-    HostWeight hw = make_weight(c.dt, c.out, c.n, uint32_t(c.out + c.n));
-    const Weight gw = p.gpu->upload_weight(hw.w);
-    auto x = randv(size_t(c.T * c.n), uint32_t(c.n + 5), 3.0f), nw = randv(size_t(c.n), uint32_t(c.n + 6));
-    float* gx = p.g.up(x);
-    float* gnw = p.g.up(nw);
-    const float eps = 1e-6f;
-    // Separate ops on the GPU: the bits to match.
-    float* gxn = p.g.zeros(x.size());
-    float* gy = p.g.zeros(size_t(c.T * c.out));
-    p.gpu->rms_norm(gx, c.n, c.T, c.n, gnw, eps, gxn, c.n);
-    p.gpu->matmul(gxn, c.T, gw, gy);
-    const std::vector<float> want = p.g.down(gy, size_t(c.T * c.out));
-    float* gxn2 = p.g.up(std::vector<float>(x.size(), NAN));
-    float* gy2 = p.g.zeros(size_t(c.T * c.out));
-    p.gpu->rms_norm_matmul(gx, c.T, c.n, gnw, eps, gxn2, gw, gy2);
-    EXPECT_EQ(p.g.down(gy2, want.size()), want) << what;
-    // Where the norm ran inside the product, its scratch was never written.
-    const std::vector<float> xn2 = p.g.down(gxn2, x.size());
-    EXPECT_EQ(std::isnan(xn2[0]), c.inside) << what << (c.inside ? ": the separate ops ran" : ": no norm written");
-    // And the CPU's.
-    std::vector<float> xn(x.size()), cy(want.size());
-    p.cpu->rms_norm_matmul(x.data(), c.T, c.n, nw.data(), eps, xn.data(), hw.w, cy.data());
-    EXPECT_LT(nmse(want, cy), 1e-9) << what;
-  }
-}
-#endif
-
 // Weights uploaded side by side (upload_weights_adjacent: an attention layer's q_a, indexer keys
 // and kv_a) run at prefill as one product over the adjacent ones, in whatever order matmul_many
 // lists them; each output gets its own columns. BF16 (exact mode) and fast-fp8 with a bf16 weight

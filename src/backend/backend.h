@@ -130,14 +130,6 @@ class Backend {
                           float* y) = 0;
   // y = x @ W^T.                                                    x [T, in], y [T, out]
   virtual void matmul(const float* x, int64_t T, const Weight& w, float* y) = 0;
-  // y = rms_norm(x) @ w^T, the normed rows through xn (scratch: a backend that normalizes x
-  // inside the product, a GPU's decode GEMV as it stages x, may leave it unwritten).
-  //   x, xn [T, n]; norm_w [n]; w [out, n]; y [T, out]
-  virtual void rms_norm_matmul(const float* x, int64_t T, int64_t n, const float* norm_w, float eps, float* xn,
-                               const Weight& w, float* y) {
-    rms_norm(x, n, T, n, norm_w, eps, xn, n);
-    matmul(xn, T, w, y);
-  }
   // ys[i] = x @ ws[i]^T for n weights that share the input x (one launch where the backend can).
   //   x [T, in]; ws[i] [out_i, in]; ys[i] [T, out_i]
   virtual void matmul_many(const float* x, int64_t T, const Weight* const* ws, float* const* ys, int n) {

@@ -576,16 +576,6 @@ class CudaBackend final : public Backend {
     launch(rms_norm_kernel, unsigned(T), n >= 2048 ? 512 : 256, 0, stream_, x, xs, n, w, eps, y, ys);
     VIREO_CUDA_LAUNCHED();
   }
-  // One token through a staged-x GEMV (the decode step's q_b and the indexer's queries): the norm
-  // inside the product, where its own kernel was a link of the step's latency chain.
-  void rms_norm_matmul(const float* x, int64_t T, int64_t n, const float* norm_w, float eps, float* xn,
-                       const Weight& wt, float* y) override {
-    VIREO_PROF("rms_norm_matmul");  // (where the norm is not inside, its ops are this op's pieces)
-    if (T == 1 && wt.w.device == Device::CUDA && wt.w.ndim == 2 && wt.in() == n && wt.out() >= kRows2MinOut &&
-        gemv_rows2_rms(x, norm_w, eps, devw(wt), y, gemv_x_shared_, stream_))
-      return;
-    Backend::rms_norm_matmul(x, T, n, norm_w, eps, xn, wt, y);
-  }
   void add_rms_norm(float* h, const float* x, int64_t T, int64_t n, const float* w, float eps, float* y) override {
     VIREO_PROF("add_rms_norm");
     cuda::add_rms_norm(h, x, T, n, w, eps, y, stream_);
@@ -600,8 +590,6 @@ class CudaBackend final : public Backend {
 
   // Products of at most this many rows (decode steps) run as GEMVs; larger ones on tensor cores.
   static constexpr int64_t kGemvRows = 8;
-  // One token's products with this many output rows or more take gemv_rows2 (a warp per two rows).
-  static constexpr int64_t kRows2MinOut = 4096;
   void matmul(const float* x, int64_t T, const Weight& wt, float* y) override {
     if (T <= 0) return;
     const DevW w = devw(wt);
@@ -633,7 +621,7 @@ class CudaBackend final : public Backend {
         2.0 * double(T) * double(w.out) * double(w.in));
     if (q8 && cuda::q8_gemv(x, T, w, y, stream_)) {
       // done: e4m3 x e4m3
-    } else if (T == 1 && w.out >= kRows2MinOut && gemv_rows2(x, w, y, gemv_x_shared_, stream_)) {
+    } else if (T == 1 && w.out >= 4096 && gemv_rows2(x, w, y, gemv_x_shared_, stream_)) {
       // done: two rows per warp
     } else if (T <= kGemvRows) {
       matmul_small(x, T, w, y, stream_, sms_, gemv_x_shared_);

@@ -510,10 +510,15 @@ unsigned wide_blocks(int64_t units, size_t smem) {
 // before their wait (pdl_begin_after): a block dispatched while the kernel before still runs
 // (programmatic launch) then has those bytes on the way by the time its input is ready, where the
 // step's small kernels (a norm, the attention's merge) otherwise left the memory idle between two
-// products. VIREO_WEIGHTS_AHEAD=0: after the wait (A/B runs). Results do not change.
-int weights_ahead() {
-  static const bool on = env_switch("VIREO_WEIGHTS_AHEAD");
-  return on ? 1 : 0;
+// products. Results do not change. H200, 8 layers: BF16 decode +1.1 / +0.9 points at context 0 /
+// 4096, FP8 -0.4 / -1.0 (BENCHMARKS, session 27): on for BF16 weights only (a BF16 model's
+// products, an FP8 model's lm_head). VIREO_WEIGHTS_AHEAD=0: never, =1: every dtype (A/B runs).
+int weights_ahead(int dt) {
+  static const int mode = [] {
+    const char* e = std::getenv("VIREO_WEIGHTS_AHEAD");
+    return e && *e ? std::atoi(e) : 2;  // 2: BF16 only
+  }();
+  return mode == 1 || (mode == 2 && dt == W_BF16) ? 1 : 0;
 }
 
 // VIREO_MOE_DOWN_SLOTS=0: the down products in moe_down2_kernel, slot after slot (A/B runs).
@@ -612,79 +617,17 @@ void launch_moe_dt(bool vec, bool x_shared, MoePart part, const float* x, int64_
   else launch_moe<DT, false>(x_shared, part, x, N, D, I, K, S, n_routed, ids, wts, bank, h, out, ready, st);
 }
 
-// Decode rows' RMS norms (rms_norm_cluster_kernel): a row over kNormCluster blocks of
-// kNormThreads threads, kNormPer elements a thread.
-constexpr int kNormCluster = 8, kNormThreads = 256, kNormPer = 4;
-
-// A thread's sum of squares of its elements, in order (zeros past the row add nothing).
-__device__ __forceinline__ float sum_squares(const float (&v)[kNormPer]) {
-  float ss = 0.0f;
-#pragma unroll
-  for (int k = 0; k < kNormPer; ++k) ss += v[k] * v[k];
-  return ss;
-}
-
-// stage_x of y = rms_norm(x) * w instead of x, bit for bit the values rms_norm_cluster_kernel
-// writes: each group of kNormThreads threads takes cluster ranks g, g + groups, ..: a thread sums
-// the elements that thread of that rank holds (sum_squares), the group's 8 warps as block_sum adds
-// them (a warp's xor tree, then warp 0's tree over the 8 warp sums, zeros in the other lanes), and
-// the ranks' sums are added in rank order. blockDim.x a multiple of kNormThreads; n <= the
-// cluster's kNormCluster x kNormThreads x kNormPer.
-__device__ __forceinline__ void stage_x_rms(const float* __restrict__ x, int64_t n, const float* __restrict__ w,
-                                            float eps, float4* xs) {
-  __shared__ float warp_part[kNormCluster][kNormThreads / 32];
-  __shared__ float inv_shared;
-  const int j = int(threadIdx.x) % kNormThreads, lane = int(threadIdx.x) & 31;
-  const int groups = int(blockDim.x) / kNormThreads;
-  const int64_t chunk = (n + kNormCluster - 1) / kNormCluster;
-  for (int r = int(threadIdx.x) / kNormThreads; r < kNormCluster; r += groups) {
-    const int64_t i0 = r * chunk, i1 = min(n, i0 + chunk);
-    float v[kNormPer];
-#pragma unroll
-    for (int k = 0; k < kNormPer; ++k) {
-      const int64_t i = i0 + j + k * kNormThreads;
-      v[k] = i < i1 ? x[i] : 0.0f;
-    }
-    const float s = warp_sum(sum_squares(v));
-    if (lane == 0) warp_part[r][j >> 5] = s;
-  }
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    float total = 0.0f;
-    for (int r = 0; r < kNormCluster; ++r) total += warp_sum(lane < kNormThreads / 32 ? warp_part[r][lane] : 0.0f);
-    if (lane == 0) inv_shared = 1.0f / sqrtf(total / float(n) + eps);
-  }
-  __syncthreads();
-  const float inv = inv_shared;
-  const float4* x4 = reinterpret_cast<const float4*>(x);
-  const float4* w4 = reinterpret_cast<const float4*>(w);
-  for (int q = int(threadIdx.x); q < int(n / 4); q += int(blockDim.x)) {
-    const float4 a = __ldg(x4 + q), b = __ldg(w4 + q);
-    xs[xs_slot(q)] = make_float4(b.x * (a.x * inv), b.y * (a.y * inv), b.z * (a.z * inv), b.w * (a.w * inv));
-  }
-  __syncthreads();
-}
-
-// The RMS norm a GEMV applies to x as it stages it (stage_x_rms), or none (w null).
-struct XNorm {
-  const float* w = nullptr;
-  float eps = 0.0f;
-};
-
 // y[row] for rows 2i and 2i + 1 by one warp, x read once for both (T = 1, rows 16-byte aligned).
-// XS: x staged in shared memory by the block (w.in floats), normalized there where norm.w is set.
+// XS: x staged in shared memory by the block (w.in floats).
 template <int DT, bool XS = false, int WARPS = 8>
 __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
-    gemv_rows2_kernel(const float* __restrict__ x, DevW w, float* __restrict__ y, int spread, XNorm norm, int ahead_on) {
+    gemv_rows2_kernel(const float* __restrict__ x, DevW w, float* __restrict__ y, int spread, int ahead_on) {
   const PairAhead ahead =
       pdl_begin_after(pair_ahead<DT>(w, warp_unit(spread, threadIdx.x >> 5, WARPS) * 2, threadIdx.x & 31, ahead_on));
   extern __shared__ float4 xs[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t row = warp_unit(spread, warp, WARPS) * 2;
-  if constexpr (XS) {
-    if (norm.w) stage_x_rms(x, w.in, norm.w, norm.eps, xs);
-    else stage_x(x, w.in, xs);
-  }
+  if constexpr (XS) stage_x(x, w.in, xs);
   if (row >= w.out) return;
   DevW next = w;  // the same matrix one row on: FP8 rows 2i, 2i + 1 share a 128-row scale block
   next.w = static_cast<const char*>(w.w) + size_t(w.in) * elem_bytes<DT>();
@@ -755,7 +698,7 @@ void launch_many(const float* x, const ManyW& m, bool x_shared, cudaStream_t st)
       constexpr auto kernel = gemv_many_kernel<DT, false, true, kWideWarps>;
       allow_xs<kernel>();
       if (const unsigned blocks = wide_blocks<kernel>(m.row0[m.n], x_bytes)) {
-        launch(kernel, blocks, 32 * kWideWarps, x_bytes, st, x, m, 1, weights_ahead());
+        launch(kernel, blocks, 32 * kWideWarps, x_bytes, st, x, m, 1, weights_ahead(DT));
         return;
       }
     }
@@ -764,7 +707,7 @@ void launch_many(const float* x, const ManyW& m, bool x_shared, cudaStream_t st)
       allow_xs<kernel>();
       const unsigned spread = spread_blocks<kernel>(m.row0[m.n], kManyXsWarps, x_bytes);
       launch(kernel, spread ? spread : unsigned((m.row0[m.n] + kManyXsWarps - 1) / kManyXsWarps), 32 * kManyXsWarps,
-             x_bytes, st, x, m, spread ? 1 : 0, weights_ahead());
+             x_bytes, st, x, m, spread ? 1 : 0, weights_ahead(DT));
       return;
     }
   }
@@ -781,6 +724,7 @@ void launch_many(const float* x, const ManyW& m, bool x_shared, cudaStream_t st)
 // slice (a thread's elements in order, then block_sum), the blocks' sums meet through distributed
 // shared memory in rank order (every block adds the same partials in the same order: one total,
 // deterministic), then each block writes its slice. kAdd: h += x first (x then has h's stride n).
+constexpr int kNormCluster = 8, kNormThreads = 256, kNormPer = 4;
 template <bool kAdd>
 __global__ void __cluster_dims__(kNormCluster, 1, 1) __launch_bounds__(kNormThreads)
     rms_norm_cluster_kernel(float* __restrict__ h, const float* __restrict__ x, int64_t xs, int64_t n,
@@ -807,7 +751,10 @@ __global__ void __cluster_dims__(kNormCluster, 1, 1) __launch_bounds__(kNormThre
       wv[k] = w[i];
     }
   }
-  const float ss = block_sum(sum_squares(v));  // (stage_x_rms repeats this sum: keep them one)
+  float ss = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kNormPer; ++k) ss += v[k] * v[k];  // zeros past the slice add nothing
+  ss = block_sum(ss);
   if (threadIdx.x == 0) part = ss;
   cl.sync();
   float total = 0.0f;
@@ -999,14 +946,13 @@ void index_key_append(const float* k, int64_t T, int64_t d, const float* w, cons
 
 namespace {
 template <int DT, int WARPS>
-void launch_rows2_xs(const float* x, const DevW& w, float* y, XNorm norm, cudaStream_t st) {
-  static_assert(WARPS * 32 % kNormThreads == 0 && kWideWarps * 32 % kNormThreads == 0, "stage_x_rms's groups");
+void launch_rows2_xs(const float* x, const DevW& w, float* y, cudaStream_t st) {
   const size_t x_bytes = size_t(w.in) * 4;
   {  // one block an SM where that holds every row pair
     constexpr auto kernel = gemv_rows2_kernel<DT, true, kWideWarps>;
     allow_xs<kernel>();
     if (const unsigned blocks = wide_blocks<kernel>(w.out / 2, x_bytes)) {
-      launch(kernel, blocks, 32 * kWideWarps, x_bytes, st, x, w, y, 1, norm, weights_ahead());
+      launch(kernel, blocks, 32 * kWideWarps, x_bytes, st, x, w, y, 1, weights_ahead(DT));
       VIREO_CUDA_LAUNCHED();
       return;
     }
@@ -1015,7 +961,7 @@ void launch_rows2_xs(const float* x, const DevW& w, float* y, XNorm norm, cudaSt
   allow_xs<kernel>();
   const unsigned spread = spread_blocks<kernel>(w.out / 2, WARPS, x_bytes);
   launch(kernel, spread ? spread : unsigned((w.out / 2 + WARPS - 1) / WARPS), 32 * WARPS, x_bytes, st, x, w, y,
-         spread ? 1 : 0, norm, weights_ahead());
+         spread ? 1 : 0, weights_ahead(DT));
   VIREO_CUDA_LAUNCHED();
 }
 }  // namespace
@@ -1034,29 +980,18 @@ bool rows2_xs_fits(const DevW& w, bool x_shared) {
 bool gemv_rows2(const float* x, const DevW& w, float* y, bool x_shared, cudaStream_t st) {
   if (!rows2_fits(x, w)) return false;
   if (rows2_xs_fits(w, x_shared)) {
-    if (w.dt == W_FP8) launch_rows2_xs<W_FP8, kXsWarps>(x, w, y, XNorm{}, st);
-    else launch_rows2_xs<W_BF16, kXsWarps>(x, w, y, XNorm{}, st);
+    if (w.dt == W_FP8) launch_rows2_xs<W_FP8, kXsWarps>(x, w, y, st);
+    else launch_rows2_xs<W_BF16, kXsWarps>(x, w, y, st);
     return true;
   }
   const unsigned blocks = unsigned((w.out / 2 + 7) / 8);
   switch (w.dt) {
-    case W_F32: launch(gemv_rows2_kernel<W_F32>, blocks, 256, 0, st, x, w, y, 0, XNorm{}, 0); break;
-    case W_BF16: launch(gemv_rows2_kernel<W_BF16>, blocks, 256, 0, st, x, w, y, 0, XNorm{}, 0); break;
-    case W_F16: launch(gemv_rows2_kernel<W_F16>, blocks, 256, 0, st, x, w, y, 0, XNorm{}, 0); break;
-    default: launch(gemv_rows2_kernel<W_FP8>, blocks, 256, 0, st, x, w, y, 0, XNorm{}, 0); break;
+    case W_F32: launch(gemv_rows2_kernel<W_F32>, blocks, 256, 0, st, x, w, y, 0, 0); break;
+    case W_BF16: launch(gemv_rows2_kernel<W_BF16>, blocks, 256, 0, st, x, w, y, 0, 0); break;
+    case W_F16: launch(gemv_rows2_kernel<W_F16>, blocks, 256, 0, st, x, w, y, 0, 0); break;
+    default: launch(gemv_rows2_kernel<W_FP8>, blocks, 256, 0, st, x, w, y, 0, 0); break;
   }
   VIREO_CUDA_LAUNCHED();
-  return true;
-}
-
-bool gemv_rows2_rms(const float* x, const float* norm_w, float eps, const DevW& w, float* y, bool x_shared,
-                    cudaStream_t st) {
-  static const bool on = env_switch("VIREO_NORM_IN_GEMV");  // 0: the norm's own kernel (A/B runs)
-  if (!on || !norm_by_cluster(1, w.in) || !rows2_fits(x, w) || !rows2_xs_fits(w, x_shared) ||
-      reinterpret_cast<uintptr_t>(norm_w) % 16 != 0)
-    return false;
-  if (w.dt == W_FP8) launch_rows2_xs<W_FP8, kXsWarps>(x, w, y, XNorm{norm_w, eps}, st);
-  else launch_rows2_xs<W_BF16, kXsWarps>(x, w, y, XNorm{norm_w, eps}, st);
   return true;
 }
 

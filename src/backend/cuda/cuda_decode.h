@@ -59,12 +59,6 @@ void gemv_many(const float* x, const ManyW& m, bool x_shared, cudaStream_t st); 
 // x reads from L1 rather than the weight bytes limit the one-row-per-warp GEMV. False when the
 // shape or alignment does not allow it (nothing launched). x_shared: as moe_experts.
 bool gemv_rows2(const float* x, const DevW& w, float* y, bool x_shared, cudaStream_t st);
-// y = W rms_norm(x) (norm weights norm_w, n = w.in), x normalized as each block stages it in
-// shared memory: the same bits as rms_norm_decode then gemv_rows2, one kernel fewer. False
-// (nothing launched) where gemv_rows2 would not stage x or the norm would not take the cluster
-// kernel (VIREO_NORM_IN_GEMV=0: never).
-bool gemv_rows2_rms(const float* x, const float* norm_w, float eps, const DevW& w, float* y, bool x_shared,
-                    cudaStream_t st);
 
 // out[r] = the index of row r's largest value (the lowest on ties), as the CPU reference. Two
 // launches: blocks over parts of each row, then one warp per row; parts_buf holds

@@ -523,13 +523,12 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
     backend_.matmul_many(xn, N, ws, ys, !index_products_here ? 2 : dense_dsa ? 3 : 4);
   }
 
-  // The low-rank query's norm goes with each product of it (q_b, the indexer's queries), each with
-  // a buffer of its own for the normed rows: the two run beside each other.
+  float* q_resid = nullptr;
   float* qi = own_indexer ? scratch(15, size_t(N * nI * d)) : nullptr;  // the indexer's queries
-  auto q_resid_product = [&](int slot, const Weight& w, float* y) {
-    backend_.rms_norm_matmul(qa, N, c.q_lora_rank, vec(a.q_a_norm), eps_lora, scratch(slot, size_t(N * c.q_lora_rank)),
-                             w, y);
-  };
+  if (qa) {
+    q_resid = scratch(13, size_t(N * c.q_lora_rank));
+    backend_.rms_norm(qa, c.q_lora_rank, N, c.q_lora_rank, vec(a.q_a_norm), eps_lora, q_resid, c.q_lora_rank);
+  }
 
   // This step's cache entries [latent | k_rope], written straight into each sequence's row.
   auto append_cache_entries = [&] {
@@ -546,7 +545,7 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
   // main one when the indexer selects (+0.5 points at 4096 cached; session 15), the branch when
   // DSA is dense (the branch is then the key product and the key append).
   if (own_indexer) {
-    VIREO_ASSERT(qa);  // the indexer's queries come from the low-rank query (config checks)
+    VIREO_ASSERT(q_resid);  // the indexer's queries come from the low-rank query (config checks)
     Backend::BranchScope branch(backend_, N);
     if (!index_products_here) backend_.matmul(xn, N, a.idx_wk, kraw);
     for (const Segment& s : segs)
@@ -556,7 +555,7 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
     if (dense_dsa) {
       append_cache_entries();  // the branch is the short side here
     } else {
-      q_resid_product(19, a.idx_wq_b, qi);
+      backend_.matmul(q_resid, N, a.idx_wq_b, qi);
       backend_.rope(qi, N, nI, nI * d, d, 0, rope, cs, rope_kind(c.indexer_rope_style));
       for (const Segment& s : segs) {
         IndexerArgs ia;
@@ -578,7 +577,7 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
       }
     }
   }
-  if (qa) q_resid_product(13, a.q_b_proj, q);
+  if (qa) backend_.matmul(q_resid, N, a.q_b_proj, q);
   if (!(own_indexer && dense_dsa)) append_cache_entries();
 
   backend_.rope(q, N, H, H * qw, qw, nope, rope, cs, rope_kind(c.mla_rope_style));
