@@ -61,7 +61,8 @@ Finding scan(const std::string& name, const std::string& text) {
     // pdl_begin() or pdl_begin(wait), the form whose wait a kernel that waits on counters instead may skip;
     // or a first statement that calls pdl_begin_after(...).
     const size_t first_end = s.find(';', q);
-    const bool after = first_end != std::string::npos && s.substr(q, first_end - q).find("pdl_begin_after(") != std::string::npos;
+    const bool after =
+        first_end != std::string::npos && s.substr(q, first_end - q).find("pdl_begin_after(") != std::string::npos;
     if (s.compare(q, 10, "pdl_begin(") != 0 && !after)
       f.missing_wait.push_back(name + ":" + std::to_string(line_of(s, p)));
   }

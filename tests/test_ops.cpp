@@ -217,11 +217,19 @@ TEST(Ops, IndexerWeightScaleEqualsScaledWeights) {
   auto select = [&](const std::vector<float>& weights, float weight_scale) {
     std::vector<int32_t> sel(static_cast<size_t>(T * topk), -1), cnt(static_cast<size_t>(T));
     IndexerArgs a;
-    a.q = q.data(); a.weights = weights.data(); a.keys = keys.data();
-    a.T = T; a.n_heads = nI; a.head_dim = d; a.n_keys = N; a.pos0 = N - T; a.topk = topk;
+    a.q = q.data();
+    a.weights = weights.data();
+    a.keys = keys.data();
+    a.T = T;
+    a.n_heads = nI;
+    a.head_dim = d;
+    a.n_keys = N;
+    a.pos0 = N - T;
+    a.topk = topk;
     a.scale = 1.0f / std::sqrt(float(d));
     a.weight_scale = weight_scale;
-    a.selected = sel.data(); a.counts = cnt.data();
+    a.selected = sel.data();
+    a.counts = cnt.data();
     be->indexer_select(a);
     return sel;
   };

@@ -617,13 +617,10 @@ __global__ void indexer_score_kernel(const float* __restrict__ q, const float* _
 // instructions, 12.7 us at 4096 keys; 16 of 2: 10.1 us). Needs d % 4 == 0. The grid covers only the rows that select (t >= t_first: more
 // causal keys than topk); key blocks past a row's causal keys exit at once.
 constexpr int kV4H = 2, kV4Threads = 512;
-__global__ void __launch_bounds__(kV4Threads) indexer_score_v4_kernel(const float* __restrict__ q,
-                                                               const float* __restrict__ wts,
-                                                               const float* __restrict__ keys, int64_t nI, int64_t d,
-                                                               int64_t n_keys, int64_t pos0,
-                                                               const int32_t* __restrict__ pos0_dev, int64_t topk,
-                                                               float scale, float wscale, int64_t t_first,
-                                                               float* __restrict__ scores) {
+__global__ void __launch_bounds__(kV4Threads)
+    indexer_score_v4_kernel(const float* __restrict__ q, const float* __restrict__ wts, const float* __restrict__ keys,
+                            int64_t nI, int64_t d, int64_t n_keys, int64_t pos0, const int32_t* __restrict__ pos0_dev,
+                            int64_t topk, float scale, float wscale, int64_t t_first, float* __restrict__ scores) {
   pdl_begin();
   extern __shared__ float4 sm4[];
   if (pos0_dev) pos0 = *pos0_dev;  // then t_first is 0 and the grid covers the bound's keys

@@ -28,9 +28,10 @@ namespace {
 constexpr int kIxQ = 64, kIxK = 128, kIxThreads = 256;
 
 // Grid (ceil(n_keys / kIxK), ceil(T / kIxQ)). d a multiple of 16, q 16-byte aligned.
-__global__ void __launch_bounds__(kIxThreads, 2) indexer_scores_bf16_kernel(
-    const float* __restrict__ q, const float* __restrict__ wts, const float* __restrict__ keys, int64_t T, int nI,
-    int d, int64_t n_keys, int64_t pos0, int64_t topk, float scale, float wscale, float* __restrict__ scores) {
+__global__ void __launch_bounds__(kIxThreads, 2)
+    indexer_scores_bf16_kernel(const float* __restrict__ q, const float* __restrict__ wts,
+                               const float* __restrict__ keys, int64_t T, int nI, int d, int64_t n_keys, int64_t pos0,
+                               int64_t topk, float scale, float wscale, float* __restrict__ scores) {
   pdl_begin();
   extern __shared__ uint32_t smw[];
   const int dw = d / 2 + 4;  // words per K row
