@@ -501,20 +501,6 @@ TEST(CudaOps, IndexerSelectIsIdentical) {
     // The head weights' scale folded into the scores (a negative one reverses the ranking).
     a.weight_scale = g.weight_scale = -0.75f;
     expect_same_selection(cpu_select(p, a, q, w, keys), gpu_select(p, g), topk, "weight scale, T " + std::to_string(T));
-    // The queries' RoPE inside the op (the score kernels rotate q as they stage it), both layouts.
-    auto cs = randv(size_t(T * 16), uint32_t(34 + T));
-    for (RopeKind kind : {RopeKind::HalfSplit, RopeKind::Interleaved}) {
-      a.rope_cs = cs.data();
-      g.rope_cs = p.g.up(cs);
-      a.rope_width = g.rope_width = 16;
-      a.rope_kind = g.rope_kind = kind;
-      const std::string what = "rope " + std::to_string(int(kind)) + ", T " + std::to_string(T);
-      expect_same_selection(cpu_select(p, a, q, w, keys), gpu_select(p, g), topk, what);
-      // Run-time positions (a recorded step's): the same kernels.
-      IndexerArgs gd = g;
-      gd.pos0_dev = p.g.up_i({int32_t(pos0)});
-      expect_same_selection(cpu_select(p, a, q, w, keys), gpu_select(p, gd), topk, what + ", run-time positions");
-    }
   }
 }
 

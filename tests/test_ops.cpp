@@ -241,45 +241,6 @@ TEST(Ops, IndexerWeightScaleEqualsScaledWeights) {
   EXPECT_NE(select(w, -0.5f), select(w, 1.0f)) << "a negative weight scale must reverse the ranking";
 }
 
-// rope_cs: the op rotates the queries' rope part itself, as the rope op would have (both
-// layouts), and leaves q as it was; ignoring it would score unrotated queries (other keys).
-TEST(Ops, IndexerRopeInsideEqualsRotatedQueries) {
-  auto be = make_cpu_backend();
-  const int64_t N = 300, T = 3, nI = 4, d = 16, rope = 8, topk = 40;
-  auto keys = random_vec(size_t(N * d), 26), q = random_vec(size_t(T * nI * d), 27);
-  auto w = random_vec(size_t(T * nI), 28), cs = random_vec(size_t(T * rope), 29);
-  auto select = [&](const float* queries, const float* rope_cs, RopeKind kind) {
-    std::vector<int32_t> sel(static_cast<size_t>(T * topk), -1), cnt(static_cast<size_t>(T));
-    IndexerArgs a;
-    a.q = queries;
-    a.weights = w.data();
-    a.keys = keys.data();
-    a.T = T;
-    a.n_heads = nI;
-    a.head_dim = d;
-    a.n_keys = N;
-    a.pos0 = N - T;
-    a.topk = topk;
-    a.scale = 1.0f / std::sqrt(float(d));
-    a.rope_cs = rope_cs;
-    a.rope_width = rope;
-    a.rope_kind = kind;
-    a.selected = sel.data();
-    a.counts = cnt.data();
-    be->indexer_select(a);
-    return sel;
-  };
-  for (RopeKind kind : {RopeKind::HalfSplit, RopeKind::Interleaved}) {
-    const std::vector<float> q0 = q;
-    std::vector<float> rotated = q;
-    be->rope(rotated.data(), T, nI, nI * d, d, 0, rope, cs.data(), kind);
-    const std::vector<int32_t> inside = select(q.data(), cs.data(), kind);
-    EXPECT_EQ(q, q0) << "the queries were changed";
-    EXPECT_EQ(inside, select(rotated.data(), nullptr, kind)) << int(kind);
-    EXPECT_NE(inside, select(q.data(), nullptr, kind)) << "the rotation changes no selection: a weak test";
-  }
-}
-
 TEST(Ops, IndexerSelectsAllCausalKeysBelowTopk) {
   auto be = make_cpu_backend();
   const int64_t N = 6, T = 6, d = 4, topk = 4;

@@ -45,7 +45,7 @@ struct MlaAttentionArgs {
 };
 
 struct IndexerArgs {
-  const float* q = nullptr;        // [T, n_heads, head_dim] (rope part: see rope_cs)
+  const float* q = nullptr;        // [T, n_heads, head_dim], rope part rotated
   const float* weights = nullptr;  // [T, n_heads], as the head weights' product gives them
   const float* keys = nullptr;     // [N, head_dim]
   int64_t T = 0, n_heads = 0, head_dim = 0, n_keys = 0, pos0 = 0;
@@ -55,13 +55,6 @@ struct IndexerArgs {
   // Each head weight is first multiplied by this (one float product, as a separate scale op would
   // round it): n_heads^-1/2. Folded into the scores, where a decode step paid a kernel for it.
   float weight_scale = 1.0f;
-  // Null: q's rope part is rotated. Else it is not yet, and the op rotates the first rope_width
-  // columns of each head as rope(q, T, n_heads, n_heads * head_dim, head_dim, 0, rope_width,
-  // rope_cs, rope_kind) would before it scores (q itself is left as it is): a decode step's
-  // indexer queries, whose RoPE was a kernel of its own on the step's longer branch.
-  const float* rope_cs = nullptr;  // [T, rope_width / 2, 2]
-  int64_t rope_width = 0;
-  RopeKind rope_kind = RopeKind::HalfSplit;
   int32_t* selected = nullptr;     // [T, topk] key positions, ascending
   int32_t* counts = nullptr;       // [T]
 };

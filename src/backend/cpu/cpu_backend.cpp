@@ -192,13 +192,6 @@ class CpuBackend final : public Backend {
       a.pos0 = *a.pos0_dev;
       a.n_keys = a.pos0 + a.T;
     }
-    std::vector<float> rotated;  // the queries with their rope part rotated (rope_cs)
-    if (a.rope_cs) {
-      rotated.assign(a.q, a.q + a.T * a.n_heads * a.head_dim);
-      rope(rotated.data(), a.T, a.n_heads, a.n_heads * a.head_dim, a.head_dim, 0, a.rope_width, a.rope_cs,
-           a.rope_kind);
-      a.q = rotated.data();
-    }
     pool().parallel_for(a.T, [&](int64_t b, int64_t e, int) {
       std::vector<float> score(static_cast<size_t>(a.n_keys));
       std::vector<int32_t> order(static_cast<size_t>(a.n_keys));

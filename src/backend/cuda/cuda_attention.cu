@@ -570,29 +570,10 @@ __global__ void __launch_bounds__(256, 1) mla_prefill_tc_kernel(
   }
 }
 
-// Overwrites the rope part of row t's nI staged query heads (d floats apart in qs) with the rotation
-// rope_kernel gives them, read from q (global): after the plain copy and a barrier; the caller's
-// barrier follows. rope.cs null: nothing.
-__device__ __forceinline__ void rotate_staged_queries(float* qs, const float* __restrict__ q, int64_t nI, int64_t d,
-                                                      int64_t t, const QRope& rope) {
-  if (!rope.cs) return;
-  __syncthreads();  // (the plain copy of these columns is done)
-  const int64_t half = rope.width / 2;
-  const float* c = rope.cs + t * rope.width;
-  for (int64_t p = threadIdx.x; p < nI * half; p += blockDim.x) {
-    const int64_t h = p / half, i = p % half;
-    const float* v = q + (t * nI + h) * d;
-    const float2 r = rope_rotate(rope.interleaved ? v[2 * i] : v[i], rope.interleaved ? v[2 * i + 1] : v[half + i],
-                                 c[2 * i], c[2 * i + 1]);
-    qs[h * d + i] = r.x;
-    qs[h * d + half + i] = r.y;
-  }
-}
-
 __global__ void indexer_score_kernel(const float* __restrict__ q, const float* __restrict__ wts,
                                      const float* __restrict__ keys, int64_t nI, int64_t d, int64_t n_keys,
                                      int64_t pos0, const int32_t* __restrict__ pos0_dev, int64_t topk, float scale,
-                                     float wscale, QRope rope, float* __restrict__ scores) {
+                                     float wscale, float* __restrict__ scores) {
   pdl_begin();
   extern __shared__ float sm[];
   if (pos0_dev) pos0 = *pos0_dev;
@@ -607,7 +588,6 @@ __global__ void indexer_score_kernel(const float* __restrict__ q, const float* _
     const int64_t j = i / d, x = i % d, u = u0 + j;
     ks[j * dp + x] = u < n_causal ? keys[u * d + x] : 0.0f;
   }
-  rotate_staged_queries(qs, q, nI, d, t, rope);
   __syncthreads();
   for (int64_t p = threadIdx.x; p < 32 * nI; p += blockDim.x) {
     const int64_t j = p & 31, jh = p >> 5;
@@ -640,8 +620,7 @@ constexpr int kV4H = 2, kV4Threads = 512;
 __global__ void __launch_bounds__(kV4Threads)
     indexer_score_v4_kernel(const float* __restrict__ q, const float* __restrict__ wts, const float* __restrict__ keys,
                             int64_t nI, int64_t d, int64_t n_keys, int64_t pos0, const int32_t* __restrict__ pos0_dev,
-                            int64_t topk, float scale, float wscale, QRope rope, int64_t t_first,
-                            float* __restrict__ scores) {
+                            int64_t topk, float scale, float wscale, int64_t t_first, float* __restrict__ scores) {
   pdl_begin();
   extern __shared__ float4 sm4[];
   if (pos0_dev) pos0 = *pos0_dev;  // then t_first is 0 and the grid covers the bound's keys
@@ -658,7 +637,6 @@ __global__ void __launch_bounds__(kV4Threads)
     const int64_t j = i / d4, x = i % d4, u = u0 + j;
     ks[j * kp4 + x] = u < n_causal ? k4[u * d4 + x] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
-  rotate_staged_queries(reinterpret_cast<float*>(qs), q, nI, d, t, rope);
   __syncthreads();
   const int warp = int(threadIdx.x >> 5), j = int(threadIdx.x & 31);
   for (int64_t h0 = int64_t(warp) * kV4H; h0 < nI; h0 += (kV4Threads / 32) * kV4H) {
@@ -1006,7 +984,7 @@ void mla_prefill(const PrefillAttnArgs& a, cudaStream_t st) {
 
 void indexer_scores(const float* q, const float* wts, const float* keys, int64_t T, int64_t nI, int64_t d,
                     int64_t n_keys, int64_t pos0, const int32_t* pos0_dev, int64_t topk, float scale, float wscale,
-                    const QRope& rope, float* scores, cudaStream_t st, bool fast) {
+                    float* scores, cudaStream_t st, bool fast) {
   const bool aligned = reinterpret_cast<uintptr_t>(q) % 16 == 0 && reinterpret_cast<uintptr_t>(keys) % 16 == 0;
   const size_t smem4 = size_t(nI * d + 32 * (d + 4) + 32 * (nI + 1)) * 4;
   // Run-time positions (a recorded decode step): every row and the bound's key blocks are
@@ -1023,7 +1001,7 @@ void indexer_scores(const float* q, const float* wts, const float* keys, int64_t
     if (t_first >= T) return;
     dim3 grid(unsigned((n_keys + 31) / 32), unsigned(T - t_first));
     launch(indexer_score_v4_kernel, grid, kV4Threads, smem4, st, q, wts, keys, nI, d, n_keys, pos0, pos0_dev, topk,
-           scale, wscale, rope, t_first, scores);
+           scale, wscale, t_first, scores);
     VIREO_CUDA_LAUNCHED();
     return;
   }
@@ -1037,7 +1015,7 @@ void indexer_scores(const float* q, const float* wts, const float* keys, int64_t
   if (smem > 200 * 1024) fail("indexer: ", nI, " heads x ", d, " are too wide for the score kernel");
   dim3 grid(unsigned((n_keys + 31) / 32), unsigned(T));
   launch(indexer_score_kernel, grid, 256, smem, st, q, wts, keys, nI, d, n_keys, pos0, pos0_dev, topk, scale, wscale,
-         rope, scores);
+         scores);
   VIREO_CUDA_LAUNCHED();
 }
 

@@ -87,16 +87,10 @@ void mla_prefill_fast(const PrefillAttnArgs& a, const void* kvx_bf16, const void
 // scores[t, u] for u < pos0 + t + 1, rows with more causal keys than topk only. fast = false: run-time
 // positions take the plain kernel (the reference; both give the same bits).
 // pos0_dev: run-time pos0 (then pos0 and n_keys are bounds; n_keys is the row stride of scores).
-// wscale: IndexerArgs::weight_scale. rope: IndexerArgs::rope_cs's rotation of q's rope part, applied
-// as each block stages q (cs null: q is rotated already).
-struct QRope {
-  const float* cs = nullptr;  // [T, width / 2, 2]
-  int64_t width = 0;
-  int interleaved = 0;
-};
+// wscale: IndexerArgs::weight_scale.
 void indexer_scores(const float* q, const float* wts, const float* keys, int64_t T, int64_t nI, int64_t d,
                     int64_t n_keys, int64_t pos0, const int32_t* pos0_dev, int64_t topk, float scale, float wscale,
-                    const QRope& rope, float* scores, cudaStream_t st, bool fast = true);
+                    float* scores, cudaStream_t st, bool fast = true);
 // --math fast prefill (cuda_indexer_fast.cu): the same scores with q and k rounded to bf16 once,
 // on tensor cores (f32 accumulation; not bit-identical to the CPU, so near-ties may select
 // differently). Host-known pos0 only. False (nothing launched) for shapes it does not take.

@@ -154,9 +154,9 @@ __global__ void rope_kernel(float* x, int64_t TH, int64_t H, int64_t ts, int64_t
   if (per_block > 1) __syncwarp();
   else __syncthreads();
   if (i < half) {
-    const float2 r = rope_rotate(a, b, c[2 * i], c[2 * i + 1]);
-    v[i] = r.x;
-    v[half + i] = r.y;
+    const float co = c[2 * i], si = c[2 * i + 1];
+    v[i] = a * co - b * si;
+    v[half + i] = b * co + a * si;
   }
 }
 
@@ -923,24 +923,9 @@ class CudaBackend final : public Backend {
   }
   uint64_t scratch_generation() const override { return g_scratch_generation; }
 
-  void indexer_select(const IndexerArgs& args) override {
-    if (args.T <= 0) return;
+  void indexer_select(const IndexerArgs& a) override {
+    if (a.T <= 0) return;
     VIREO_PROF("indexer_select");
-    IndexerArgs a = args;
-    // The queries' RoPE inside the exact score kernels, as they stage q; the fast prefill kernel
-    // (and VIREO_INDEXER_ROPE_INSIDE=0) takes a rotated copy.
-    static const bool rope_inside = env_switch("VIREO_INDEXER_ROPE_INSIDE");
-    const bool bf16_scores = fast_math() && a.T > kGemvRows && !a.pos0_dev;
-    cuda::QRope qrope;
-    if (a.rope_cs && rope_inside && !bf16_scores) {
-      qrope = {a.rope_cs, a.rope_width, a.rope_kind == RopeKind::Interleaved ? 1 : 0};
-    } else if (a.rope_cs) {
-      const size_t n = size_t(a.T * a.n_heads * a.head_dim);
-      float* q = index_q_.get<float>(n);
-      VIREO_CUDA_CHECK(cudaMemcpyAsync(q, a.q, n * 4, cudaMemcpyDeviceToDevice, stream_));
-      rope(q, a.T, a.n_heads, a.n_heads * a.head_dim, a.head_dim, 0, a.rope_width, a.rope_cs, a.rope_kind);
-      a.q = q;
-    }
     float* scores = scores_.get<float>(size_t(a.T * a.n_keys));
     {
       double pairs = 0;
@@ -949,12 +934,12 @@ class CudaBackend final : public Backend {
           if (a.pos0 + t + 1 > a.topk) pairs += double(a.pos0 + t + 1);
       ProfScope ps(prof_, stream_, [] { return std::string("scores"); }, 2.0 * pairs * double(a.n_heads * a.head_dim));
       // --math fast rounds the indexer's q and k too, in prefill (more than 8 rows, host positions).
-      const bool bf16 = bf16_scores && indexer_scores_bf16(a.q, a.weights, a.keys, a.T, a.n_heads, a.head_dim,
-                                                           a.n_keys, a.pos0, a.topk, a.scale, a.weight_scale, scores,
-                                                           stream_);
+      const bool bf16 = fast_math() && a.T > kGemvRows && !a.pos0_dev &&
+                        indexer_scores_bf16(a.q, a.weights, a.keys, a.T, a.n_heads, a.head_dim, a.n_keys, a.pos0,
+                                            a.topk, a.scale, a.weight_scale, scores, stream_);
       if (!bf16)
         indexer_scores(a.q, a.weights, a.keys, a.T, a.n_heads, a.head_dim, a.n_keys, a.pos0, a.pos0_dev, a.topk,
-                       a.scale, a.weight_scale, qrope, scores, stream_, fast_scores_);
+                       a.scale, a.weight_scale, scores, stream_, fast_scores_);
     }
     ProfScope ps(prof_, stream_, [] { return std::string("topk"); }, 0.0);
     indexer_topk(scores, a.T, a.n_keys, a.pos0, a.pos0_dev, a.topk, a.selected, a.counts, stream_, fast_topk_);
@@ -2044,7 +2029,6 @@ class CudaBackend final : public Backend {
   Scratch joined_;                                              // matmul_joined's product, [T, the run's rows]
   std::unordered_map<const void*, const void*> adjacent_next_;  // upload_weights_adjacent: a weight -> the next
   Scratch argmax_parts_, flag_, scores_, dscores_, route_, xbf16_, wbf16_, qlat_, part_, latent_, kvx_, mask_, moe_h_, kvbf16_;
-  Scratch index_q_;  // indexer_select: the queries rotated, where the score kernel does not rotate them
   // The fast FP8 path: e4m3 x + its scales; D when it is bf16 or has padding rows; the weight
   // scales with padded rows.
   Scratch f8x_, f8d_, f8s_;

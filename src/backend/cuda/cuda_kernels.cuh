@@ -47,12 +47,6 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float x, float y) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// One RoPE pair (a, b) rotated by (co, si): rope_kernel's arithmetic, shared with the kernels
-// that rotate queries as they stage them (the same expression, the same bits).
-__device__ __forceinline__ float2 rope_rotate(float a, float b, float co, float si) {
-  return make_float2(a * co - b * si, b * co + a * si);
-}
-
 // Programmatic dependent launch (PDL). `launch` (cuda_internal.h) lets a kernel's blocks start
 // while the kernel before it in the stream is still running, so the launch and the block dispatch
 // of a decode step's ~20 kernels a layer overlap the kernel before instead of following it. Every

@@ -556,6 +556,7 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
       append_cache_entries();  // the branch is the short side here
     } else {
       backend_.matmul(q_resid, N, a.idx_wq_b, qi);
+      backend_.rope(qi, N, nI, nI * d, d, 0, rope, cs, rope_kind(c.indexer_rope_style));
       for (const Segment& s : segs) {
         IndexerArgs ia;
         ia.q = qi + s.offset * nI * d;
@@ -570,9 +571,6 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
         ia.topk = topk;
         ia.scale = float(1.0 / std::sqrt(double(d)));
         ia.weight_scale = float(1.0 / std::sqrt(double(nI)));
-        ia.rope_cs = cs + s.offset * cs_stride;  // the queries' RoPE, inside the op
-        ia.rope_width = rope;
-        ia.rope_kind = rope_kind(c.indexer_rope_style);
         ia.selected = selected + s.offset * topk;
         ia.counts = counts + s.offset;
         backend_.indexer_select(ia);
