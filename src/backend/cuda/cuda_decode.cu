@@ -30,8 +30,6 @@ __device__ __forceinline__ int64_t warp_unit(int spread, int warp, int warps) {
   return spread ? int64_t(warp) * gridDim.x + blockIdx.x : int64_t(blockIdx.x) * warps + warp;
 }
 
-// This lane's share of dot(w[row, :], x) (reduce over the warp afterwards). XF: where x comes
-// from (a raw pointer: through L1; or an XShared copy).
 // A warp's first loads of a row (lane_dot) or a row pair (lane_dot2), issued before the kernel's
 // wait (pdl_begin_after); `on` false where the row has fewer chunks than the first batch.
 struct RowAhead {
@@ -69,6 +67,8 @@ __device__ __forceinline__ PairAhead pair_ahead(const DevW& w, int64_t row, int 
   return r;
 }
 
+// This lane's share of dot(w[row, :], x) (reduce over the warp afterwards). XF: where x comes
+// from (a raw pointer: through L1; or an XShared copy). ahead: the first eight chunks, loaded.
 template <int DT, bool VEC, class XF = const float*>
 __device__ __forceinline__ float lane_dot(const DevW& w, int64_t row, XF x, int lane, const RowAhead* ahead = nullptr) {
   float acc[1] = {0.0f};
@@ -127,7 +127,7 @@ __device__ __forceinline__ int slot_expert(const int32_t* ids, int64_t t, int k,
 
 // This lane's shares of dot(a[row, :], x) and dot(b[row, :], x), reading x once for both rows:
 // the GEMV's x reads come from L1 and, at 2-4x the weight bytes, are what L1 is busy with (ncu,
-// FP8 experts: L1 95.8% busy, DRAM 35%).
+// FP8 experts: L1 95.8% busy, DRAM 35%). ahead: the first four chunks of each row, loaded.
 template <int DT, bool VEC, class XF = XGlobal>
 __device__ __forceinline__ float2 lane_dot2(const DevW& a, const DevW& b, int64_t row, const XF& xf, int lane,
                                             const PairAhead* ahead = nullptr) {
@@ -491,8 +491,8 @@ unsigned spread_blocks(int64_t units, int warps, size_t smem) {
 // GLM-5's layer input (2752 rows of 6144) 396 blocks each copied x (24 KB) for ~7 rows of FP8
 // weights (42 KB), 9.5 MB of copies for 16.9 MB of weights, each block's first weight loads behind
 // its copy; o_proj's 264 blocks 17 MB of copies (x 64 KB). One block an SM: 3.2 and 8.4 MB. The
-// same sums (a warp still sums a whole row). H200, 8 layers fp8: +0.8 / +0.4 points of decode at
-// context 0 / 4096 (BENCHMARKS, session 27). 0 (the caller's grid): at most a unit an SM, or more
+// same sums (a warp still sums a whole row). H200, 8 layers fp8: +0.8-1.0 / +0.4-0.9 points of
+// decode at context 0 / 4096 (BENCHMARKS, session 27). 0 (the caller's grid): at most a unit an SM, or more
 // than an SM holds at once (one block of 1024 threads at 64 registers fills its register file).
 constexpr int kWideWarps = 32;
 template <auto Kernel>
@@ -964,9 +964,7 @@ void launch_rows2_xs(const float* x, const DevW& w, float* y, cudaStream_t st) {
          spread ? 1 : 0, weights_ahead(DT));
   VIREO_CUDA_LAUNCHED();
 }
-}  // namespace
 
-namespace {
 bool rows2_fits(const float* x, const DevW& w) {
   const int n = 16 / (w.dt == W_F32 ? 4 : w.dt == W_FP8 ? 1 : 2);
   return w.out % 2 == 0 && w.in % n == 0 && reinterpret_cast<uintptr_t>(w.w) % 16 == 0 &&
