@@ -321,6 +321,23 @@ TEST(MemoryPlan, GpuColumnArithmetic) {
   EXPECT_EQ(make_memory_plan(in).g.slots, 256);
 }
 
+// The memory plan's op buffers count a resident bank's prefill run buffers (once left out: ~0.67 GB
+// at GLM-5's shapes) by CudaBufferSizes::bank_run_bytes: bf16 x and SwiGLU rows, f32 down rows,
+// 6 D + 2 I bytes a row, for up to a chunk of rows, none for decode steps.
+// (CudaDeviceStore.FastPrefillBankRunMatchesForwardGrouping checks the real buffers against it.)
+TEST(MemoryPlan, GpuBankRunBound) {
+  const int64_t D = 6144, I = 2048, per_token = 9, E = 256, per_row = 6 * D + 2 * I;
+  const int64_t chunk = CudaBufferSizes::kGroupedRows;
+  for (int64_t T : {int64_t(2048), int64_t(4096)}) {  // more rows than a chunk: the bound of smaller steps
+    EXPECT_GE(CudaBufferSizes::bank_run_bytes(T, per_token, D, I, E), chunk * per_row) << T;
+    EXPECT_LT(CudaBufferSizes::bank_run_bytes(T, per_token, D, I, E), chunk * per_row * 11 / 10) << T;
+  }
+  // 100 tokens, 900 rows: buffers of at most round_up(2 x 900 + 1024, 1024) = 3072 rows.
+  EXPECT_GE(CudaBufferSizes::bank_run_bytes(100, per_token, D, I, E), 3072 * per_row);
+  EXPECT_LT(CudaBufferSizes::bank_run_bytes(100, per_token, D, I, E), 4096 * per_row);
+  EXPECT_EQ(CudaBufferSizes::bank_run_bytes(8, per_token, D, I, E), 0) << "decode steps run the experts by id";
+}
+
 TEST(MemoryPlan, GpuHostSideIsACopyOrAHostTier) {
   MemoryPlanInputs in = gpu_inputs();
   const uint64_t all = 256 * in.slot_bytes;  // 9.5 GiB
@@ -569,6 +586,15 @@ TEST(CudaDeviceStore, FastPrefillBankRunMatchesForwardGrouping) {
       };
       const std::vector<float> forward = run(false), bank = run(true);
       EXPECT_EQ(bank, forward) << n << " tokens";
+    }
+    // The run's buffers, grown over the three lengths, within the memory plan's bound for the
+    // longest (the first model only: the second's may still hold buffers the first grew).
+    if (mode == CudaGemmMode::Bf16) {
+      EXPECT_GT(cuda_bank_run_buffer_bytes(*be), 0u);
+      const GlmDsaConfig& c = m->config();
+      EXPECT_LE(int64_t(cuda_bank_run_buffer_bytes(*be)),
+                CudaBufferSizes::bank_run_bytes(1500, c.experts_per_token + (c.n_shared_experts > 0 ? 1 : 0),
+                                                c.hidden_size, c.moe_intermediate_size, c.n_routed_experts));
     }
   }
   cuda_set_bank_grouped(*be, true);

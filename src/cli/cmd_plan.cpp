@@ -90,7 +90,10 @@ uint64_t estimate_backend_bytes(const GlmDsaConfig& c, int64_t T, bool fp8_weigh
   const int64_t run_rows = T * (c.experts_per_token + (c.n_shared_experts > 0 ? 1 : 0));
   const int64_t grouped_rows = std::min(run_rows, std::max(CudaBufferSizes::kGroupedRows, T));
   const int64_t grouped = grouped_rows * (6 * D + 2 * I + 8);
-  return uint64_t(main + (c.n_routed_experts > 0 ? lanes * lane + grouped + decode_moe : 0));
+  // And a resident bank's prefill run's own buffers of the same kinds (bank_run in cuda_backend.cu).
+  const int64_t bank_run = CudaBufferSizes::bank_run_bytes(T, c.experts_per_token + (c.n_shared_experts > 0 ? 1 : 0), D,
+                                                           I, c.n_routed_experts);
+  return uint64_t(main + (c.n_routed_experts > 0 ? lanes * lane + grouped + bank_run + decode_moe : 0));
 }
 
 int64_t step_tokens_for(int64_t chunk, int64_t context, int64_t batch) {

@@ -442,6 +442,13 @@ class CudaBackend final : public Backend {
   void set_grouped_tma(bool on) { grouped_tma_ = on; }
   void set_grouped_fp8_form(GroupedFp8Form f) { grouped_fp8_form_ = f; }
   void set_bank_grouped(bool on) { bank_grouped_ = on; }
+  uint64_t bank_run_buffer_bytes() const {
+    uint64_t n = 0;
+    for (const Scratch* b : {&bank_xb_, &bank_h_, &bank_y_, &bank_offsets_, &bank_index_, &bank_scale_,
+                             &bank_dense_index_, &bank_dense_scale_})
+      n += b->bytes;
+    return n;
+  }
   void set_moe_slot_counts(bool on) { moe_slot_counts_ = on; }
 
   void set_fast_decode(bool attention, bool scores, bool topk) {
@@ -1247,7 +1254,8 @@ class CudaBackend final : public Backend {
     const int64_t D = g0.in(), I = g0.out(), dense = bank.n_shared > 0 ? N : 0, R = N * top_k + dense;
     if (R > grouped_rows_ || R > grouped_max_mean(fp8) * E) return nullptr;
     // Buffers of at least R rows (grown in steps of whole 1024 rows, at most a chunk's rounded up;
-    // zeroed when made: rows past a run are loaded).
+    // zeroed when made: rows past a run are loaded). CudaBufferSizes::bank_run_bytes bounds what
+    // this rule keeps (the memory plan counts it): change both together.
     if (R > bank_rows_cap_ || bank_rows_d_ != D || bank_rows_i_ != I) {
       const int64_t want = std::max(R, std::min(bank_rows_cap_ * 2 + 1024, grouped_rows_));
       bank_rows_cap_ = (want + 1023) / 1024 * 1024;
@@ -2155,6 +2163,7 @@ void cuda_set_grouped_fp8_form(Backend& b, int form) {
 }
 void cuda_set_bank_grouped(Backend& b, bool on) { as_cuda(b).set_bank_grouped(on); }
 void cuda_set_moe_slot_counts(Backend& b, bool on) { as_cuda(b).set_moe_slot_counts(on); }
+uint64_t cuda_bank_run_buffer_bytes(Backend& b) { return as_cuda(b).bank_run_buffer_bytes(); }
 void cuda_set_fast_decode(Backend& b, bool attention, bool indexer_scores, bool indexer_topk) {
   as_cuda(b).set_fast_decode(attention, indexer_scores, indexer_topk);
 }

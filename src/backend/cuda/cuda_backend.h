@@ -24,6 +24,18 @@ struct CudaBufferSizes {
   static constexpr size_t kLtWorkspaceBytes = size_t(32) << 20;    // a cuBLASLt workspace (the stream's, each lane's)
   static constexpr int kExpertLanes = 4;                           // experts_add's side streams
   static constexpr int64_t kGroupedRows = 16384;                   // grouped experts: rows a chunk (cuda_grouped.h)
+  // The most bytes a resident bank's prefill runs (bank_run, cuda_backend.cu) keep in buffers after
+  // runs of up to T tokens of per_token rows each (the routed slots and the shared expert's): bf16
+  // x and SwiGLU rows and f32 down rows (6 D + 2 I bytes a row) for the rows its growth rule leaves
+  // (whole 1024s, at most twice the largest run plus 1024, at most a chunk: longer runs take the
+  // forward's grouping), an index and a scale a row for the routed rows and again for the shared
+  // expert's, and an offset an expert. None for decode steps (T <= 8: the experts run by id).
+  static constexpr int64_t bank_run_bytes(int64_t T, int64_t per_token, int64_t D, int64_t I, int64_t n_routed) {
+    if (T <= 8 || n_routed <= 0) return 0;
+    const int64_t run = std::min(T * per_token, kGroupedRows);
+    const int64_t rows = (std::min(2 * run + 1024, kGroupedRows) + 1023) / 1024 * 1024;
+    return rows * (6 * D + 2 * I) + run * 16 + (n_routed + 1) * 4;
+  }
   // Absorbed decode attention's key splits (cuda_attention.h): kDecodeSplitKeys keys each, or
   // kDecodeShortSplitKeys each for key lists of at most kDecodeShortMaxKeys (the short-context
   // kernel). The partials are sized for the larger count.
@@ -111,6 +123,9 @@ void cuda_set_bank_grouped(Backend& cuda, bool on);
 // counted (on, the default; VIREO_MOE_SLOT_COUNTS=0 turns it off) or once the whole gate | up
 // launch is done (off). The same kernels and sums either way.
 void cuda_set_moe_slot_counts(Backend& cuda, bool on);
+// Bytes of the resident-bank prefill run's buffers now allocated (CudaBufferSizes::bank_run_bytes
+// bounds them; the memory plan counts that bound).
+uint64_t cuda_bank_run_buffer_bytes(Backend& cuda);
 // Programmatic dependent launches for every CUDA kernel of the process (on, the default;
 // VIREO_PDL=0 turns them off for A/B runs): a kernel's blocks are dispatched while the kernel
 // before it runs and wait for it on the device. The same kernels and sums either way.
