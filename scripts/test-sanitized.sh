@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the CPU code with AddressSanitizer, UndefinedBehaviorSanitizer and LeakSanitizer into
 # build-asan/ (no CUDA: the sanitizers do not see into GPU kernels) and runs every test suite under
-# CTest there. Slower than scripts/test.sh (~15 min to build and ~8 to run on 2 cores), so not part
+# CTest there. Slower than scripts/test.sh (~25 min from scratch on 2 cores, the tests ~5 of it), so not part
 # of CI; run it after changes to parsers, the template engine, the server or memory handling.
 # Any sanitizer report fails its test (undefined behaviour aborts; a leak fails the process).
 set -euo pipefail
