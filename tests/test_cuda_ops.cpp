@@ -1164,6 +1164,14 @@ TEST(CudaOps, GroupedExpertsMatchLanesAndCpu) {
       EXPECT_EQ(run(true, 1), grouped) << what << ": a job a chunk";
       EXPECT_EQ(run(true, 0, false), grouped) << what << ": tiles loaded by cp.async instead of TMA";
       EXPECT_EQ(run(true, 700, false), grouped) << what << ": cp.async, in chunks";
+      // A tile a block, and every TMA product walking its tiles with 3 blocks (tma_grid): one
+      // ring across a block's tiles, the same sums.
+      for (int walk : {0, 1}) {
+        cuda_set_grouped_walk(walk, walk ? 3 : 0);
+        EXPECT_EQ(run(true, 0), grouped) << what << ": walk " << walk;
+        EXPECT_EQ(run(true, 700), grouped) << what << ": walk " << walk << ", in chunks";
+      }
+      cuda_set_grouped_walk(-1, 0);
       const double to_cpu = nmse(grouped, want), to_lanes = nmse(grouped, lanes);
       std::printf("  %s: grouped NMSE %.2e against the CPU, %.2e against the lanes (lanes %.2e)\n", what.c_str(),
                   to_cpu, to_lanes, nmse(lanes, want));
@@ -1215,6 +1223,14 @@ TEST(CudaOps, GroupedFp8ExpertsMatchLanesAndCpu) {
       EXPECT_EQ(run(true, 0, true, true), grouped) << what << ": form " << form;
       EXPECT_EQ(run(true, 1, true, true), grouped) << what << ": form " << form << ", a job a chunk";
     }
+    // Row tiles a tile a block, and walking with 3 blocks (the ring's phases carried across tiles).
+    cuda_set_grouped_fp8_form(*p.gpu, 1);
+    for (int walk : {0, 1}) {
+      cuda_set_grouped_walk(walk, walk ? 3 : 0);
+      EXPECT_EQ(run(true, 0, true, true), grouped) << what << ": row tiles, walk " << walk;
+      EXPECT_EQ(run(true, 1, true, true), grouped) << what << ": row tiles, walk " << walk << ", a job a chunk";
+    }
+    cuda_set_grouped_walk(-1, 0);
     cuda_set_grouped_fp8_form(*p.gpu, 0);
     EXPECT_EQ(run(true, 0, false, false), lanes) << what << ": without TMA, the lanes";
     const double to_cpu = nmse(grouped, ref.want), to_lanes = nmse(grouped, lanes), lanes_cpu = nmse(lanes, ref.want);

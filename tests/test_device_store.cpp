@@ -586,6 +586,11 @@ TEST(CudaDeviceStore, FastPrefillBankRunMatchesForwardGrouping) {
       };
       const std::vector<float> forward = run(false), bank = run(true);
       EXPECT_EQ(bank, forward) << n << " tokens";
+      // Every grouped product walking its tiles with 5 blocks: a walk ends at the device-made
+      // table's first padding entry (job -1), not at the grid's size.
+      cuda_set_grouped_walk(1, 5);
+      EXPECT_EQ(run(true), forward) << n << " tokens, walking";
+      cuda_set_grouped_walk(-1, 0);
     }
     // The run's buffers, grown over the three lengths, within the memory plan's bound for the
     // longest (the first model only: the second's may still hold buffers the first grew).

@@ -2157,6 +2157,7 @@ void cuda_set_grouped_experts(Backend& b, bool on, int64_t chunk_rows) {
   as_cuda(b).set_grouped_experts(on, chunk_rows);
 }
 void cuda_set_grouped_tma(Backend& b, bool on) { as_cuda(b).set_grouped_tma(on); }
+void cuda_set_grouped_walk(int mode, int max_blocks) { grouped_set_walk(mode, max_blocks); }
 void cuda_set_grouped_fp8_form(Backend& b, int form) {
   VIREO_ASSERT(form >= 0 && form <= 2);
   as_cuda(b).set_grouped_fp8_form(GroupedFp8Form(form));

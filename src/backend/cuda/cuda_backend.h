@@ -115,6 +115,10 @@ void cuda_set_grouped_tma(Backend& cuda, bool on);
 // The grouped FP8 products' tile form: 0 chosen by the rows' fill (the default), 1 row tiles,
 // 2 token columns (GroupedFp8Form, cuda_grouped.h): the same sums, so tests compare them bit for bit.
 void cuda_set_grouped_fp8_form(Backend& cuda, int form);
+// Which grouped products walk several tiles a block, process-wide (grouped_set_walk,
+// cuda_grouped.h): mode 0 none, 1 all, 2 the FP8 down products (default), -1 the default again;
+// max_blocks > 0 caps those grids. The same sums, so tests compare the bits.
+void cuda_set_grouped_walk(int mode, int max_blocks);
 // A resident bank's experts at prefill as one grouped run with its tables made on the device
 // (moe_experts, runs_moe_bank: on, the default; VIREO_BANK_GROUPED=0 turns it off) or the
 // forward's grouping with the row counts read back (off). The same jobs and sums either way.

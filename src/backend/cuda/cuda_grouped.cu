@@ -246,18 +246,19 @@ __device__ __forceinline__ void wait_stage_free(uint64_t (&empty)[Stages], int k
 // row, first column) is A's TM rows x TK columns at 0, then B's TN rows at ABytes: the job's gate
 // rows and then the same rows of up (swiglu), or its down rows. maps / a_map / job_maps: as
 // grouped_gemm_tma_kernel takes them.
+// kg: the ring's k-steps before this tile's (a block's earlier tiles, grouped_tile_walk).
 template <int Stages, int TK, int TN, uint32_t ABytes, uint32_t StageBytes>
 __device__ __forceinline__ void ring_produce(uint64_t (&full)[Stages], uint64_t (&empty)[Stages], uint32_t sbase,
                                              const CUtensorMap* __restrict__ maps, int a_map,
-                                             const int4* __restrict__ job_maps, int4 t, bool swiglu, int KT) {
+                                             const int4* __restrict__ job_maps, int4 t, bool swiglu, int KT, int kg) {
   const int4 jm = job_maps[t.x];
   const CUtensorMap* ma = maps + a_map;
   const CUtensorMap* mb = maps + (swiglu ? jm.x : jm.z);
   const CUtensorMap* mu = maps + jm.y;
   acquire_maps(ma, mb, swiglu ? mu : nullptr);
   for (int kt = 0; kt < KT; ++kt) {
-    const int s = kt % Stages;
-    wait_stage_free(empty, kt);
+    const int s = (kg + kt) % Stages;
+    wait_stage_free(empty, kg + kt);
     const uint32_t st = sbase + uint32_t(s) * StageBytes, fb = smem_u32(&full[s]);
     mbar_expect_tx(fb, StageBytes);
     tma_load_2d(st, ma, kt * TK, t.y, fb);  // A: the tile's rows (zeros past the run)
@@ -275,8 +276,8 @@ __device__ __forceinline__ void ring_produce(uint64_t (&full)[Stages], uint64_t 
 template <int TN, int Stages, int MinBlocks>
 __global__ void __launch_bounds__(kTmaThreads, MinBlocks)
     grouped_gemm_tma_kernel(const CUtensorMap* __restrict__ maps, int a_map, int K, const int4* __restrict__ job_maps,
-                            const int4* __restrict__ tiles, bool swiglu, const float* __restrict__ scale, int n_out,
-                            void* __restrict__ out) {
+                            const int4* __restrict__ tiles, int n_tiles, bool swiglu, const float* __restrict__ scale,
+                            int n_out, void* __restrict__ out) {
   pdl_begin();
   constexpr int NT = TN / 8;
   constexpr uint32_t StageBytes = kABytes + uint32_t(TN) * kTK * 2;
@@ -284,31 +285,37 @@ __global__ void __launch_bounds__(kTmaThreads, MinBlocks)
   __shared__ alignas(8) uint64_t full[Stages], empty[Stages];
   const uint32_t raw = smem_u32(gg_smem), sbase = (raw + 1023u) & ~1023u;
   const int tid = int(threadIdx.x), wgi = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
-  const int4 t = tiles[blockIdx.x];
-  if (t.x < 0) return;  // past a device-made run's tiles (grouped_device_tiles)
+  if (tiles[blockIdx.x].x < 0) return;  // past a device-made run's tiles (grouped_device_tiles)
   const int KT = K / kTK;
   ring_init(full, empty, tid);
   if (wgi == 2) {  // the producer warp: one lane issues every load
     if (lane == 0)
-      ring_produce<Stages, kTK, TN, kABytes, StageBytes>(full, empty, sbase, maps, a_map, job_maps, t, swiglu, KT);
+      for (int i = int(blockIdx.x), kg = 0; i < n_tiles && tiles[i].x >= 0; i += int(gridDim.x), kg += KT)
+        ring_produce<Stages, kTK, TN, kABytes, StageBytes>(full, empty, sbase, maps, a_map, job_maps, tiles[i], swiglu,
+                                                           KT, kg);
     return;
   }
-  const bool active = t.y + wgi * 64 < t.z;  // as the cp.async form
-  float d[NT][4];
+  for (int i = int(blockIdx.x), kg = 0; i < n_tiles; i += int(gridDim.x), kg += KT) {
+    const int4 t = tiles[i];
+    if (t.x < 0) break;
+    const bool active = t.y + wgi * 64 < t.z;  // as the cp.async form
+    float d[NT][4];
 #pragma unroll
-  for (int i = 0; i < NT; ++i) d[i][0] = d[i][1] = d[i][2] = d[i][3] = 0.0f;
-  for (int kt = 0; kt < KT; ++kt) {
-    const int s = kt % Stages;
-    mbar_wait(smem_u32(&full[s]), uint32_t(kt / Stages) & 1u);
-    const uint32_t st = sbase + uint32_t(s) * StageBytes;
-    step_mma<TN>(d, st, wgi, active);
-    wgmma_wait<1>();  // step kt - 1's MMA is done: release its stage
+    for (int n = 0; n < NT; ++n) d[n][0] = d[n][1] = d[n][2] = d[n][3] = 0.0f;
+    for (int kt = 0; kt < KT; ++kt) {
+      const int s = (kg + kt) % Stages;
+      mbar_wait(smem_u32(&full[s]), uint32_t((kg + kt) / Stages) & 1u);
+      const uint32_t st = sbase + uint32_t(s) * StageBytes;
+      step_mma<TN>(d, st, wgi, active);
+      wgmma_wait<1>();  // step kt - 1's MMA is done: release its stage
+      pin(d);
+      if (kt > 0) release(smem_u32(&empty[(kg + kt - 1) % Stages]), lane);
+    }
+    wgmma_wait<0>();
     pin(d);
-    if (kt > 0) release(smem_u32(&empty[(kt - 1) % Stages]), lane);
+    release(smem_u32(&empty[(kg + KT - 1) % Stages]), lane);  // the tile's last stage, for the next tile's loads
+    store_tile<NT, false>(d, t, wgi, warp, lane, swiglu, scale, n_out, out);
   }
-  wgmma_wait<0>();
-  pin(d);
-  store_tile<NT, false>(d, t, wgi, warp, lane, swiglu, scale, n_out, out);
 }
 
 // FP8 experts: the same tile scheme on e4m3 operands (wgmma k-step 32), a stage one 128-deep
@@ -326,26 +333,13 @@ constexpr int kF8Stages = 6;
 constexpr uint32_t kF8ABytes = kF8TM * kF8TK, kF8StageBytes = kF8ABytes + kF8TN * kF8TK;  // 16 + 16 KB
 constexpr size_t kF8Smem = size_t(kF8Stages) * kF8StageBytes + 1024;
 
-__global__ void __launch_bounds__(kTmaThreads, 1)
-    grouped_fp8_kernel(const CUtensorMap* __restrict__ maps, int a_map, const float* __restrict__ a_scale, int R, int K,
-                       const int4* __restrict__ job_maps, const JobW* __restrict__ jobs, const int4* __restrict__ tiles,
-                       bool swiglu, const float* __restrict__ scale, int n_out, float* __restrict__ out) {
-  pdl_begin();
+// One row tile of grouped_fp8_kernel's (the math warpgroups' part), its k-blocks steps kg .. kg +
+// KT - 1 of the block's ring.
+__device__ __forceinline__ void fp8_tile(int4 t, int kg, int KT, int R, const float* __restrict__ a_scale,
+                                         const JobW* __restrict__ jobs, uint32_t sbase, uint64_t (&full)[kF8Stages],
+                                         uint64_t (&empty)[kF8Stages], bool swiglu, const float* __restrict__ scale,
+                                         int n_out, float* __restrict__ out, int wgi, int warp, int lane) {
   constexpr int NT = kF8TN / 8;
-  extern __shared__ unsigned char gg_smem[];
-  __shared__ alignas(8) uint64_t full[kF8Stages], empty[kF8Stages];
-  const uint32_t raw = smem_u32(gg_smem), sbase = (raw + 1023u) & ~1023u;
-  const int tid = int(threadIdx.x), wgi = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
-  const int4 t = tiles[blockIdx.x];
-  if (t.x < 0) return;  // past a device-made run's tiles (grouped_device_tiles)
-  const int KT = K / kF8TK;
-  ring_init(full, empty, tid);
-  if (wgi == 2) {  // the producer warp, as grouped_gemm_tma_kernel's
-    if (lane == 0)
-      ring_produce<kF8Stages, kF8TK, kF8TN, kF8ABytes, kF8StageBytes>(full, empty, sbase, maps, a_map, job_maps, t,
-                                                                      swiglu, KT);
-    return;
-  }
   const bool active = t.y + wgi * 64 < t.z;
   // This thread's two rows (clamped for the scale reads: rows past the run are never stored) and
   // the weight scales of the tile's columns (one 128-row block: gate | up tiles sit in one).
@@ -361,10 +355,10 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
 #pragma unroll
   for (int i = 0; i < NT; ++i) d[i][0] = d[i][1] = d[i][2] = d[i][3] = 0.0f;
   for (int kt = 0; kt < KT; ++kt) {
-    const int s = kt % kF8Stages;
+    const int s = (kg + kt) % kF8Stages;
     // (The scale loads go out before the wait and the MMAs, which hide their latency.)
     const float a0 = sa0[int64_t(kt) * R], a1 = sa1[int64_t(kt) * R], bg = sbg[kt], bu = sbu[kt];
-    mbar_wait(smem_u32(&full[s]), uint32_t(kt / kF8Stages) & 1u);
+    mbar_wait(smem_u32(&full[s]), uint32_t((kg + kt) / kF8Stages) & 1u);
     const uint64_t so = desc_off(uint32_t(s) * kF8StageBytes);
     if (active) {
       pin(p);
@@ -391,6 +385,32 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     }
   }
   store_tile<NT, true>(d, t, wgi, warp, lane, swiglu, scale, n_out, out);
+}
+
+__global__ void __launch_bounds__(kTmaThreads, 1)
+    grouped_fp8_kernel(const CUtensorMap* __restrict__ maps, int a_map, const float* __restrict__ a_scale, int R, int K,
+                       const int4* __restrict__ job_maps, const JobW* __restrict__ jobs, const int4* __restrict__ tiles,
+                       int n_tiles, bool swiglu, const float* __restrict__ scale, int n_out, float* __restrict__ out) {
+  pdl_begin();
+  extern __shared__ unsigned char gg_smem[];
+  __shared__ alignas(8) uint64_t full[kF8Stages], empty[kF8Stages];
+  const uint32_t raw = smem_u32(gg_smem), sbase = (raw + 1023u) & ~1023u;
+  const int tid = int(threadIdx.x), wgi = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  if (tiles[blockIdx.x].x < 0) return;  // past a device-made run's tiles (grouped_device_tiles)
+  const int KT = K / kF8TK;
+  ring_init(full, empty, tid);
+  if (wgi == 2) {  // the producer warp, as grouped_gemm_tma_kernel's
+    if (lane == 0)
+      for (int i = int(blockIdx.x), kg = 0; i < n_tiles && tiles[i].x >= 0; i += int(gridDim.x), kg += KT)
+        ring_produce<kF8Stages, kF8TK, kF8TN, kF8ABytes, kF8StageBytes>(full, empty, sbase, maps, a_map, job_maps,
+                                                                        tiles[i], swiglu, KT, kg);
+    return;
+  }
+  for (int i = int(blockIdx.x), kg = 0; i < n_tiles; i += int(gridDim.x), kg += KT) {
+    const int4 t = tiles[i];
+    if (t.x < 0) break;
+    fp8_tile(t, kg, KT, R, a_scale, jobs, sbase, full, empty, swiglu, scale, n_out, out, wgi, warp, lane);
+  }
 }
 
 // The FP8 products with the operands' roles swapped ("token columns"): a tile's 128 weight rows
@@ -713,6 +733,33 @@ const T* table_at(const GroupedRun& r, size_t off) {
   return reinterpret_cast<const T*>(r.table + off);
 }
 
+// The TMA forms' grid: a tile a block, or (walking) a block an SM, each walking tiles
+// blockIdx.x, + gridDim.x, ... through one ring, so that the producer warp loads the next tile's
+// first k-steps while the math warps finish the tile before (their last MMAs, the epilogue's
+// stores) and no block after the first wave starts with an empty ring. The same tiles, each summed
+// as before: the same bits either way. Which products walk (BENCHMARKS, session 28): the FP8 down
+// products (K 2048: 16 k-blocks a tile, where the ring's fill and the epilogue weigh most; 202 ->
+// 186 us a 512-token layer at 16 experts). The FP8 gate | up (48 k-blocks) measured the same; the
+// bf16 down products 3% faster alone but the bf16 prefill no faster end to end, so bf16 keeps a
+// tile a block. VIREO_GROUPED_PERSISTENT=0: never, =1: every TMA product (A/B runs).
+// Set by grouped_set_walk (tests), else from the environment: the mode and the most blocks.
+int walk_mode = -1, walk_blocks = 0;
+unsigned tma_grid(int tiles, bool swiglu, bool fp8) {
+  static const int env_mode = [] {
+    const char* e = std::getenv("VIREO_GROUPED_PERSISTENT");
+    return e && *e ? std::atoi(e) : 2;  // 2: the FP8 down products
+  }();
+  static const int sms = [] {
+    int dev = 0, n = 0;
+    VIREO_CUDA_CHECK(cudaGetDevice(&dev));
+    VIREO_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    return n;
+  }();
+  const int mode = walk_mode >= 0 ? walk_mode : env_mode;
+  const bool walk = mode == 1 || (mode == 2 && fp8 && !swiglu);
+  return unsigned(walk ? std::min(tiles, walk_blocks > 0 ? walk_blocks : sms) : tiles);
+}
+
 // One bf16 TMA form's launch (its shared-memory size set once a process).
 template <int TN, int Stages, int MinBlocks>
 void launch_tma(const GroupedRun& r, bool swiglu, int tiles, cudaStream_t st) {
@@ -723,10 +770,10 @@ void launch_tma(const GroupedRun& r, bool swiglu, int tiles, cudaStream_t st) {
     VIREO_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     configured = true;
   }
-  launch(kernel, unsigned(tiles), kTmaThreads, smem, st, table_at<CUtensorMap>(r, r.tables->maps_at), swiglu ? 0 : 1,
-         int(swiglu ? r.D : r.I), table_at<int4>(r, r.tables->job_maps_at),
-         table_at<int4>(r, swiglu ? r.tables->gate_up_at : r.tables->down_at), swiglu, r.scale, int(swiglu ? r.I : r.D),
-         swiglu ? r.h : static_cast<void*>(r.y));
+  launch(kernel, tma_grid(tiles, swiglu, false), kTmaThreads, smem, st, table_at<CUtensorMap>(r, r.tables->maps_at),
+         swiglu ? 0 : 1, int(swiglu ? r.D : r.I), table_at<int4>(r, r.tables->job_maps_at),
+         table_at<int4>(r, swiglu ? r.tables->gate_up_at : r.tables->down_at), tiles, swiglu, r.scale,
+         int(swiglu ? r.I : r.D), swiglu ? r.h : static_cast<void*>(r.y));
   VIREO_CUDA_LAUNCHED();
 }
 
@@ -759,10 +806,10 @@ void gemm(const GroupedRun& r, bool swiglu, cudaStream_t st) {
           cudaFuncSetAttribute(grouped_fp8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kF8Smem)));
       fp8_configured = true;
     }
-    launch(grouped_fp8_kernel, unsigned(tiles), kTmaThreads, kF8Smem, st, table_at<CUtensorMap>(r, r.tables->maps_at),
-           swiglu ? 0 : 1, swiglu ? r.xs : r.hs, int(r.R), int(swiglu ? r.D : r.I),
-           table_at<int4>(r, r.tables->job_maps_at), table_at<JobW>(r, r.tables->jobs_at),
-           table_at<int4>(r, swiglu ? r.tables->gate_up_at : r.tables->down_at), swiglu, r.scale,
+    launch(grouped_fp8_kernel, tma_grid(tiles, swiglu, true), kTmaThreads, kF8Smem, st,
+           table_at<CUtensorMap>(r, r.tables->maps_at), swiglu ? 0 : 1, swiglu ? r.xs : r.hs, int(r.R),
+           int(swiglu ? r.D : r.I), table_at<int4>(r, r.tables->job_maps_at), table_at<JobW>(r, r.tables->jobs_at),
+           table_at<int4>(r, swiglu ? r.tables->gate_up_at : r.tables->down_at), tiles, swiglu, r.scale,
            int(swiglu ? r.I : r.D), swiglu ? r.h32 : r.y);
     VIREO_CUDA_LAUNCHED();
     return;
@@ -782,6 +829,12 @@ void gemm(const GroupedRun& r, bool swiglu, cudaStream_t st) {
 }
 
 }  // namespace
+
+void grouped_set_walk(int mode, int max_blocks) {
+  VIREO_ASSERT(mode >= -1 && mode <= 2 && max_blocks >= 0);
+  walk_mode = mode;
+  walk_blocks = max_blocks;
+}
 
 bool grouped_experts_fit(int64_t D, int64_t I, const std::vector<GroupedJob>& jobs, bool fp8) {
   // (Multiples of the tile's columns are multiples of the k-step too; the FP8 tiles' 128 columns

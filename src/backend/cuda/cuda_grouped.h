@@ -122,5 +122,10 @@ void grouped_quantize_h(const GroupedRun& r, cudaStream_t st);
 void grouped_gate_up(const GroupedRun& r, cudaStream_t st);
 void grouped_down(const GroupedRun& r, cudaStream_t st);
 void grouped_combine(const GroupedRun& r, cudaStream_t st);
+// Which TMA products walk several tiles a block (cuda_grouped.cu, tma_grid), for the whole
+// process: mode 0 none, 1 gate | up and down, 2 the FP8 down products (the default), -1 back to the
+// default (or VIREO_GROUPED_PERSISTENT); max_blocks > 0 caps the walking grids below the SM count
+// (tests: a few blocks walk many tiles). The same bits in every setting.
+void grouped_set_walk(int mode, int max_blocks);
 
 }  // namespace vireo::cuda
