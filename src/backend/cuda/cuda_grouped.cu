@@ -246,7 +246,7 @@ __device__ __forceinline__ void wait_stage_free(uint64_t (&empty)[Stages], int k
 // row, first column) is A's TM rows x TK columns at 0, then B's TN rows at ABytes: the job's gate
 // rows and then the same rows of up (swiglu), or its down rows. maps / a_map / job_maps: as
 // grouped_gemm_tma_kernel takes them.
-// kg: the ring's k-steps before this tile's (a block's earlier tiles, grouped_tile_walk).
+// kg: the ring's k-steps before this tile's (the block's earlier tiles where it walks, tma_grid).
 template <int Stages, int TK, int TN, uint32_t ABytes, uint32_t StageBytes>
 __device__ __forceinline__ void ring_produce(uint64_t (&full)[Stages], uint64_t (&empty)[Stages], uint32_t sbase,
                                              const CUtensorMap* __restrict__ maps, int a_map,
@@ -740,9 +740,9 @@ const T* table_at(const GroupedRun& r, size_t off) {
 // as before: the same bits either way. Which products walk (BENCHMARKS, session 28): the FP8 down
 // products (K 2048: 16 k-blocks a tile, where the ring's fill and the epilogue weigh most; 202 ->
 // 186 us a 512-token layer at 16 experts). The FP8 gate | up (48 k-blocks) measured the same; the
-// bf16 down products 3% faster alone but the bf16 prefill no faster end to end, so bf16 keeps a
-// tile a block. VIREO_GROUPED_PERSISTENT=0: never, =1: every TMA product (A/B runs).
-// Set by grouped_set_walk (tests), else from the environment: the mode and the most blocks.
+// bf16 down products 2-3% faster alone, but the bf16 prefill measured slower with them walking,
+// so bf16 keeps a tile a block. VIREO_GROUPED_PERSISTENT=0: never, =1: every TMA product (A/B).
+// walk_mode / walk_blocks: set by grouped_set_walk (tests; -1 / 0: the environment's mode, the SMs).
 int walk_mode = -1, walk_blocks = 0;
 unsigned tma_grid(int tiles, bool swiglu, bool fp8) {
   static const int env_mode = [] {
