@@ -248,9 +248,10 @@ __device__ __forceinline__ void wait_stage_free(uint64_t (&empty)[Stages], int k
 // grouped_gemm_tma_kernel takes them.
 // kg: the ring's k-steps before this tile's (the block's earlier tiles where it walks, tma_grid).
 template <int Stages, int TK, int TN, uint32_t ABytes, uint32_t StageBytes>
-__device__ __forceinline__ void ring_produce(uint64_t (&full)[Stages], uint64_t (&empty)[Stages], uint32_t sbase,
-                                             const CUtensorMap* __restrict__ maps, int a_map,
-                                             const int4* __restrict__ job_maps, int4 t, bool swiglu, int KT, int kg) {
+__device__ __forceinline__ void ring_produce_tile(uint64_t (&full)[Stages], uint64_t (&empty)[Stages], uint32_t sbase,
+                                                  const CUtensorMap* __restrict__ maps, int a_map,
+                                                  const int4* __restrict__ job_maps, int4 t, bool swiglu, int KT,
+                                                  int kg) {
   const int4 jm = job_maps[t.x];
   const CUtensorMap* ma = maps + a_map;
   const CUtensorMap* mb = maps + (swiglu ? jm.x : jm.z);
@@ -269,6 +270,17 @@ __device__ __forceinline__ void ring_produce(uint64_t (&full)[Stages], uint64_t 
       tma_load_2d(st + ABytes, mb, kt * TK, t.w, fb);
     }
   }
+}
+// The producer's whole share of a block: the tiles it walks (tiles blockIdx.x, + gridDim.x, ...
+// up to n_tiles or a device-made table's first padding entry, job -1), one ring across them.
+template <int Stages, int TK, int TN, uint32_t ABytes, uint32_t StageBytes>
+__device__ __forceinline__ void ring_produce(uint64_t (&full)[Stages], uint64_t (&empty)[Stages], uint32_t sbase,
+                                             const CUtensorMap* __restrict__ maps, int a_map,
+                                             const int4* __restrict__ job_maps, const int4* __restrict__ tiles,
+                                             int n_tiles, bool swiglu, int KT) {
+  for (int i = int(blockIdx.x), kg = 0; i < n_tiles && tiles[i].x >= 0; i += int(gridDim.x), kg += KT)
+    ring_produce_tile<Stages, TK, TN, ABytes, StageBytes>(full, empty, sbase, maps, a_map, job_maps, tiles[i], swiglu,
+                                                          KT, kg);
 }
 // TN: the tile's columns (256). Tiles of 128 columns, 3 stages and two blocks a multiprocessor
 // gave the same bits and were slower end to end (session 14: 8-layer bf16 prefill at 512 tokens
@@ -290,9 +302,8 @@ __global__ void __launch_bounds__(kTmaThreads, MinBlocks)
   ring_init(full, empty, tid);
   if (wgi == 2) {  // the producer warp: one lane issues every load
     if (lane == 0)
-      for (int i = int(blockIdx.x), kg = 0; i < n_tiles && tiles[i].x >= 0; i += int(gridDim.x), kg += KT)
-        ring_produce<Stages, kTK, TN, kABytes, StageBytes>(full, empty, sbase, maps, a_map, job_maps, tiles[i], swiglu,
-                                                           KT, kg);
+      ring_produce<Stages, kTK, TN, kABytes, StageBytes>(full, empty, sbase, maps, a_map, job_maps, tiles, n_tiles,
+                                                         swiglu, KT);
     return;
   }
   for (int i = int(blockIdx.x), kg = 0; i < n_tiles; i += int(gridDim.x), kg += KT) {
@@ -401,9 +412,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   ring_init(full, empty, tid);
   if (wgi == 2) {  // the producer warp, as grouped_gemm_tma_kernel's
     if (lane == 0)
-      for (int i = int(blockIdx.x), kg = 0; i < n_tiles && tiles[i].x >= 0; i += int(gridDim.x), kg += KT)
-        ring_produce<kF8Stages, kF8TK, kF8TN, kF8ABytes, kF8StageBytes>(full, empty, sbase, maps, a_map, job_maps,
-                                                                        tiles[i], swiglu, KT, kg);
+      ring_produce<kF8Stages, kF8TK, kF8TN, kF8ABytes, kF8StageBytes>(full, empty, sbase, maps, a_map, job_maps, tiles,
+                                                                      n_tiles, swiglu, KT);
     return;
   }
   for (int i = int(blockIdx.x), kg = 0; i < n_tiles; i += int(gridDim.x), kg += KT) {
