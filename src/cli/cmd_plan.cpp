@@ -87,12 +87,12 @@ uint64_t estimate_backend_bytes(const GlmDsaConfig& c, int64_t T, bool fp8_weigh
   // in f32, for up to kGroupedRows rows (or one expert's T): the routed rows and the shared
   // expert's T, with an index and a scale each. A run takes one path or the other, but one
   // process may take both (short prompts grouped, long ones with many rows an expert on the lanes).
-  const int64_t run_rows = T * (c.experts_per_token + (c.n_shared_experts > 0 ? 1 : 0));
+  const int64_t rows_per_token = c.experts_per_token + (c.n_shared_experts > 0 ? 1 : 0);
+  const int64_t run_rows = T * rows_per_token;
   const int64_t grouped_rows = std::min(run_rows, std::max(CudaBufferSizes::kGroupedRows, T));
   const int64_t grouped = grouped_rows * (6 * D + 2 * I + 8);
   // And a resident bank's prefill run's own buffers of the same kinds (bank_run in cuda_backend.cu).
-  const int64_t bank_run = CudaBufferSizes::bank_run_bytes(T, c.experts_per_token + (c.n_shared_experts > 0 ? 1 : 0), D,
-                                                           I, c.n_routed_experts);
+  const int64_t bank_run = CudaBufferSizes::bank_run_bytes(T, rows_per_token, D, I, c.n_routed_experts);
   return uint64_t(main + (c.n_routed_experts > 0 ? lanes * lane + grouped + bank_run + decode_moe : 0));
 }
 
