@@ -200,6 +200,34 @@ TEST(ModelFixtures, CacheTrimRollsBack) {
   EXPECT_LE(max_row_rel_l2(b.data(), f.logits.data.data() + (ids.size() - 1) * size_t(V), 1, V), 1e-4);
 }
 
+TEST(ModelFixtures, RopeTableGrownInPiecesEqualsOneMadeWhole) {
+  // The model keeps the rope table of every position seen so far and grows it when a step goes
+  // past its end. Keys cached before a growth and queries after it must see the positions they
+  // would have with the table made at once: a chunk crossing position 4096 (the first growth's
+  // end) in a fresh model against one whose table already covered 8192 positions. RoPE is
+  // relative, so rows shifted alike would not show: the two chunks straddle the boundary.
+  Fixture f = load_fixture("glm_dsa_full_f32");
+  auto ids = ids_of(f.expected["tokens"]);
+  ASSERT_GE(ids.size(), 10u);
+  auto be = make_cpu_backend();
+  const int64_t V = GlmDsaModel::load(f.dir, *be)->config().vocab_size, start = 4090;
+  auto run = [&](bool whole_first) {
+    auto m = GlmDsaModel::load(f.dir, *be);
+    MlaCache cache(*be, m->cache_shape(), 2, 8200);
+    std::vector<float> lg(static_cast<size_t>(6 * V));
+    if (whole_first) {  // a step at position 8000 makes positions [0, 8192) in one piece
+      cache.set_length(1, 8000);
+      m->forward(ids.data(), 1, cache, 1, lg.data());
+    }
+    cache.set_length(0, start);
+    m->forward(ids.data(), 4, cache, 0, lg.data());          // positions 4090..4093
+    m->forward(ids.data() + 4, 6, cache, 0, lg.data(), true);  // 4094..4099: past 4096
+    return lg;
+  };
+  const std::vector<float> pieces = run(false), whole = run(true);
+  for (size_t i = 0; i < pieces.size(); ++i) ASSERT_EQ(pieces[i], whole[i]) << "logit " << i;
+}
+
 TEST(ModelFixtures, BatchedStepsEqualSingleSequenceRuns) {
   // Three sequences of different lengths join at different steps, mixing prefill chunks and
   // single-token decodes in one batch; every logit row equals running that sequence alone.

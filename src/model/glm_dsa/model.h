@@ -123,6 +123,7 @@ class GlmDsaModel {
   // Embedding, layers, final norm and lm_head for one step: logits [rows asked for, vocab].
   void run_step(const std::vector<Segment>& segs, int64_t N, MlaCache& cache, const int32_t* ids, float* logits);
   void rope_table(int64_t pos0, int64_t T, float* cos_sin) const;  // host [T, rope/2, 2]
+  void grow_rope_table(int64_t end);  // rope_host_ and rope_dev_ hold positions [0, end) at least
   void attention(int layer, const float* xn, int64_t N, const std::vector<Segment>& segs, MlaCache& cache,
                  float* out);
   void moe(int layer, const float* xn, int64_t N, float* out);
@@ -167,6 +168,10 @@ class GlmDsaModel {
   std::vector<ExpertBank> streamed_banks_;
   std::vector<float> inv_freq_;  // [rope/2]
   float* cos_sin_ = nullptr;     // backend copy of this step's rope table [N, rope/2, 2]
+  // The rope table of positions [0, rope_rows_) [position, rope/2, 2], and its backend copy.
+  std::vector<float> rope_host_;
+  std::shared_ptr<float> rope_dev_;
+  int64_t rope_rows_ = 0;
   std::vector<std::shared_ptr<float>> scratch_;
   std::vector<size_t> scratch_size_;
   std::vector<std::shared_ptr<int32_t>> scratch_i32_;
