@@ -488,14 +488,16 @@ void GlmDsaModel::run_step(const std::vector<Segment>& segs, int64_t N, MlaCache
     if (L.dense) mlp(L.mlp, xn, N, out);
     else moe(l, xn, N, out);
     if (l + 1 < c.num_layers) backend_.add_rms_norm(h, out, N, D, vec(weights_.layers[size_t(l) + 1].attn_norm), eps, xn);
-    else backend_.add(h, out, N * D);
   }
 
-  // Final norm and lm_head only for the rows whose logits were asked for.
+  // The last layer's residual add, the final norm and lm_head only for the rows whose logits
+  // were asked for (a prompt's last row: the add over every row was 11 us of a 512-token prefill
+  // on an H200, 73 us at 4096).
   int64_t r = 0;
   for (const Segment& s : segs) {
     const int64_t first = s.all_logits ? 0 : s.T - 1, n = s.T - first;
-    backend_.rms_norm(h + (s.offset + first) * D, D, n, D, vec(weights_.final_norm), eps, xn + r * D, D);
+    backend_.add_rms_norm(h + (s.offset + first) * D, out + (s.offset + first) * D, n, D, vec(weights_.final_norm), eps,
+                          xn + r * D);
     r += n;
   }
   backend_.matmul(xn, r, weights_.lm_head, lg);
