@@ -55,4 +55,38 @@ inline std::vector<float> run_logits(GlmDsaModel& m, Backend& be, const std::vec
   return out;
 }
 
+// Pipelined decoding against one step at a time: a sequence decoded by queue_step, `depth`
+// steps queued ahead (each fed the pick of the one before, on the backend), against forward_next
+// on another cache row, `n` steps from the same prompt. Returns the two pick sequences; the
+// caller compares them. Both rows end at the same length.
+struct QueuedAndSingle {
+  std::vector<int32_t> queued, single;
+  int64_t queued_length = 0, single_length = 0;
+};
+inline QueuedAndSingle queued_and_single_steps(GlmDsaModel& m, Backend& be, const std::vector<int32_t>& prompt,
+                                               int depth, int n) {
+  const int64_t P = int64_t(prompt.size());
+  MlaCache cache(be, m.cache_shape(), 2, P + n + 1);
+  QueuedAndSingle r;
+  int32_t t = m.forward_next(prompt.data(), P, cache, 0, nullptr);
+  for (int i = 0; i < n; ++i) {
+    r.single.push_back(t);
+    t = m.forward_next(&t, 1, cache, 0, nullptr, AttentionPath::Absorbed);
+  }
+  const int32_t first = m.forward_next(prompt.data(), P, cache, 1, nullptr);
+  r.queued.push_back(first);
+  int queued = 0;
+  for (; queued < std::min(depth, n - 1); ++queued) m.queue_step(queued == 0 ? &first : nullptr, cache, 1);
+  while (int(r.queued.size()) < n) {
+    r.queued.push_back(m.take_step());
+    if (queued < n - 1) {
+      m.queue_step(nullptr, cache, 1);
+      ++queued;
+    }
+  }
+  r.single_length = cache.length(0) - 1;  // the single row also ran a step on its last pick
+  r.queued_length = cache.length(1);
+  return r;
+}
+
 }  // namespace vireo::test

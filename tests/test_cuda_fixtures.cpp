@@ -197,6 +197,27 @@ TEST(CudaFixtures, RecordedDecodeStepsEqualEagerSteps) {
 #endif
 }
 
+// Pipelined decoding on the device (generate() and the bench decode so): steps queued 1, 3 and
+// Backend::kMaxQueuedReads ahead, each fed the pick of the one before without it leaving the
+// device, the picks read back through pinned slots: the same tokens as one step at a time.
+TEST(CudaFixtures, QueuedStepsEqualOneStepAtATime) {
+  REQUIRE_CUDA();
+#ifdef VIREO_HAVE_CUDA
+  for (const char* name : {"glm_dsa_full_f32", "glm_dsa_fp8"}) {
+    const std::string dir = kFixtures + "/" + name;
+    auto prompt = read_json_file(dir + "/expected.json")["greedy_prompt"].get<std::vector<int32_t>>();
+    auto be = make_cuda_backend();
+    auto m = GlmDsaModel::load(dir, *be);
+    for (int depth : {1, 3, Backend::kMaxQueuedReads}) {
+      const vireo::test::QueuedAndSingle r = vireo::test::queued_and_single_steps(*m, *be, prompt, depth, 24);
+      EXPECT_EQ(r.queued, r.single) << name << ", depth " << depth;
+      EXPECT_EQ(r.queued_length, r.single_length) << name << ", depth " << depth;
+    }
+    EXPECT_GE(m->recorded_steps_run(), 40) << name;  // the queued steps replayed recorded steps
+  }
+#endif
+}
+
 // Recorded steps are sized for a bound on the context (the indexer's top-k, where DSA is dense; 256
 // keys, the CUDA short-context attention; the cache's capacity) and recorded again as the context
 // crosses each: 300 steps through all three, recorded against eager, the logits of every step

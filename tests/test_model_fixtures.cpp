@@ -178,6 +178,52 @@ TEST(ModelFixtures, GenerationStopsAtEos) {
   EXPECT_TRUE(r.stopped_at_eos);
   size_t first = size_t(std::find(want.begin(), want.end(), want[5]) - want.begin());
   EXPECT_EQ(r.tokens, std::vector<int32_t>(want.begin(), want.begin() + long(first) + 1));
+  // The step queued past the stop is dropped: the cache holds the prompt and every token but
+  // the last, as one step at a time leaves it.
+  EXPECT_EQ(cache.length(0), int64_t(prompt.size() + r.tokens.size()) - 1);
+  EXPECT_EQ(m->queued_steps(), 0);
+}
+
+TEST(ModelFixtures, GenerationStoppedByTheCallerLeavesTheCacheAsOneStepAtATime) {
+  Fixture f = load_fixture("glm_dsa_shared_f32");
+  auto prompt = ids_of(f.expected["greedy_prompt"]);
+  auto want = ids_of(f.expected["greedy_new"]);
+  auto be = make_cpu_backend();
+  auto m = GlmDsaModel::load(f.dir, *be);
+  for (int64_t stop : {1, 2, 7}) {
+    MlaCache cache(*be, m->cache_shape(), 1, int64_t(prompt.size() + want.size()));
+    GenerateOptions opt;
+    opt.max_new_tokens = int64_t(want.size());
+    int64_t seen = 0;
+    GenerateResult r = generate(*m, cache, 0, prompt, opt, [&](int32_t) { return ++seen < stop; });
+    EXPECT_EQ(r.tokens, std::vector<int32_t>(want.begin(), want.begin() + stop));
+    EXPECT_EQ(cache.length(0), int64_t(prompt.size()) + stop - 1) << "stopped after " << stop;
+    // The cache goes on from there as if it had never run ahead: the next step's logits.
+    std::vector<float> lg(static_cast<size_t>(m->config().vocab_size));
+    m->forward(&r.tokens.back(), 1, cache, 0, lg.data());
+    const int32_t next = int32_t(std::max_element(lg.begin(), lg.end()) - lg.begin());
+    EXPECT_EQ(next, want[size_t(stop)]) << "stopped after " << stop;
+  }
+}
+
+TEST(ModelFixtures, QueuedStepsEqualOneStepAtATime) {
+  Fixture f = load_fixture("glm_dsa_full_f32");
+  auto prompt = ids_of(f.expected["greedy_prompt"]);
+  auto be = make_cpu_backend();
+  auto m = GlmDsaModel::load(f.dir, *be);
+  for (int depth : {1, 3, Backend::kMaxQueuedReads}) {
+    const vireo::test::QueuedAndSingle r = vireo::test::queued_and_single_steps(*m, *be, prompt, depth, 20);
+    EXPECT_EQ(r.queued, r.single) << "depth " << depth;
+    EXPECT_EQ(r.queued_length, r.single_length) << "depth " << depth;
+  }
+  // Misuse fails with a message, not a wrong token.
+  MlaCache cache(*be, m->cache_shape(), 2, 64);
+  EXPECT_THROW(m->take_step(), Error);
+  const int32_t t = m->forward_next(prompt.data(), 4, cache, 0, nullptr);
+  EXPECT_THROW(m->queue_step(nullptr, cache, 1), Error);  // row 1 has no pick to feed
+  for (int i = 0; i < Backend::kMaxQueuedReads; ++i) m->queue_step(i == 0 ? &t : nullptr, cache, 0);
+  EXPECT_THROW(m->queue_step(nullptr, cache, 0), Error);
+  while (m->queued_steps() > 0) m->take_step();
 }
 
 TEST(ModelFixtures, CacheTrimRollsBack) {

@@ -3,6 +3,7 @@
 // buffers the backend allocated (host memory for the CPU backend, device memory for CUDA);
 // weights are stored-dtype `Weight`s bound from the checkpoint. The CPU backend is the reference;
 // every other backend is checked against it op by op.
+#include <algorithm>
 #include <cstdint>
 #include <exception>
 #include <memory>
@@ -99,6 +100,30 @@ class Backend {
   virtual void copy_from_host(float* dst, const float* src, size_t n) = 0;
   virtual void copy_to_host_i32(int32_t* dst, const int32_t* src, size_t n) = 0;
   virtual void copy_from_host_i32(int32_t* dst, const int32_t* src, size_t n) = 0;
+  // dst[0:n] = src[0:n], both backend memory, queued like an op (a decode step's input token
+  // from the step before's pick, which never leaves the device). This default goes via the host.
+  virtual void copy_i32(int32_t* dst, const int32_t* src, size_t n) {
+    std::vector<int32_t> t(n);
+    copy_to_host_i32(t.data(), src, n);
+    copy_from_host_i32(dst, t.data(), n);
+  }
+  // Reading back without waiting (pipelined decoding): queue_read_i32 queues a copy of src[0:n]
+  // (backend memory, n <= kMaxQueuedRead) behind every op queued so far and returns at once;
+  // take_read_i32 waits for the oldest read still queued and writes its n values to dst. At most
+  // kMaxQueuedReads reads are queued at a time. This default reads at once.
+  static constexpr size_t kMaxQueuedRead = 64;
+  static constexpr int kMaxQueuedReads = 8;
+  virtual void queue_read_i32(const int32_t* src, size_t n) {
+    check_queued_read(n);
+    reads_.emplace_back(n);
+    copy_to_host_i32(reads_.back().data(), src, n);
+  }
+  virtual void take_read_i32(int32_t* dst, size_t n) {
+    if (reads_.empty()) fail("take_read_i32: no read is queued");
+    if (reads_.front().size() != n) fail("take_read_i32: ", n, " values asked of a read of ", reads_.front().size());
+    std::copy(reads_.front().begin(), reads_.front().end(), dst);
+    reads_.erase(reads_.begin());
+  }
   // Makes a checkpoint weight usable by this backend's ops (the CPU backend uses the mapped
   // bytes as they are; a GPU backend uploads them once, in their stored dtype).
   virtual Weight upload_weight(const Weight& w) { return w; }
@@ -302,6 +327,16 @@ class Backend {
   // y[index[i]] += scale[i] * rows[i]                               in order of i
   virtual void scatter_add_rows(float* y, const int32_t* index, const float* scale, const float* rows, int64_t m,
                                 int64_t n) = 0;
+
+ protected:
+  void check_queued_read(size_t n) const {
+    if (n == 0 || n > kMaxQueuedRead) fail("queue_read_i32: ", n, " values (1 to ", kMaxQueuedRead, " a read)");
+    if (queued_reads() >= kMaxQueuedReads) fail("queue_read_i32: ", kMaxQueuedReads, " reads already queued");
+  }
+  virtual int queued_reads() const { return int(reads_.size()); }
+
+ private:
+  std::vector<std::vector<int32_t>> reads_;  // the default queue_read_i32's values, oldest first
 };
 
 // The CPU reference backend, on the global thread pool. It groups tokens by expert

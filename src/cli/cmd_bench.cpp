@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "backend/cpu/membw.h"
@@ -65,6 +67,13 @@ std::unique_ptr<Backend> make_cli_backend(const std::string& device, const std::
 }
 
 namespace {
+
+// The bench's decode with picks on the device queues each step before the last one's pick is
+// read back, as generate() does; VIREO_QUEUED_DECODE=0 runs it one step at a time (A/B runs).
+[[maybe_unused]] bool queued_decode() {
+  const char* e = std::getenv("VIREO_QUEUED_DECODE");
+  return !(e && std::string(e) == "0");
+}
 
 // (The bench's FLOP and byte counts below are used by the CUDA bench only.)
 
@@ -173,7 +182,8 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
   // (sample_rows: only the token comes back) or sampled on the host (the logits copied back,
   // Sampler::sample), the last two with --temp etc.
   enum class Pick { Greedy, SampleDevice, SampleHost };
-  struct Decode { int64_t ctx; double tps, bytes; Pick pick; };
+  // gpu_us: a step's GPU time, the recorded step replayed back to back (0: not measured).
+  struct Decode { int64_t ctx; double tps, bytes; Pick pick; double gpu_us = 0; };
   struct Prefill { int64_t T; double s, flops; const char* math; };
   std::vector<Decode> dec;
   std::vector<Prefill> pre;
@@ -196,11 +206,33 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
     const bool in_range = profiler_range == "decode";
     if (in_range) cuda_profiler_range(*backend, true);
     auto a = clock::now();
-    for (int64_t i = 0; i < n_decode; ++i) step(&ids[size_t(ctx + i)]);
+    // Picks on the device run as `vireo run` runs them (generate()): each step fed the pick of the
+    // one before on the device, queued before that pick is read back. (VIREO_QUEUED_DECODE=0: one
+    // step at a time on the prompt's next ids, as before session 30, for A/B runs.)
+    if (pick != Pick::SampleHost && queued_decode()) {
+      std::vector<SampleRowArgs> args;
+      for (int64_t i = 0; i < n_decode; ++i) args.push_back(sampler.next_row_args());
+      auto queue = [&](int64_t i, const int32_t* token) {
+        model->queue_step(token, cache, 0, pick == Pick::Greedy ? nullptr : &args[size_t(i)]);
+      };
+      queue(0, &ids[size_t(ctx)]);
+      for (int64_t i = 0; i < n_decode; ++i) {
+        if (i + 1 < n_decode) queue(i + 1, nullptr);
+        model->take_step();
+      }
+    } else {
+      for (int64_t i = 0; i < n_decode; ++i) step(&ids[size_t(ctx + i)]);
+    }
     const double s = secs(a, clock::now());
     if (in_range) cuda_profiler_range(*backend, false);
     const double bytes = weights + decode_cache_bytes(c, ctx + n_decode / 2);
-    dec.push_back({ctx - 2, double(n_decode) / s, bytes, pick});
+    // What the host's work between steps costs: the last recorded step replayed back to back.
+    double gpu_us = 0;
+    if (pick == Pick::Greedy && record) {
+      auto b = clock::now();
+      if (model->replay_latest(int(n_decode))) gpu_us = 1e6 * secs(b, clock::now()) / double(n_decode);
+    }
+    dec.push_back({ctx - 2, double(n_decode) / s, bytes, pick, gpu_us});
   };
   const bool sampled = sampling.temperature != 0.0f;
   for (Pick pick : sampled ? std::vector<Pick>{Pick::Greedy, Pick::SampleDevice, Pick::SampleHost}
@@ -326,7 +358,9 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
   std::printf("copy bandwidth     %.0f GB/s (device-to-device, read + write, measured now)\n", copy_gbs);
   std::printf("bf16 GEMM peak     %.0f TFLOP/s (cuBLASLt 8192^3, measured now)\n", gemm_tflops);
   std::printf("active weights     %.3f GB per decoded token\n", weights / 1e9);
-  std::printf("decode steps       %s\n", record ? "replayed from a recorded CUDA graph (token chosen after the replay)"
+  std::printf("decode steps       %s\n", record ? (queued_decode() ? "replayed from a recorded CUDA graph, the next one queued before "
+                                                            "this one's token is read back (as vireo run)"
+                                                          : "replayed from a recorded CUDA graph (token chosen after the replay)")
                                                  : "launched op by op (--no-graph)");
   if (sampled)
     std::printf("sampling           temperature %g, top-k %d, top-p %g, min-p %g, seed %llu\n", sampling.temperature,
@@ -336,6 +370,11 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
                 (long long)d.ctx,
                 d.pick == Pick::Greedy ? "greedy/device" : d.pick == Pick::SampleDevice ? "sample/device" : "sample/host",
                 d.tps, d.bytes / 1e9, d.bytes * d.tps / 1e9, 100.0 * d.bytes * d.tps / 1e9 / copy_gbs);
+  for (const Decode& d : dec)
+    if (d.gpu_us > 0)
+      std::printf("decode ctx %-6lld  steps back to back: %.1f us a step against %.1f (%.1f us a step between "
+                  "steps: the host's work and the launch)\n",
+                  (long long)d.ctx, d.gpu_us, 1e6 / d.tps, 1e6 / d.tps - d.gpu_us);
   for (const Batched& b : batched) {
     const double one = dec.empty() ? 0 : dec[0].tps;
     std::printf("decode ctx 0       batch %-3d %11.2f tok/s  (%.2f tok/s a sequence, %.3f ms a step: %.2fx one "

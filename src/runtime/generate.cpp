@@ -31,6 +31,20 @@ GenerateResult generate(GlmDsaModel& model, MlaCache& cache, int row, const std:
   step(prompt.data() + at, P - at, AttentionPath::Auto);
   auto t1 = clock::now();
   r.prefill_seconds = std::chrono::duration<double>(t1 - t0).count();
+  // Decoding runs one step ahead of the host: the step on token i + 1 (the pick of the step on
+  // token i, which never leaves the device) is queued before token i + 1 is read back, so the
+  // host's work on a token and a step's launch overlap the step before. Where generation stops
+  // with a step queued past the stop, that step's pick is dropped and the cache trimmed back to
+  // what one step at a time would have left: the prompt and every token but the last.
+  const int64_t start = cache.length(row) - P;
+  const int64_t steps = opt.max_new_tokens - 1;  // decode steps one at a time would run, at most
+  int64_t queued = 0;
+  auto queue = [&](const int32_t* token) {
+    const SampleRowArgs args = sampler.next_row_args();
+    model.queue_step(token, cache, row, greedy ? nullptr : &args);
+    ++queued;
+  };
+  if (steps > 0) queue(&next);
   for (int64_t i = 0; i < opt.max_new_tokens; ++i) {
     r.tokens.push_back(next);
     const bool keep_going = on_token ? on_token(next) : true;
@@ -39,9 +53,11 @@ GenerateResult generate(GlmDsaModel& model, MlaCache& cache, int row, const std:
       break;
     }
     if (!keep_going || i + 1 == opt.max_new_tokens) break;
-    const int32_t input = next;
-    step(&input, 1, AttentionPath::Absorbed);
+    if (queued < steps) queue(nullptr);
+    next = model.take_step();
   }
+  while (model.queued_steps() > 0) model.take_step();
+  if (!r.tokens.empty()) cache.trim(row, start + P + int64_t(r.tokens.size()) - 1);
   r.decode_seconds = std::chrono::duration<double>(clock::now() - t1).count();
   return r;
 }

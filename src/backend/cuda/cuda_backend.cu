@@ -420,6 +420,8 @@ class CudaBackend final : public Backend {
       cudaEventDestroy(branch_join_);
     }
     destroy_lanes();
+    for (cudaEvent_t e : read_done_)
+      if (e) cudaEventDestroy(e);
     fp8g_.reset();  // its cuBLASLt descriptors go before the handle
     if (lt_) cublasLtDestroy(lt_);
     cudaStreamDestroy(stream_);
@@ -480,6 +482,38 @@ class CudaBackend final : public Backend {
     VIREO_PROF("copy_from_host_i32");
     h2d(dst, src, n * 4);
   }
+  void copy_i32(int32_t* dst, const int32_t* src, size_t n) override {
+    if (!n) return;
+    VIREO_PROF("copy_i32");
+    VIREO_CUDA_CHECK(cudaMemcpyAsync(dst, src, n * 4, cudaMemcpyDeviceToDevice, stream_));
+  }
+  // Queued reads land in pinned slots (a copy to pageable memory would wait for the stream), each
+  // with an event that take_read_i32 waits for.
+  void queue_read_i32(const int32_t* src, size_t n) override {
+    check_queued_read(n);
+    if (!reads_pinned_) {
+      void* p = nullptr;
+      VIREO_CUDA_CHECK(cudaHostAlloc(&p, kMaxQueuedRead * kMaxQueuedReads * 4, cudaHostAllocDefault));
+      reads_pinned_.reset(static_cast<int32_t*>(p), [](int32_t* q) { cudaFreeHost(q); });
+      for (cudaEvent_t& e : read_done_) VIREO_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    }
+    const int slot = (read_head_ + reads_queued_) % kMaxQueuedReads;
+    VIREO_CUDA_CHECK(cudaMemcpyAsync(reads_pinned_.get() + size_t(slot) * kMaxQueuedRead, src, n * 4,
+                                     cudaMemcpyDeviceToHost, stream_));
+    VIREO_CUDA_CHECK(cudaEventRecord(read_done_[size_t(slot)], stream_));
+    read_n_[size_t(slot)] = n;
+    ++reads_queued_;
+  }
+  void take_read_i32(int32_t* dst, size_t n) override {
+    if (!reads_queued_) fail("take_read_i32: no read is queued");
+    const int slot = read_head_;
+    if (read_n_[size_t(slot)] != n) fail("take_read_i32: ", n, " values asked of a read of ", read_n_[size_t(slot)]);
+    VIREO_CUDA_CHECK(cudaEventSynchronize(read_done_[size_t(slot)]));
+    std::memcpy(dst, reads_pinned_.get() + size_t(slot) * kMaxQueuedRead, n * 4);
+    read_head_ = (read_head_ + 1) % kMaxQueuedReads;
+    --reads_queued_;
+  }
+  int queued_reads() const override { return reads_queued_; }
 
   // Always uploads (the caller owns the host bytes and may reuse their address later); the copy
   // is also remembered under the host address for matmuls that pass the host weight itself.
@@ -1972,6 +2006,10 @@ class CudaBackend final : public Backend {
   }
 
   cudaStream_t stream_ = nullptr;
+  std::shared_ptr<int32_t> reads_pinned_;                // queue_read_i32's slots [kMaxQueuedReads, kMaxQueuedRead]
+  std::array<cudaEvent_t, kMaxQueuedReads> read_done_{};  // a slot's copy has landed
+  std::array<size_t, kMaxQueuedReads> read_n_{};
+  int read_head_ = 0, reads_queued_ = 0;  // the oldest queued slot, and how many are queued
   cublasLtHandle_t lt_ = nullptr;
   std::shared_ptr<char> lt_ws_;
   size_t lt_ws_bytes_ = 0;

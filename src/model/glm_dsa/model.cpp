@@ -272,6 +272,27 @@ void GlmDsaModel::forward(const int32_t* tokens, int64_t T, MlaCache& cache, int
   forward_batch({item}, cache, path);
 }
 
+void GlmDsaModel::queue_step(const int32_t* token, MlaCache& cache, int row, const SampleRowArgs* sample) {
+  if (queued_steps_ >= Backend::kMaxQueuedReads) fail("queue_step: ", queued_steps_, " steps already queued");
+  BatchItem item;
+  item.row = row;
+  item.tokens = token;
+  item.T = 1;
+  item.token_from_pick = token == nullptr;
+  item.queue_pick = true;
+  item.sample = sample;
+  forward_batch({item}, cache, AttentionPath::Absorbed);
+  ++queued_steps_;
+}
+
+int32_t GlmDsaModel::take_step() {
+  if (queued_steps_ == 0) fail("take_step: no step is queued");
+  int32_t token = -1;
+  backend_.take_read_i32(&token, 1);
+  --queued_steps_;
+  return token;
+}
+
 int32_t GlmDsaModel::forward_next(const int32_t* tokens, int64_t T, MlaCache& cache, int row,
                                   const SampleRowArgs* sample, AttentionPath path) {
   BatchItem item;
@@ -300,9 +321,16 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
     const int64_t pos0 = cache.length(it.row);
     if (pos0 + it.T > cache.capacity())
       fail("context full: ", pos0 + it.T, " tokens exceed the context capacity of ", cache.capacity());
-    for (int64_t t = 0; t < it.T; ++t)
-      if (it.tokens[t] < 0 || it.tokens[t] >= V)
-        fail("token id ", it.tokens[t], " is out of range (vocab size ", V, ")");
+    if (it.token_from_pick) {
+      if (items.size() != 1 || it.T != 1)
+        fail("forward: a step fed the previous step's pick runs one token of one sequence");
+      if (!last_pick_ || last_pick_ != scratch_i32(8, 1) || last_pick_cache_ != cache.id() || last_pick_row_ != it.row)
+        fail("forward: no pick of the previous step of cache row ", it.row, " to feed (queue_step needs a token)");
+    } else {
+      for (int64_t t = 0; t < it.T; ++t)
+        if (it.tokens[t] < 0 || it.tokens[t] >= V)
+          fail("token id ", it.tokens[t], " is out of range (vocab size ", V, ")");
+    }
     if (it.sample)
       for (int64_t k = 0; k < (it.all_logits ? it.T : 1); ++k) validate_sample_row_args(it.sample[k], k);
     AttentionPath p = path;
@@ -321,11 +349,13 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
   std::vector<int32_t> ids_host(static_cast<size_t>(N));
   int64_t end = 0;
   for (size_t i = 0; i < items.size(); ++i) {
-    std::copy(items[i].tokens, items[i].tokens + items[i].T, ids_host.begin() + segs[i].offset);
+    if (!items[i].token_from_pick)
+      std::copy(items[i].tokens, items[i].tokens + items[i].T, ids_host.begin() + segs[i].offset);
     end = std::max(end, segs[i].pos0 + segs[i].T);
   }
   int32_t* ids = scratch_i32(6, size_t(N));
   backend_.copy_from_host_i32(ids, ids_host.data(), ids_host.size());
+  if (items[0].token_from_pick) backend_.copy_i32(ids, last_pick_, 1);  // never left the device
   grow_rope_table(end);
   const bool recorded = can_record_step(segs, N);
   if (segs.size() == 1 && !recorded) {
@@ -339,7 +369,7 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
   }
   float* lg = scratch(3, size_t(n_out * V));
   bool any_token = false;
-  for (const BatchItem& it : items) any_token = any_token || it.token;
+  for (const BatchItem& it : items) any_token = any_token || it.token || it.queue_pick;
   int32_t* chosen = any_token ? scratch_i32(8, size_t(n_out)) : nullptr;  // before a recording is checked
   for (const Segment& s : segs) cache.set_length(s.row, s.pos0 + s.T);  // entries written layer by layer
 
@@ -350,13 +380,19 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
   for (const BatchItem& it : items) {
     const int64_t n = it.all_logits ? it.T : 1;
     if (it.logits) backend_.copy_to_host(it.logits, lg + r * V, size_t(n * V));
-    if (it.token) {
+    if (it.token || it.queue_pick) {
       if (it.sample) backend_.sample_rows(lg + r * V, n, V, it.sample, chosen + r);
       else backend_.argmax_rows(lg + r * V, n, V, chosen + r);
-      backend_.copy_to_host_i32(it.token, chosen + r, size_t(n));
+      if (it.queue_pick) backend_.queue_read_i32(chosen + r, size_t(n));
+      else backend_.copy_to_host_i32(it.token, chosen + r, size_t(n));
     }
     r += n;
   }
+  // What a following step may take as its token (BatchItem::token_from_pick): this one's pick,
+  // when it ran one sequence.
+  last_pick_ = items.size() == 1 && chosen ? chosen : nullptr;
+  last_pick_cache_ = cache.id();
+  last_pick_row_ = items[0].row;
 }
 
 int64_t GlmDsaModel::step_bound(const MlaCache& cache) const {
@@ -396,6 +432,27 @@ void GlmDsaModel::replay(RecordedStep& r, int64_t N) {
     }
   }
   ++recorded_runs_;
+}
+
+bool GlmDsaModel::replay_latest(int n) {
+  RecordedStep* latest = nullptr;
+  int64_t rows = 0;
+  for (auto& [key, r] : recorded_)
+    if (!r.pieces.empty() && r.stages.empty() && (!latest || r.last_use > latest->last_use)) {
+      latest = &r;
+      rows = int64_t(std::get<1>(key).size());
+    }
+  if (!latest) return false;
+  const int64_t V = config_.vocab_size;
+  float* lg = scratch(3, size_t(rows * V));  // as forward_batch: one logits row and pick a sequence
+  int32_t* chosen = scratch_i32(8, size_t(rows));
+  for (int i = 0; i < n; ++i) {
+    replay(*latest, rows);
+    backend_.argmax_rows(lg, rows, V, chosen);
+  }
+  int32_t first = 0;
+  backend_.copy_to_host_i32(&first, chosen, 1);  // waits for the replays
+  return true;
 }
 
 // Recorded steps read their positions from backend memory (pos0 of each sequence); everything

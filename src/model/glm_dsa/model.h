@@ -35,6 +35,11 @@ struct BatchItem {
   // argmax of each row, or with `sample` (host, one per row) Backend::sample_rows' draws.
   int32_t* token = nullptr;
   const SampleRowArgs* sample = nullptr;
+  // Pipelined decoding (GlmDsaModel::queue_step): the one token is the pick of the step before
+  // (same cache row, one sequence), read from backend memory, `tokens` unused; and this step's
+  // pick is queued for reading back (Backend::queue_read_i32) instead of waited for in `token`.
+  bool token_from_pick = false;
+  bool queue_pick = false;
 };
 
 class GlmDsaModel {
@@ -66,6 +71,18 @@ class GlmDsaModel {
   // items with T == 1 and the reconstructed path otherwise.
   void forward_batch(const std::vector<BatchItem>& items, MlaCache& cache, AttentionPath path = AttentionPath::Auto);
 
+  // Pipelined decoding of one sequence: queue_step runs one decode step at the end of cache row
+  // `row` on `token` (host), or with token == nullptr on the pick of the step queued before it,
+  // which stays in backend memory; it picks the next token on the backend (argmax, or
+  // Backend::sample_rows with *sample) and returns without waiting. take_step waits for the
+  // oldest queued step and returns its pick. With the next step queued before this one's pick is
+  // read, the host's work between steps (a recorded step's launch included: 67-92 us of an
+  // 8-layer FP8 step on an H200) overlaps the step before. At most Backend::kMaxQueuedReads
+  // steps are queued at a time.
+  void queue_step(const int32_t* token, MlaCache& cache, int row, const SampleRowArgs* sample = nullptr);
+  int32_t take_step();
+  int queued_steps() const { return queued_steps_; }
+
   // As forward(), returning the next token chosen on the backend (no logits copied): the argmax
   // when `sample` is null, else the draw Backend::sample_rows makes with *sample.
   int32_t forward_next(const int32_t* tokens, int64_t T, MlaCache& cache, int row, const SampleRowArgs* sample,
@@ -81,6 +98,11 @@ class GlmDsaModel {
   void set_recording(bool on) { recording_enabled_ = on; }
   // Steps run from a recording since construction (for tests and bench).
   int64_t recorded_steps_run() const { return recorded_runs_; }
+  // Bench: the most recently used recorded step (not a streaming store's, which reads ids back),
+  // replayed `n` times back to back with its inputs as they are (the same tokens and positions),
+  // each followed by its greedy pick, then waited for: a step's GPU time without the host's work
+  // between steps. False when no such step has been recorded.
+  bool replay_latest(int n);
 
   // The path AttentionPath::Auto takes for T new tokens after pos0 cached ones.
   AttentionPath choose_path(int64_t T, int64_t pos0) const;
@@ -172,6 +194,11 @@ class GlmDsaModel {
   std::vector<float> rope_host_;
   std::shared_ptr<float> rope_dev_;
   int64_t rope_rows_ = 0;
+  // The last step's pick in backend memory when it ran one sequence (null otherwise), and where.
+  const int32_t* last_pick_ = nullptr;
+  uint64_t last_pick_cache_ = 0;
+  int last_pick_row_ = -1;
+  int queued_steps_ = 0;  // queue_step's picks not yet taken
   std::vector<std::shared_ptr<float>> scratch_;
   std::vector<size_t> scratch_size_;
   std::vector<std::shared_ptr<int32_t>> scratch_i32_;
