@@ -266,7 +266,7 @@ TEST(ModelFixtures, RopeTableGrownInPiecesEqualsOneMadeWhole) {
       m->forward(ids.data(), 1, cache, 1, lg.data());
     }
     cache.set_length(0, start);
-    m->forward(ids.data(), 4, cache, 0, lg.data());          // positions 4090..4093
+    m->forward(ids.data(), 4, cache, 0, lg.data());            // positions 4090..4093
     m->forward(ids.data() + 4, 6, cache, 0, lg.data(), true);  // 4094..4099: past 4096
     return lg;
   };

@@ -183,7 +183,12 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
   // Sampler::sample), the last two with --temp etc.
   enum class Pick { Greedy, SampleDevice, SampleHost };
   // gpu_us: a step's GPU time, the recorded step replayed back to back (0: not measured).
-  struct Decode { int64_t ctx; double tps, bytes; Pick pick; double gpu_us = 0; };
+  struct Decode {
+    int64_t ctx;
+    double tps, bytes;
+    Pick pick;
+    double gpu_us;
+  };
   struct Prefill { int64_t T; double s, flops; const char* math; };
   std::vector<Decode> dec;
   std::vector<Prefill> pre;
@@ -358,10 +363,11 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
   std::printf("copy bandwidth     %.0f GB/s (device-to-device, read + write, measured now)\n", copy_gbs);
   std::printf("bf16 GEMM peak     %.0f TFLOP/s (cuBLASLt 8192^3, measured now)\n", gemm_tflops);
   std::printf("active weights     %.3f GB per decoded token\n", weights / 1e9);
-  std::printf("decode steps       %s\n", record ? (queued_decode() ? "replayed from a recorded CUDA graph, the next one queued before "
-                                                            "this one's token is read back (as vireo run)"
-                                                          : "replayed from a recorded CUDA graph (token chosen after the replay)")
-                                                 : "launched op by op (--no-graph)");
+  std::printf("decode steps       %s\n",
+              record ? (queued_decode() ? "replayed from a recorded CUDA graph, the next one queued before "
+                                          "this one's token is read back (as vireo run)"
+                                        : "replayed from a recorded CUDA graph (token chosen after the replay)")
+                     : "launched op by op (--no-graph)");
   if (sampled)
     std::printf("sampling           temperature %g, top-k %d, top-p %g, min-p %g, seed %llu\n", sampling.temperature,
                 sampling.top_k, sampling.top_p, sampling.min_p, (unsigned long long)sampling.seed);
@@ -372,9 +378,10 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
                 d.tps, d.bytes / 1e9, d.bytes * d.tps / 1e9, 100.0 * d.bytes * d.tps / 1e9 / copy_gbs);
   for (const Decode& d : dec)
     if (d.gpu_us > 0)
-      std::printf("decode ctx %-6lld  steps back to back: %.1f us a step against %.1f (%.1f us a step between "
-                  "steps: the host's work and the launch)\n",
-                  (long long)d.ctx, d.gpu_us, 1e6 / d.tps, 1e6 / d.tps - d.gpu_us);
+      std::printf(
+          "decode ctx %-6lld  steps back to back: %.1f us a step against %.1f (%.1f us a step between "
+          "steps: the host's work and the launch)\n",
+          (long long)d.ctx, d.gpu_us, 1e6 / d.tps, 1e6 / d.tps - d.gpu_us);
   for (const Batched& b : batched) {
     const double one = dec.empty() ? 0 : dec[0].tps;
     std::printf("decode ctx 0       batch %-3d %11.2f tok/s  (%.2f tok/s a sequence, %.3f ms a step: %.2fx one "

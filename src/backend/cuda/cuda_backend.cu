@@ -2006,7 +2006,7 @@ class CudaBackend final : public Backend {
   }
 
   cudaStream_t stream_ = nullptr;
-  std::shared_ptr<int32_t> reads_pinned_;                // queue_read_i32's slots [kMaxQueuedReads, kMaxQueuedRead]
+  std::shared_ptr<int32_t> reads_pinned_;                 // queue_read_i32's slots [kMaxQueuedReads, kMaxQueuedRead]
   std::array<cudaEvent_t, kMaxQueuedReads> read_done_{};  // a slot's copy has landed
   std::array<size_t, kMaxQueuedReads> read_n_{};
   int read_head_ = 0, reads_queued_ = 0;  // the oldest queued slot, and how many are queued

@@ -544,7 +544,8 @@ void GlmDsaModel::run_step(const std::vector<Segment>& segs, int64_t N, MlaCache
     if (experts_->wants_prefetch()) prefetch_next(l, h, N);
     if (L.dense) mlp(L.mlp, xn, N, out);
     else moe(l, xn, N, out);
-    if (l + 1 < c.num_layers) backend_.add_rms_norm(h, out, N, D, vec(weights_.layers[size_t(l) + 1].attn_norm), eps, xn);
+    if (l + 1 < c.num_layers)
+      backend_.add_rms_norm(h, out, N, D, vec(weights_.layers[size_t(l) + 1].attn_norm), eps, xn);
   }
 
   // The last layer's residual add, the final norm and lm_head only for the rows whose logits
