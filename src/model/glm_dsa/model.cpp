@@ -354,8 +354,8 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
     end = std::max(end, segs[i].pos0 + segs[i].T);
   }
   int32_t* ids = scratch_i32(6, size_t(N));
-  backend_.copy_from_host_i32(ids, ids_host.data(), ids_host.size());
-  if (items[0].token_from_pick) backend_.copy_i32(ids, last_pick_, 1);  // never left the device
+  if (items[0].token_from_pick) backend_.copy_i32(ids, last_pick_, 1);  // never left the device (N = 1)
+  else backend_.copy_from_host_i32(ids, ids_host.data(), ids_host.size());
   grow_rope_table(end);
   const bool recorded = can_record_step(segs, N);
   if (segs.size() == 1 && !recorded) {
