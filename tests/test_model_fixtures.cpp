@@ -274,6 +274,34 @@ TEST(ModelFixtures, RopeTableGrownInPiecesEqualsOneMadeWhole) {
   for (size_t i = 0; i < pieces.size(); ++i) ASSERT_EQ(pieces[i], whole[i]) << "logit " << i;
 }
 
+TEST(ModelFixtures, RopeTableStaysWithinTheCacheCapacity) {
+  // The table grows by at least half its size, but never past the capacity of the cache a step
+  // runs on (what the memory plan counts for it); a longer cache grows it again, and the rows
+  // made in those pieces are a table made whole's.
+  Fixture f = load_fixture("glm_dsa_full_f32");
+  auto ids = ids_of(f.expected["tokens"]);
+  ASSERT_GE(ids.size(), 10u);
+  auto be = make_cpu_backend();
+  auto m = GlmDsaModel::load(f.dir, *be);
+  const int64_t V = m->config().vocab_size;
+  std::vector<float> lg(static_cast<size_t>(6 * V)), whole(static_cast<size_t>(V));
+  MlaCache small(*be, m->cache_shape(), 1, 4100);
+  small.set_length(0, 4090);
+  m->forward(ids.data(), 4, small, 0, lg.data());  // positions 4090..4093: the first 4096
+  EXPECT_EQ(m->rope_table_positions(), 4096);
+  m->forward(ids.data() + 4, 6, small, 0, lg.data());  // 4094..4099: half again would be 6144
+  EXPECT_EQ(m->rope_table_positions(), 4100);
+  MlaCache big(*be, m->cache_shape(), 1, 9000);
+  big.set_length(0, 8000);
+  m->forward(ids.data(), 1, big, 0, lg.data());
+  EXPECT_EQ(m->rope_table_positions(), 8192);
+  auto fresh = GlmDsaModel::load(f.dir, *be);
+  MlaCache big2(*be, fresh->cache_shape(), 1, 9000);
+  big2.set_length(0, 8000);
+  fresh->forward(ids.data(), 1, big2, 0, whole.data());
+  for (int64_t i = 0; i < V; ++i) ASSERT_EQ(lg[size_t(i)], whole[size_t(i)]) << "logit " << i;
+}
+
 TEST(ModelFixtures, BatchedStepsEqualSingleSequenceRuns) {
   // Three sequences of different lengths join at different steps, mixing prefill chunks and
   // single-token decodes in one batch; every logit row equals running that sequence alone.

@@ -55,7 +55,11 @@ uint64_t estimate_scratch_bytes(const GlmDsaConfig& c, int64_t T, int64_t out_ro
     const int64_t rows = std::clamp<int64_t>(pass_floats / std::max<int64_t>(per_row, 1), 1, std::max<int64_t>(T, 1));
     attn += T * H * L + rows * per_row;
   }
-  return uint64_t(T * per_token + out_rows * c.vocab_size + attn) * 4;
+  // The model's rope table, kept across steps (GlmDsaModel::grow_rope_table): at most a position
+  // per cache position, on the host and in backend memory (counted once here; the host's copy sits
+  // in RAM beside a GPU plan's device column, as small as this line).
+  const int64_t rope_table = N * c.qk_rope_dim;
+  return uint64_t(T * per_token + out_rows * c.vocab_size + attn + rope_table) * 4;
 }
 
 uint64_t estimate_backend_bytes(const GlmDsaConfig& c, int64_t T, bool fp8_weights) {

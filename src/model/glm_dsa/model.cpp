@@ -226,13 +226,19 @@ void GlmDsaModel::rope_table(int64_t pos0, int64_t T, float* cs) const {
 // Why a table kept across steps: cos and sin of every (position, frequency) pair cost ~0.8 us a
 // position on the host (64 double-precision calls), 0.4 ms for a 512-token prompt and 3.7 ms for
 // 4096, all of it before the step's first kernel, with the GPU idle. The table grows in steps of
-// at least half its size, so a long context computes each position once and uploads a few times.
-void GlmDsaModel::grow_rope_table(int64_t end) {
+// at least half its size, so a long context computes each position once and uploads a few times,
+// but never past the cache's capacity (`cap`, or end where that is larger), so that it holds at
+// most a position per cache position: what the memory plan counts (cli/cmd_plan.cpp).
+void GlmDsaModel::grow_rope_table(int64_t end, int64_t cap) {
   if (end <= rope_rows_) return;
   const int64_t half = config_.qk_rope_dim / 2;
-  const int64_t rows = std::max({(end + 4095) / 4096 * 4096, rope_rows_ + rope_rows_ / 2});
+  const int64_t rows =
+      std::min(std::max({(end + 4095) / 4096 * 4096, rope_rows_ + rope_rows_ / 2}), std::max(end, cap));
   rope_host_.resize(size_t(rows * half * 2));
   rope_table(rope_rows_, rows - rope_rows_, &rope_host_[size_t(rope_rows_ * half * 2)]);
+  // The old copy goes first, so that the two never add up (freeing backend memory waits for the
+  // work queued on it: a queued step may still read the old rows).
+  rope_dev_.reset();
   rope_dev_ = backend_.alloc_f32(rope_host_.size());
   backend_.copy_from_host(rope_dev_.get(), rope_host_.data(), rope_host_.size());
   rope_rows_ = rows;
@@ -356,7 +362,7 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
   int32_t* ids = scratch_i32(6, size_t(N));
   if (items[0].token_from_pick) backend_.copy_i32(ids, last_pick_, 1);  // never left the device (N = 1)
   else backend_.copy_from_host_i32(ids, ids_host.data(), ids_host.size());
-  grow_rope_table(end);
+  grow_rope_table(end, cache.capacity());
   const bool recorded = can_record_step(segs, N);
   if (segs.size() == 1 && !recorded) {
     cos_sin_ = rope_dev_.get() + segs[0].pos0 * half * 2;

@@ -82,6 +82,9 @@ class GlmDsaModel {
   void queue_step(const int32_t* token, MlaCache& cache, int row, const SampleRowArgs* sample = nullptr);
   int32_t take_step();
   int queued_steps() const { return queued_steps_; }
+  // Positions the rope table kept across steps holds (at most the largest cache capacity seen, or
+  // the furthest position asked for where that is larger).
+  int64_t rope_table_positions() const { return rope_rows_; }
 
   // As forward(), returning the next token chosen on the backend (no logits copied): the argmax
   // when `sample` is null, else the draw Backend::sample_rows makes with *sample.
@@ -145,7 +148,8 @@ class GlmDsaModel {
   // Embedding, layers, final norm and lm_head for one step: logits [rows asked for, vocab].
   void run_step(const std::vector<Segment>& segs, int64_t N, MlaCache& cache, const int32_t* ids, float* logits);
   void rope_table(int64_t pos0, int64_t T, float* cos_sin) const;  // host [T, rope/2, 2]
-  void grow_rope_table(int64_t end);  // rope_host_ and rope_dev_ hold positions [0, end) at least
+  // rope_host_ and rope_dev_ then hold positions [0, end) at least, [0, max(end, cap)) at most.
+  void grow_rope_table(int64_t end, int64_t cap);
   void attention(int layer, const float* xn, int64_t N, const std::vector<Segment>& segs, MlaCache& cache,
                  float* out);
   void moe(int layer, const float* xn, int64_t N, float* out);
