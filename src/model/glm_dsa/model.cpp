@@ -237,7 +237,9 @@ void GlmDsaModel::grow_rope_table(int64_t end, int64_t cap) {
   rope_host_.resize(size_t(rows * half * 2));
   rope_table(rope_rows_, rows - rope_rows_, &rope_host_[size_t(rope_rows_ * half * 2)]);
   // The old copy goes first, so that the two never add up (freeing backend memory waits for the
-  // work queued on it: a queued step may still read the old rows).
+  // work queued on it: a queued step may still read the old rows). Until the new one exists the
+  // table counts as empty, so that an allocation that throws leaves no rows without a copy.
+  rope_rows_ = 0;
   rope_dev_.reset();
   rope_dev_ = backend_.alloc_f32(rope_host_.size());
   backend_.copy_from_host(rope_dev_.get(), rope_host_.data(), rope_host_.size());
