@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -11,6 +10,7 @@
 #include "backend/cpu/membw.h"
 #include "backend/cuda/cuda_backend.h"
 #include "cli/commands.h"
+#include "core/env.h"
 #include "core/thread_pool.h"
 #include "model/glm_dsa/model.h"
 #include "model/glm_dsa/synthetic.h"
@@ -70,10 +70,7 @@ namespace {
 
 // The bench's decode with picks on the device queues each step before the last one's pick is
 // read back, as generate() does; VIREO_QUEUED_DECODE=0 runs it one step at a time (A/B runs).
-[[maybe_unused]] bool queued_decode() {
-  const char* e = std::getenv("VIREO_QUEUED_DECODE");
-  return !(e && std::string(e) == "0");
-}
+[[maybe_unused]] bool queued_decode() { return env_switch("VIREO_QUEUED_DECODE"); }
 
 // (The bench's FLOP and byte counts below are used by the CUDA bench only.)
 

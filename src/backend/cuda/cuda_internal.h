@@ -10,6 +10,7 @@
 
 #include "backend/cuda/cuda_kernels.cuh"
 #include "backend/backend.h"
+#include "core/env.h"
 #include "core/error.h"
 
 namespace vireo::cuda {
@@ -21,11 +22,7 @@ namespace vireo::cuda {
   } while (0)
 #define VIREO_CUDA_LAUNCHED() VIREO_CUDA_CHECK(cudaGetLastError())
 
-// A switch for A/B runs that is on unless the environment sets `name` to "0".
-inline bool env_switch(const char* name) {
-  const char* e = std::getenv(name);
-  return !(e && std::string(e) == "0");
-}
+using ::vireo::env_switch;  // (core/env.h)
 
 // Programmatic dependent launches on or off for the whole process (default on; VIREO_PDL=0 turns
 // them off, for A/B runs). Results do not depend on it: kernels wait for their predecessors in
