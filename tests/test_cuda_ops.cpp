@@ -1334,8 +1334,8 @@ struct GlmDecodeCase {
 };
 GlmDecodeCase glm_decode_case(Pair& p, int64_t T, int64_t H, int64_t N, int64_t stride, bool dense, uint32_t q_seed,
                               uint32_t sel_seed, const std::vector<float>& kv, float* gkv, const HostWeight& kvb,
-                              const Weight& gkvb) {
-  const int64_t nope = 192, rope = 64, vd = 256, L = 512, qw = nope + rope, pos0 = N - T;
+                              const Weight& gkvb, int64_t vd = 256) {
+  const int64_t nope = 192, rope = 64, L = 512, qw = nope + rope, pos0 = N - T;
   auto q = randv(size_t(T * H * qw), q_seed);
   std::vector<int32_t> keys, counts;
   random_selection(T, stride, pos0, sel_seed, keys, counts);
@@ -1443,6 +1443,32 @@ TEST(CudaOps, DecodeAttentionShortContextsFast) {
             }
           }
         }
+    }
+}
+
+// Value widths that are not a multiple of the merge block's W_UV rows (128 at BF16 and FP8): the
+// last block's rows past vd are loaded clamped and never written, so each head's output is exactly
+// its vd values (the output is poisoned first, and a write past a head's rows would land in the
+// next head's). Short (one kernel) and long (three) paths, selected keys.
+TEST(CudaOps, DecodeAttentionValueWidthsPastTheMergeBlock) {
+  REQUIRE_CUDA();
+  Pair p;
+  const int64_t nope = 192, rope = 64, L = 512, cap = 700, H = 6;
+  auto kv = randv(size_t(cap * (L + rope)), 290);
+  float* gkv = p.g.up(kv);
+  for (int64_t vd : {int64_t(200), int64_t(64)})
+    for (DType dt : {DType::BF16, DType::F8_E4M3}) {
+      HostWeight kvb = make_weight(dt, H * (nope + vd), L, uint32_t(291 + vd));
+      Weight gkvb = p.gpu->upload_weight(kvb.w);
+      for (int64_t N : {int64_t(100), cap}) {
+        const GlmDecodeCase c = glm_decode_case(p, 1, H, N, 512, false, uint32_t(292 + N), uint32_t(293 + N), kv, gkv,
+                                                kvb, gkvb, vd);
+        MlaAttentionArgs g = c.g;
+        p.gpu->fill(g.out, NAN, int64_t(c.want.size()));
+        p.gpu->mla_attention(g);
+        const double e = nmse(p.g.down(g.out, c.want.size()), c.want);
+        EXPECT_LT(e, 1e-10) << "vd " << vd << " " << dt_name(dt) << " N " << N;
+      }
     }
 }
 

@@ -20,6 +20,7 @@
 // row, and fills the chip (128 blocks each at 2048 keys) where one fused kernel would need either
 // 16-key splits (16 MB of partials) or a quarter of the SMs.
 #include <algorithm>
+#include <type_traits>
 
 #include "backend/cuda/cuda_attention.h"
 #include "backend/cuda/cuda_internal.h"
@@ -31,7 +32,12 @@ namespace {
 constexpr int kSH = 32, kSK = 32;               // scores block: heads x keys
 constexpr int kPH = 64, kPC = 32, kPK = 256;    // o_lat block: heads x latent columns x keys
 constexpr int kPS = kPK + 4;                    // probability row stride (words): 4 mod 32
-constexpr int kWR = 32;                         // W_UV rows per merge block (4 per warp)
+// W_UV rows a merge block takes (kWuvWarps warps of kWuvRowsPerWarp rows): 128, so that GLM-5's
+// 64 heads x 256 rows are one wave of 128 blocks (one an SM at 125 registers a thread). Blocks of 32
+// rows (8 warps of 4) made 512 blocks over ~1.3 waves and merged each head's splits 8 times over:
+// H200, fp8 decode +0.7 / +1.0 points at 8 layers (context 0 / 4096), +0.7 / +0.9 at 2 layers
+// (BENCHMARKS, session 32). VIREO_WUV_ROWS=32: the old blocks (A/B runs).
+constexpr int kWuvWarps = 16, kWuvRowsPerWarp = 8;
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -269,25 +275,25 @@ __global__ void __launch_bounds__(64 * KG) mla_decode_pv_kernel(
   }
 }
 
-// Grid (H, ceil(vd / kWR), T); 256 threads. o_lat[h] = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s
-// into shared memory, then out[t, h, j] = W_UV(h)[j, :] . o_lat[h] for this block's kWR rows: a
-// warp per 4 rows, 16-byte weight loads (the 4 rows' loads issued together).
-template <int DT>
-__global__ void __launch_bounds__(256) mla_decode_merge_wuv_kernel(
+// Grid (H, ceil(vd / (NW RPW)), T); NW warps. o_lat[h] = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s
+// into shared memory, then out[t, h, j] = W_UV(h)[j, :] . o_lat[h] for this block's NW x RPW rows: a
+// warp per RPW rows, 16-byte weight loads (the RPW rows' loads issued together).
+template <int DT, int RPW, int NW>
+__global__ void __launch_bounds__(32 * NW) mla_decode_merge_wuv_kernel(
     const float* __restrict__ opart, const float* __restrict__ mpart, const float* __restrict__ lpart, int nks,
     int H, int L, DevW kvb, int hw, int nope, int vd, float* __restrict__ out) {
   pdl_begin();
   extern __shared__ __align__(16) float olat[];  // [L], then [3][nks]: split weights, maxima, sums
   constexpr int N = GemvVec<DT>::n;
-  constexpr int RPW = kWR / 8;
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   const int h = int(blockIdx.x);
   const int64_t t = blockIdx.z;
   const int64_t base = (t * H + h) * nks;
   // This warp's rows, and their first PF 16-byte chunks per lane loaded before the merge (at
-  // bf16 and L = 512 the whole rows), so the weight stream overlaps the merge's dependent loads.
-  constexpr int PF = 2;
-  const int j0 = int(blockIdx.y) * kWR + warp * RPW;
+  // L = 512 the whole rows of FP8 and BF16), so the weight stream overlaps the merge's dependent
+  // loads. (PF 2 at FP8 loads nothing more at L = 512, where a row is 32 chunks.)
+  constexpr int PF = DT == W_FP8 && RPW > 4 ? 1 : 2;
+  const int j0 = (int(blockIdx.y) * NW + warp) * RPW;
   const uint4* wr[RPW];
   const float* srow[RPW];
   uint4 wpre[PF][RPW];
@@ -308,7 +314,7 @@ __global__ void __launch_bounds__(256) mla_decode_merge_wuv_kernel(
   float* wsplit = olat + L;      // [nks]: each split's weight (maxima in base 2), one exp2f per split
   float* msplit = wsplit + nks;  // [nks]
   float* lsplit = msplit + nks;  // [nks]
-  for (int s = tid; s < nks; s += 256) {
+  for (int s = tid; s < nks; s += 32 * NW) {
     msplit[s] = mpart[base + s];
     lsplit[s] = lpart[base + s];
   }
@@ -319,10 +325,10 @@ __global__ void __launch_bounds__(256) mla_decode_merge_wuv_kernel(
   for (int s = 0; s < nks; ++s)
     if (msplit[s] > -INFINITY) denom += exp2f(msplit[s] - M) * lsplit[s];
   const float inv = 1.0f / denom;
-  for (int s = tid; s < nks; s += 256) wsplit[s] = msplit[s] > -INFINITY ? exp2f(msplit[s] - M) : 0.0f;
+  for (int s = tid; s < nks; s += 32 * NW) wsplit[s] = msplit[s] > -INFINITY ? exp2f(msplit[s] - M) : 0.0f;
   __syncthreads();
   constexpr int SB = 8;  // splits whose partial loads are in flight together
-  for (int c = tid; c < L; c += 256) {
+  for (int c = tid; c < L; c += 32 * NW) {
     float acc = 0.0f;
     for (int s0 = 0; s0 < nks; s0 += SB) {
       float o[SB];
@@ -703,26 +709,31 @@ bool mla_decode_fast(const DecodeAttnArgs& a, cudaStream_t st) {
            a.pos0, a.pos0_dev, a.sel, a.counts, a.sel_stride, nks, a.opart, a.mpart, a.lpart);
     VIREO_CUDA_LAUNCHED();
   }
-  const dim3 grid(unsigned(a.H), unsigned((a.vd + kWR - 1) / kWR), unsigned(a.T));
+  static const bool wide_merge = [] {
+    const char* e = std::getenv("VIREO_WUV_ROWS");
+    return !(e && std::atoi(e) == 32);
+  }();
+  const int rows = wide_merge && a.kvb.dt != W_F32 ? kWuvWarps * kWuvRowsPerWarp : 32;
+  const dim3 grid(unsigned(a.H), unsigned((a.vd + rows - 1) / rows), unsigned(a.T));
   const size_t smem_m = size_t(L + 3 * nks) * 4;
   const int hw = int(a.hw), nope = int(a.nope), vd = int(a.vd);
+  auto merge = [&](auto dt) {
+    constexpr int DT = decltype(dt)::value;
+    if constexpr (DT != W_F32) {  // (f32 W_UV, the test models': the wide form would spill)
+      if (wide_merge) {
+        launch(mla_decode_merge_wuv_kernel<DT, kWuvRowsPerWarp, kWuvWarps>, grid, 32 * kWuvWarps, smem_m, st, a.opart,
+               a.mpart, a.lpart, nks, H, int(L), a.kvb, hw, nope, vd, a.out);
+        return;
+      }
+    }
+    launch(mla_decode_merge_wuv_kernel<DT, 4, 8>, grid, 256, smem_m, st, a.opart, a.mpart, a.lpart, nks, H, int(L),
+           a.kvb, hw, nope, vd, a.out);
+  };
   switch (a.kvb.dt) {
-    case W_F32:
-      launch(mla_decode_merge_wuv_kernel<W_F32>, grid, 256, smem_m, st, a.opart, a.mpart, a.lpart, nks, H, int(L),
-             a.kvb, hw, nope, vd, a.out);
-      break;
-    case W_BF16:
-      launch(mla_decode_merge_wuv_kernel<W_BF16>, grid, 256, smem_m, st, a.opart, a.mpart, a.lpart, nks, H, int(L),
-             a.kvb, hw, nope, vd, a.out);
-      break;
-    case W_F16:
-      launch(mla_decode_merge_wuv_kernel<W_F16>, grid, 256, smem_m, st, a.opart, a.mpart, a.lpart, nks, H, int(L),
-             a.kvb, hw, nope, vd, a.out);
-      break;
-    default:
-      launch(mla_decode_merge_wuv_kernel<W_FP8>, grid, 256, smem_m, st, a.opart, a.mpart, a.lpart, nks, H, int(L),
-             a.kvb, hw, nope, vd, a.out);
-      break;
+    case W_F32: merge(std::integral_constant<int, W_F32>{}); break;
+    case W_BF16: merge(std::integral_constant<int, W_BF16>{}); break;
+    case W_F16: merge(std::integral_constant<int, W_F16>{}); break;
+    default: merge(std::integral_constant<int, W_FP8>{}); break;
   }
   VIREO_CUDA_LAUNCHED();
   return true;
