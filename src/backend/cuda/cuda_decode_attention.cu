@@ -10,7 +10,7 @@
 //  2. o_lat partials: blocks of 64 heads x 32 latent columns x 256 keys exponentiate their scores
 //     against a local max and multiply them into their 256 x 32 slice of the rows (every latent
 //     byte is read by exactly one block), writing (max, sum, o) per 256-key split.
-//  3. merge + W_UV: a block per (head, 32 output rows) merges its head's splits into shared memory
+//  3. merge + W_UV: a block per (head, 128 output rows) merges its head's splits into shared memory
 //     and runs the W_UV rows against it (the merge no longer has its own launch).
 // Scores are kept in base 2 (the softmax's e^(s - m) = 2^(s log2 e - m log2 e)): kernels 2 and 3 then
 // exponentiate with exp2f (the MUFU.EX2 instruction, 2 ulp) instead of the libm-accurate expf's
