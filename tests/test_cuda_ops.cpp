@@ -1461,8 +1461,8 @@ TEST(CudaOps, DecodeAttentionValueWidthsPastTheMergeBlock) {
       HostWeight kvb = make_weight(dt, H * (nope + vd), L, uint32_t(291 + vd));
       Weight gkvb = p.gpu->upload_weight(kvb.w);
       for (int64_t N : {int64_t(100), cap}) {
-        const GlmDecodeCase c = glm_decode_case(p, 1, H, N, 512, false, uint32_t(292 + N), uint32_t(293 + N), kv, gkv,
-                                                kvb, gkvb, vd);
+        const GlmDecodeCase c =
+            glm_decode_case(p, 1, H, N, 512, false, uint32_t(292 + N), uint32_t(293 + N), kv, gkv, kvb, gkvb, vd);
         MlaAttentionArgs g = c.g;
         p.gpu->fill(g.out, NAN, int64_t(c.want.size()));
         p.gpu->mla_attention(g);

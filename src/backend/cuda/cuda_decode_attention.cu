@@ -279,9 +279,10 @@ __global__ void __launch_bounds__(64 * KG) mla_decode_pv_kernel(
 // into shared memory, then out[t, h, j] = W_UV(h)[j, :] . o_lat[h] for this block's NW x RPW rows: a
 // warp per RPW rows, 16-byte weight loads (the RPW rows' loads issued together).
 template <int DT, int RPW, int NW>
-__global__ void __launch_bounds__(32 * NW) mla_decode_merge_wuv_kernel(
-    const float* __restrict__ opart, const float* __restrict__ mpart, const float* __restrict__ lpart, int nks,
-    int H, int L, DevW kvb, int hw, int nope, int vd, float* __restrict__ out) {
+__global__ void __launch_bounds__(32 * NW)
+    mla_decode_merge_wuv_kernel(const float* __restrict__ opart, const float* __restrict__ mpart,
+                                const float* __restrict__ lpart, int nks, int H, int L, DevW kvb, int hw, int nope,
+                                int vd, float* __restrict__ out) {
   pdl_begin();
   extern __shared__ __align__(16) float olat[];  // [L], then [3][nks]: split weights, maxima, sums
   constexpr int N = GemvVec<DT>::n;
