@@ -33,9 +33,9 @@ constexpr int kSH = 32, kSK = 32;               // scores block: heads x keys
 constexpr int kPH = 64, kPC = 32, kPK = 256;    // o_lat block: heads x latent columns x keys
 constexpr int kPS = kPK + 4;                    // probability row stride (words): 4 mod 32
 // W_UV rows a merge block takes (kWuvWarps warps of kWuvRowsPerWarp rows): 128, so that GLM-5's
-// 64 heads x 256 rows are one wave of 128 blocks (one an SM at 125 registers a thread). Blocks of 32
-// rows (8 warps of 4) made 512 blocks over ~1.3 waves and merged each head's splits 8 times over:
-// H200, fp8 decode +0.7 / +1.0 points at 8 layers (context 0 / 4096), +0.7 / +0.9 at 2 layers
+// 64 heads x 256 rows are one wave of 128 blocks (one an SM at ~116 registers a thread). Blocks of
+// 32 rows (8 warps of 4) made 512 blocks over ~1.3 waves and merged each head's splits 8 times over:
+// H200, fp8 decode +0.5 to +1.0 points at 8 layers, +0.6 to +1.2 at 2 layers, context 0 and 4096
 // (BENCHMARKS, session 32). VIREO_WUV_ROWS=32: the old blocks (A/B runs).
 constexpr int kWuvWarps = 16, kWuvRowsPerWarp = 8;
 
@@ -714,21 +714,20 @@ bool mla_decode_fast(const DecodeAttnArgs& a, cudaStream_t st) {
     const char* e = std::getenv("VIREO_WUV_ROWS");
     return !(e && std::atoi(e) == 32);
   }();
-  const int rows = wide_merge && a.kvb.dt != W_F32 ? kWuvWarps * kWuvRowsPerWarp : 32;
-  const dim3 grid(unsigned(a.H), unsigned((a.vd + rows - 1) / rows), unsigned(a.T));
   const size_t smem_m = size_t(L + 3 * nks) * 4;
   const int hw = int(a.hw), nope = int(a.nope), vd = int(a.vd);
+  auto launch_merge = [&](auto kernel, int warps, int rows) {
+    const dim3 grid(unsigned(a.H), unsigned((a.vd + rows - 1) / rows), unsigned(a.T));
+    launch(kernel, grid, 32 * warps, smem_m, st, a.opart, a.mpart, a.lpart, nks, H, int(L), a.kvb, hw, nope, vd, a.out);
+  };
   auto merge = [&](auto dt) {
     constexpr int DT = decltype(dt)::value;
     if constexpr (DT != W_F32) {  // (f32 W_UV, the test models': the wide form would spill)
-      if (wide_merge) {
-        launch(mla_decode_merge_wuv_kernel<DT, kWuvRowsPerWarp, kWuvWarps>, grid, 32 * kWuvWarps, smem_m, st, a.opart,
-               a.mpart, a.lpart, nks, H, int(L), a.kvb, hw, nope, vd, a.out);
-        return;
-      }
+      if (wide_merge)
+        return launch_merge(mla_decode_merge_wuv_kernel<DT, kWuvRowsPerWarp, kWuvWarps>, kWuvWarps,
+                            kWuvWarps * kWuvRowsPerWarp);
     }
-    launch(mla_decode_merge_wuv_kernel<DT, 4, 8>, grid, 256, smem_m, st, a.opart, a.mpart, a.lpart, nks, H, int(L),
-           a.kvb, hw, nope, vd, a.out);
+    launch_merge(mla_decode_merge_wuv_kernel<DT, 4, 8>, 8, 32);
   };
   switch (a.kvb.dt) {
     case W_F32: merge(std::integral_constant<int, W_F32>{}); break;
