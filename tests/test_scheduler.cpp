@@ -3,6 +3,8 @@
 // arriving at different steps; cancellation frees rows; admission waits for a row and for budget.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <filesystem>
 #include <map>
 #include <thread>
 
@@ -10,8 +12,12 @@
 #include "io/json_file.h"
 #include "model/glm_dsa/model.h"
 #include "runtime/scheduler.h"
+#include "cuda_test_util.h"
+#include "test_helpers.h"
 
 using namespace vireo;
+using vireo::test::TempDir;
+using vireo::test::write_file;
 
 namespace {
 
@@ -19,9 +25,16 @@ const std::string kFixtures = VIREO_FIXTURES_DIR;
 const std::string kDemo = std::string(VIREO_SOURCE_DIR) + "/models/vireo-demo";
 
 struct Loaded {
-  std::unique_ptr<Backend> backend = make_cpu_backend();
+  std::unique_ptr<Backend> backend;
   std::unique_ptr<GlmDsaModel> model;
-  explicit Loaded(const std::string& dir) { model = GlmDsaModel::load(dir, *backend); }
+  explicit Loaded(const std::string& dir, bool cuda = false) {
+#ifdef VIREO_HAVE_CUDA
+    backend = cuda ? make_cuda_backend() : make_cpu_backend();
+#else
+    backend = make_cpu_backend();
+#endif
+    model = GlmDsaModel::load(dir, *backend);
+  }
 };
 
 SchedRequest greedy(std::vector<int32_t> prompt, int64_t n) {
@@ -273,6 +286,76 @@ TEST(Scheduler, EosStopsAndLogprobsAreLogSoftmax) {
     EXPECT_EQ(o.reason, FinishReason::Stop);
     EXPECT_EQ(o.ids, std::vector<int32_t>(gn.begin(), it + 1));
   }
+}
+
+// A lone decoding request runs one step ahead of the host (SchedulerOptions::pipeline): the same
+// events as step by step, greedy and sampled, ending at max_tokens, at an EOS id with a step
+// queued past it, and cancelled between steps; the cache left empty and the row serving the next
+// request. The f32 fixture with its EOS set to the 4th greedy token (108, first at index 3).
+void lone_request_pipelined_equals_step_by_step(bool cuda) {
+  namespace fs = std::filesystem;
+  const std::string src = kFixtures + "/glm_dsa_shared_f32";
+  const Json e = read_json_file(src + "/expected.json");
+  const auto gp = e["greedy_prompt"].get<std::vector<int32_t>>();
+  const auto gn = e["greedy_new"].get<std::vector<int32_t>>();
+  ASSERT_EQ(gn[3], 108);
+  ASSERT_EQ(std::find(gn.begin(), gn.end(), 108) - gn.begin(), 3);
+  TempDir dir("pipeline");
+  fs::copy_file(src + "/model.safetensors", dir / "model.safetensors");
+  Json cfg = read_json_file(src + "/config.json");
+  cfg["eos_token_id"] = 108;
+  write_file(dir / "config.json", cfg.dump());
+  write_file(dir / "generation_config.json", "{\"eos_token_id\": [108]}");
+  Loaded m(dir.str(), cuda);
+  auto run = [&](const SchedRequest& r, bool pipeline, int cancel_after) {
+    SchedulerOptions o = manual(1, 128, 64);
+    o.pipeline = pipeline;
+    Scheduler s(*m.model, *m.backend, o);
+    auto h = s.submit(r);
+    for (int i = 1; s.step(); ++i)
+      if (i == cancel_after) h->cancel();
+    EXPECT_EQ(s.stats().cache_bytes_in_use, 0u);
+    EXPECT_EQ(s.stats().cache_bytes_reserved, 0u);
+    auto next = s.submit(greedy(gp, 6));
+    while (s.step()) {}
+    EXPECT_EQ(drain(*next).ids, std::vector<int32_t>(gn.begin(), gn.begin() + 6));
+    return drain(*h);
+  };
+  SchedRequest sampled = greedy(gp, 12);
+  sampled.sampling.temperature = 0.9f;
+  sampled.sampling.top_k = 40;
+  sampled.sampling.seed = 7;
+  SchedRequest eos = greedy(gp, 12);
+  eos.stop_at_eos = true;
+  struct Case {
+    const char* name;
+    SchedRequest req;
+    int cancel_after;
+    FinishReason reason;
+    size_t n;
+  };
+  const Case cases[] = {{"greedy", greedy(gp, 12), 0, FinishReason::Length, 12},
+                        {"sampled", sampled, 0, FinishReason::Length, 12},
+                        {"eos", eos, 0, FinishReason::Stop, 4},
+                        {"cancelled", greedy(gp, 30), 5, FinishReason::Cancelled, 5}};
+  for (const Case& c : cases) {
+    const Outcome piped = run(c.req, true, c.cancel_after), stepped = run(c.req, false, c.cancel_after);
+    EXPECT_TRUE(piped.finished && !piped.error) << c.name;
+    EXPECT_EQ(piped.reason, c.reason) << c.name;
+    EXPECT_EQ(piped.ids.size(), c.n) << c.name;
+    EXPECT_EQ(piped.ids, stepped.ids) << c.name << (cuda ? " cuda" : " cpu");
+    EXPECT_EQ(stepped.reason, c.reason) << c.name;
+    if (c.req.sampling.temperature == 0.0f) {
+      EXPECT_EQ(piped.ids, std::vector<int32_t>(gn.begin(), gn.begin() + int64_t(c.n))) << c.name;
+    }
+  }
+}
+
+TEST(Scheduler, LoneRequestPipelinedEqualsStepByStep) { lone_request_pipelined_equals_step_by_step(false); }
+
+TEST(Scheduler, LoneRequestPipelinedEqualsStepByStepOnCuda) {
+  REQUIRE_CUDA();
+  lone_request_pipelined_equals_step_by_step(true);
 }
 
 TEST(Scheduler, EngineThreadServesConcurrentSubmitters) {

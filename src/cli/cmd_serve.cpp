@@ -10,6 +10,7 @@
 
 #include "backend/cuda/cuda_backend.h"
 #include "cli/commands.h"
+#include "core/env.h"
 #include "model/glm_dsa/synthetic.h"
 #include "runtime/scheduler.h"
 #include "server/server.h"
@@ -126,6 +127,7 @@ Action add_serve(CLI::App& app) {
     so.max_batch = o->max_batch;
     so.context = context;
     so.prefill_chunk = o->prefill_chunk;
+    so.pipeline = env_switch("VIREO_SERVE_PIPELINE");  // 0: every step waits for its pick (A/B runs)
     if (!o->cache_budget.empty()) so.cache_budget_bytes = parse_byte_size(o->cache_budget, "--cache-budget");
     Scheduler scheduler(*lm.model, *backend, so);
     http.ready(sm, scheduler);

@@ -56,6 +56,7 @@ Scheduler::~Scheduler() {
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
+  drop_queued();
   SchedEvent ev;
   ev.kind = SchedEvent::Kind::Error;
   ev.message = "the server is shutting down";
@@ -148,8 +149,7 @@ void Scheduler::emit_token(Running& r, const float* logits) {
   r.handle->push(std::move(ev));
   r.last = id;
   ++r.generated;
-  const auto& eos = model_.config().eos_ids;
-  if (r.req.stop_at_eos && eos.count(id)) {
+  if (r.req.stop_at_eos && model_.config().eos_ids.count(id)) {
     SchedEvent f;
     f.kind = SchedEvent::Kind::Finish;
     f.reason = FinishReason::Stop;
@@ -160,6 +160,52 @@ void Scheduler::emit_token(Running& r, const float* logits) {
     f.reason = FinishReason::Length;
     finish(r, std::move(f));
   }
+}
+
+bool Scheduler::ends_request(const Running& r, int32_t id) const {
+  return (r.req.stop_at_eos && model_.config().eos_ids.count(id)) || r.generated + 1 >= r.req.max_tokens;
+}
+
+bool Scheduler::lone_decoding(bool waiting) const {
+  if (!opt_.pipeline || waiting || running_.size() != 1) return false;
+  const Running& r = running_[0];
+  return r.handle && !r.handle->cancelled() && r.prefilled >= int64_t(r.req.prompt.size()) && !r.needs_logits();
+}
+
+void Scheduler::drop_queued() {
+  for (; queued_ > 0; --queued_) model_.take_step();
+}
+
+void Scheduler::take_queued(Running& r) {
+  const int32_t id = model_.take_step();
+  --queued_;
+  if (!r.handle || r.handle->cancelled()) return;
+  if (ends_request(r, id)) drop_queued();  // read before finish() frees the row
+  r.chosen = id;
+  emit_token(r, nullptr);
+}
+
+void Scheduler::pipelined_step(Running& r) {
+  auto queue = [&](const int32_t* token) {
+    const bool sampled = r.req.sampling.temperature != 0.0f;
+    SampleRowArgs args;
+    if (sampled) args = r.sampler->next_row_args();  // drawn in token order, as request_output does
+    model_.queue_step(token, cache_, r.row, sampled ? &args : nullptr);
+    ++queued_;
+  };
+  try {
+    if (queued_ == 0) queue(&r.last);
+    // One step past the one read below, while that step would still emit a token (max_tokens).
+    if (queued_ < 2 && r.generated + queued_ < r.req.max_tokens) queue(nullptr);
+  } catch (const std::exception& e) {
+    drop_queued();
+    SchedEvent ev;
+    ev.kind = SchedEvent::Kind::Error;
+    ev.message = e.what();
+    finish(r, std::move(ev));
+    return;
+  }
+  take_queued(r);
 }
 
 void Scheduler::request_output(Running& r, BatchItem& it, bool emits) {
@@ -177,6 +223,14 @@ void Scheduler::request_output(Running& r, BatchItem& it, bool emits) {
 }
 
 bool Scheduler::step() {
+  bool waiting = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    waiting = !waiting_.empty();
+  }
+  // Queued steps end before anything else changes (a cancel, an admission, a batch).
+  if (queued_ > 0 && !lone_decoding(waiting))
+    while (queued_ > 0) take_queued(running_[0]);
   // Cancelled running requests leave first, freeing their rows for admission.
   for (Running& r : running_)
     if (r.handle && r.handle->cancelled()) {
@@ -222,8 +276,13 @@ bool Scheduler::step() {
     stats_.running = running_.size();
     stats_.cache_bytes_reserved = reserved_;
     stats_.cache_bytes_in_use = cache_.bytes_in_use();
+    waiting = !waiting_.empty();
   }
   if (running_.empty()) return false;
+  if (lone_decoding(waiting)) {
+    pipelined_step(running_[0]);
+    return end_step();
+  }
 
   // The step: every decoding row's last token, then prompt chunks in admission order within the
   // prefill budget (at least one token always fits, so every prompt advances eventually).
@@ -279,14 +338,16 @@ bool Scheduler::step() {
     }
     emit_token(r, items[k].logits);
   }
+  return end_step();
+}
+
+bool Scheduler::end_step() {
   std::erase_if(running_, [](const Running& r) { return r.handle == nullptr; });
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    ++stats_.steps;
-    stats_.running = running_.size();
-    stats_.cache_bytes_reserved = reserved_;
-    stats_.cache_bytes_in_use = cache_.bytes_in_use();
-  }
+  std::lock_guard<std::mutex> lock(mu_);
+  ++stats_.steps;
+  stats_.running = running_.size();
+  stats_.cache_bytes_reserved = reserved_;
+  stats_.cache_bytes_in_use = cache_.bytes_in_use();
   return true;
 }
 

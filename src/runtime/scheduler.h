@@ -89,6 +89,7 @@ struct SchedulerOptions {
   // of running requests; 0: the whole cache (max_batch * context positions).
   size_t cache_budget_bytes = 0;
   bool start_thread = true;     // false: the caller drives step() (tests)
+  bool pipeline = true;         // a lone decoding request one step ahead (Scheduler::pipelined_step)
 };
 
 struct SchedulerStats {
@@ -146,6 +147,21 @@ class Scheduler {
   void finish(Running& r, SchedEvent ev);  // pushes ev, frees the row
   // Emits the next token: sampled from `logits` (the row's last position), or r.chosen when null.
   void emit_token(Running& r, const float* logits);
+  // Whether emitting `id` ends r (EOS, or its max_tokens-th token).
+  bool ends_request(const Running& r, int32_t id) const;
+  // Pipelined decoding of a lone sequence (GlmDsaModel::queue_step): while one request runs,
+  // decoding, with no logits wanted and none waiting, each step queues the step after it before
+  // its own pick is read, so the host's work between steps overlaps the GPU's (~4.7% of an
+  // 8-layer FP8 step on an H200 otherwise; BENCHMARKS, session 30). The tokens are those of the
+  // batched step: the same forward on the same row, the sampler's draws taken in token order.
+  bool lone_decoding(bool waiting) const;
+  void pipelined_step(Running& r);
+  // Reads the oldest queued step's pick and emits it (it is r's next token, its input already in
+  // the cache), unless r has ended or is cancelled; a step queued past r's last token is read and
+  // dropped before finish() frees the row.
+  void take_queued(Running& r);
+  void drop_queued();
+  bool end_step();  // drops finished requests, counts the step; true
 
   GlmDsaModel& model_;
   SchedulerOptions opt_;
@@ -167,6 +183,7 @@ class Scheduler {
   std::vector<Running> running_;
   std::vector<bool> row_free_;
   size_t reserved_ = 0;
+  int queued_ = 0;  // steps queued by pipelined_step for running_[0], picks not yet read
   std::thread thread_;
 };
 
