@@ -56,7 +56,10 @@ Scheduler::~Scheduler() {
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
-  drop_queued();
+  try {
+    drop_queued();
+  } catch (const std::exception&) {  // the backend failed: nothing left to read
+  }
   SchedEvent ev;
   ev.kind = SchedEvent::Kind::Error;
   ev.message = "the server is shutting down";
@@ -185,6 +188,27 @@ void Scheduler::take_queued(Running& r) {
   emit_token(r, nullptr);
 }
 
+void Scheduler::fail_queued(Running& r, const std::string& message) {
+  try {
+    drop_queued();
+  } catch (const std::exception&) {
+    queued_ = 0;  // the backend failed: what is still queued cannot be read
+  }
+  if (!r.handle) return;
+  SchedEvent ev;
+  ev.kind = SchedEvent::Kind::Error;
+  ev.message = message;
+  finish(r, std::move(ev));
+}
+
+void Scheduler::settle_queued(Running& r) {
+  try {
+    while (queued_ > 0) take_queued(r);
+  } catch (const std::exception& e) {
+    fail_queued(r, e.what());
+  }
+}
+
 void Scheduler::pipelined_step(Running& r) {
   auto queue = [&](const int32_t* token) {
     const bool sampled = r.req.sampling.temperature != 0.0f;
@@ -197,15 +221,10 @@ void Scheduler::pipelined_step(Running& r) {
     if (queued_ == 0) queue(&r.last);
     // One step past the one read below, while that step would still emit a token (max_tokens).
     if (queued_ < 2 && r.generated + queued_ < r.req.max_tokens) queue(nullptr);
-  } catch (const std::exception& e) {
-    drop_queued();
-    SchedEvent ev;
-    ev.kind = SchedEvent::Kind::Error;
-    ev.message = e.what();
-    finish(r, std::move(ev));
-    return;
+    take_queued(r);
+  } catch (const std::exception& e) {  // as a failed batched step: this request ends, serving goes on
+    fail_queued(r, e.what());
   }
-  take_queued(r);
 }
 
 void Scheduler::request_output(Running& r, BatchItem& it, bool emits) {
@@ -229,8 +248,7 @@ bool Scheduler::step() {
     waiting = !waiting_.empty();
   }
   // Queued steps end before anything else changes (a cancel, an admission, a batch).
-  if (queued_ > 0 && !lone_decoding(waiting))
-    while (queued_ > 0) take_queued(running_[0]);
+  if (queued_ > 0 && !lone_decoding(waiting)) settle_queued(running_[0]);
   // Cancelled running requests leave first, freeing their rows for admission.
   for (Running& r : running_)
     if (r.handle && r.handle->cancelled()) {

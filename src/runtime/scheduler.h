@@ -149,18 +149,23 @@ class Scheduler {
   void emit_token(Running& r, const float* logits);
   // Whether emitting `id` ends r (EOS, or its max_tokens-th token).
   bool ends_request(const Running& r, int32_t id) const;
-  // Pipelined decoding of a lone sequence (GlmDsaModel::queue_step): while one request runs,
-  // decoding, with no logits wanted and none waiting, each step queues the step after it before
-  // its own pick is read, so the host's work between steps overlaps the GPU's (~4.7% of an
-  // 8-layer FP8 step on an H200 otherwise; BENCHMARKS, session 30). The tokens are those of the
-  // batched step: the same forward on the same row, the sampler's draws taken in token order.
+  // Pipelined decoding of a lone sequence (GlmDsaModel::queue_step), as `vireo run` decodes: while
+  // one request runs, decoding, with no logits wanted and none waiting, each step queues the step
+  // after it before its own pick is read, so the host's work between steps overlaps the GPU's
+  // (H200, one stream through the server: +1.2% tokens/s at 2 layers bf16, +0.3% at 8 layers fp8;
+  // BENCHMARKS, session 33). The tokens are those of the batched step: the same forward on the
+  // same row, the sampler's draws taken in token order.
   bool lone_decoding(bool waiting) const;
   void pipelined_step(Running& r);
   // Reads the oldest queued step's pick and emits it (it is r's next token, its input already in
   // the cache), unless r has ended or is cancelled; a step queued past r's last token is read and
   // dropped before finish() frees the row.
   void take_queued(Running& r);
+  void settle_queued(Running& r);  // every queued step, before a cancel, an admission or a batch
   void drop_queued();
+  // A failed queue or read: r ends with an Error event (as in a failed batched step), the steps
+  // still queued are dropped.
+  void fail_queued(Running& r, const std::string& message);
   bool end_step();  // drops finished requests, counts the step; true
 
   GlmDsaModel& model_;
