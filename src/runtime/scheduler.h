@@ -9,7 +9,8 @@
 // still being read, capped at prefill_chunk prompt tokens per step so long prompts are interleaved
 // with decodes instead of stalling them, through GlmDsaModel::forward_batch (one expert union per
 // MoE layer). Results equal single-sequence runs (forward_batch is row-exact), so greedy outputs do
-// not depend on what else is in the batch.
+// not depend on what else is in the batch. A request decoding alone runs one step ahead of the
+// host (pipelined_step), with the same tokens.
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
