@@ -21,16 +21,11 @@
 #include <cstdlib>
 #include <vector>
 
+#include "probe_check.h"
+
 namespace {
 
-#define CHECK(x)                                                                      \
-  do {                                                                                \
-    const cudaError_t e_ = (x);                                                       \
-    if (e_ != cudaSuccess) {                                                          \
-      std::fprintf(stderr, "vireo_read_probe: %s: %s\n", #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                   \
-    }                                                                                 \
-  } while (0)
+constexpr const char* kProbeName = "vireo_read_probe";
 
 constexpr int64_t kRows = 2048, kRowBytes = 6144, kSlots = 8;
 constexpr int64_t kMatBytes = kRows * kRowBytes;

@@ -23,16 +23,11 @@
 #include <cstdlib>
 #include <vector>
 
+#include "probe_check.h"
+
 namespace {
 
-#define CHECK(x)                                                                      \
-  do {                                                                                \
-    const cudaError_t e_ = (x);                                                       \
-    if (e_ != cudaSuccess) {                                                          \
-      std::fprintf(stderr, "vireo_sync_probe: %s: %s\n", #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                   \
-    }                                                                                 \
-  } while (0)
+constexpr const char* kProbeName = "vireo_sync_probe";
 
 constexpr int kSteps = 200, kTimed = 7;
 
