@@ -617,6 +617,15 @@ class CudaBackend final : public Backend {
     launch(rms_norm_kernel, unsigned(T), n >= 2048 ? 512 : 256, 0, stream_, x, xs, n, w, eps, y, ys);
     VIREO_CUDA_LAUNCHED();
   }
+  void rms_norm_and_appends(const float* x, int64_t xs, int64_t T, int64_t n, const float* w, float eps, float* y,
+                            int64_t ys, const std::vector<CacheAppend>& cache_appends,
+                            const std::vector<KeyAppend>& key_appends) override {
+    {
+      VIREO_PROF("rms_norm_and_appends");
+      if (rms_norm_and_appends_decode(x, xs, T, n, w, eps, y, ys, cache_appends, key_appends, stream_)) return;
+    }
+    Backend::rms_norm_and_appends(x, xs, T, n, w, eps, y, ys, cache_appends, key_appends);
+  }
   void add_rms_norm(float* h, const float* x, int64_t T, int64_t n, const float* w, float eps, float* y) override {
     VIREO_PROF("add_rms_norm");
     cuda::add_rms_norm(h, x, T, n, w, eps, y, stream_);
@@ -990,6 +999,17 @@ class CudaBackend final : public Backend {
     if (T <= 0) return;
     VIREO_PROF("moe_route");
     float* logits = route_.get<float>(size_t(T * a.n_experts));
+    // Decode: the product and the routing in one launch (gemv_route_kernel), where the shapes fit.
+    if (T <= kGemvRows && mode_ != CudaGemmMode::Simt) {
+      int* arrived = route_arrived_.get<int>(1);
+      if (!route_arrived_zeroed_) {
+        VIREO_CUDA_CHECK(cudaMemsetAsync(arrived, 0, sizeof(int), stream_));
+        route_arrived_zeroed_ = true;
+      }
+      if (router_route(x, T, devw(*a.gate), logits, a.n_group, a.topk_group, a.top_k, a.bias, a.norm_topk_prob,
+                       a.routed_scaling_factor, ids, weights, arrived, stream_, sms_))
+        return;
+    }
     matmul(x, T, *a.gate, logits);
     cuda::moe_route(logits, T, a.n_experts, a.n_group, a.topk_group, a.top_k, a.bias, a.norm_topk_prob,
                     a.routed_scaling_factor, ids, weights, stream_);
@@ -2074,6 +2094,8 @@ class CudaBackend final : public Backend {
   std::unordered_map<const void*, Weight> uploaded_;
   Scratch joined_;                                              // matmul_joined's product, [T, the run's rows]
   std::unordered_map<const void*, const void*> adjacent_next_;  // upload_weights_adjacent: a weight -> the next
+  Scratch route_arrived_;  // gemv_route_kernel's count of finished blocks (zeroed once, left zero)
+  bool route_arrived_zeroed_ = false;
   Scratch argmax_parts_, flag_, scores_, dscores_, route_, xbf16_, wbf16_, qlat_, part_, latent_, kvx_, mask_, moe_h_, kvbf16_;
   // The fast FP8 path: e4m3 x + its scales; D when it is bf16 or has padding rows; the weight
   // scales with padded rows.
