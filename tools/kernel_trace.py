@@ -9,8 +9,11 @@ it with no kernel running, the host's gap between replays, and each kernel node 
 end is reached (median over replays): start and end from the step's start, its duration, and the
 *advance*: how far the step's frontier (the latest end so far) moved when it ended. The advances add
 up to the span; a kernel whose advance is far below its duration ran under another (PDL, a
-branch), one whose advance is above it waited for its inputs. A closing table sums the advances
-by kernel name. Times in us.
+branch), one whose advance is above it waited for its inputs (or for SMs: its start says which).
+An advance is not a place on the critical path: a kernel ending last may be waited on by nothing,
+while another chain ends just behind it (session 34: the cache appends' advance was absorb_q's
+chain, which took their place when they moved). A closing table sums the advances by kernel
+name. Times in us.
 """
 import argparse
 import csv

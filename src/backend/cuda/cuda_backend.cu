@@ -386,7 +386,13 @@ struct Scratch {
 class CudaGraph final : public RecordedOps {
  public:
   CudaGraph(cudaGraph_t g, cudaStream_t st) : graph_(g), stream_(st) {
-    VIREO_CUDA_CHECK(cudaGraphInstantiate(&exec_, graph_, 0));
+    // VIREO_BRANCH_PRIORITY=1 (experiment): the kernels keep the priority of the stream they
+    // were captured on (the branch's: the greatest).
+    static const bool by_node = [] {
+      const char* e = std::getenv("VIREO_BRANCH_PRIORITY");
+      return e && *e == '1';
+    }();
+    VIREO_CUDA_CHECK(cudaGraphInstantiate(&exec_, graph_, by_node ? cudaGraphInstantiateFlagUseNodePriority : 0));
   }
   ~CudaGraph() override {
     if (exec_) cudaGraphExecDestroy(exec_);
@@ -875,7 +881,14 @@ class CudaBackend final : public Backend {
     if (in_branch_) fail("cuda: a branch begun inside another");
     join_branch();  // one not yet joined (a forward that threw): ordered before this one
     if (!branch_stream_) {
-      VIREO_CUDA_CHECK(cudaStreamCreateWithFlags(&branch_stream_, cudaStreamNonBlocking));
+      const char* pe = std::getenv("VIREO_BRANCH_PRIORITY");
+      if (pe && *pe == '1') {  // experiment: the branch's blocks dispatched ahead of the main stream's
+        int least = 0, greatest = 0;
+        VIREO_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+        VIREO_CUDA_CHECK(cudaStreamCreateWithPriority(&branch_stream_, cudaStreamNonBlocking, greatest));
+      } else {
+        VIREO_CUDA_CHECK(cudaStreamCreateWithFlags(&branch_stream_, cudaStreamNonBlocking));
+      }
       VIREO_CUDA_CHECK(cudaEventCreateWithFlags(&branch_fork_, cudaEventDisableTiming));
       VIREO_CUDA_CHECK(cudaEventCreateWithFlags(&branch_join_, cudaEventDisableTiming));
     }
