@@ -179,44 +179,6 @@ class Backend {
   virtual void index_key_append(const float* k, int64_t T, int64_t d, const float* w, const float* b, float eps,
                                 int64_t rope, const float* cos_sin, RopeKind kind, float* keys, int64_t pos0,
                                 const int32_t* pos0_dev) = 0;
-  // rms_norm(x) (as rms_norm) and appends of this step's cache entries and indexer keys (as
-  // mla_cache_append and index_key_append; none reads y), in one op: a GPU runs them as one launch
-  // on the queries' path, where apart the appends' one-block kernels waited for SMs behind the
-  // query product's blocks (5-10 us a GLM-5 layer, H200, session 34). This default runs the ops in
-  // turn; results are those of the ops in any order.
-  struct CacheAppend {  // mla_cache_append's arguments
-    const float* kva;
-    int64_t T, L, rope;
-    const float* norm_w;
-    float eps;
-    const float* cos_sin;
-    RopeKind kind;
-    float* cache;
-    int64_t pos0;
-    const int32_t* pos0_dev;
-  };
-  struct KeyAppend {  // index_key_append's arguments
-    const float* k;
-    int64_t T, d;
-    const float* w;
-    const float* b;
-    float eps;
-    int64_t rope;
-    const float* cos_sin;
-    RopeKind kind;
-    float* keys;
-    int64_t pos0;
-    const int32_t* pos0_dev;
-  };
-  virtual void rms_norm_and_appends(const float* x, int64_t x_stride, int64_t T, int64_t n, const float* w, float eps,
-                                    float* y, int64_t y_stride, const std::vector<CacheAppend>& cache_appends,
-                                    const std::vector<KeyAppend>& key_appends) {
-    rms_norm(x, x_stride, T, n, w, eps, y, y_stride);
-    for (const CacheAppend& a : cache_appends)
-      mla_cache_append(a.kva, a.T, a.L, a.rope, a.norm_w, a.eps, a.cos_sin, a.kind, a.cache, a.pos0, a.pos0_dev);
-    for (const KeyAppend& a : key_appends)
-      index_key_append(a.k, a.T, a.d, a.w, a.b, a.eps, a.rope, a.cos_sin, a.kind, a.keys, a.pos0, a.pos0_dev);
-  }
   virtual void mla_attention(const MlaAttentionArgs& a) = 0;
   // The absorbed path's work that needs only the queries (q_nope through W_UK's rows), queued
   // ahead of the mla_attention call with the same args (so it can run while a branch selects the

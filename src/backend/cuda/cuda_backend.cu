@@ -386,13 +386,7 @@ struct Scratch {
 class CudaGraph final : public RecordedOps {
  public:
   CudaGraph(cudaGraph_t g, cudaStream_t st) : graph_(g), stream_(st) {
-    // VIREO_BRANCH_PRIORITY=1 (experiment): the kernels keep the priority of the stream they
-    // were captured on (the branch's: the greatest).
-    static const bool by_node = [] {
-      const char* e = std::getenv("VIREO_BRANCH_PRIORITY");
-      return e && *e == '1';
-    }();
-    VIREO_CUDA_CHECK(cudaGraphInstantiate(&exec_, graph_, by_node ? cudaGraphInstantiateFlagUseNodePriority : 0));
+    VIREO_CUDA_CHECK(cudaGraphInstantiate(&exec_, graph_, 0));
   }
   ~CudaGraph() override {
     if (exec_) cudaGraphExecDestroy(exec_);
@@ -622,15 +616,6 @@ class CudaBackend final : public Backend {
     if (rms_norm_decode(x, xs, T, n, w, eps, y, ys, stream_)) return;
     launch(rms_norm_kernel, unsigned(T), n >= 2048 ? 512 : 256, 0, stream_, x, xs, n, w, eps, y, ys);
     VIREO_CUDA_LAUNCHED();
-  }
-  void rms_norm_and_appends(const float* x, int64_t xs, int64_t T, int64_t n, const float* w, float eps, float* y,
-                            int64_t ys, const std::vector<CacheAppend>& cache_appends,
-                            const std::vector<KeyAppend>& key_appends) override {
-    {
-      VIREO_PROF("rms_norm_and_appends");
-      if (rms_norm_and_appends_decode(x, xs, T, n, w, eps, y, ys, cache_appends, key_appends, stream_)) return;
-    }
-    Backend::rms_norm_and_appends(x, xs, T, n, w, eps, y, ys, cache_appends, key_appends);
   }
   void add_rms_norm(float* h, const float* x, int64_t T, int64_t n, const float* w, float eps, float* y) override {
     VIREO_PROF("add_rms_norm");
@@ -881,14 +866,7 @@ class CudaBackend final : public Backend {
     if (in_branch_) fail("cuda: a branch begun inside another");
     join_branch();  // one not yet joined (a forward that threw): ordered before this one
     if (!branch_stream_) {
-      const char* pe = std::getenv("VIREO_BRANCH_PRIORITY");
-      if (pe && *pe == '1') {  // experiment: the branch's blocks dispatched ahead of the main stream's
-        int least = 0, greatest = 0;
-        VIREO_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-        VIREO_CUDA_CHECK(cudaStreamCreateWithPriority(&branch_stream_, cudaStreamNonBlocking, greatest));
-      } else {
-        VIREO_CUDA_CHECK(cudaStreamCreateWithFlags(&branch_stream_, cudaStreamNonBlocking));
-      }
+      VIREO_CUDA_CHECK(cudaStreamCreateWithFlags(&branch_stream_, cudaStreamNonBlocking));
       VIREO_CUDA_CHECK(cudaEventCreateWithFlags(&branch_fork_, cudaEventDisableTiming));
       VIREO_CUDA_CHECK(cudaEventCreateWithFlags(&branch_join_, cudaEventDisableTiming));
     }
@@ -1012,17 +990,6 @@ class CudaBackend final : public Backend {
     if (T <= 0) return;
     VIREO_PROF("moe_route");
     float* logits = route_.get<float>(size_t(T * a.n_experts));
-    // Decode: the product and the routing in one launch (gemv_route_kernel), where the shapes fit.
-    if (T <= kGemvRows && mode_ != CudaGemmMode::Simt) {
-      int* arrived = route_arrived_.get<int>(1);
-      if (!route_arrived_zeroed_) {
-        VIREO_CUDA_CHECK(cudaMemsetAsync(arrived, 0, sizeof(int), stream_));
-        route_arrived_zeroed_ = true;
-      }
-      if (router_route(x, T, devw(*a.gate), logits, a.n_group, a.topk_group, a.top_k, a.bias, a.norm_topk_prob,
-                       a.routed_scaling_factor, ids, weights, arrived, stream_, sms_))
-        return;
-    }
     matmul(x, T, *a.gate, logits);
     cuda::moe_route(logits, T, a.n_experts, a.n_group, a.topk_group, a.top_k, a.bias, a.norm_topk_prob,
                     a.routed_scaling_factor, ids, weights, stream_);
@@ -2107,8 +2074,6 @@ class CudaBackend final : public Backend {
   std::unordered_map<const void*, Weight> uploaded_;
   Scratch joined_;                                              // matmul_joined's product, [T, the run's rows]
   std::unordered_map<const void*, const void*> adjacent_next_;  // upload_weights_adjacent: a weight -> the next
-  Scratch route_arrived_;  // gemv_route_kernel's count of finished blocks (zeroed once, left zero)
-  bool route_arrived_zeroed_ = false;
   Scratch argmax_parts_, flag_, scores_, dscores_, route_, xbf16_, wbf16_, qlat_, part_, latent_, kvx_, mask_, moe_h_, kvbf16_;
   // The fast FP8 path: e4m3 x + its scales; D when it is bf16 or has padding rows; the weight
   // scales with padded rows.

@@ -725,16 +725,15 @@ void launch_many(const float* x, const ManyW& m, bool x_shared, cudaStream_t st)
 // shared memory in rank order (every block adds the same partials in the same order: one total,
 // deterministic), then each block writes its slice. kAdd: h += x first (x then has h's stride n).
 constexpr int kNormCluster = 8, kNormThreads = 256, kNormPer = 4;
-// Row t of a cluster norm (rms_norm_cluster_kernel, rms_norm_and_appends_cluster_kernel): the
-// calling block is rank blockIdx.x of its cluster.
 template <bool kAdd>
-__device__ __forceinline__ void norm_cluster_row(float* __restrict__ h, const float* __restrict__ x, int64_t xs,
-                                                 int64_t n, const float* __restrict__ w, float eps,
-                                                 float* __restrict__ y, int64_t ys, int64_t t) {
+__global__ void __cluster_dims__(kNormCluster, 1, 1) __launch_bounds__(kNormThreads)
+    rms_norm_cluster_kernel(float* __restrict__ h, const float* __restrict__ x, int64_t xs, int64_t n,
+                            const float* __restrict__ w, float eps, float* __restrict__ y, int64_t ys) {
+  pdl_begin();
   namespace cg = cooperative_groups;
   const cg::cluster_group cl = cg::this_cluster();
   __shared__ float part;
-  const int64_t chunk = (n + kNormCluster - 1) / kNormCluster;
+  const int64_t t = blockIdx.y, chunk = (n + kNormCluster - 1) / kNormCluster;
   const int64_t i0 = int64_t(cl.block_rank()) * chunk, i1 = min(n, i0 + chunk);
   float v[kNormPer], wv[kNormPer];
 #pragma unroll
@@ -769,14 +768,6 @@ __device__ __forceinline__ void norm_cluster_row(float* __restrict__ h, const fl
   }
 }
 
-template <bool kAdd>
-__global__ void __cluster_dims__(kNormCluster, 1, 1) __launch_bounds__(kNormThreads)
-    rms_norm_cluster_kernel(float* __restrict__ h, const float* __restrict__ x, int64_t xs, int64_t n,
-                            const float* __restrict__ w, float eps, float* __restrict__ y, int64_t ys) {
-  pdl_begin();
-  norm_cluster_row<kAdd>(h, x, xs, n, w, eps, y, ys, blockIdx.y);
-}
-
 // One block per row: h += x, then the same arithmetic as rms_norm_kernel on the new h.
 __global__ void add_rms_norm_kernel(float* __restrict__ h, const float* __restrict__ x, int64_t n,
                                     const float* __restrict__ w, float eps, float* __restrict__ y) {
@@ -792,16 +783,19 @@ __global__ void add_rms_norm_kernel(float* __restrict__ h, const float* __restri
       [&](int64_t i, float v) { yr[i] = v; }, [&](int64_t i, float v) { hr[i] = v; });
 }
 
-// One token's cache entry: the latent rms-normalized, k_rope rotated, both straight into the cache
-// row yr. Same arithmetic as rms_norm_kernel + rope_kernel (bit-identical to running them in
-// turn) at the same block size (256 threads below a 2048-wide latent, else 512).
-__device__ __forceinline__ void mla_cache_append_row(const float* __restrict__ xr, int64_t L, int64_t rope,
-                                                     const float* __restrict__ w, float eps,
-                                                     const float* __restrict__ c, int interleaved,
-                                                     float* __restrict__ yr) {
-  const int64_t half = rope / 2;
+// One block per token: rms-normalize the latent, rotate k_rope, both straight into the cache row.
+// Same arithmetic as rms_norm_kernel + rope_kernel (bit-identical to running them in turn).
+__global__ void mla_cache_append_kernel(const float* __restrict__ kva, int64_t L, int64_t rope,
+                                        const float* __restrict__ w, float eps, const float* __restrict__ cs,
+                                        int interleaved, float* __restrict__ cache, int64_t pos0,
+                                        const int32_t* __restrict__ pos0_dev) {
+  pdl_begin();
+  const int64_t t = blockIdx.x, kvw = L + rope, half = rope / 2;
+  const float* xr = kva + t * kvw;
+  float* yr = cache + ((pos0_dev ? int64_t(*pos0_dev) : pos0) + t) * kvw;
   auto at = [&](int64_t i) { return xr[i]; };
   rms_norm_row(L, w, eps, at, at, [&](int64_t i, float v) { yr[i] = v; });
+  const float* c = cs + t * rope;
   for (int64_t i = threadIdx.x; i < half; i += blockDim.x) {
     const float a = interleaved ? xr[L + 2 * i] : xr[L + i], b = interleaved ? xr[L + 2 * i + 1] : xr[L + half + i];
     const float co = c[2 * i], si = c[2 * i + 1];
@@ -810,26 +804,21 @@ __device__ __forceinline__ void mla_cache_append_row(const float* __restrict__ x
   }
 }
 
-// One block per token (mla_cache_append_row).
-__global__ void mla_cache_append_kernel(const float* __restrict__ kva, int64_t L, int64_t rope,
-                                        const float* __restrict__ w, float eps, const float* __restrict__ cs,
-                                        int interleaved, float* __restrict__ cache, int64_t pos0,
-                                        const int32_t* __restrict__ pos0_dev) {
+// One block (256 threads) per token: layer norm as layer_norm_kernel, then the first `rope` dims
+// rotated as rope_kernel, written at the token's cache position.
+__global__ void __launch_bounds__(256) index_key_append_kernel(const float* __restrict__ k, int64_t d,
+                                                               const float* __restrict__ w,
+                                                               const float* __restrict__ b, float eps, int64_t rope,
+                                                               const float* __restrict__ cs, int interleaved,
+                                                               float* __restrict__ keys, int64_t pos0,
+                                                               const int32_t* __restrict__ pos0_dev) {
   pdl_begin();
-  const int64_t t = blockIdx.x, kvw = L + rope;
-  mla_cache_append_row(kva + t * kvw, L, rope, w, eps, cs + t * rope, interleaved,
-                       cache + ((pos0_dev ? int64_t(*pos0_dev) : pos0) + t) * kvw);
-}
-
-// One token's indexer key, by a block of 256 threads (all of them: it has barriers): layer norm
-// as layer_norm_kernel, then the first `rope` dims rotated as rope_kernel, written to yr.
-__device__ __forceinline__ void index_key_append_row(const float* __restrict__ xr, int64_t d,
-                                                     const float* __restrict__ w, const float* __restrict__ b,
-                                                     float eps, int64_t rope, const float* __restrict__ c,
-                                                     int interleaved, float* __restrict__ yr) {
-  const int64_t half = rope / 2;
+  const int64_t t = blockIdx.x, half = rope / 2;
+  const float* xr = k + t * d;
+  float* yr = keys + ((pos0_dev ? int64_t(*pos0_dev) : pos0) + t) * d;
   layer_norm_row(xr, d, w, b, eps, yr);
   __syncthreads();
+  const float* c = cs + t * rope;
   float x0 = 0, x1 = 0;
   const int64_t i = threadIdx.x;
   if (i < half) {
@@ -842,77 +831,6 @@ __device__ __forceinline__ void index_key_append_row(const float* __restrict__ x
     yr[i] = x0 * co - x1 * si;
     yr[half + i] = x1 * co + x0 * si;
   }
-}
-
-// One block (256 threads) per token (index_key_append_row), at the token's cache position.
-__global__ void __launch_bounds__(256)
-    index_key_append_kernel(const float* __restrict__ k, int64_t d, const float* __restrict__ w,
-                            const float* __restrict__ b, float eps, int64_t rope, const float* __restrict__ cs,
-                            int interleaved, float* __restrict__ keys, int64_t pos0,
-                            const int32_t* __restrict__ pos0_dev) {
-  pdl_begin();
-  const int64_t t = blockIdx.x;
-  index_key_append_row(k + t * d, d, w, b, eps, rope, cs + t * rope, interleaved,
-                       keys + ((pos0_dev ? int64_t(*pos0_dev) : pos0) + t) * d);
-}
-
-// rms_norm_and_appends_decode's launch: the norm's rows, then one item a token of each append.
-constexpr int kMaxAppendTokens = 8;
-struct NormAppends {
-  const float* x;
-  int64_t xs, n;
-  const float* w;
-  float eps;
-  float* y;
-  int64_t ys;
-  int T, n_cache, n_key;
-  struct Cache {  // one token's cache entry: its kva row, cos_sin row, the cache and its position
-    const float* kva;
-    int64_t L, rope;
-    const float* norm_w;
-    float eps;
-    const float* cs;
-    int interleaved;
-    float* cache;
-    int64_t pos;  // + *pos0_dev where set
-    const int32_t* pos0_dev;
-  } cache[kMaxAppendTokens];
-  struct Key {  // one token's indexer key
-    const float* k;
-    int64_t d;
-    const float* w;
-    const float* b;
-    float eps;
-    int64_t rope;
-    const float* cs;
-    int interleaved;
-    float* keys;
-    int64_t pos;
-    const int32_t* pos0_dev;
-  } key[kMaxAppendTokens];
-};
-
-// Clusters [0, T) normalize rows; each later cluster's first block writes one token's cache entry
-// or key (the others leave at once). The appends then finish with the norm, on the queries' path,
-// instead of waiting as one-block kernels for SMs behind q_b's blocks (session 34).
-__global__ void __cluster_dims__(kNormCluster, 1, 1) __launch_bounds__(kNormThreads)
-    rms_norm_and_appends_cluster_kernel(const __grid_constant__ NormAppends p) {
-  pdl_begin();
-  const int item = int(blockIdx.y);
-  if (item < p.T) {
-    norm_cluster_row<false>(nullptr, p.x, p.xs, p.n, p.w, p.eps, p.y, p.ys, item);
-    return;
-  }
-  if (blockIdx.x != 0) return;
-  if (item - p.T < p.n_cache) {
-    const NormAppends::Cache& c = p.cache[item - p.T];
-    const int64_t pos = c.pos + (c.pos0_dev ? int64_t(*c.pos0_dev) : 0);
-    mla_cache_append_row(c.kva, c.L, c.rope, c.norm_w, c.eps, c.cs, c.interleaved, c.cache + pos * (c.L + c.rope));
-    return;
-  }
-  const NormAppends::Key& k = p.key[item - p.T - p.n_cache];
-  const int64_t pos = k.pos + (k.pos0_dev ? int64_t(*k.pos0_dev) : 0);
-  index_key_append_row(k.k, k.d, k.w, k.b, k.eps, k.rope, k.cs, k.interleaved, k.keys + pos * k.d);
 }
 
 // Argmax as the CPU reference defines it: the largest value, the lowest index among equals; a
@@ -1003,49 +921,6 @@ bool rms_norm_decode(const float* x, int64_t xs, int64_t T, int64_t n, const flo
   if (!norm_by_cluster(T, n)) return false;
   launch(rms_norm_cluster_kernel<false>, dim3(kNormCluster, unsigned(T)), kNormThreads, 0, st, nullptr, x, xs, n, w,
          eps, y, ys);
-  VIREO_CUDA_LAUNCHED();
-  return true;
-}
-
-bool rms_norm_and_appends_decode(const float* x, int64_t xs, int64_t T, int64_t n, const float* w, float eps, float* y,
-                                 int64_t ys, const std::vector<Backend::CacheAppend>& cache_appends,
-                                 const std::vector<Backend::KeyAppend>& key_appends, cudaStream_t st) {
-  static const bool on = env_switch("VIREO_NORM_APPENDS");  // 0: separate launches (A/B runs)
-  if (!on || T <= 0 || !norm_by_cluster(T, n)) return false;
-  NormAppends p{};
-  p.x = x, p.xs = xs, p.n = n, p.w = w, p.eps = eps, p.y = y, p.ys = ys, p.T = int(T);
-  for (const Backend::CacheAppend& a : cache_appends) {
-    // The separate kernel's block size (256 threads) below a 2048-wide latent: the same bits.
-    if (a.L >= 2048 || p.n_cache + a.T > kMaxAppendTokens) return false;
-    for (int64_t t = 0; t < a.T; ++t)
-      p.cache[p.n_cache++] = {a.kva + t * (a.L + a.rope),
-                              a.L,
-                              a.rope,
-                              a.norm_w,
-                              a.eps,
-                              a.cos_sin + t * a.rope,
-                              a.kind == RopeKind::Interleaved ? 1 : 0,
-                              a.cache,
-                              (a.pos0_dev ? 0 : a.pos0) + t,
-                              a.pos0_dev};
-  }
-  for (const Backend::KeyAppend& a : key_appends) {
-    if (a.rope / 2 > kNormThreads || p.n_key + a.T > kMaxAppendTokens) return false;
-    for (int64_t t = 0; t < a.T; ++t)
-      p.key[p.n_key++] = {a.k + t * a.d,
-                          a.d,
-                          a.w,
-                          a.b,
-                          a.eps,
-                          a.rope,
-                          a.cos_sin + t * a.rope,
-                          a.kind == RopeKind::Interleaved ? 1 : 0,
-                          a.keys,
-                          (a.pos0_dev ? 0 : a.pos0) + t,
-                          a.pos0_dev};
-  }
-  launch(rms_norm_and_appends_cluster_kernel, dim3(kNormCluster, unsigned(p.T + p.n_cache + p.n_key)), kNormThreads, 0,
-         st, p);
   VIREO_CUDA_LAUNCHED();
   return true;
 }

@@ -3,9 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <vector>
 
-#include "backend/backend.h"
 #include "backend/cuda/cuda_kernels.cuh"
 
 namespace vireo::cuda {
@@ -45,14 +43,6 @@ void mla_cache_append(const float* kva, int64_t T, int64_t L, int64_t rope, cons
 void index_key_append(const float* k, int64_t T, int64_t d, const float* w, const float* b, float eps, int64_t rope,
                       const float* cs, bool interleaved, float* keys, int64_t pos0, const int32_t* pos0_dev,
                       cudaStream_t st);
-
-// rms_norm_decode's rows, then (each token a block of its own cluster) the cache entries and
-// indexer keys of mla_cache_append and index_key_append, in one launch with the bits of the
-// separate kernels. False (nothing launched) where the norm or an append does not fit it: more
-// than 8 tokens of either kind, a latent of 2048 or wider, a key rope wider than 512.
-bool rms_norm_and_appends_decode(const float* x, int64_t xs, int64_t T, int64_t n, const float* w, float eps, float* y,
-                                 int64_t ys, const std::vector<Backend::CacheAppend>& cache_appends,
-                                 const std::vector<Backend::KeyAppend>& key_appends, cudaStream_t st);
 
 // Up to kMaxMany weights of one dtype sharing one input row: y_i = W_i x, one launch, a warp per
 // output row. Rows must allow 16-byte loads.

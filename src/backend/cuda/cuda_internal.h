@@ -89,12 +89,6 @@ double median_copy_ms(void* dst, const void* src, size_t bytes, cudaMemcpyKind k
 // fits (else through L1; the same sums).
 void matmul_small(const float* x, int64_t T, const DevW& w, float* y, cudaStream_t st, int sms, bool x_shared);
 void matmul_simt(const float* x, int64_t T, const DevW& w, float* y, cudaStream_t st);
-// The router's product x W^T into logits and the routing of its T <= 8 tokens (moe_route's
-// ids and weights) in one launch, with the bits of matmul_small then moe_route. arrived: one int,
-// zero, left zero. False (nothing launched) where the shapes do not fit it.
-bool router_route(const float* x, int64_t T, const DevW& w, float* logits, int G, int topk_group, int K,
-                  const float* bias, bool norm, float rsf, int32_t* ids, float* weights, int* arrived, cudaStream_t st,
-                  int sms);
 // Many rows against at most 32 BF16 or F32 weight rows (routers): f32 CUDA-core products, x read
 // once. False (nothing run) for other shapes and dtypes.
 bool matmul_skinny_fits(const float* x, int64_t T, const DevW& w);

@@ -31,8 +31,10 @@ namespace {
 // slower than one (H200: o_proj 124 us at 2 rows, 409 at 8, against 32). Each lane sums the same
 // terms in the same order either way (dot_chunk is gemv_consume's expression), so for the same
 // wpr the two give the same bits.
-template <int DT, int TT, bool XS, int WARPS>
-__device__ __forceinline__ void gemv_block(const float* __restrict__ x, const DevW& w, float* __restrict__ y, int wpr) {
+template <int DT, int TT, bool XS = false, int WARPS = 8>
+__global__ void __launch_bounds__(32 * WARPS) gemv_kernel(const float* __restrict__ x, DevW w,
+                                                          float* __restrict__ y, int wpr) {
+  pdl_begin();
   extern __shared__ float4 xs[];
   constexpr int N = GemvVec<DT>::n;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -99,43 +101,6 @@ __device__ __forceinline__ void gemv_block(const float* __restrict__ x, const De
     for (int j = 0; j < wpr; ++j) s += red[warp + j][lane];
     y[int64_t(lane) * w.out + row] = s;
   }
-}
-template <int DT, int TT, bool XS = false, int WARPS = 8>
-__global__ void __launch_bounds__(32 * WARPS)
-    gemv_kernel(const float* __restrict__ x, DevW w, float* __restrict__ y, int wpr) {
-  pdl_begin();
-  gemv_block<DT, TT, XS, WARPS>(x, w, y, wpr);
-}
-
-// The router's product (gemv_kernel's blocks and bits) and then, in the block that finishes last,
-// the routing of every token (moe_route_kernel's): one launch where two left a chain of a GEMV of
-// a few blocks, a boundary and a one-block kernel between the FFN norm and the experts (H200,
-// 8 layers fp8: 6-9 us a layer in session 34's kernel trace). arrived: a zero int, zero again after.
-struct RouteAfter {
-  int E, G, topk_group, K;
-  const float* bias;
-  bool norm;
-  float rsf;
-  int32_t* ids;
-  float* weights;
-  int* arrived;
-};
-template <int DT, int TT>
-__global__ void __launch_bounds__(256)
-    gemv_route_kernel(const float* __restrict__ x, DevW w, float* y, int wpr, RouteAfter r) {
-  pdl_begin();
-  gemv_block<DT, TT, false, 8>(x, w, y, wpr);
-  __shared__ bool last;
-  __threadfence();  // this block's logits are visible before it counts itself
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(r.arrived, 1) == int(gridDim.x) - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  for (int t = 0; t < TT; ++t)
-    moe_route_token(y + int64_t(t) * r.E, r.E, r.G, r.topk_group, r.K, r.bias, r.norm, r.rsf, r.ids + t * r.K,
-                    r.weights + t * r.K);
-  if (threadIdx.x == 0) *r.arrived = 0;
 }
 
 // Any shape, any alignment: one warp per output row, scalar loads.
@@ -343,19 +308,12 @@ bool gemv_rows_x_shared() {
   return on;
 }
 
-// Warps a row of the one-row GEMV blocks (8 warps): enough that the grid has ~2 blocks a
-// multiprocessor. gemv_kernel and gemv_route_kernel take the same (so the same bits).
-inline int gemv_wpr(const DevW& w, int sms) {
-  int wpr = 1;
-  while (wpr < 8 && (w.out + (8 / wpr) - 1) / (8 / wpr) < 2 * sms) wpr *= 2;
-  return wpr;
-}
-
 template <int DT, int TT>
 void launch_gemv_t(const float* x, const DevW& w, float* y, cudaStream_t st, int sms, bool x_shared) {
   // Enough warps per row that the grid has ~2 blocks of 8 warps per multiprocessor (the same wpr
   // for the shared-memory kernel, so that both sum alike).
-  const int wpr = gemv_wpr(w, sms);
+  int wpr = 1;
+  while (wpr < 8 && (w.out + (8 / wpr) - 1) / (8 / wpr) < 2 * sms) wpr *= 2;
   if constexpr (TT >= kGemvXsMinRows<DT>) {
     const size_t x_bytes = size_t(TT) * size_t(w.in) * 4;
     if (x_shared && x_bytes <= kGemvXsMaxBytes && gemv_rows_x_shared()) {
@@ -369,25 +327,6 @@ void launch_gemv_t(const float* x, const DevW& w, float* y, cudaStream_t st, int
   const int rpb = 8 / wpr;
   const unsigned blocks = unsigned((w.out + rpb - 1) / rpb);
   launch(gemv_kernel<DT, TT>, blocks, 256, 0, st, x, w, y, wpr);
-}
-
-template <int DT, int TT>
-void launch_route_t(const float* x, const DevW& w, float* y, const RouteAfter& r, cudaStream_t st, int sms) {
-  const int wpr = gemv_wpr(w, sms), rpb = 8 / wpr;
-  launch(gemv_route_kernel<DT, TT>, unsigned((w.out + rpb - 1) / rpb), 256, moe_route_smem(r.E), st, x, w, y, wpr, r);
-}
-template <int DT>
-void launch_route(const float* x, int T, const DevW& w, float* y, const RouteAfter& r, cudaStream_t st, int sms) {
-  switch (T) {
-    case 1: launch_route_t<DT, 1>(x, w, y, r, st, sms); break;
-    case 2: launch_route_t<DT, 2>(x, w, y, r, st, sms); break;
-    case 3: launch_route_t<DT, 3>(x, w, y, r, st, sms); break;
-    case 4: launch_route_t<DT, 4>(x, w, y, r, st, sms); break;
-    case 5: launch_route_t<DT, 5>(x, w, y, r, st, sms); break;
-    case 6: launch_route_t<DT, 6>(x, w, y, r, st, sms); break;
-    case 7: launch_route_t<DT, 7>(x, w, y, r, st, sms); break;
-    default: launch_route_t<DT, 8>(x, w, y, r, st, sms); break;
-  }
 }
 
 template <int DT>
@@ -436,24 +375,6 @@ void matmul_small(const float* x, int64_t T, const DevW& w, float* y, cudaStream
     case W_F16: launch_small<W_F16>(x, T, w, y, st, sms, x_shared); break;
     default: launch_small<W_FP8>(x, T, w, y, st, sms, x_shared); break;
   }
-}
-
-bool router_route(const float* x, int64_t T, const DevW& w, float* logits, int G, int topk_group, int K,
-                  const float* bias, bool norm, float rsf, int32_t* ids, float* weights, int* arrived, cudaStream_t st,
-                  int sms) {
-  static const bool on = env_switch("VIREO_ROUTER_FUSED");  // 0: the GEMV, then moe_route (A/B runs)
-  if (!on || T < 1 || T > 8 || (w.dt != W_BF16 && w.dt != W_F32) || w.out >= 4096) return false;
-  const int N = w.dt == W_BF16 ? GemvVec<W_BF16>::n : GemvVec<W_F32>::n;
-  // launch_small's one-row product (the vectorized gemv_kernel) and moe_route's shapes only.
-  if (w.in % N != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0 || reinterpret_cast<uintptr_t>(w.w) % 16 != 0)
-    return false;
-  const int E = int(w.out);
-  if (G > kMaxGroups || K > kMaxTopK || G < 1 || E % G != 0 || topk_group > G || K > E) return false;
-  const RouteAfter r{E, G, topk_group, K, bias, norm, rsf, ids, weights, arrived};
-  if (w.dt == W_BF16) launch_route<W_BF16>(x, int(T), w, logits, r, st, sms);
-  else launch_route<W_F32>(x, int(T), w, logits, r, st, sms);
-  VIREO_CUDA_LAUNCHED();
-  return true;
 }
 
 bool matmul_skinny_fits(const float* x, int64_t T, const DevW& w) {

@@ -620,64 +620,36 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
 
   float* q_resid = nullptr;
   float* qi = own_indexer ? scratch(15, size_t(N * nI * d)) : nullptr;  // the indexer's queries
-
-  // This step's cache entries [latent | k_rope], written straight into each sequence's row, and
-  // its indexer keys where their product ran above.
-  std::vector<Backend::CacheAppend> cache_appends;
-  std::vector<Backend::KeyAppend> key_appends;
-  auto key_append = [&](const Segment& s) {
-    return Backend::KeyAppend{kraw + s.offset * d,
-                              s.T,
-                              d,
-                              vec(a.idx_k_norm_w),
-                              vec(a.idx_k_norm_b),
-                              1e-6f,
-                              rope,
-                              cs + s.offset * cs_stride,
-                              rope_kind(c.indexer_rope_style),
-                              cache.index_keys(layer, s.row),
-                              s.pos0,
-                              s.pos0_dev};
-  };
-  for (const Segment& s : segs) {
-    cache_appends.push_back({kva + s.offset * kvw, s.T, L, rope, vec(a.kv_a_norm), eps_lora, cs + s.offset * cs_stride,
-                             rope_kind(c.mla_rope_style), cache.kv(layer, s.row), s.pos0, s.pos0_dev});
-    if (index_products_here) key_appends.push_back(key_append(s));
-  }
-  // The appends ride with the q_a norm (one op, one launch on a GPU) ahead of q_b: queued after
-  // q_b, or on a branch forked after the norm, they waited for SMs behind q_b's blocks, on the
-  // attention's path (H200, 8 layers fp8: 5-10 us a layer; session 34's kernel trace).
   if (qa) {
     q_resid = scratch(13, size_t(N * c.q_lora_rank));
-    backend_.rms_norm_and_appends(qa, c.q_lora_rank, N, c.q_lora_rank, vec(a.q_a_norm), eps_lora, q_resid,
-                                  c.q_lora_rank, cache_appends, key_appends);
-  } else {
-    for (const Backend::CacheAppend& e : cache_appends)
-      backend_.mla_cache_append(e.kva, e.T, e.L, e.rope, e.norm_w, e.eps, e.cos_sin, e.kind, e.cache, e.pos0,
-                                e.pos0_dev);
-    for (const Backend::KeyAppend& k : key_appends)
-      backend_.index_key_append(k.k, k.T, k.d, k.w, k.b, k.eps, k.rope, k.cos_sin, k.kind, k.keys, k.pos0, k.pos0_dev);
+    backend_.rms_norm(qa, c.q_lora_rank, N, c.q_lora_rank, vec(a.q_a_norm), eps_lora, q_resid, c.q_lora_rank);
   }
 
-  // A branch: the indexer's work needs nothing of the queries' (q_b, RoPE, absorption), which runs
-  // beside it. The indexer's query product is its own GEMV here, not one launch with q_b: its chain
-  // of small latency-bound kernels then overlaps q_b's weight stream instead of waiting for it
-  // (H200, 8 layers, bf16 decode: +1.5 points at context 0). Where DSA is dense the branch is the
-  // key product and its append, which nothing in this layer reads: joined after o_proj, not before
-  // the attention, so the attention never waits for its one-block kernel.
-  const bool keys_only_branch = own_indexer && !index_products_here;
-  if (own_indexer && (keys_only_branch || !dense_dsa)) {
+  // This step's cache entries [latent | k_rope], written straight into each sequence's row.
+  auto append_cache_entries = [&] {
+    for (const Segment& s : segs)
+      backend_.mla_cache_append(kva + s.offset * kvw, s.T, L, rope, vec(a.kv_a_norm), eps_lora,
+                                cs + s.offset * cs_stride, rope_kind(c.mla_rope_style), cache.kv(layer, s.row), s.pos0,
+                                s.pos0_dev);
+  };
+  // A branch: the whole indexer (its keys, head weights, queries, scores and top-k) needs nothing
+  // of the queries' work (q_b, this step's cache entries, RoPE, absorption), which runs beside it.
+  // The indexer's query product is its own GEMV here, not one launch with q_b: its chain of small
+  // latency-bound kernels then overlaps q_b's weight stream instead of waiting for it (H200, 8
+  // layers, bf16 decode: +1.5 points at context 0). The cache append runs on the shorter side: the
+  // main one when the indexer selects (+0.5 points at 4096 cached; session 15), the branch when
+  // DSA is dense (the branch is then the key product and the key append).
+  if (own_indexer) {
     VIREO_ASSERT(q_resid);  // the indexer's queries come from the low-rank query (config checks)
     Backend::BranchScope branch(backend_, N);
-    if (keys_only_branch) {
-      backend_.matmul(xn, N, a.idx_wk, kraw);
-      for (const Segment& s : segs) {
-        const Backend::KeyAppend k = key_append(s);
-        backend_.index_key_append(k.k, k.T, k.d, k.w, k.b, k.eps, k.rope, k.cos_sin, k.kind, k.keys, k.pos0,
-                                  k.pos0_dev);
-      }
-    }
-    if (!dense_dsa) {
+    if (!index_products_here) backend_.matmul(xn, N, a.idx_wk, kraw);
+    for (const Segment& s : segs)
+      backend_.index_key_append(kraw + s.offset * d, s.T, d, vec(a.idx_k_norm_w), vec(a.idx_k_norm_b), 1e-6f, rope,
+                                cs + s.offset * cs_stride, rope_kind(c.indexer_rope_style),
+                                cache.index_keys(layer, s.row), s.pos0, s.pos0_dev);
+    if (dense_dsa) {
+      append_cache_entries();  // the branch is the short side here
+    } else {
       backend_.matmul(q_resid, N, a.idx_wq_b, qi);
       backend_.rope(qi, N, nI, nI * d, d, 0, rope, cs, rope_kind(c.indexer_rope_style));
       for (const Segment& s : segs) {
@@ -701,6 +673,7 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
     }
   }
   if (qa) backend_.matmul(q_resid, N, a.q_b_proj, q);
+  if (!(own_indexer && dense_dsa)) append_cache_entries();
 
   backend_.rope(q, N, H, H * qw, qw, nope, rope, cs, rope_kind(c.mla_rope_style));
 
@@ -728,10 +701,9 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
   }
   // One segment's queries absorbed while the branch selects its keys (two would need a buffer each).
   if (mas.size() == 1) backend_.mla_absorb_queries(mas[0]);
-  if (!keys_only_branch) backend_.join_branch();
+  backend_.join_branch();
   for (const MlaAttentionArgs& ma : mas) backend_.mla_attention(ma);
   backend_.matmul(o, N, a.o_proj, out);
-  backend_.join_branch();  // (the keys-only branch)
 }
 
 // g = x gate^T, u = x up^T as one matmul_many: a backend converts the shared input once.
