@@ -1,17 +1,18 @@
-// Every kernel's (and copy's and memset's) start and end on the GPU, recorded kernels (CUDA graphs) included, for a program
-// that knows nothing of it: a CUPTI injection library. The CUDA driver loads it at its first call
-// where CUDA_INJECTION64_PATH names it; it asks CUPTI for one record a kernel (the GPU's own
-// timestamps) and writes them as CSV when the program exits. What ncu cannot show (it runs a kernel
-// alone): where inside the recorded decode step each kernel starts and ends, the overlaps PDL and
-// the graph's branches give, and the time no kernel runs. tools/kernel_trace.py reads the CSV.
+// Every kernel's (and copy's and memset's) start and end on the GPU, recorded kernels (CUDA graphs) included, for a
+// program that knows nothing of it: a CUPTI injection library. The CUDA driver loads it at its first call where
+// CUDA_INJECTION64_PATH names it; it asks CUPTI for one record a kernel (the GPU's own timestamps) and writes them as
+// CSV when the program exits. What ncu cannot show (it runs a kernel alone): where inside the recorded decode step each
+// kernel starts and ends, the overlaps PDL and the graph's branches give, and the time no kernel runs.
+// tools/kernel_trace.py reads the CSV.
 //
-//   g++ -O2 -shared -fPIC -I$CUDA/include tools/kernel_trace.cpp -L$CUDA/lib64 -lcupti -o libkernel_trace.so
-//   CUDA_INJECTION64_PATH=$PWD/libkernel_trace.so VIREO_KERNEL_TRACE=trace.csv vireo bench ...
+//   (CUDA builds where the toolkit has CUPTI: build-cuda/libvireo_kernel_trace.so; or by hand:
+//    g++ -O2 -shared -fPIC -I$CUDA/include tools/kernel_trace.cpp -L$CUDA/lib64 -lcupti -o libkernel_trace.so)
+//   CUDA_INJECTION64_PATH=$PWD/build-cuda/libvireo_kernel_trace.so VIREO_KERNEL_TRACE=trace.csv vireo bench ...
 //   python3 tools/kernel_trace.py trace.csv
 //
 // Columns: start_ns,end_ns,graph_id,graph_node_id,correlation_id,stream_id,grid,block,name. A
 // recorded graph's kernels share the correlation id of the cudaGraphLaunch that ran them.
-// Not part of vireo (no CUPTI dependency in the engine); built by hand where CUPTI is installed.
+// Not part of vireo: the engine has no CUPTI dependency.
 #include <cupti.h>
 
 #include <cstdio>
@@ -34,14 +35,14 @@ std::mutex g_mu;
 std::vector<Row>* g_rows = nullptr;  // leaked on purpose: written from atexit
 constexpr size_t kBufferBytes = 8u << 20;
 
-#define TRACE_CHECK(call)                                                               \
-  do {                                                                                  \
-    CUptiResult r_ = (call);                                                            \
-    if (r_ != CUPTI_SUCCESS) {                                                          \
-      const char* s_ = nullptr;                                                         \
-      cuptiGetResultString(r_, &s_);                                                    \
-      std::fprintf(stderr, "kernel_trace: %s failed: %s\n", #call, s_ ? s_ : "?");     \
-    }                                                                                   \
+#define TRACE_CHECK(call)                                                          \
+  do {                                                                             \
+    CUptiResult r_ = (call);                                                       \
+    if (r_ != CUPTI_SUCCESS) {                                                     \
+      const char* s_ = nullptr;                                                    \
+      cuptiGetResultString(r_, &s_);                                               \
+      std::fprintf(stderr, "kernel_trace: %s failed: %s\n", #call, s_ ? s_ : "?"); \
+    }                                                                              \
   } while (0)
 
 void CUPTIAPI buffer_requested(uint8_t** buffer, size_t* size, size_t* max_records) {
@@ -56,21 +57,40 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
   while (cuptiActivityGetNextRecord(buffer, valid, &rec) == CUPTI_SUCCESS) {
     if (rec->kind == CUPTI_ACTIVITY_KIND_MEMCPY) {
       const auto* m = reinterpret_cast<const CUpti_ActivityMemcpy6*>(rec);
-      g_rows->push_back(Row{m->start, m->end, m->graphNodeId, m->graphId, m->correlationId, m->streamId, {0, 0, 0},
-                            {0, 0, 0}, "memcpy " + std::to_string(m->bytes) + " B kind " +
-                                           std::to_string(int(m->copyKind))});
+      g_rows->push_back(Row{m->start,
+                            m->end,
+                            m->graphNodeId,
+                            m->graphId,
+                            m->correlationId,
+                            m->streamId,
+                            {0, 0, 0},
+                            {0, 0, 0},
+                            "memcpy " + std::to_string(m->bytes) + " B kind " + std::to_string(int(m->copyKind))});
       continue;
     }
     if (rec->kind == CUPTI_ACTIVITY_KIND_MEMSET) {
       const auto* m = reinterpret_cast<const CUpti_ActivityMemset4*>(rec);
-      g_rows->push_back(Row{m->start, m->end, m->graphNodeId, m->graphId, m->correlationId, m->streamId, {0, 0, 0},
-                            {0, 0, 0}, "memset " + std::to_string(m->bytes) + " B"});
+      g_rows->push_back(Row{m->start,
+                            m->end,
+                            m->graphNodeId,
+                            m->graphId,
+                            m->correlationId,
+                            m->streamId,
+                            {0, 0, 0},
+                            {0, 0, 0},
+                            "memset " + std::to_string(m->bytes) + " B"});
       continue;
     }
     if (rec->kind != CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL && rec->kind != CUPTI_ACTIVITY_KIND_KERNEL) continue;
     const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(rec);
-    g_rows->push_back(Row{k->start, k->end, k->graphNodeId, k->graphId, k->correlationId, k->streamId,
-                          {k->gridX, k->gridY, k->gridZ}, {k->blockX, k->blockY, k->blockZ},
+    g_rows->push_back(Row{k->start,
+                          k->end,
+                          k->graphNodeId,
+                          k->graphId,
+                          k->correlationId,
+                          k->streamId,
+                          {k->gridX, k->gridY, k->gridZ},
+                          {k->blockX, k->blockY, k->blockZ},
                           k->name ? k->name : "?"});
   }
   size_t dropped = 0;

@@ -60,16 +60,22 @@ def main():
         sys.exit(f"kernel_trace.py: cannot read {a.csv}: {e}")
     if not rows:
         sys.exit(f"kernel_trace.py: {a.csv} holds no kernels")
+    want = {"start_ns", "end_ns", "graph_id", "graph_node_id", "correlation_id", "grid", "name"}
+    if not want <= set(rows[0].keys()):
+        sys.exit(f"kernel_trace.py: {a.csv}: missing columns {sorted(want - set(rows[0].keys()))}")
     names = demangle(sorted({r["name"] for r in rows}))
 
     # graph id -> correlation id (one replay) -> [(start, end, node, name)]
     replays = defaultdict(lambda: defaultdict(list))
-    for r in rows:
-        g = int(r["graph_id"])
-        if g == 0:
-            continue
-        replays[g][int(r["correlation_id"])].append(
-            (int(r["start_ns"]), int(r["end_ns"]), int(r["graph_node_id"]), short(names[r["name"]]), r["grid"]))
+    for n, r in enumerate(rows, start=2):
+        try:
+            g = int(r["graph_id"])
+            if g == 0:
+                continue
+            replays[g][int(r["correlation_id"])].append(
+                (int(r["start_ns"]), int(r["end_ns"]), int(r["graph_node_id"]), short(names[r["name"]]), r["grid"]))
+        except (KeyError, TypeError, ValueError) as e:
+            sys.exit(f"kernel_trace.py: {a.csv} line {n}: expected kernel_trace.cpp's columns, got {e!r}")
     if not replays:
         sys.exit(f"kernel_trace.py: {a.csv} holds no recorded (graph) kernels")
 
