@@ -20,6 +20,7 @@
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -51,47 +52,34 @@ void CUPTIAPI buffer_requested(uint8_t** buffer, size_t* size, size_t* max_recor
   *max_records = 0;
 }
 
+// The fields every activity record kind here shares (kernels, copies, memsets); grid and block 0.
+template <class R>
+Row row_of(const R* r, std::string name) {
+  Row row{};
+  row.start = r->start, row.end = r->end, row.graph_node = r->graphNodeId;
+  row.graph = r->graphId, row.correlation = r->correlationId, row.stream = r->streamId;
+  row.name = std::move(name);
+  return row;
+}
+
 void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, size_t valid) {
   CUpti_Activity* rec = nullptr;
   std::lock_guard<std::mutex> lock(g_mu);
   while (cuptiActivityGetNextRecord(buffer, valid, &rec) == CUPTI_SUCCESS) {
     if (rec->kind == CUPTI_ACTIVITY_KIND_MEMCPY) {
       const auto* m = reinterpret_cast<const CUpti_ActivityMemcpy6*>(rec);
-      g_rows->push_back(Row{m->start,
-                            m->end,
-                            m->graphNodeId,
-                            m->graphId,
-                            m->correlationId,
-                            m->streamId,
-                            {0, 0, 0},
-                            {0, 0, 0},
-                            "memcpy " + std::to_string(m->bytes) + " B kind " + std::to_string(int(m->copyKind))});
-      continue;
-    }
-    if (rec->kind == CUPTI_ACTIVITY_KIND_MEMSET) {
+      g_rows->push_back(
+          row_of(m, "memcpy " + std::to_string(m->bytes) + " B kind " + std::to_string(int(m->copyKind))));
+    } else if (rec->kind == CUPTI_ACTIVITY_KIND_MEMSET) {
       const auto* m = reinterpret_cast<const CUpti_ActivityMemset4*>(rec);
-      g_rows->push_back(Row{m->start,
-                            m->end,
-                            m->graphNodeId,
-                            m->graphId,
-                            m->correlationId,
-                            m->streamId,
-                            {0, 0, 0},
-                            {0, 0, 0},
-                            "memset " + std::to_string(m->bytes) + " B"});
-      continue;
+      g_rows->push_back(row_of(m, "memset " + std::to_string(m->bytes) + " B"));
+    } else if (rec->kind == CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL || rec->kind == CUPTI_ACTIVITY_KIND_KERNEL) {
+      const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(rec);
+      Row row = row_of(k, k->name ? k->name : "?");
+      row.grid[0] = k->gridX, row.grid[1] = k->gridY, row.grid[2] = k->gridZ;
+      row.block[0] = k->blockX, row.block[1] = k->blockY, row.block[2] = k->blockZ;
+      g_rows->push_back(std::move(row));
     }
-    if (rec->kind != CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL && rec->kind != CUPTI_ACTIVITY_KIND_KERNEL) continue;
-    const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(rec);
-    g_rows->push_back(Row{k->start,
-                          k->end,
-                          k->graphNodeId,
-                          k->graphId,
-                          k->correlationId,
-                          k->streamId,
-                          {k->gridX, k->gridY, k->gridZ},
-                          {k->blockX, k->blockY, k->blockZ},
-                          k->name ? k->name : "?"});
   }
   size_t dropped = 0;
   cuptiActivityGetNumDroppedRecords(nullptr, 0, &dropped);
