@@ -633,6 +633,13 @@ TEST(CudaOps, MoeExpertsMatchesCpu) {
       p.gpu->moe_experts(gx, cfg.N, gids, gw, cfg.K, gb, gout_l1);
       cuda_set_gemv_x_shared(*p.gpu, true);
       EXPECT_EQ(p.g.down(gout_l1, want.size()), got) << dt_name(dt) << " x via L1, D " << cfg.D << " N " << cfg.N;
+      // One token's gate | up in 16-row blocks instead of the walking ones (cuda_set_moe_walk): the
+      // same lane sums, so the same bits (N > 1 takes the blocks either way).
+      cuda_set_moe_walk(false);
+      float* gout_blocks = p.g.up(std::vector<float>(want.size(), NAN));
+      p.gpu->moe_experts(gx, cfg.N, gids, gw, cfg.K, gb, gout_blocks);
+      cuda_set_moe_walk(true);
+      EXPECT_EQ(p.g.down(gout_blocks, want.size()), got) << dt_name(dt) << " unwalked, D " << cfg.D << " N " << cfg.N;
 #endif
     }
 }
@@ -686,8 +693,9 @@ TEST(CudaOps, MoeSlotCountsKeepTheSums) {
         for (int c = 0; c < kCalls; ++c) xs.push_back(p.g.up(randv(size_t(N * D), uint32_t(70 + c), 2.0f)));
         int32_t* gids = p.g.up_i(ids[0]);
         float* gw = p.g.up(randv(ids[0].size(), 64));
-        auto run = [&](bool counts) {
+        auto run = [&](bool counts, bool walk) {
           cuda_set_moe_slot_counts(*p.gpu, counts);
+          cuda_set_moe_walk(walk);
           std::vector<float*> outs;
           for (int c = 0; c < kCalls; ++c) outs.push_back(p.g.up(std::vector<float>(size_t(N * D), NAN)));
           for (int c = 0; c < kCalls; ++c) {  // queued back to back, read after the last
@@ -701,15 +709,21 @@ TEST(CudaOps, MoeSlotCountsKeepTheSums) {
           for (float* o : outs) got.push_back(p.g.down(o, size_t(N * D)));
           return got;
         };
-        const auto whole = run(false), per_slot = run(true);
+        // The gate | up in 16-row blocks (counts a block) or, for one token, walking (counts a row).
+        const auto whole = run(false, false), per_slot = run(true, false), walked = run(true, true),
+                   walked_whole = run(false, true);
         for (int c = 0; c < kCalls; ++c) {
           EXPECT_EQ(per_slot[size_t(c)], whole[size_t(c)]) << dt_name(dt) << " D " << D << " N " << N << " call " << c;
+          EXPECT_EQ(walked[size_t(c)], whole[size_t(c)]) << dt_name(dt) << " walked, D " << D << " N " << N << " call " << c;
+          EXPECT_EQ(walked_whole[size_t(c)], whole[size_t(c)])
+              << dt_name(dt) << " walked, no counts, D " << D << " N " << N << " call " << c;
           if (c > 0) {
             EXPECT_NE(whole[size_t(c)], whole[size_t(c - 1)]) << "inputs did not change";
           }
         }
       }
   cuda_set_moe_slot_counts(*p.gpu, true);
+  cuda_set_moe_walk(true);
 #endif
 }
 

@@ -2202,6 +2202,7 @@ void cuda_set_grouped_fp8_form(Backend& b, int form) {
 }
 void cuda_set_bank_grouped(Backend& b, bool on) { as_cuda(b).set_bank_grouped(on); }
 void cuda_set_moe_slot_counts(Backend& b, bool on) { as_cuda(b).set_moe_slot_counts(on); }
+void cuda_set_moe_walk(bool on) { set_moe_walk(on); }
 uint64_t cuda_bank_run_buffer_bytes(Backend& b) { return as_cuda(b).bank_run_buffer_bytes(); }
 void cuda_set_fast_decode(Backend& b, bool attention, bool indexer_scores, bool indexer_topk) {
   as_cuda(b).set_fast_decode(attention, indexer_scores, indexer_topk);

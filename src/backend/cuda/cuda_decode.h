@@ -27,6 +27,8 @@ enum class MoePart { All, SharedGateUp, Rest };
 void moe_experts(const float* x, int64_t N, int64_t D, int64_t I, int K, int S, int n_routed, const int32_t* ids,
                  const float* weights, const DevExpert* bank, int dtype, bool vec, bool x_shared, MoePart part,
                  float* h, float* out, int* ready, cudaStream_t st);
+// cuda_set_moe_walk (cuda_backend.h).
+void set_moe_walk(bool on);
 
 // h += x; y = rms_norm(h) * w, row by row (bit-identical to add then rms_norm).   [T, n]
 void add_rms_norm(float* h, const float* x, int64_t T, int64_t n, const float* w, float eps, float* y,
