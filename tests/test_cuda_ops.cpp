@@ -633,8 +633,8 @@ TEST(CudaOps, MoeExpertsMatchesCpu) {
       p.gpu->moe_experts(gx, cfg.N, gids, gw, cfg.K, gb, gout_l1);
       cuda_set_gemv_x_shared(*p.gpu, true);
       EXPECT_EQ(p.g.down(gout_l1, want.size()), got) << dt_name(dt) << " x via L1, D " << cfg.D << " N " << cfg.N;
-      // One token's gate | up in 16-row blocks instead of the walking ones (cuda_set_moe_walk): the
-      // same lane sums, so the same bits (N > 1 takes the blocks either way).
+      // One token's FP8 gate | up in 16-row blocks instead of the walking ones (cuda_set_moe_walk):
+      // the same lane sums, so the same bits (N > 1 and the other dtypes take the blocks either way).
       cuda_set_moe_walk(false);
       float* gout_blocks = p.g.up(std::vector<float>(want.size(), NAN));
       p.gpu->moe_experts(gx, cfg.N, gids, gw, cfg.K, gb, gout_blocks);
@@ -709,7 +709,8 @@ TEST(CudaOps, MoeSlotCountsKeepTheSums) {
           for (float* o : outs) got.push_back(p.g.down(o, size_t(N * D)));
           return got;
         };
-        // The gate | up in 16-row blocks (counts a block) or, for one token, walking (counts a row).
+        // The gate | up in 16-row blocks, counted per slot or not, or (one token, FP8) walking, where
+        // the down products wait for the whole launch whatever the counts' switch says.
         const auto whole = run(false, false), per_slot = run(true, false), walked = run(true, true),
                    walked_whole = run(false, true);
         for (int c = 0; c < kCalls; ++c) {

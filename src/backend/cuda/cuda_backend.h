@@ -127,9 +127,9 @@ void cuda_set_bank_grouped(Backend& cuda, bool on);
 // counted (on, the default; VIREO_MOE_SLOT_COUNTS=0 turns it off) or once the whole gate | up
 // launch is done (off). The same kernels and sums either way.
 void cuda_set_moe_slot_counts(Backend& cuda, bool on);
-// Decode's gate | up for one token in blocks that stay, one an SM, each warp walking rows of
-// every slot (on, the default; VIREO_MOE_WALK=0 turns it off), or a block per 16 rows of a slot
-// (off). Process-wide. The same sums either way.
+// Decode's FP8 gate | up for one token in blocks that stay, one an SM, each warp walking rows of
+// every slot, the down products waiting for all of it (on, the default; VIREO_MOE_WALK=0 turns it
+// off), or a block per 16 rows of a slot, counted per slot (off). Process-wide. The same sums.
 void cuda_set_moe_walk(bool on);
 // Bytes of the resident-bank prefill run's buffers now allocated (CudaBufferSizes::bank_run_bytes
 // bounds them; the memory plan counts that bound).

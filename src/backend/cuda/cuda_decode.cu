@@ -213,24 +213,25 @@ __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
   }
 }
 
-// h[s, row] as moe_gate_up_kernel for one token (decode at B = 1), with blocks that stay: one block
-// of kWalkWarps warps an SM, x staged once a block, each warp walking units u = g, g + W, g + 2W, ...
-// (unit u: slot k0 + u / I, row u % I; g the warp's place over the grid, W the grid's warps) with
-// lane_dot2's sums, so h has moe_gate_up_kernel's bits. Why: at 64 registers (16-warp blocks, two
-// an SM) the FP8 form spilled (ptxas: 60 bytes) and the compiler issued its eight loads a trip two
-// to four at a time; its 1024 blocks ran in four waves, each block staging x (24 KB) before its
-// first weight load. Here a thread has up to 128 registers: no spills, the eight loads issued
-// together (cuobjdump), one copy of x an SM. H200, 8 layers fp8: +1.3 / +1.7 points of decode at
-// context 0, +1.0 / +1.1 at 4096 (BENCHMARKS, session 35); 24 warps an SM at 80 registers, six or
-// twelve chunks a trip, and a ring of loads running ahead across units measured less.
-// ready (may be null): each unit's warp adds 1 to its slot's count once its row of h is visible
-// (so need = I a slot).
+// h[s, row] as moe_gate_up_kernel for one token (decode at B = 1) with FP8 weights, in blocks that
+// stay: one block of kWalkWarps warps an SM, x staged once a block, each warp walking units
+// u = g, g + W, g + 2W, ... (unit u: slot k0 + u / I, row u % I; g the warp's place over the grid,
+// W the grid's warps) with lane_dot2's sums, so h has moe_gate_up_kernel's bits. Why: at 64
+// registers (16-warp blocks, two an SM) the FP8 form spilled (ptxas: 60 bytes) and the compiler
+// issued its eight loads a trip two to four at a time; its 1024 blocks (GLM-5, 8 slots) ran in
+// four waves, each block staging x (24 KB) before its first weight load. Here a thread has up to
+// 128 registers: no spills, the eight loads issued together, one copy of x an SM. H200, 8 layers
+// fp8: +1.3 to +1.7 points of decode at context 0 (BENCHMARKS, session 35); 24 warps an SM at 80
+// registers, six or twelve chunks a trip, two blocks an SM, and a ring of loads running ahead
+// across units measured less. BF16's 16-row blocks do not spill, and walking lost 2.8 points there.
+// No slot counts: a count a row cost a fence a row (the step 2.2 points slower than waiting for
+// the whole launch), and the down products' blocks could not start beside these anyway.
 constexpr int kWalkWarps = 16;
 template <int DT>
 __global__ void __launch_bounds__(32 * kWalkWarps, 1)
     moe_gate_up_walk_kernel(const float* __restrict__ x, int64_t D, int64_t I, int K, int n_routed, int k0, int nk,
-                            const int32_t* __restrict__ ids, const DevExpert* __restrict__ bank, float* __restrict__ h,
-                            int* __restrict__ ready) {
+                            const int32_t* __restrict__ ids, const DevExpert* __restrict__ bank,
+                            float* __restrict__ h) {
   pdl_begin();
   extern __shared__ float4 xs[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -242,13 +243,7 @@ __global__ void __launch_bounds__(32 * kWalkWarps, 1)
     const DevExpert& e = bank[slot_expert(ids, 0, k, K, n_routed)];
     const float2 gu = lane_dot2<DT, true>(e.gate, e.up, row, XShared{xs, 0}, lane);
     const float g = warp_sum(gu.x), up = warp_sum(gu.y);
-    if (lane == 0) {
-      h[k * I + row] = g / (1.0f + expf(-g)) * up;
-      if (ready) {
-        __threadfence();
-        atomicAdd(ready + k, 1);
-      }
-    }
+    if (lane == 0) h[k * I + row] = g / (1.0f + expf(-g)) * up;
   }
 }
 
@@ -560,8 +555,8 @@ int weights_ahead(int dt) {
   return mode == 1 || (mode == 2 && dt == W_BF16) ? 1 : 0;
 }
 
-// VIREO_MOE_WALK=0: one token's gate | up in moe_gate_up_kernel's blocks instead of the walking
-// ones (A/B runs; tests switch it with cuda_set_moe_walk).
+// VIREO_MOE_WALK=0: one token's FP8 gate | up in moe_gate_up_kernel's blocks instead of the
+// walking ones (A/B runs; tests switch it with cuda_set_moe_walk).
 bool g_moe_walk = env_switch("VIREO_MOE_WALK");
 
 // VIREO_MOE_DOWN_SLOTS=0: the down products in moe_down2_kernel, slot after slot (A/B runs).
@@ -610,18 +605,19 @@ void launch_moe(bool x_shared, MoePart part, const float* x, int64_t N, int64_t 
     const size_t x_bytes = size_t(D) * 4, h_bytes = size_t(moe_down_slots() ? 1 : K + S) * size_t(I) * 4;
     if (x_shared && D % 2 == 0 && x_bytes <= kXsMaxBytes && h_bytes <= kXsMaxBytes) {
       // The slot counts only where the down products wait on them (k0 = 0 then: Rest or All).
-      if (!down || !moe_down_slots() || nk == 0) ready = nullptr;
+      // One token's FP8 gate | up walks (moe_gate_up_walk_kernel), and its down products wait for
+      // all of it: no counts.
+      const bool walk = DT == W_FP8 && N == 1 && g_moe_walk && nk > 0;
+      if (!down || !moe_down_slots() || nk == 0 || walk) ready = nullptr;
       const unsigned row_blocks = unsigned((I + kXsWarps - 1) / kXsWarps);
-      static const bool walk_shared = env_switch("VIREO_MOE_WALK_SHARED");  // (session 35 A/B)
-      const bool walk = N == 1 && g_moe_walk && nk > 0 && (part != MoePart::SharedGateUp || walk_shared);
       if (walk) {
-        constexpr auto kernel = moe_gate_up_walk_kernel<DT>;
+        constexpr auto kernel = moe_gate_up_walk_kernel<W_FP8>;
         allow_xs<kernel>();
         int fit = 0;
         VIREO_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kernel, 32 * kWalkWarps, x_bytes));
         const int64_t most = (int64_t(nk) * I + kWalkWarps - 1) / kWalkWarps;
         const unsigned blocks = unsigned(std::min<int64_t>(most, int64_t(std::max(fit, 1)) * multiprocessors()));
-        launch(kernel, blocks, 32 * kWalkWarps, x_bytes, st, x, D, I, K, n_routed, k0, nk, ids, bank, h, ready);
+        launch(kernel, blocks, 32 * kWalkWarps, x_bytes, st, x, D, I, K, n_routed, k0, nk, ids, bank, h);
         VIREO_CUDA_LAUNCHED();
       } else if (nk > 0) {
         allow_xs<moe_gate_up_kernel<DT, true, true, kXsWarps>>();
@@ -629,10 +625,8 @@ void launch_moe(bool x_shared, MoePart part, const float* x, int64_t N, int64_t 
                st, x, D, I, K, S, n_routed, k0, nk, ids, bank, h, ready);
         VIREO_CUDA_LAUNCHED();
       }
-      // The down products wait for each slot's count: its blocks' (row_blocks) or its rows' (I).
       if (down)
-        launch_down_xs<DT, kXsWarps>(h, N, D, I, K, S, n_routed, ids, wts, bank, out, ready,
-                                     int(walk ? I : row_blocks), nk, st);
+        launch_down_xs<DT, kXsWarps>(h, N, D, I, K, S, n_routed, ids, wts, bank, out, ready, int(row_blocks), nk, st);
       return;
     }
     if (DT == W_FP8 && I % kFp8GateUpRows == 0 && D % kFp8DownRows == 0 && K + S <= 16) {
