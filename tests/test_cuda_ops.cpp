@@ -715,7 +715,8 @@ TEST(CudaOps, MoeSlotCountsKeepTheSums) {
                    walked_whole = run(false, true);
         for (int c = 0; c < kCalls; ++c) {
           EXPECT_EQ(per_slot[size_t(c)], whole[size_t(c)]) << dt_name(dt) << " D " << D << " N " << N << " call " << c;
-          EXPECT_EQ(walked[size_t(c)], whole[size_t(c)]) << dt_name(dt) << " walked, D " << D << " N " << N << " call " << c;
+          EXPECT_EQ(walked[size_t(c)], whole[size_t(c)])
+              << dt_name(dt) << " walked, D " << D << " N " << N << " call " << c;
           EXPECT_EQ(walked_whole[size_t(c)], whole[size_t(c)])
               << dt_name(dt) << " walked, no counts, D " << D << " N " << N << " call " << c;
           if (c > 0) {
