@@ -13,12 +13,13 @@ branch), one whose advance is above it waited for its inputs (or for SMs: its st
 An advance is not a place on the critical path: a kernel ending last may be waited on by nothing,
 while another chain ends just behind it (session 34: the cache appends' advance was absorb_q's
 chain, which took their place when they moved). A closing table sums the advances by kernel
-name. Times in us.
+name. Times in us. `--self-test` checks that arithmetic on a made-up recording (CTest runs it).
 """
 import argparse
 import csv
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -44,25 +45,34 @@ def short(name):
 
 
 def main():
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # quiet when piped into head
+    if sys.argv[1:] == ["--self-test"]:
+        return self_test()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("csv")
     ap.add_argument("--graph", type=int, help="only this graph id")
     ap.add_argument("--min-replays", type=int, default=8)
     ap.add_argument("--all", action="store_true", help="every node, not only those advancing >= 0.5 us")
     a = ap.parse_args()
+    for line in report(a.csv, a.graph, a.min_replays, a.all):
+        print(line)
 
+
+def report(path, graph=None, min_replays=8, show_all=False):
+    """The printed report of the CSV at `path`, as lines."""
+    out = []
     rows = []
     try:
-        with open(a.csv, newline="") as f:
+        with open(path, newline="") as f:
             for r in csv.DictReader(f):
                 rows.append(r)
-    except (OSError, csv.Error, KeyError) as e:
-        sys.exit(f"kernel_trace.py: cannot read {a.csv}: {e}")
+    except (OSError, csv.Error, KeyError, UnicodeDecodeError) as e:
+        sys.exit(f"kernel_trace.py: cannot read {path}: {e}")
     if not rows:
-        sys.exit(f"kernel_trace.py: {a.csv} holds no kernels")
+        sys.exit(f"kernel_trace.py: {path} holds no kernels")
     want = {"start_ns", "end_ns", "graph_id", "graph_node_id", "correlation_id", "grid", "name"}
     if not want <= set(rows[0].keys()):
-        sys.exit(f"kernel_trace.py: {a.csv}: missing columns {sorted(want - set(rows[0].keys()))}")
+        sys.exit(f"kernel_trace.py: {path}: missing columns {sorted(want - set(rows[0].keys()))}")
     names = demangle(sorted({r["name"] for r in rows}))
 
     # graph id -> correlation id (one replay) -> [(start, end, node, name)]
@@ -75,14 +85,14 @@ def main():
             replays[g][int(r["correlation_id"])].append(
                 (int(r["start_ns"]), int(r["end_ns"]), int(r["graph_node_id"]), short(names[r["name"]]), r["grid"]))
         except (KeyError, TypeError, ValueError) as e:
-            sys.exit(f"kernel_trace.py: {a.csv} line {n}: expected kernel_trace.cpp's columns, got {e!r}")
+            sys.exit(f"kernel_trace.py: {path} line {n}: expected kernel_trace.cpp's columns, got {e!r}")
     if not replays:
-        sys.exit(f"kernel_trace.py: {a.csv} holds no recorded (graph) kernels")
+        sys.exit(f"kernel_trace.py: {path} holds no recorded (graph) kernels")
 
     for g, reps in sorted(replays.items()):
-        if a.graph is not None and g != a.graph:
+        if graph is not None and g != graph:
             continue
-        if len(reps) < a.min_replays:
+        if len(reps) < min_replays:
             continue
         steps = sorted(reps.values(), key=lambda ks: min(k[0] for k in ks))
         # The first two replays warm up; use the rest.
@@ -115,10 +125,10 @@ def main():
         med = statistics.median
         nodes = sorted(((med(d["s"]), med(d["e"]), d["name"], d["grid"]) for d in per_node.values()),
                        key=lambda n: n[1])
-        print(f"graph {g}: {len(nodes)} kernels, {len(steps)} replays; span {med(spans):.1f} us "
-              f"(min {min(spans):.1f}), no kernel running {med(idles):.1f} us, "
-              f"host gap between replays {med(gaps) if gaps else 0:.1f} us")
-        print(f"{'end':>8} {'start':>8} {'dur':>7} {'advance':>8}  kernel [grid]")
+        out.append(f"graph {g}: {len(nodes)} kernels, {len(steps)} replays; span {med(spans):.1f} us "
+                   f"(min {min(spans):.1f}), no kernel running {med(idles):.1f} us, "
+                   f"host gap between replays {med(gaps) if gaps else 0:.1f} us")
+        out.append(f"{'end':>8} {'start':>8} {'dur':>7} {'advance':>8}  kernel [grid]")
         frontier = 0.0
         by_name = defaultdict(lambda: [0, 0.0, 0.0])
         for s, e, name, grid in nodes:
@@ -128,12 +138,40 @@ def main():
             b[0] += 1
             b[1] += adv
             b[2] += e - s
-            if a.all or adv >= 0.5:
-                print(f"{e:8.1f} {s:8.1f} {e - s:7.1f} {adv:8.1f}  {name} [{grid}]")
-        print(f"\n{'advance':>8} {'dur':>8} {'n':>4}  kernel (sums over the step)")
+            if show_all or adv >= 0.5:
+                out.append(f"{e:8.1f} {s:8.1f} {e - s:7.1f} {adv:8.1f}  {name} [{grid}]")
+        out.append(f"\n{'advance':>8} {'dur':>8} {'n':>4}  kernel (sums over the step)")
         for name, (n, adv, dur) in sorted(by_name.items(), key=lambda kv: -kv[1][1]):
-            print(f"{adv:8.1f} {dur:8.1f} {n:4d}  {name}")
-        print()
+            out.append(f"{adv:8.1f} {dur:8.1f} {n:4d}  {name}")
+        out.append("")
+    return out
+
+
+def self_test():
+    """A made-up recording: graph 7 replayed 12 times 100 us apart, each replay kernel a 0-10 us,
+    kernel b 5-20 (under a, then alone), kernel c 25-30 (after 5 us with nothing running); and an
+    unrecorded kernel (graph 0), which the report leaves out."""
+    import os
+    import tempfile
+    lines = ["start_ns,end_ns,graph_id,graph_node_id,correlation_id,stream_id,grid,block,name"]
+    for r in range(12):
+        t = 1_000_000 + r * 100_000
+        for node, (s, e, name) in enumerate([(0, 10, "_Z1av"), (5, 20, "_Z1bv"), (25, 30, "_Z1cv")]):
+            lines.append(f"{t + s * 1000},{t + e * 1000},7,{node},{500 + r},13,132x1x1,512x1x1,\"{name}\"")
+    lines.append("10,20,0,0,1,13,1x1x1,32x1x1,\"_Z5eagerv\"")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "t.csv")
+        with open(path, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        got = report(path)
+    want_head = "graph 7: 3 kernels, 10 replays; span 30.0 us (min 30.0), no kernel running 5.0 us, " \
+                "host gap between replays 70.0 us"
+    # end, start, duration, advance
+    want_rows = [("10.0", "0.0", "10.0", "10.0"), ("20.0", "5.0", "15.0", "10.0"), ("30.0", "25.0", "5.0", "10.0")]
+    rows = [tuple(l.split()[:4]) for l in got[2:5]]
+    if not got or got[0] != want_head or rows != want_rows or any("eager" in l for l in got):
+        sys.exit("kernel_trace.py self-test failed:\n" + "\n".join(got))
+    print("kernel_trace.py self-test: ok")
 
 
 if __name__ == "__main__":
