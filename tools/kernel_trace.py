@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Reads tools/kernel_trace.cpp's CSV: the recorded decode step, kernel by kernel, as the GPU ran it.
 
-    python3 tools/kernel_trace.py trace.csv [--graph N] [--all]
+    python3 tools/kernel_trace.py trace.csv[.gz] [--graph N] [--all]
 
 For each recorded graph (one per decode context bound) replayed at least --min-replays times:
 the step's span (first kernel's start to last kernel's end, median over replays), the time inside
@@ -17,6 +17,7 @@ name. Times in us. `--self-test` checks that arithmetic on a made-up recording (
 """
 import argparse
 import csv
+import gzip
 import re
 import shutil
 import signal
@@ -63,10 +64,10 @@ def report(path, graph=None, min_replays=8, show_all=False):
     out = []
     rows = []
     try:
-        with open(path, newline="") as f:
+        with (gzip.open(path, "rt", newline="") if path.endswith(".gz") else open(path, newline="")) as f:
             for r in csv.DictReader(f):
                 rows.append(r)
-    except (OSError, csv.Error, KeyError, UnicodeDecodeError) as e:
+    except (OSError, EOFError, csv.Error, KeyError, UnicodeDecodeError) as e:
         sys.exit(f"kernel_trace.py: cannot read {path}: {e}")
     if not rows:
         sys.exit(f"kernel_trace.py: {path} holds no kernels")
