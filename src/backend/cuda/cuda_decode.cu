@@ -216,16 +216,17 @@ __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
 // h[s, row] as moe_gate_up_kernel for one token (decode at B = 1) with FP8 weights, in blocks that
 // stay: one block of kWalkWarps warps an SM, x staged once a block, each warp walking units
 // u = g, g + W, g + 2W, ... (unit u: slot k0 + u / I, row u % I; g the warp's place over the grid,
-// W the grid's warps) with lane_dot2's sums, so h has moe_gate_up_kernel's bits. Why: at 64
-// registers (16-warp blocks, two an SM) the FP8 form spilled (ptxas: 60 bytes) and the compiler
-// issued its eight loads a trip two to four at a time; its 1024 blocks (GLM-5, 8 slots) ran in
-// four waves, each block staging x (24 KB) before its first weight load. Here a thread has up to
-// 128 registers: no spills, the eight loads issued together, one copy of x an SM. H200, 8 layers
-// fp8: +1.3 to +1.7 points of decode at context 0 (BENCHMARKS, session 35); 24 warps an SM at 80
-// registers, six or twelve chunks a trip, two blocks an SM, and a ring of loads running ahead
-// across units measured less. BF16's 16-row blocks do not spill, and walking lost 2.8 points there.
-// No slot counts: a count a row cost a fence a row (the step 2.2 points slower than waiting for
-// the whole launch), and the down products' blocks could not start beside these anyway.
+// W the grid's warps) with lane_dot2's sums, so h has moe_gate_up_kernel's bits. Why: at the 64
+// registers two 16-warp blocks an SM allow, the FP8 form spills (ptxas: 60 bytes; four local
+// reloads a trip of its loop, `tools/sass_loops.py --loads`). Here a thread may hold 128 (123
+// used, no spills). H200, 8 layers fp8 (BENCHMARKS, session 35): walking at 64 registers, spilling
+// as much, measured even; without spills (16 warps at 123 registers, or 24 at 80) +1.4 to +1.7
+// points of decode at context 0; so the spills, not the loads in flight (6 of the loop's 8 here, 4
+// of 8 there with twice the warps an SM). Six or twelve chunks a trip, two blocks an SM, and a
+// ring of loads running ahead across rows measured less. BF16's blocks do not spill, and walking
+// lost 2.8 points there. No slot counts: a count a row cost a fence a row (the step 2.2 points
+// slower than waiting for the whole launch), and the down products' blocks could not start beside
+// these whole-SM blocks anyway.
 constexpr int kWalkWarps = 16;
 template <int DT>
 __global__ void __launch_bounds__(32 * kWalkWarps, 1)
