@@ -116,18 +116,20 @@ def registers_read(text):
     return regs
 
 
-def load_loops(ins, labels):
-    """Innermost loops (backward branches) holding 16-byte global loads, as (first, last) indices."""
-    loads = [i for i, (_, t) in enumerate(ins) if WIDE_LOAD.search(t)]
+def innermost_loops(ins, labels, pattern):
+    """The loops (backward branches) holding instructions that match `pattern`, as (first, last)
+    indices: each such instruction's shortest loop only (outer loops, and barrier waits' retry
+    branches placed at the function's end, jumping back, span them too)."""
+    marked = [i for i, (_, t) in enumerate(ins) if pattern.search(t)]
     loops = []
     for i, (_, t) in enumerate(ins):
         m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", t)
         if m and m.group(1) in labels and labels[m.group(1)] <= i:
             j = labels[m.group(1)]
-            if any(j <= k <= i for k in loads):
+            if any(j <= k <= i for k in marked):
                 loops.append((j, i))
     return sorted({min((l for l in loops if l[0] <= k <= l[1]), key=lambda l: l[1] - l[0])
-                   for k in loads if any(j <= k <= i for j, i in loops)})
+                   for k in marked if any(j <= k <= i for j, i in loops)})
 
 
 def loads_in_flight(body):
@@ -161,7 +163,7 @@ def ptxas_usage(stderr):
 
 
 def print_load_loops(name, ins, labels, usage, verbose):
-    loops = load_loops(ins, labels)
+    loops = innermost_loops(ins, labels, WIDE_LOAD)
     if not loops:
         return
     regs, st, ld = usage.get(name, (0, 0, 0))
@@ -205,7 +207,7 @@ def self_test():
     kernels, labels = parse(SELF_TEST)
     got = {}
     for name, ins in kernels.items():
-        (j, i), = load_loops(ins, labels[name])
+        (j, i), = innermost_loops(ins, labels[name], WIDE_LOAD)
         body = [t for _, t in ins[j:i + 1]]
         got[name] = (len(body), loads_in_flight(body), sum(1 for t in body if re.search(r"\bLDL\b", t)))
     want = {"k_batched": (8, 3, 0), "k_serial": (7, 1, 1)}
@@ -255,20 +257,7 @@ def main():
         if a.loads:
             print_load_loops(name, ins, labels[name], usage, a.v)
             continue
-        mmas = [i for i, (_, t) in enumerate(ins) if MMA.search(t)]
-        loops = []
-        for i, (_, t) in enumerate(ins):
-            m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", t)
-            if not m or m.group(1) not in labels[name]:
-                continue
-            j = labels[name][m.group(1)]
-            if j <= i and any(j <= k <= i for k in mmas):
-                loops.append((j, i))
-        # Each MMA's shortest loop only: the tile loops, and the barrier waits' retry branches
-        # (placed at the function's end, jumping back), also span MMAs.
-        def shortest(k):
-            return min((l for l in loops if l[0] <= k <= l[1]), key=lambda l: l[1] - l[0])
-        loops = sorted({shortest(k) for k in mmas if any(j <= k <= i for j, i in loops)})
+        loops = innermost_loops(ins, labels[name], MMA)
         if not loops:
             continue
         print(name)
