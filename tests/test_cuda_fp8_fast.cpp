@@ -379,11 +379,59 @@ TEST(CudaOps, Fp8FastDecodeProducts) {
       EXPECT_EQ(r.path, "e4m3 gemv") << what;
       check(r, true, what);
     }
+  // More one-tile blocks than two an SM hold (4800 rows of 16384: 300 blocks), which run at three
+  // an SM (q8_gemv), where the shapes above run at two.
+  {
+    const Result r = run_case(*gpu, 4800, 16384, 2, 40);
+    EXPECT_EQ(r.path, "e4m3 gemv") << "4800x16384 T 2";
+    check(r, true, "4800x16384 T 2");
+  }
   check(run_case(*gpu, 256, 512, 2, 41, 4, 4), true, "x+4 y+4");
   for (auto [T, x_off] : {std::pair<int64_t, int64_t>{1, 0}, {2, 1}}) {
     const Result r = run_case(*gpu, 256, 512, T, 42, x_off, 0);
     EXPECT_EQ(r.path, "fallback") << "T " << T << " x+" << x_off;
     EXPECT_LT(r.vs_exact, 1e-10) << "T " << T << " x+" << x_off << ": the f32-math GEMV";
+  }
+}
+#endif
+
+#ifdef VIREO_HAVE_CUDA
+// x quantized once by act_quant and copied into each block (cuda_set_q8_prequant) gives the bits
+// of the blocks quantizing x themselves. At >= 8192 columns and 5-8 rows, where it is taken (the
+// profile shows the act_quant); at 4 rows neither form quantizes ahead.
+TEST(CudaOps, Fp8FastDecodePrequantizedXSameBits) {
+  REQUIRE_CUDA();
+  auto gpu = make_cuda_backend();
+  struct S { int64_t out, in, T; };
+  for (S s : {S{512, 8192, 5}, S{512, 8192, 8}, S{272, 16384, 8}, S{512, 8192, 4}}) {
+    const std::string what = std::to_string(s.out) + "x" + std::to_string(s.in) + " T " + std::to_string(s.T);
+    Fp8Weight h = fp8_weight(s.out, s.in, uint32_t(s.out + s.T));
+    const std::vector<float> x = activations(s.T, s.in, uint32_t(s.in + s.T));
+    auto xb = gpu->alloc_f32(x.size());
+    auto yb = gpu->alloc_f32(size_t(s.T * s.out));
+    gpu->copy_from_host(xb.get(), x.data(), x.size());
+    const Weight gw = gpu->upload_weight(h.w);
+    cuda_set_gemm_mode(*gpu, CudaGemmMode::Fp8);
+    std::vector<float> got[2];
+    std::string report[2];
+    for (int pre = 0; pre < 2; ++pre) {
+      cuda_set_q8_prequant(pre == 1);
+      gpu->fill(yb.get(), NAN, s.T * s.out);
+      cuda_set_profile(*gpu, true);
+      gpu->matmul(xb.get(), s.T, gw, yb.get());
+      report[pre] = cuda_profile_report(*gpu, 1.0);
+      cuda_set_profile(*gpu, false);
+      got[pre].resize(size_t(s.T * s.out));
+      gpu->copy_to_host(got[pre].data(), yb.get(), got[pre].size());
+    }
+    cuda_set_q8_prequant(true);
+    cuda_set_gemm_mode(*gpu, CudaGemmMode::Split);
+    EXPECT_EQ(report[0].find("act_quant"), std::string::npos) << what;
+    EXPECT_EQ(report[1].find("act_quant") != std::string::npos, s.T > 4) << what << ": quantized ahead";
+    EXPECT_NE(report[1].find("gemv e4m3"), std::string::npos) << what;
+    size_t differ = 0;
+    for (size_t i = 0; i < got[0].size(); ++i) differ += !(got[0][i] == got[1][i]);  // NaN: unwritten
+    EXPECT_EQ(differ, 0u) << what;
   }
 }
 #endif

@@ -15,6 +15,7 @@
 #include <filesystem>
 
 #include "backend/backend.h"
+#include "backend/sampling.h"
 #include "core/thread_pool.h"
 #include "io/json_file.h"
 #include "io/npy.h"
@@ -341,6 +342,66 @@ TEST(ModelFixtures, BatchedStepsEqualSingleSequenceRuns) {
   }
   EXPECT_EQ(batched.length(1), 41 - 5);
   EXPECT_EQ(batched.length(2), 31 - 10);
+}
+
+TEST(ModelFixtures, BatchedPicksEqualEachItemsOwn) {
+  // One step's picks: greedy and sampled items, two with a pick per row, one wanting only logits
+  // and one wanting nothing, each pick equal to what the item picks in a step of its own.
+  Fixture f = load_fixture("glm_dsa_shared_f32");
+  auto ids = ids_of(f.expected["tokens"]);
+  auto be = make_cpu_backend();
+  auto m = GlmDsaModel::load(f.dir, *be);
+  const int64_t V = m->config().vocab_size;
+  SampleRowArgs hot;
+  hot.temperature = 1.5f;
+  hot.top_k = 50;
+  hot.uniform = 0.61;
+  std::vector<SampleRowArgs> hot_rows(3, hot);
+  hot_rows[1].uniform = 0.07;
+  hot_rows[2].uniform = 0.93;
+  struct Item { int64_t b, T; bool all, greedy, sampled, logits; };
+  const Item spec[] = {{0, 1, false, true, false, false}, {5, 3, true, false, true, false},
+                       {9, 2, false, false, false, true}, {14, 2, false, false, false, false},
+                       {20, 3, true, true, false, false}, {30, 1, false, false, true, false}};
+  const size_t n = std::size(spec);
+  auto items_of = [&](std::vector<std::vector<int32_t>>& picks, std::vector<std::vector<float>>& logits) {
+    std::vector<BatchItem> items(n);
+    for (size_t i = 0; i < n; ++i) {
+      const int64_t rows = spec[i].all ? spec[i].T : 1;
+      picks[i].assign(size_t(rows), -1);
+      logits[i].assign(size_t(rows * V), 0.0f);
+      BatchItem& it = items[i];
+      it.row = int(i);
+      it.tokens = &ids[size_t(spec[i].b)];
+      it.T = spec[i].T;
+      it.all_logits = spec[i].all;
+      if (spec[i].greedy || spec[i].sampled) it.token = picks[i].data();
+      if (spec[i].sampled) it.sample = hot_rows.data();
+      if (spec[i].logits) it.logits = logits[i].data();
+    }
+    return items;
+  };
+  std::vector<std::vector<int32_t>> together(n), alone(n);
+  std::vector<std::vector<float>> lt(n), la(n);
+  std::vector<BatchItem> batch = items_of(together, lt), single = items_of(alone, la);
+  MlaCache cb(*be, m->cache_shape(), int(n), 16), ca(*be, m->cache_shape(), int(n), 16);
+  m->forward_batch(batch, cb);
+  for (size_t i = 0; i < n; ++i) m->forward_batch({single[i]}, ca);
+  for (size_t i = 0; i < n; ++i) {
+    EXPECT_EQ(together[i], alone[i]) << "item " << i;
+    if (spec[i].greedy || spec[i].sampled)
+      for (int32_t t : together[i]) EXPECT_TRUE(t >= 0 && t < V) << "item " << i;
+    if (spec[i].logits) EXPECT_LE(max_row_rel_l2(lt[i].data(), la[i].data(), 1, V), 1e-5) << "item " << i;
+  }
+  // The draws differ from the argmax somewhere (so a greedy pick in their place would show above).
+  std::vector<int32_t> greedy(3, -1);
+  BatchItem g = single[1];
+  g.sample = nullptr;
+  g.token = greedy.data();
+  g.row = 1;
+  MlaCache cg(*be, m->cache_shape(), int(n), 16);
+  m->forward_batch({g}, cg);
+  EXPECT_NE(together[1], greedy);
 }
 
 TEST(ModelFixtures, AutoPathPicksTheCheaperAttention) {

@@ -660,7 +660,12 @@ class CudaBackend final : public Backend {
                  path + (T <= kGemvRows ? " T=" + std::to_string(T) : std::string());
         },
         2.0 * double(T) * double(w.out) * double(w.in));
-    if (q8 && cuda::q8_gemv(x, T, w, y, stream_)) {
+    cuda::Q8PreX pre;
+    if (q8 && cuda::q8_prequantize(T, w)) {
+      const Fp8X xq = fp8_quantize_x(x, T, w.in);
+      pre = {xq.q, xq.s, xq.Tp};
+    }
+    if (q8 && cuda::q8_gemv(x, T, w, y, stream_, pre)) {
       // done: e4m3 x e4m3
     } else if (T == 1 && w.out >= 4096 && gemv_rows2(x, w, y, gemv_x_shared_, stream_)) {
       // done: two rows per warp
@@ -2203,6 +2208,7 @@ void cuda_set_grouped_fp8_form(Backend& b, int form) {
 void cuda_set_bank_grouped(Backend& b, bool on) { as_cuda(b).set_bank_grouped(on); }
 void cuda_set_moe_slot_counts(Backend& b, bool on) { as_cuda(b).set_moe_slot_counts(on); }
 void cuda_set_moe_walk(bool on) { set_moe_walk(on); }
+void cuda_set_q8_prequant(bool on) { cuda::set_q8_prequant(on); }
 uint64_t cuda_bank_run_buffer_bytes(Backend& b) { return as_cuda(b).bank_run_buffer_bytes(); }
 void cuda_set_fast_decode(Backend& b, bool attention, bool indexer_scores, bool indexer_topk) {
   as_cuda(b).set_fast_decode(attention, indexer_scores, indexer_topk);

@@ -131,6 +131,10 @@ void cuda_set_moe_slot_counts(Backend& cuda, bool on);
 // every slot, the down products waiting for all of it (on, the default; VIREO_MOE_WALK=0 turns it
 // off), or a block per 16 rows of a slot, counted per slot (off). Process-wide. The same sums.
 void cuda_set_moe_walk(bool on);
+// fast-fp8 products of 5-8 rows on FP8 weights of >= 8192 columns: x quantized once by act_quant
+// and copied into each block (on, the default; VIREO_Q8_PREQUANT=0 turns it off), or quantized by
+// every block itself (off). Process-wide. The same bits.
+void cuda_set_q8_prequant(bool on);
 // Bytes of the resident-bank prefill run's buffers now allocated (CudaBufferSizes::bank_run_bytes
 // bounds them; the memory plan counts that bound).
 uint64_t cuda_bank_run_buffer_bytes(Backend& cuda);

@@ -5,8 +5,9 @@
 // take them), and one mma.sync m16n8k32 multiplies 16 rows x 32 columns of weights by up to 8
 // tokens, one a column of B, where f32 math does 8x the FMAs of one row. At GLM-5 shapes on the
 // H200, per product at 4-8 rows: q_b 16-22 us against 28-55 for the f32-math GEMV with x in shared
-// memory, down 9-13 against 12-22; o_proj at 8 rows 204 against 185. For one row these kernels
-// lost (o_proj 41 against 32 us), and the f32-math GEMV keeps it (BENCHMARKS.md, session 16).
+// memory, down 9-13 against 12-22; o_proj at 8 rows 204 against 185 (session 36: 67.5 with x
+// quantized once ahead, q8_prequantize). For one row these kernels lost (o_proj 41 against 32 us),
+// and the f32-math GEMV keeps it (BENCHMARKS.md, session 16).
 //
 // Layout. A warp owns 16-row tiles and a set of 128-column k-blocks. Lane (g = lane / 4,
 // q = lane % 4) loads 16 bytes of rows g and g + 8 at columns 64 h + 16 q of a k-block (h = 0, 1):
@@ -18,7 +19,9 @@
 // DeepSeek's FP8 recipe (measured: 1e-15 NMSE against the quantized operands' exact product).
 //
 // Each block quantizes x (all T tokens) into shared memory with act_quant's arithmetic, the same
-// e4m3 bytes and scales as the prefill path, while its warps' first weight loads are in flight.
+// e4m3 bytes and scales as the prefill path, while its warps' first weight loads are in flight;
+// or, where the blocks' reads of f32 x would outweigh the weight (o_proj at 5-8 rows: 384 blocks
+// x 512 KB of x against 100 MB of weights), copies act_quant's output, made once ahead.
 // (Quantizing each k-block as it is consumed instead, ~70 instructions between loads, measured
 // slower still: 45 us for o_proj at one row.)
 #include "backend/cuda/cuda_q8_gemv.h"
@@ -188,9 +191,9 @@ constexpr size_t kQ8MaxSmem = 200 << 10;
 // are kQ8Warps / WK groups of NT tiles each, the WK warps of a group splitting its k-blocks (warp
 // kp of a group: kp, kp + WK, ...); their sums are added in order of kp. The block quantizes x (all
 // T rows, every k-block) into shared memory first, its warps a share each.
-template <int NT>
-__global__ void __launch_bounds__(32 * kQ8Warps, NT == 1 ? 3 : 2)
-    q8_gemv_kernel(const float* __restrict__ x, int T, DevW w, float* __restrict__ y, int WK) {
+template <int NT, int MIN_BLOCKS = NT == 1 ? 3 : 2>
+__global__ void __launch_bounds__(32 * kQ8Warps, MIN_BLOCKS)
+    q8_gemv_kernel(const float* __restrict__ x, int T, DevW w, float* __restrict__ y, int WK, Q8PreX pre) {
   pdl_begin();
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float red[kQ8Warps * NT * 128];
@@ -207,7 +210,16 @@ __global__ void __launch_bounds__(32 * kQ8Warps, NT == 1 ? 3 : 2)
   }
   float acc[NT][4] = {};
   q8_warp_tiles<NT, 2>(tile, K, T, xq, sx, warp % WK, WK, acc, [&] {
-    q8_quantize(x, K, K, T, xq, sx, warp, kQ8Warps);
+    if (pre.q) {  // act_quant's bytes [Tp][K] and scales [KB][Tp]: copied, the scales transposed
+      const int KB = int((K + 127) / 128);
+      const int64_t n16 = int64_t(T) * K / 16;  // K % 64 == 0
+      for (int64_t i = threadIdx.x; i < n16; i += blockDim.x)
+        reinterpret_cast<uint4*>(xq)[i] = __ldg(reinterpret_cast<const uint4*>(pre.q) + i);
+      for (int i = int(threadIdx.x); i < T * KB; i += int(blockDim.x))
+        sx[i] = __ldg(pre.s + int64_t(i % KB) * pre.Tp + i / KB);
+    } else {
+      q8_quantize(x, K, K, T, xq, sx, warp, kQ8Warps);
+    }
     __syncthreads();
   });
   q8_stash<NT>(acc, red);
@@ -222,14 +234,20 @@ __global__ void __launch_bounds__(32 * kQ8Warps, NT == 1 ? 3 : 2)
   }
 }
 
+// 0: one-tile warps always at 3 blocks an SM (VIREO_Q8_SPILL_FREE=0, A/B runs).
+bool q8_spill_free() {
+  static const bool on = env_switch("VIREO_Q8_SPILL_FREE");
+  return on;
+}
+
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-template <int NT>
-void launch_gemv(const float* x, int64_t T, const DevW& w, float* y, int wk, cudaStream_t st) {
+template <int NT, int MIN_BLOCKS = NT == 1 ? 3 : 2>
+void launch_gemv(const float* x, int64_t T, const DevW& w, float* y, int wk, const Q8PreX& pre, cudaStream_t st) {
   const int64_t per_block = int64_t(kQ8Warps / wk) * NT;
-  allow_dynamic_smem<q8_gemv_kernel<NT>, kQ8MaxSmem>();
-  launch(q8_gemv_kernel<NT>, unsigned(((w.out + 15) / 16 + per_block - 1) / per_block), 32 * kQ8Warps,
-         q8_x_smem(T, w.in), st, x, int(T), w, y, wk);
+  allow_dynamic_smem<q8_gemv_kernel<NT, MIN_BLOCKS>, kQ8MaxSmem>();
+  launch(q8_gemv_kernel<NT, MIN_BLOCKS>, unsigned(((w.out + 15) / 16 + per_block - 1) / per_block), 32 * kQ8Warps,
+         q8_x_smem(T, w.in), st, x, int(T), w, y, wk, pre);
 }
 
 }  // namespace
@@ -244,14 +262,39 @@ bool q8_gemv_fits(const float* x, int64_t T, const DevW& w) {
          aligned16(w.w) && w.s != nullptr && q8_x_smem(T, w.in) <= kQ8MaxSmem;
 }
 
-bool q8_gemv(const float* x, int64_t T, const DevW& w, float* y, cudaStream_t st) {
+namespace {
+bool g_q8_prequant = env_switch("VIREO_Q8_PREQUANT");
+
+// Blocks of the one-tile form on w: the weight's 16-row tiles over the block's groups of warps.
+int64_t one_tile_blocks(const DevW& w) {
+  const int64_t groups = kQ8Warps / q8_ksplit(w.in, kQ8Warps);
+  return ((w.out + 15) / 16 + groups - 1) / groups;
+}
+}  // namespace
+void set_q8_prequant(bool on) { g_q8_prequant = on; }
+
+bool q8_prequantize(int64_t T, const DevW& w) {
+  // The blocks' reads of f32 x (T x K x 4 bytes each) exceed the weight's (out x K).
+  return g_q8_prequant && T >= 2 && one_tile_blocks(w) * T * 4 > w.out;
+}
+
+bool q8_gemv(const float* x, int64_t T, const DevW& w, float* y, cudaStream_t st, const Q8PreX& pre) {
   if (!q8_gemv_fits(x, T, w)) return false;
+  if (pre.q && (pre.Tp < T || reinterpret_cast<uintptr_t>(pre.q) % 16 != 0)) return false;
   const int wk = q8_ksplit(w.in, kQ8Warps);
   // Two tiles a warp (x quantized once for twice the rows) where that still leaves two blocks an
   // SM, else one (o_proj's 384 tiles: 384 blocks of one tile, every SM busy).
   const bool two = (w.out + 15) / 16 / (2 * (kQ8Warps / wk)) >= 2 * int64_t(multiprocessors());
-  if (two) launch_gemv<2>(x, T, w, y, wk, st);
-  else launch_gemv<1>(x, T, w, y, wk, st);
+  // One tile a warp: bounded at 3 blocks an SM (80 registers; its k-block ring reloads spilled
+  // values every trip, `tools/sass_loops.py --loads`) where the grid needs the third block to be
+  // one wave (o_proj's 384 blocks), else at 2 (100 registers, no spills). H200, e4m3 products at
+  // 2-8 rows (BENCHMARKS, session 36): at 2 an SM q_b 14.2 -> 11.1 us (T 2), 21.9 -> 16.8 (T 8),
+  // down and gate | up 2-5% faster; o_proj at 2 an SM (two waves) 48.7 -> 64.4 us (T 2).
+  // VIREO_Q8_SPILL_FREE=0: always 3 (A/B runs).
+  const int64_t blocks = one_tile_blocks(w);
+  if (two) launch_gemv<2>(x, T, w, y, wk, pre, st);
+  else if (blocks <= 2 * int64_t(multiprocessors()) && q8_spill_free()) launch_gemv<1, 2>(x, T, w, y, wk, pre, st);
+  else launch_gemv<1>(x, T, w, y, wk, pre, st);
   VIREO_CUDA_LAUNCHED();
   return true;
 }
