@@ -402,7 +402,9 @@ TEST(CudaOps, Fp8FastDecodeProducts) {
 TEST(CudaOps, Fp8FastDecodePrequantizedXSameBits) {
   REQUIRE_CUDA();
   auto gpu = make_cuda_backend();
-  struct S { int64_t out, in, T; };
+  struct S {
+    int64_t out, in, T;
+  };
   for (S s : {S{512, 8192, 5}, S{512, 8192, 8}, S{272, 16384, 8}, S{512, 8192, 4}}) {
     const std::string what = std::to_string(s.out) + "x" + std::to_string(s.in) + " T " + std::to_string(s.T);
     Fp8Weight h = fp8_weight(s.out, s.in, uint32_t(s.out + s.T));

@@ -359,7 +359,10 @@ TEST(ModelFixtures, BatchedPicksEqualEachItemsOwn) {
   std::vector<SampleRowArgs> hot_rows(3, hot);
   hot_rows[1].uniform = 0.07;
   hot_rows[2].uniform = 0.93;
-  struct Item { int64_t b, T; bool all, greedy, sampled, logits; };
+  struct Item {
+    int64_t b, T;
+    bool all, greedy, sampled, logits;
+  };
   const Item spec[] = {{0, 1, false, true, false, false}, {5, 3, true, false, true, false},
                        {9, 2, false, false, false, true}, {14, 2, false, false, false, false},
                        {20, 3, true, true, false, false}, {30, 1, false, false, true, false}};
