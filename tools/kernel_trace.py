@@ -13,7 +13,9 @@ branch), one whose advance is above it waited for its inputs (or for SMs: its st
 An advance is not a place on the critical path: a kernel ending last may be waited on by nothing,
 while another chain ends just behind it (session 34: the cache appends' advance was absorb_q's
 chain, which took their place when they moved). A closing table sums the advances by kernel
-name. Times in us. `--self-test` checks that arithmetic on a made-up recording (CTest runs it).
+name; then the stretches inside the step with no kernel running (which node's end opened each,
+which node's start closed it), and what ran between replays outside the graph (the pick's
+kernels, the copies), each pattern seen between at least a quarter of the replays. Times in us. `--self-test` checks that arithmetic on a made-up recording (CTest runs it).
 """
 import argparse
 import csv
@@ -37,6 +39,8 @@ def demangle(names):
 
 def short(name):
     """`void vireo::cuda::(anonymous namespace)::gemv_kernel<2, true>(...)` -> `gemv_kernel<2,true>`."""
+    if name.startswith(("memcpy ", "memset ")):  # kernel_trace.cpp's names of copies
+        return name
     s = name.replace("(anonymous namespace)::", "")
     s = re.sub(r"\(.*$", "", s)  # arguments
     s = re.sub(r"^void ", "", s)
@@ -78,10 +82,12 @@ def report(path, graph=None, min_replays=8, show_all=False):
 
     # graph id -> correlation id (one replay) -> [(start, end, node, name)]
     replays = defaultdict(lambda: defaultdict(list))
+    eager = []  # outside any graph (argmax, copies): (start, end, name)
     for n, r in enumerate(rows, start=2):
         try:
             g = int(r["graph_id"])
             if g == 0:
+                eager.append((int(r["start_ns"]), int(r["end_ns"]), short(names[r["name"]])))
                 continue
             replays[g][int(r["correlation_id"])].append(
                 (int(r["start_ns"]), int(r["end_ns"]), int(r["graph_node_id"]), short(names[r["name"]]), r["grid"]))
@@ -100,6 +106,9 @@ def report(path, graph=None, min_replays=8, show_all=False):
         steps = steps[2:] if len(steps) > 4 else steps
         spans, idles, gaps = [], [], []
         per_node = defaultdict(lambda: {"s": [], "e": [], "name": "", "grid": ""})
+        # (node whose end opens an idle stretch, node whose start closes it) -> [us]
+        holes = defaultdict(list)
+        between = []  # per pair of consecutive replays: [(start - previous end, duration, name)]
         prev_end = None
         for ks in steps:
             t0 = min(k[0] for k in ks)
@@ -107,15 +116,18 @@ def report(path, graph=None, min_replays=8, show_all=False):
             spans.append((t1 - t0) / 1e3)
             if prev_end is not None:
                 gaps.append((t0 - prev_end) / 1e3)
+                between.append(((t0 - prev_end) / 1e3, [((s - prev_end) / 1e3, (e - s) / 1e3, name)
+                                                        for s, e, name in sorted(eager) if prev_end <= s and e <= t0]))
             prev_end = t1
-            busy, cur_s, cur_e = 0, None, None
-            for s, e, *_ in sorted(ks):
+            busy, cur_s, cur_e, cur_node = 0, None, None, None
+            for s, e, node, name, _ in sorted(ks):
                 if cur_e is None or s > cur_e:
                     if cur_e is not None:
                         busy += cur_e - cur_s
-                    cur_s, cur_e = s, e
-                else:
-                    cur_e = max(cur_e, e)
+                        holes[(cur_node, node)].append((s - cur_e) / 1e3)
+                    cur_s, cur_e, cur_node = s, e, node
+                elif e > cur_e:
+                    cur_e, cur_node = e, node
             busy += cur_e - cur_s
             idles.append((t1 - t0 - busy) / 1e3)
             for s, e, node, name, grid in ks:
@@ -144,14 +156,38 @@ def report(path, graph=None, min_replays=8, show_all=False):
         out.append(f"\n{'advance':>8} {'dur':>8} {'n':>4}  kernel (sums over the step)")
         for name, (n, adv, dur) in sorted(by_name.items(), key=lambda kv: -kv[1][1]):
             out.append(f"{adv:8.1f} {dur:8.1f} {n:4d}  {name}")
+        # Where the step's idle time sits: stretches with no kernel running, by the node whose end
+        # opened one and the node whose start closed it (median length over the replays that had
+        # it; a stretch in fewer than half the replays is left out).
+        at = {node: (med(d["s"]), d["name"]) for node, d in per_node.items()}
+        common = [(med(v), a, b) for (a, b), v in holes.items() if len(v) * 2 >= len(steps) and med(v) >= 0.5]
+        if common:
+            out.append(f"\n{'idle':>8} {'at':>8}  no kernel running inside the step (after -> before)")
+            for us, a, b in sorted(common, reverse=True)[:8]:
+                out.append(f"{us:8.1f} {at[b][0]:8.1f}  {at[a][1]} -> {at[b][1]}")
+        # Between replays: what ran outside the graph (the pick's kernels, copies), in order; one
+        # list for each sequence of names seen between at least a quarter of the replays (vireo
+        # bench has two: its timed steps, and its steps replayed back to back).
+        patterns = defaultdict(list)
+        for gap, b in between:
+            if b:
+                patterns[tuple(x[2] for x in b)].append((gap, b))
+        for names_seen, same in sorted(patterns.items(), key=lambda kv: -len(kv[1])):
+            if len(same) * 4 < len(between):
+                continue
+            out.append(f"\n{'start':>8} {'dur':>8}  outside the graph, from the previous replay's end "
+                       f"({len(same)} of {len(between)} gaps, {med([g for g, _ in same]):.1f} us each)")
+            for i, name in enumerate(names_seen):
+                out.append(f"{med([b[i][0] for _, b in same]):8.1f} {med([b[i][1] for _, b in same]):8.1f}  {name}")
         out.append("")
     return out
 
 
 def self_test():
     """A made-up recording: graph 7 replayed 12 times 100 us apart, each replay kernel a 0-10 us,
-    kernel b 5-20 (under a, then alone), kernel c 25-30 (after 5 us with nothing running); and an
-    unrecorded kernel (graph 0), which the report leaves out."""
+    kernel b 5-20 (under a, then alone), kernel c 25-30 (after 5 us with nothing running); between
+    replays a pick kernel 2-5 us after each replay's end and a 4-byte copy 10-11 us after it; and
+    an unrecorded kernel long before (graph 0), which the report leaves out."""
     import os
     import tempfile
     lines = ["start_ns,end_ns,graph_id,graph_node_id,correlation_id,stream_id,grid,block,name"]
@@ -159,6 +195,8 @@ def self_test():
         t = 1_000_000 + r * 100_000
         for node, (s, e, name) in enumerate([(0, 10, "_Z1av"), (5, 20, "_Z1bv"), (25, 30, "_Z1cv")]):
             lines.append(f"{t + s * 1000},{t + e * 1000},7,{node},{500 + r},13,132x1x1,512x1x1,\"{name}\"")
+        lines.append(f"{t + 32_000},{t + 35_000},0,0,{900 + r},13,1x1x1,32x1x1,\"_Z4pickv\"")
+        lines.append(f"{t + 40_000},{t + 41_000},0,0,{950 + r},13,0x0x0,0x0x0,\"memcpy 4 B kind 2\"")
     lines.append("10,20,0,0,1,13,1x1x1,32x1x1,\"_Z5eagerv\"")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "t.csv")
@@ -170,8 +208,14 @@ def self_test():
     # end, start, duration, advance
     want_rows = [("10.0", "0.0", "10.0", "10.0"), ("20.0", "5.0", "15.0", "10.0"), ("30.0", "25.0", "5.0", "10.0")]
     rows = [tuple(l.split()[:4]) for l in got[2:5]]
-    if not got or got[0] != want_head or rows != want_rows or any("eager" in l for l in got):
-        sys.exit("kernel_trace.py self-test failed:\n" + "\n".join(got))
+    # the idle stretch (length, where it ends, b -> c) and what ran between replays
+    want_idle = "     5.0     25.0  b -> c"
+    want_between = ["(9 of 9 gaps, 70.0 us each)", "     2.0      3.0  pick", "    10.0      1.0  memcpy 4 B kind 2"]
+    text = "\n".join(got)
+    ok = got and got[0] == want_head and rows == want_rows and "eager" not in text and want_idle in got
+    ok = ok and want_between[0] in text and all(w in got for w in want_between[1:])
+    if not ok:
+        sys.exit("kernel_trace.py self-test failed:\n" + text)
     print("kernel_trace.py self-test: ok")
 
 
