@@ -388,8 +388,14 @@ TEST(ModelFixtures, BatchedPicksEqualEachItemsOwn) {
   std::vector<std::vector<float>> lt(n), la(n);
   std::vector<BatchItem> batch = items_of(together, lt), single = items_of(alone, la);
   MlaCache cb(*be, m->cache_shape(), int(n), 16), ca(*be, m->cache_shape(), int(n), 16);
+  m->reset_host_times();
   m->forward_batch(batch, cb);
   for (size_t i = 0; i < n; ++i) m->forward_batch({single[i]}, ca);
+  const GlmDsaModel::HostTimes ht = m->host_times();  // (bench's split of the host's time)
+  EXPECT_EQ(ht.steps, int64_t(n + 1));
+  EXPECT_GT(ht.launch_s, 0.0);  // the CPU runs each step's ops in the launch
+  EXPECT_GE(ht.before_launch_s, 0.0);
+  EXPECT_GE(ht.after_launch_s, 0.0);
   for (size_t i = 0; i < n; ++i) {
     EXPECT_EQ(together[i], alone[i]) << "item " << i;
     if (spec[i].greedy || spec[i].sampled) {

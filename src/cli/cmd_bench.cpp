@@ -245,7 +245,9 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
   // --batch B: B sequences decoding together from context 0, as `vireo serve` steps them
   // (forward_batch, every product over the B rows at once, greedy tokens chosen on the device),
   // two untimed steps first (eager, then recording).
-  struct Batched { double tps, step_ms; };
+  // gpu_us: the batch's recorded step replayed back to back (its GPU time); before / launch: the
+  // host's time a step in forward_batch before launching the step and launching it.
+  struct Batched { double tps, step_ms, gpu_us, before_us, launch_us; };
   std::vector<Batched> batched;
   if (batch > 1) {
     MlaCache cache(*backend, model->cache_shape(), batch, n_decode + 8);
@@ -262,10 +264,17 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
       model->forward_batch(items, cache, AttentionPath::Absorbed);
     };
     for (int64_t i = 0; i < 2; ++i) step(i);
+    model->reset_host_times();
     auto a = clock::now();
     for (int64_t i = 0; i < n_decode; ++i) step(2 + i);
     const double s = secs(a, clock::now());
-    batched.push_back({double(n_decode * batch) / s, 1e3 * s / double(n_decode)});
+    const GlmDsaModel::HostTimes ht = model->host_times();
+    double gpu_us = 0;
+    auto b = clock::now();
+    if (model->replay_latest(int(n_decode))) gpu_us = 1e6 * secs(b, clock::now()) / double(n_decode);
+    const double per = 1e6 / double(std::max<int64_t>(ht.steps, 1));
+    batched.push_back({double(n_decode * batch) / s, 1e3 * s / double(n_decode), gpu_us, ht.before_launch_s * per,
+                       ht.launch_s * per});
   }
   // Prefill in every --math mode: one untimed run at the length first (the backend's scratch
   // buffers grow to it, and cuBLASLt picks algorithms for its shapes), then the median of 3 timed
@@ -384,6 +393,10 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
     std::printf("decode ctx 0       batch %-3d %11.2f tok/s  (%.2f tok/s a sequence, %.3f ms a step: %.2fx one "
                 "sequence's tok/s)\n",
                 batch, b.tps, b.tps / batch, b.step_ms, one > 0 ? b.tps / one : 0.0);
+    if (b.gpu_us > 0)
+      std::printf("decode ctx 0       batch %-3d steps back to back: %.1f us a step against %.1f (%.1f us between: "
+                  "the host's %.1f us before launching a step and %.1f us launching it, the picks' read-back)\n",
+                  batch, b.gpu_us, 1e3 * b.step_ms, 1e3 * b.step_ms - b.gpu_us, b.before_us, b.launch_us);
   }
   for (const Prefill& p : pre)
     std::printf("prefill %-6lld %-8s %8.1f tok/s  %.4f s  %7.1f TFLOP/s  = %5.1f%% of bf16 GEMM peak (median of 3)\n",

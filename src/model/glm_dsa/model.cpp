@@ -1,6 +1,7 @@
 #include "model/glm_dsa/model.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 
@@ -315,6 +316,8 @@ int32_t GlmDsaModel::forward_next(const int32_t* tokens, int64_t T, MlaCache& ca
 }
 
 void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& cache, AttentionPath path) {
+  using clock = std::chrono::steady_clock;
+  const auto t_enter = clock::now();
   const GlmDsaConfig& c = config_;
   const int64_t V = c.vocab_size, half = c.qk_rope_dim / 2;
   if (items.empty()) fail("forward: empty batch");
@@ -381,8 +384,10 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
   int32_t* chosen = any_token ? scratch_i32(8, size_t(n_out)) : nullptr;  // before a recording is checked
   for (const Segment& s : segs) cache.set_length(s.row, s.pos0 + s.T);  // entries written layer by layer
 
+  const auto t_launch = clock::now();
   if (recorded) run_recorded(segs, N, cache, ids, lg);
   else run_step(segs, N, cache, ids, lg);
+  const auto t_launched = clock::now();
 
   int64_t r = 0;
   for (const BatchItem& it : items) {
@@ -401,6 +406,11 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
   last_pick_ = items.size() == 1 && chosen ? chosen : nullptr;
   last_pick_cache_ = cache.id();
   last_pick_row_ = items[0].row;
+  const auto secs = [](clock::time_point a, clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
+  host_times_.before_launch_s += secs(t_enter, t_launch);
+  host_times_.launch_s += secs(t_launch, t_launched);
+  host_times_.after_launch_s += secs(t_launched, clock::now());
+  ++host_times_.steps;
 }
 
 int64_t GlmDsaModel::step_bound(const MlaCache& cache) const {

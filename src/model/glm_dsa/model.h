@@ -101,6 +101,16 @@ class GlmDsaModel {
   void set_recording(bool on) { recording_enabled_ = on; }
   // Steps run from a recording since construction (for tests and bench).
   int64_t recorded_steps_run() const { return recorded_runs_; }
+  // Host seconds spent in forward_batch since reset_host_times (bench): before the step's ops are
+  // launched (validation, the inputs and their copies), launching them (a recording's replay, or
+  // every op of an eager step), and after (the picks and logits copied back: with a token read
+  // back, the wait for the GPU's step).
+  struct HostTimes {
+    double before_launch_s = 0, launch_s = 0, after_launch_s = 0;
+    int64_t steps = 0;
+  };
+  const HostTimes& host_times() const { return host_times_; }
+  void reset_host_times() { host_times_ = {}; }
   // Bench: the most recently used recorded step (not a streaming store's, which reads ids back),
   // replayed `n` times back to back with its inputs as they are (the same tokens and positions),
   // each followed by its greedy pick, then waited for: a step's GPU time without the host's work
@@ -222,6 +232,7 @@ class GlmDsaModel {
   int64_t step_bound(const MlaCache& cache) const;
   uint64_t step_clock_ = 0;
   int64_t recorded_runs_ = 0;
+  HostTimes host_times_;
 };
 
 }  // namespace vireo
