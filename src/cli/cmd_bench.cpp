@@ -247,7 +247,9 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
   // two untimed steps first (eager, then recording).
   // gpu_us: the batch's recorded step replayed back to back (its GPU time); before / launch: the
   // host's time a step in forward_batch before launching the step and launching it.
-  struct Batched { double tps, step_ms, gpu_us, before_us, launch_us; };
+  struct Batched {
+    double tps, step_ms, gpu_us, before_us, launch_us;
+  };
   std::vector<Batched> batched;
   if (batch > 1) {
     MlaCache cache(*backend, model->cache_shape(), batch, n_decode + 8);
@@ -394,9 +396,10 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
                 "sequence's tok/s)\n",
                 batch, b.tps, b.tps / batch, b.step_ms, one > 0 ? b.tps / one : 0.0);
     if (b.gpu_us > 0)
-      std::printf("decode ctx 0       batch %-3d steps back to back: %.1f us a step against %.1f (%.1f us between: "
-                  "the host's %.1f us before launching a step and %.1f us launching it, the picks' read-back)\n",
-                  batch, b.gpu_us, 1e3 * b.step_ms, 1e3 * b.step_ms - b.gpu_us, b.before_us, b.launch_us);
+      std::printf(
+          "decode ctx 0       batch %-3d steps back to back: %.1f us a step against %.1f (%.1f us between: "
+          "the host's %.1f us before launching a step and %.1f us launching it, the picks' read-back)\n",
+          batch, b.gpu_us, 1e3 * b.step_ms, 1e3 * b.step_ms - b.gpu_us, b.before_us, b.launch_us);
   }
   for (const Prefill& p : pre)
     std::printf("prefill %-6lld %-8s %8.1f tok/s  %.4f s  %7.1f TFLOP/s  = %5.1f%% of bf16 GEMM peak (median of 3)\n",

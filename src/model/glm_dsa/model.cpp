@@ -406,7 +406,9 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
   last_pick_ = items.size() == 1 && chosen ? chosen : nullptr;
   last_pick_cache_ = cache.id();
   last_pick_row_ = items[0].row;
-  const auto secs = [](clock::time_point a, clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
+  const auto secs = [](clock::time_point a, clock::time_point b) {
+    return std::chrono::duration<double>(b - a).count();
+  };
   host_times_.before_launch_s += secs(t_enter, t_launch);
   host_times_.launch_s += secs(t_launch, t_launched);
   host_times_.after_launch_s += secs(t_launched, clock::now());
