@@ -18,6 +18,7 @@ which node's start closed it), and what ran between replays outside the graph (t
 kernels, the copies), each pattern seen between at least a quarter of the replays. Times in us. `--self-test` checks that arithmetic on a made-up recording (CTest runs it).
 """
 import argparse
+import bisect
 import csv
 import gzip
 import re
@@ -95,6 +96,7 @@ def report(path, graph=None, min_replays=8, show_all=False):
             sys.exit(f"kernel_trace.py: {path} line {n}: expected kernel_trace.cpp's columns, got {e!r}")
     if not replays:
         sys.exit(f"kernel_trace.py: {path} holds no recorded (graph) kernels")
+    eager.sort()
 
     for g, reps in sorted(replays.items()):
         if graph is not None and g != graph:
@@ -116,8 +118,10 @@ def report(path, graph=None, min_replays=8, show_all=False):
             spans.append((t1 - t0) / 1e3)
             if prev_end is not None:
                 gaps.append((t0 - prev_end) / 1e3)
+                first = bisect.bisect_left(eager, (prev_end,))
                 between.append(((t0 - prev_end) / 1e3, [((s - prev_end) / 1e3, (e - s) / 1e3, name)
-                                                        for s, e, name in sorted(eager) if prev_end <= s and e <= t0]))
+                                                        for s, e, name in eager[first:bisect.bisect_left(eager, (t0,))]
+                                                        if e <= t0]))
             prev_end = t1
             busy, cur_s, cur_e, cur_node = 0, None, None, None
             for s, e, node, name, _ in sorted(ks):
