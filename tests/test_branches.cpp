@@ -89,6 +89,12 @@ class BranchCheckingBackend final : public Backend {
     note("embed", {span(ids, T)}, {span(out, T * table.in())});
     in_->embed(table, ids, T, out);
   }
+  void embed_rms_norm(const Weight& table, const int32_t* ids, int64_t T, const float* w, float eps, float* h,
+                      float* y) override {
+    const int64_t n = table.in();
+    note("embed_rms_norm", {span(ids, T), span(w, n)}, {span(h, T * n), span(y, T * n)});
+    in_->embed_rms_norm(table, ids, T, w, eps, h, y);
+  }
   void rms_norm(const float* x, int64_t x_stride, int64_t T, int64_t n, const float* w, float eps, float* y,
                 int64_t y_stride) override {
     note("rms_norm", {span(x, (T - 1) * x_stride + n), span(w, n)}, {span(y, (T - 1) * y_stride + n)});

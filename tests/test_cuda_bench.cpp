@@ -156,8 +156,9 @@ TEST(CudaBench, DecodeAttentionAndIndexer) {
 }
 // Decode products at GLM-5 shapes, 1 to 8 tokens, in GB/s of weight bytes: FP8 weights with the
 // f32-math GEMVs (--math exact) and with the e4m3-activation kernels (--math fast-fp8,
-// cuda_q8_gemv.h), BF16 weights with the f32-math GEMVs; x from the shared-memory copy (default)
-// or, with VIREO_GEMV_XS=0 in the environment, through L1.
+// cuda_q8_gemv.h), BF16 weights in exact and fast mode (the latter's 2-8 rows on cuBLASLt from
+// VIREO_BF16_LT_DECODE's row count; a quarter of the lm_head's vocabulary for its shape); x from
+// the shared-memory copy (default) or, with VIREO_GEMV_XS=0 in the environment, through L1.
 TEST(CudaBench, DecodeProducts) {
   REQUIRE_CUDA();
   if (!std::getenv("VIREO_CUDA_BENCH")) GTEST_SKIP() << "set VIREO_CUDA_BENCH=1 to run";
@@ -168,7 +169,7 @@ TEST(CudaBench, DecodeProducts) {
   };
   for (DType dt : {DType::F8_E4M3, DType::BF16})
     for (Shape sh : {Shape{"o_proj", 6144, 16384}, Shape{"q_b", 16384, 2048}, Shape{"gate|up", 4096, 6144},
-                     Shape{"down", 6144, 2048}}) {
+                     Shape{"down", 6144, 2048}, Shape{"vocab/4", 38720, 6144}}) {
       const vireo::test::HostWeight hw = vireo::test::make_weight(dt, sh.out, sh.in, 7);
       const Weight w = be->upload_weight(hw.w);
       auto x = be->alloc_f32(size_t(8 * sh.in));
@@ -178,16 +179,15 @@ TEST(CudaBench, DecodeProducts) {
       const bool fp8 = dt == DType::F8_E4M3;
       for (int64_t T : {1, 2, 4, 8}) {
         double us[2] = {0, 0};
-        for (int k = 0; k < (fp8 ? 2 : 1); ++k) {
-          cuda_set_gemm_mode(*be, k == 0 ? CudaGemmMode::Split : CudaGemmMode::Fp8);
+        for (int k = 0; k < 2; ++k) {
+          cuda_set_gemm_mode(*be, k == 0 ? CudaGemmMode::Split : fp8 ? CudaGemmMode::Fp8 : CudaGemmMode::Bf16);
           us[k] = time_recorded(*be, [&] { be->matmul(x.get(), T, w, y.get()); });
         }
         cuda_set_gemm_mode(*be, CudaGemmMode::Split);
         const double gb = double(sh.out * sh.in) * (fp8 ? 1 : 2) / 1e3;
         std::printf("  %-4s %-8s %5lldx%-5lld T %lld: exact %7.1f us %6.0f GB/s", fp8 ? "fp8" : "bf16", sh.name,
                     (long long)sh.out, (long long)sh.in, (long long)T, us[0], gb / us[0]);
-        if (fp8) std::printf(", e4m3 %7.1f us %6.0f GB/s", us[1], gb / us[1]);
-        std::printf("\n");
+        std::printf(", %s %7.1f us %6.0f GB/s\n", fp8 ? "e4m3" : "fast", us[1], gb / us[1]);
       }
     }
 }

@@ -126,6 +126,41 @@ TEST(CudaOps, MatmulGemmModes) {
   }
 }
 
+// The fast modes' BF16 products of 2-8 rows on cuBLASLt (cuda_set_bf16_lt_decode_rows): x rounded
+// to bf16 as the fast modes' prefill, the GEMV's f32 math below the row bound and in exact mode.
+TEST(CudaOps, MatmulBf16FastDecodeOnLt) {
+  REQUIRE_CUDA();
+  Pair p;
+  const int64_t out = 4100, in = 768;
+  HostWeight hw = make_weight(DType::BF16, out, in, 31);
+  const Weight gw = p.gpu->upload_weight(hw.w);
+  for (int64_t T : {2, 5, 8}) {
+    auto x = randv(size_t(T * in), 32 + uint32_t(T));
+    std::vector<float> want(size_t(T * out));
+    cpu_matmul(x.data(), T, hw.w, want.data(), ThreadPool::global());
+    float* gx = p.g.up(x);
+    float* gy = p.g.zeros(want.size());
+    struct Case { CudaGemmMode mode; int64_t rows; const char* path; double tol; };
+    for (Case c : {Case{CudaGemmMode::Bf16, 4096, " lt T=", 1e-4}, Case{CudaGemmMode::Fp8, 4100, " lt T=", 1e-4},
+                   Case{CudaGemmMode::Bf16, 4101, " gemv T=", 1e-10}, Case{CudaGemmMode::Split, 1, " gemv T=", 1e-10},
+                   Case{CudaGemmMode::Bf16, 0, " gemv T=", 1e-10}}) {
+      cuda_set_gemm_mode(*p.gpu, c.mode);
+      cuda_set_bf16_lt_decode_rows(*p.gpu, c.rows);
+      p.gpu->fill(gy, NAN, int64_t(want.size()));  // poison: every output must be written
+      cuda_set_profile(*p.gpu, true);
+      p.gpu->matmul(gx, T, gw, gy);
+      const std::string report = cuda_profile_report(*p.gpu, 1.0);
+      cuda_set_profile(*p.gpu, false);
+      const double e = nmse(p.g.down(gy, want.size()), want);
+      EXPECT_LT(e, c.tol) << "T " << T << " rows " << c.rows << c.path;
+      EXPECT_NE(report.find(c.path), std::string::npos) << "T " << T << " rows " << c.rows << "\n" << report;
+      if (c.tol > 1e-10) EXPECT_GT(e, 1e-12) << "T " << T << ": x not rounded to bf16?";
+    }
+  }
+  cuda_set_bf16_lt_decode_rows(*p.gpu, 0);
+  cuda_set_gemm_mode(*p.gpu, CudaGemmMode::Split);
+}
+
 // FP8 on tensor cores dequantizes the weight into bf16 hi/lo scratch in row chunks (256 MiB by
 // default; 1 MiB here): 600 x 1024 takes chunks of 256, 256 and 88 rows, each written at its
 // column offset of y.
@@ -253,6 +288,43 @@ TEST(CudaOps, NormsRopeElementwise) {
     float* gr = p.g.zeros(rows.size());
     p.gpu->copy_rows(gr, 50, gc + 3, 100, 4, 30);
     EXPECT_EQ(p.g.down(gr, rows.size()), rows);
+  }
+}
+
+// The step's lookup and first norm in one launch (decode rows: a cluster a row) give the bits of
+// the two ops in turn, on every table dtype; past the cluster's rows (T > 8) the two ops run.
+TEST(CudaOps, EmbedRmsNormSameBitsAsApart) {
+  REQUIRE_CUDA();
+  Pair p;
+  const int64_t n = 6144;  // GLM-5's hidden size
+  auto w = randv(size_t(n), 21);
+  for (DType dt : {DType::BF16, DType::F8_E4M3, DType::F32}) {
+    HostWeight table = make_weight(dt, 40, n, 22);
+    const Weight gt = p.gpu->upload_weight(table.w);
+    for (int64_t T : {1, 3, 8, 9}) {
+      std::vector<int32_t> ids;
+      for (int64_t t = 0; t < T; ++t) ids.push_back(int32_t((t * 17 + 5) % 40));
+      int32_t* gids = p.g.up_i(ids);
+      float* gw = p.g.up(w);
+      float* h_apart = p.g.zeros(size_t(T * n));
+      float* y_apart = p.g.zeros(size_t(T * n));
+      p.gpu->embed(gt, gids, T, h_apart);
+      p.gpu->rms_norm(h_apart, n, T, n, gw, 1e-5f, y_apart, n);
+      std::vector<float> nan(size_t(T * n), NAN);  // poison: every output must be written
+      float* h = p.g.up(nan);
+      float* y = p.g.up(nan);
+      cuda_set_profile(*p.gpu, true);
+      p.gpu->embed_rms_norm(gt, gids, T, gw, 1e-5f, h, y);
+      const std::string report = cuda_profile_report(*p.gpu, 1.0);
+      cuda_set_profile(*p.gpu, false);
+      EXPECT_EQ(p.g.down(h, size_t(T * n)), p.g.down(h_apart, size_t(T * n))) << dt_name(dt) << " T " << T;
+      EXPECT_EQ(p.g.down(y, size_t(T * n)), p.g.down(y_apart, size_t(T * n))) << dt_name(dt) << " T " << T;
+      EXPECT_EQ(report.find("embed_rms_norm") != std::string::npos, T <= 8) << dt_name(dt) << " T " << T << "\n"
+                                                                           << report;
+      std::vector<float> want_h(size_t(T * n)), want_y(size_t(T * n));
+      p.cpu->embed_rms_norm(table.w, ids.data(), T, w.data(), 1e-5f, want_h.data(), want_y.data());
+      EXPECT_LT(nmse(p.g.down(y, size_t(T * n)), want_y), 1e-12) << dt_name(dt) << " T " << T;
+    }
   }
 }
 

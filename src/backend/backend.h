@@ -145,6 +145,13 @@ class Backend {
   // y = w * x / sqrt(mean(x^2) + eps), row by row.                  x, y [T, n] (row strides)
   virtual void rms_norm(const float* x, int64_t x_stride, int64_t T, int64_t n, const float* w, float eps,
                         float* y, int64_t y_stride) = 0;
+  // h = embed(table, ids), then y = rms_norm(h): a step's first two ops in one pass where the
+  // backend can (the same bits as the two in turn).                 h, y [T, hidden]
+  virtual void embed_rms_norm(const Weight& table, const int32_t* ids, int64_t T, const float* w, float eps, float* h,
+                              float* y) {
+    embed(table, ids, T, h);
+    rms_norm(h, table.in(), T, table.in(), w, eps, y, table.in());
+  }
   // h += x, then y = rms_norm(h) (the residual add and the next norm in one pass).  h, x, y [T, n]
   virtual void add_rms_norm(float* h, const float* x, int64_t T, int64_t n, const float* w, float eps, float* y) {
     add(h, x, T * n);

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -436,6 +437,7 @@ class CudaBackend final : public Backend {
   void set_prefill_wgmma(bool on) { prefill_wgmma_ = on; }
   void set_absorbed_pass_bytes(size_t b) { absorbed_pass_bytes_ = b ? b : kAbsorbedPassBytes; }
   void set_gemv_x_shared(bool on) { gemv_x_shared_ = on; }
+  void set_bf16_lt_decode_rows(int64_t rows) { bf16_lt_decode_rows_ = rows; }
   void set_branches(bool on) { branches_ = on; }
   void set_grouped_experts(bool on, int64_t chunk_rows) {
     grouped_on_ = on;
@@ -609,6 +611,13 @@ class CudaBackend final : public Backend {
     VIREO_CUDA_LAUNCHED();
   }
 
+  void embed_rms_norm(const Weight& table, const int32_t* ids, int64_t T, const float* w, float eps, float* h,
+                      float* y) override {
+    if (T <= 0) return;
+    if (!embed_rms_norm_fits(T, table.in())) return Backend::embed_rms_norm(table, ids, T, w, eps, h, y);
+    VIREO_PROF("embed_rms_norm");
+    embed_rms_norm_decode(devw(table), ids, T, w, eps, h, y, stream_);
+  }
   void rms_norm(const float* x, int64_t xs, int64_t T, int64_t n, const float* w, float eps, float* y,
                 int64_t ys) override {
     if (T <= 0) return;
@@ -631,6 +640,9 @@ class CudaBackend final : public Backend {
 
   // Products of at most this many rows (decode steps) run as GEMVs; larger ones on tensor cores.
   static constexpr int64_t kGemvRows = 8;
+  int64_t bf16_lt_decode_min_out() const {
+    return bf16_lt_decode_rows_ > 0 ? bf16_lt_decode_rows_ : std::numeric_limits<int64_t>::max();
+  }
   void matmul(const float* x, int64_t T, const Weight& wt, float* y) override {
     if (T <= 0) return;
     const DevW w = devw(wt);
@@ -645,7 +657,14 @@ class CudaBackend final : public Backend {
     // VIREO_Q8_DECODE=0 turns it off).
     const bool q8 = T >= 2 && T <= kGemvRows && w.dt == W_FP8 && mode_ == CudaGemmMode::Fp8 &&
                     cuda::q8_decode_switch() && cuda::q8_gemv_fits(x, T, w);
+    // Fast modes' BF16 products of 2..8 rows with many output rows (the lm_head): cuBLASLt on x
+    // rounded to bf16, where the f32-math GEMV does T FMAs a weight and is FMA-bound
+    // (cuda_set_bf16_lt_decode_rows).
+    const bool lt_decode = T >= 2 && T <= kGemvRows && w.dt == W_BF16 &&
+                           (mode_ == CudaGemmMode::Bf16 || mode_ == CudaGemmMode::Fp8) &&
+                           w.out >= bf16_lt_decode_min_out() && lt_bf16_fits(w, y);
     const char* path = q8                              ? "gemv e4m3"
+                       : lt_decode                     ? "lt"
                        : T <= kGemvRows                ? "gemv"
                        : skinny                        ? "skinny"
                        : f8 == Fp8BlockGemm::Out::F32  ? "lt fp8xfp8 f32-out"
@@ -667,6 +686,8 @@ class CudaBackend final : public Backend {
     }
     if (q8 && cuda::q8_gemv(x, T, w, y, stream_, pre)) {
       // done: e4m3 x e4m3
+    } else if (lt_decode && lt_bf16(x, T, w, y)) {
+      // done: bf16 x bf16
     } else if (T == 1 && w.out >= 4096 && gemv_rows2(x, w, y, gemv_x_shared_, stream_)) {
       // done: two rows per warp
     } else if (T <= kGemvRows) {
@@ -2027,6 +2048,11 @@ class CudaBackend final : public Backend {
   // Decode GEMVs read x from shared memory (cuda_decode.cu); VIREO_GEMV_XS=0 (for A/B runs of
   // `vireo bench`) reads it through L1 instead.
   bool gemv_x_shared_ = env_switch("VIREO_GEMV_XS");
+  // Fast modes' BF16 products of 2..8 rows on cuBLASLt from this many output rows (0: never).
+  int64_t bf16_lt_decode_rows_ = [] {
+    const char* e = std::getenv("VIREO_BF16_LT_DECODE");
+    return e ? std::max<int64_t>(0, std::atoll(e)) : int64_t(0);
+  }();
   // Prefill's routed BF16 experts in the fast modes as grouped products (cuda_grouped.h);
   // VIREO_GROUPED=0 runs them on the side lanes instead (A/B runs).
   bool grouped_on_ = env_switch("VIREO_GROUPED");
@@ -2209,6 +2235,7 @@ void cuda_set_bank_grouped(Backend& b, bool on) { as_cuda(b).set_bank_grouped(on
 void cuda_set_moe_slot_counts(Backend& b, bool on) { as_cuda(b).set_moe_slot_counts(on); }
 void cuda_set_moe_walk(bool on) { set_moe_walk(on); }
 void cuda_set_q8_prequant(bool on) { cuda::set_q8_prequant(on); }
+void cuda_set_bf16_lt_decode_rows(Backend& b, int64_t rows) { as_cuda(b).set_bf16_lt_decode_rows(rows); }
 uint64_t cuda_bank_run_buffer_bytes(Backend& b) { return as_cuda(b).bank_run_buffer_bytes(); }
 void cuda_set_fast_decode(Backend& b, bool attention, bool indexer_scores, bool indexer_topk) {
   as_cuda(b).set_fast_decode(attention, indexer_scores, indexer_topk);

@@ -775,11 +775,13 @@ void launch_many(const float* x, const ManyW& m, bool x_shared, cudaStream_t st)
 // slice (a thread's elements in order, then block_sum), the blocks' sums meet through distributed
 // shared memory in rank order (every block adds the same partials in the same order: one total,
 // deterministic), then each block writes its slice. kAdd: h += x first (x then has h's stride n).
+// kEmbed: h = the embedding rows of ids first (the step's lookup and first norm in one launch).
 constexpr int kNormCluster = 8, kNormThreads = 256, kNormPer = 4;
-template <bool kAdd>
+template <bool kAdd, bool kEmbed = false>
 __global__ void __cluster_dims__(kNormCluster, 1, 1) __launch_bounds__(kNormThreads)
     rms_norm_cluster_kernel(float* __restrict__ h, const float* __restrict__ x, int64_t xs, int64_t n,
-                            const float* __restrict__ w, float eps, float* __restrict__ y, int64_t ys) {
+                            const float* __restrict__ w, float eps, float* __restrict__ y, int64_t ys,
+                            DevW table, const int32_t* __restrict__ ids) {
   pdl_begin();
   namespace cg = cooperative_groups;
   const cg::cluster_group cl = cg::this_cluster();
@@ -795,6 +797,9 @@ __global__ void __cluster_dims__(kNormCluster, 1, 1) __launch_bounds__(kNormThre
     if (i < i1) {
       if constexpr (kAdd) {
         v[k] = h[t * n + i] + x[t * n + i];
+        h[t * n + i] = v[k];
+      } else if constexpr (kEmbed) {
+        v[k] = wget_rt(table, ids[t], i);
         h[t * n + i] = v[k];
       } else {
         v[k] = x[t * xs + i];
@@ -964,7 +969,7 @@ void add_rms_norm(float* h, const float* x, int64_t T, int64_t n, const float* w
   if (T <= 0) return;
   if (norm_by_cluster(T, n))
     launch(rms_norm_cluster_kernel<true>, dim3(kNormCluster, unsigned(T)), kNormThreads, 0, st, h, x, n, n, w, eps, y,
-           n);
+           n, DevW{}, nullptr);
   else launch(add_rms_norm_kernel, unsigned(T), n >= 2048 ? 512 : 256, 0, st, h, x, n, w, eps, y);
   VIREO_CUDA_LAUNCHED();
 }
@@ -973,9 +978,22 @@ bool rms_norm_decode(const float* x, int64_t xs, int64_t T, int64_t n, const flo
                      cudaStream_t st) {
   if (!norm_by_cluster(T, n)) return false;
   launch(rms_norm_cluster_kernel<false>, dim3(kNormCluster, unsigned(T)), kNormThreads, 0, st, nullptr, x, xs, n, w,
-         eps, y, ys);
+         eps, y, ys, DevW{}, nullptr);
   VIREO_CUDA_LAUNCHED();
   return true;
+}
+
+bool embed_rms_norm_fits(int64_t T, int64_t n) {
+  static const bool on = env_switch("VIREO_EMBED_NORM");  // 0: the lookup and the norm apart (A/B runs)
+  return on && norm_by_cluster(T, n);
+}
+
+void embed_rms_norm_decode(const DevW& table, const int32_t* ids, int64_t T, const float* w, float eps, float* h,
+                           float* y, cudaStream_t st) {
+  const int64_t n = table.in;
+  launch(rms_norm_cluster_kernel<false, true>, dim3(kNormCluster, unsigned(T)), kNormThreads, 0, st, h, nullptr, n, n,
+         w, eps, y, n, table, ids);
+  VIREO_CUDA_LAUNCHED();
 }
 
 void mla_cache_append(const float* kva, int64_t T, int64_t L, int64_t rope, const float* norm_w, float eps,

@@ -39,6 +39,12 @@ void add_rms_norm(float* h, const float* x, int64_t T, int64_t n, const float* w
 bool rms_norm_decode(const float* x, int64_t xs, int64_t T, int64_t n, const float* w, float eps, float* y, int64_t ys,
                      cudaStream_t st);
 
+// h = table[ids] as f32, then y = rms_norm(h) * w, in one launch for decode steps (the shapes
+// embed_rms_norm_fits accepts: T <= 8): the bits of embed then rms_norm_decode.   h, y [T, hidden]
+bool embed_rms_norm_fits(int64_t T, int64_t hidden);
+void embed_rms_norm_decode(const DevW& table, const int32_t* ids, int64_t T, const float* w, float eps, float* h,
+                           float* y, cudaStream_t st);
+
 void mla_cache_append(const float* kva, int64_t T, int64_t L, int64_t rope, const float* norm_w, float eps,
                       const float* cs, bool interleaved, float* cache, int64_t pos0, const int32_t* pos0_dev,
                       cudaStream_t st);

@@ -364,13 +364,31 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
       std::copy(items[i].tokens, items[i].tokens + items[i].T, ids_host.begin() + segs[i].offset);
     end = std::max(end, segs[i].pos0 + segs[i].T);
   }
-  int32_t* ids = scratch_i32(6, size_t(N));
-  if (items[0].token_from_pick) backend_.copy_i32(ids, last_pick_, 1);  // never left the device (N = 1)
-  else backend_.copy_from_host_i32(ids, ids_host.data(), ids_host.size());
+  // A one-token step of one sequence reads its id from the pick buffer (slot 8), where the step
+  // before it left its pick: a step fed that pick needs no copy at all (a device-to-device copy
+  // before each queued step was ~6.5 us of idle GPU between steps, H200), and a step recorded
+  // with host tokens reads the same address, so one recording serves both. Its own pick
+  // overwrites the id only after the embedding lookup has read it (stream order).
+  int32_t* ids = N == 1 ? scratch_i32(8, size_t(n_out)) : scratch_i32(6, size_t(N));
+  if (!items[0].token_from_pick) backend_.copy_from_host_i32(ids, ids_host.data(), ids_host.size());
   grow_rope_table(end, cache.capacity());
   const bool recorded = can_record_step(segs, N);
   if (segs.size() == 1 && !recorded) {
     cos_sin_ = rope_dev_.get() + segs[0].pos0 * half * 2;
+  } else if (recorded) {
+    // A recorded step's positions (pos0 of each sequence, which its launches read at run time)
+    // and rope rows travel in one host-to-device copy: [positions, padded to 16 bytes | rows].
+    // (Two small copies were two idle gaps of 1.3-6 us between steps at B = 1, H200.)
+    const size_t npos = (segs.size() + 3) / 4 * 4, ncs = size_t(N * half * 2);
+    std::vector<int32_t> in_host(npos + ncs, 0);
+    for (size_t i = 0; i < segs.size(); ++i) in_host[i] = int32_t(segs[i].pos0);
+    for (const Segment& s : segs)
+      std::memcpy(in_host.data() + npos + size_t(s.offset * half * 2), rope_host_.data() + s.pos0 * half * 2,
+                  size_t(s.T * half * 2) * sizeof(float));
+    int32_t* in_dev = scratch_i32(7, in_host.size());
+    backend_.copy_from_host_i32(in_dev, in_host.data(), in_host.size());
+    step_pos_ = in_dev;
+    cos_sin_ = reinterpret_cast<float*>(in_dev + npos);
   } else {
     std::vector<float> cs_host(static_cast<size_t>(N * half * 2));
     for (const Segment& s : segs)
@@ -481,14 +499,10 @@ bool GlmDsaModel::replay_latest(int n) {
 // later ones replay. Reallocated scratch (a longer prefill in between, say) invalidates.
 void GlmDsaModel::run_recorded(std::vector<Segment>& segs, int64_t N, MlaCache& cache, const int32_t* ids,
                                float* logits) {
-  std::vector<int32_t> pos_host;
   std::vector<int> rows;
-  for (const Segment& s : segs) {
-    pos_host.push_back(int32_t(s.pos0));
-    rows.push_back(s.row);
-  }
-  int32_t* pos = scratch_i32(7, pos_host.size());
-  backend_.copy_from_host_i32(pos, pos_host.data(), pos_host.size());
+  for (const Segment& s : segs) rows.push_back(s.row);
+  const int32_t* pos = step_pos_;  // uploaded by forward_batch with the rope rows
+  VIREO_ASSERT(pos);
   int64_t longest = 0;
   for (size_t i = 0; i < segs.size(); ++i) {
     segs[i].pos0_dev = pos + i;
@@ -553,9 +567,8 @@ void GlmDsaModel::run_step(const std::vector<Segment>& segs, int64_t N, MlaCache
   float* h = scratch(0, size_t(N * D));    // residual stream [N, D]
   float* xn = scratch(1, size_t(N * D));   // normed input    [N, D]
   float* out = scratch(2, size_t(N * D));  // sublayer output [N, D]
-  backend_.embed(weights_.embed, ids, N, h);
   const float eps = float(c.rms_norm_eps);
-  backend_.rms_norm(h, D, N, D, vec(weights_.layers[0].attn_norm), eps, xn, D);
+  backend_.embed_rms_norm(weights_.embed, ids, N, vec(weights_.layers[0].attn_norm), eps, h, xn);
   // Each residual add is fused with the norm that follows it (the next sublayer's input).
   for (int l = 0; l < c.num_layers; ++l) {
     const LayerWeights& L = weights_.layers[size_t(l)];

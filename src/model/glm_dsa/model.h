@@ -204,6 +204,7 @@ class GlmDsaModel {
   std::vector<ExpertBank> streamed_banks_;
   std::vector<float> inv_freq_;  // [rope/2]
   float* cos_sin_ = nullptr;     // backend copy of this step's rope table [N, rope/2, 2]
+  const int32_t* step_pos_ = nullptr;  // a recorded step's positions in backend memory [sequences]
   // The rope table of positions [0, rope_rows_) [position, rope/2, 2], and its backend copy.
   std::vector<float> rope_host_;
   std::shared_ptr<float> rope_dev_;
