@@ -38,6 +38,15 @@ namespace {
 
 // --- element-wise and row kernels -------------------------------------------------------------
 
+// A queued read's values stored straight into mapped pinned host memory (queue_read_i32): a
+// kernel launched programmatically behind the pick's kernels, where a device-to-host copy started
+// ~5 us after the kernel before it ended (H200, B = 1 decode, session 37).
+__global__ void read_to_host_kernel(const int32_t* __restrict__ src, int32_t* __restrict__ dst, int n) {
+  pdl_begin();
+  if (int(threadIdx.x) < n) dst[threadIdx.x] = src[threadIdx.x];
+  __threadfence_system();  // visible to the host once the stream's event after this kernel completes
+}
+
 // fill and add move 16 bytes a thread where the pointers allow (prefill's 512 x 6144 fill: 22 us
 // in the op profile with 4-byte stores, H200); the elements past the last whole float4 one by one.
 __global__ void fill_kernel(float* y, float v, int64_t n) {
@@ -495,13 +504,24 @@ class CudaBackend final : public Backend {
     check_queued_read(n);
     if (!reads_pinned_) {
       void* p = nullptr;
-      VIREO_CUDA_CHECK(cudaHostAlloc(&p, kMaxQueuedRead * kMaxQueuedReads * 4, cudaHostAllocDefault));
+      VIREO_CUDA_CHECK(cudaHostAlloc(&p, kMaxQueuedRead * kMaxQueuedReads * 4, cudaHostAllocMapped));
       reads_pinned_.reset(static_cast<int32_t*>(p), [](int32_t* q) { cudaFreeHost(q); });
+      void* d = nullptr;
+      VIREO_CUDA_CHECK(cudaHostGetDevicePointer(&d, p, 0));
+      reads_mapped_ = static_cast<int32_t*>(d);
       for (cudaEvent_t& e : read_done_) VIREO_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     }
     const int slot = (read_head_ + reads_queued_) % kMaxQueuedReads;
-    VIREO_CUDA_CHECK(cudaMemcpyAsync(reads_pinned_.get() + size_t(slot) * kMaxQueuedRead, src, n * 4,
-                                     cudaMemcpyDeviceToHost, stream_));
+    static const bool by_kernel = env_switch("VIREO_MAPPED_READS");  // 0: a device-to-host copy (A/B runs)
+    static_assert(kMaxQueuedRead <= 1024, "one block writes a read");
+    if (by_kernel) {
+      launch(read_to_host_kernel, 1, unsigned((n + 31) / 32 * 32), 0, stream_, src,
+             reads_mapped_ + size_t(slot) * kMaxQueuedRead, int(n));
+      VIREO_CUDA_LAUNCHED();
+    } else {
+      VIREO_CUDA_CHECK(cudaMemcpyAsync(reads_pinned_.get() + size_t(slot) * kMaxQueuedRead, src, n * 4,
+                                       cudaMemcpyDeviceToHost, stream_));
+    }
     VIREO_CUDA_CHECK(cudaEventRecord(read_done_[size_t(slot)], stream_));
     read_n_[size_t(slot)] = n;
     ++reads_queued_;
@@ -2033,6 +2053,7 @@ class CudaBackend final : public Backend {
 
   cudaStream_t stream_ = nullptr;
   std::shared_ptr<int32_t> reads_pinned_;                 // queue_read_i32's slots [kMaxQueuedReads, kMaxQueuedRead]
+  int32_t* reads_mapped_ = nullptr;                       // the same slots' device address (mapped)
   std::array<cudaEvent_t, kMaxQueuedReads> read_done_{};  // a slot's copy has landed
   std::array<size_t, kMaxQueuedReads> read_n_{};
   int read_head_ = 0, reads_queued_ = 0;  // the oldest queued slot, and how many are queued
