@@ -2069,10 +2069,12 @@ class CudaBackend final : public Backend {
   // Decode GEMVs read x from shared memory (cuda_decode.cu); VIREO_GEMV_XS=0 (for A/B runs of
   // `vireo bench`) reads it through L1 instead.
   bool gemv_x_shared_ = env_switch("VIREO_GEMV_XS");
-  // Fast modes' BF16 products of 2..8 rows on cuBLASLt from this many output rows (0: never).
+  // Fast modes' BF16 products of 2..8 rows on cuBLASLt from this many output rows (0: never). By
+  // default the lm_head's (and any product as tall): its 8-row f32-math GEMV was FMA-bound, 1.5 ms
+  // of the 8-sequence fp8 step, and on cuBLASLt the step ran 10.19 -> 9.21 ms (H200, session 37).
   int64_t bf16_lt_decode_rows_ = [] {
     const char* e = std::getenv("VIREO_BF16_LT_DECODE");
-    return e ? std::max<int64_t>(0, std::atoll(e)) : int64_t(0);
+    return e ? std::max<int64_t>(0, std::atoll(e)) : int64_t(32768);
   }();
   // Prefill's routed BF16 experts in the fast modes as grouped products (cuda_grouped.h);
   // VIREO_GROUPED=0 runs them on the side lanes instead (A/B runs).
