@@ -2069,12 +2069,15 @@ class CudaBackend final : public Backend {
   // Decode GEMVs read x from shared memory (cuda_decode.cu); VIREO_GEMV_XS=0 (for A/B runs of
   // `vireo bench`) reads it through L1 instead.
   bool gemv_x_shared_ = env_switch("VIREO_GEMV_XS");
-  // Fast modes' BF16 products of 2..8 rows on cuBLASLt from this many output rows (0: never). By
-  // default the lm_head's (and any product as tall): its 8-row f32-math GEMV was FMA-bound, 1.5 ms
-  // of the 8-sequence fp8 step, and on cuBLASLt the step ran 10.19 -> 9.21 ms (H200, session 37).
+  // Fast modes' BF16 products of 2..8 rows on cuBLASLt from this many output rows (0: never). The
+  // f32-math GEMV does T FMAs a weight and is FMA-bound at 4-8 rows; cuBLASLt read every GLM-5
+  // shape at 3.1-4.0 TB/s against the GEMV's 0.9-3.2 at 2-8 rows (down 6144 x 2048 at 8 rows 22.6 ->
+  // 7.0 us, a quarter of the lm_head 380 -> 125 us; H200, session 37). 8 sequences: fp8 10.19 ->
+  // 9.27 ms a step (the lm_head), bf16 15.3 -> 12.4. Below 4096 rows (routers, the indexer's small
+  // products) not measured: the GEMV stays.
   int64_t bf16_lt_decode_rows_ = [] {
     const char* e = std::getenv("VIREO_BF16_LT_DECODE");
-    return e ? std::max<int64_t>(0, std::atoll(e)) : int64_t(32768);
+    return e ? std::max<int64_t>(0, std::atoll(e)) : int64_t(4096);
   }();
   // Prefill's routed BF16 experts in the fast modes as grouped products (cuda_grouped.h);
   // VIREO_GROUPED=0 runs them on the side lanes instead (A/B runs).

@@ -137,7 +137,7 @@ void cuda_set_moe_walk(bool on);
 void cuda_set_q8_prequant(bool on);
 // The fast modes' BF16 products of 2-8 rows (decode steps of several sequences) with at least
 // `rows` output rows run on cuBLASLt with x rounded to bf16 (as the fast modes' prefill), where
-// the f32-math GEMV is FMA-bound; 0: never. Default 32768 (the lm_head), or VIREO_BF16_LT_DECODE=N.
+// the f32-math GEMV is FMA-bound; 0: never. Default 4096, or VIREO_BF16_LT_DECODE=N.
 void cuda_set_bf16_lt_decode_rows(Backend& cuda, int64_t rows);
 // Bytes of the resident-bank prefill run's buffers now allocated (CudaBufferSizes::bank_run_bytes
 // bounds them; the memory plan counts that bound).

@@ -350,41 +350,6 @@ __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<true, WARPS>)
   }
 }
 
-// y[k, row] for one token's K + S slots as moe_down_slots2_kernel computes them (the same lane
-// sums and warp reductions: moe_down_combine_kernel's sum has the same bits), in blocks that stay:
-// one block of kWalkWarps warps an SM, every slot's h staged once a block ((K + S) x I floats) and
-// the slots' weights looked up once, each warp walking row pairs u = g, g + W, ... (slot u /
-// (D / 2)). Why: the slots2 grid at GLM-5 (1728 blocks of 32 rows) paid each block's expert lookup
-// and h staging before its 64 KB of weights, and ran 113 MB in ~34 us inside the step (3.3 TB/s,
-// H200, session 37 trace) where the gate | up walk before it reads 3.8-3.9 TB/s. Waits for the
-// whole gate | up launch (no slot counts), as slots2 does after the gate | up walk.
-constexpr int kDownWalkMaxSlots = 16;
-template <int DT>
-__global__ void __launch_bounds__(32 * kWalkWarps, 1)
-    moe_down_walk_kernel(const float* __restrict__ h, int64_t D, int64_t I, int K, int S, int n_routed,
-                         const int32_t* __restrict__ ids, const DevExpert* __restrict__ bank, float* __restrict__ y) {
-  pdl_begin();
-  extern __shared__ float4 xs[];
-  __shared__ DevW downs[kDownWalkMaxSlots];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (int(threadIdx.x) < K + S) downs[threadIdx.x] = bank[slot_expert(ids, 0, int(threadIdx.x), K, n_routed)].down;
-  stage_x(h, int64_t(K + S) * I, xs);  // its barrier also publishes downs
-  const int64_t pairs = D / 2, units = int64_t(K + S) * pairs, stride = int64_t(gridDim.x) * kWalkWarps;
-  for (int64_t u = int64_t(warp) * gridDim.x + blockIdx.x; u < units; u += stride) {
-    const int k = int(u / pairs);
-    const int64_t row = (u % pairs) * 2;
-    const DevW down = downs[k];
-    DevW next = down;
-    next.w = static_cast<const char*>(down.w) + size_t(down.in) * elem_bytes<DT>();
-    const float2 v = lane_dot2<DT, true>(down, next, row, XShared{xs, int(int64_t(k) * I / 4)}, lane);
-    const float y0 = warp_sum(v.x), y1 = warp_sum(v.y);
-    if (lane == 0) {
-      y[k * D + row] = y0;
-      y[k * D + row + 1] = y1;
-    }
-  }
-}
-
 // out[t, row] = (0 + w0 y[t, 0, row]) + w1 y[t, 1, row] + ... in order of k, shared slots last
 // with weight 1: moe_down2_kernel's sum.
 // ready (may be null): the slots' counts moe_down_slots2_kernel waited on, zeroed for the next
@@ -603,32 +568,10 @@ bool moe_down_slots() {
 
 // ready (may be null): the slot counts the gate | up launch just before bumped, need per slot
 // for its slots k < k_wait.
-// walk: one token's down products in moe_down_walk_kernel (FP8, after the gate | up walk; no
-// counts), where every slot's h fits a block's shared memory.
 template <int DT, int WARPS>
 void launch_down_xs(float* h, int64_t N, int64_t D, int64_t I, int K, int S, int n_routed, const int32_t* ids,
                     const float* wts, const DevExpert* bank, float* out, int* ready, int need, int k_wait,
-                    bool walk, cudaStream_t st) {
-  static const bool down_walk = env_switch("VIREO_MOE_DOWN_WALK");  // 0: the slots2 grid after the walk (A/B runs)
-  const size_t walk_bytes = size_t(K + S) * size_t(I) * 4;
-  if constexpr (DT == W_FP8) {
-    if (walk && down_walk && moe_down_slots() && N == 1 && !ready && K + S <= kDownWalkMaxSlots &&
-        walk_bytes <= kXsMaxBytes && I % 4 == 0) {
-      constexpr auto kernel = moe_down_walk_kernel<W_FP8>;
-      allow_xs<kernel>();
-      int fit = 0;
-      VIREO_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kernel, 32 * kWalkWarps, walk_bytes));
-      const int64_t most = (int64_t(K + S) * (D / 2) + kWalkWarps - 1) / kWalkWarps;
-      const unsigned blocks = unsigned(std::min<int64_t>(most, int64_t(std::max(fit, 1)) * multiprocessors()));
-      float* y = h + (K + S) * I;  // as below
-      launch(kernel, blocks, 32 * kWalkWarps, walk_bytes, st, h, D, I, K, S, n_routed, ids, bank, y);
-      VIREO_CUDA_LAUNCHED();
-      launch(moe_down_combine_kernel, dim3(unsigned((D + 255) / 256), 1u), 256, 0, st, y, D, K, S, wts, out,
-             static_cast<int*>(nullptr));
-      VIREO_CUDA_LAUNCHED();
-      return;
-    }
-  }
+                    cudaStream_t st) {
   if (moe_down_slots()) {
     constexpr auto kernel = moe_down_slots2_kernel<DT, WARPS>;
     allow_xs<kernel>();
@@ -684,8 +627,7 @@ void launch_moe(bool x_shared, MoePart part, const float* x, int64_t N, int64_t 
         VIREO_CUDA_LAUNCHED();
       }
       if (down)
-        launch_down_xs<DT, kXsWarps>(h, N, D, I, K, S, n_routed, ids, wts, bank, out, ready, int(row_blocks), nk,
-                                     walk, st);
+        launch_down_xs<DT, kXsWarps>(h, N, D, I, K, S, n_routed, ids, wts, bank, out, ready, int(row_blocks), nk, st);
       return;
     }
     if (DT == W_FP8 && I % kFp8GateUpRows == 0 && D % kFp8DownRows == 0 && K + S <= 16) {
