@@ -291,6 +291,7 @@ TEST(CudaOps, NormsRopeElementwise) {
   }
 }
 
+#ifdef VIREO_HAVE_CUDA
 // The step's lookup and first norm in one launch (decode rows: a cluster a row) give the bits of
 // the two ops in turn, on every table dtype; past the cluster's rows (T > 8) the two ops run.
 TEST(CudaOps, EmbedRmsNormSameBitsAsApart) {
@@ -327,6 +328,8 @@ TEST(CudaOps, EmbedRmsNormSameBitsAsApart) {
     }
   }
 }
+
+#endif
 
 TEST(CudaOps, EmbedGatherScatter) {
   REQUIRE_CUDA();
