@@ -140,7 +140,12 @@ TEST(CudaOps, MatmulBf16FastDecodeOnLt) {
     cpu_matmul(x.data(), T, hw.w, want.data(), ThreadPool::global());
     float* gx = p.g.up(x);
     float* gy = p.g.zeros(want.size());
-    struct Case { CudaGemmMode mode; int64_t rows; const char* path; double tol; };
+    struct Case {
+      CudaGemmMode mode;
+      int64_t rows;
+      const char* path;
+      double tol;
+    };
     for (Case c : {Case{CudaGemmMode::Bf16, 4096, " lt T=", 1e-4}, Case{CudaGemmMode::Fp8, 4100, " lt T=", 1e-4},
                    Case{CudaGemmMode::Bf16, 4101, " gemv T=", 1e-10}, Case{CudaGemmMode::Split, 1, " gemv T=", 1e-10},
                    Case{CudaGemmMode::Bf16, 0, " gemv T=", 1e-10}}) {
@@ -321,9 +326,10 @@ TEST(CudaOps, EmbedRmsNormSameBitsAsApart) {
       EXPECT_EQ(p.g.down(h, size_t(T * n)), p.g.down(h_apart, size_t(T * n))) << dt_name(dt) << " T " << T;
       EXPECT_EQ(p.g.down(y, size_t(T * n)), p.g.down(y_apart, size_t(T * n))) << dt_name(dt) << " T " << T;
       EXPECT_EQ(report.find("embed_rms_norm") != std::string::npos, T <= 8) << dt_name(dt) << " T " << T << "\n"
-                                                                           << report;
+                                                                            << report;
       std::vector<float> want_h(size_t(T * n)), want_y(size_t(T * n));
       p.cpu->embed_rms_norm(table.w, ids.data(), T, w.data(), 1e-5f, want_h.data(), want_y.data());
+      EXPECT_EQ(p.g.down(h, size_t(T * n)), want_h) << dt_name(dt) << " T " << T;  // the lookup is exact
       EXPECT_LT(nmse(p.g.down(y, size_t(T * n)), want_y), 1e-12) << dt_name(dt) << " T " << T;
     }
   }

@@ -780,8 +780,8 @@ constexpr int kNormCluster = 8, kNormThreads = 256, kNormPer = 4;
 template <bool kAdd, bool kEmbed = false>
 __global__ void __cluster_dims__(kNormCluster, 1, 1) __launch_bounds__(kNormThreads)
     rms_norm_cluster_kernel(float* __restrict__ h, const float* __restrict__ x, int64_t xs, int64_t n,
-                            const float* __restrict__ w, float eps, float* __restrict__ y, int64_t ys,
-                            DevW table, const int32_t* __restrict__ ids) {
+                            const float* __restrict__ w, float eps, float* __restrict__ y, int64_t ys, DevW table,
+                            const int32_t* __restrict__ ids) {
   pdl_begin();
   namespace cg = cooperative_groups;
   const cg::cluster_group cl = cg::this_cluster();
