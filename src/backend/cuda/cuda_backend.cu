@@ -677,9 +677,9 @@ class CudaBackend final : public Backend {
     // VIREO_Q8_DECODE=0 turns it off).
     const bool q8 = T >= 2 && T <= kGemvRows && w.dt == W_FP8 && mode_ == CudaGemmMode::Fp8 &&
                     cuda::q8_decode_switch() && cuda::q8_gemv_fits(x, T, w);
-    // Fast modes' BF16 products of 2..8 rows with many output rows (the lm_head): cuBLASLt on x
-    // rounded to bf16, where the f32-math GEMV does T FMAs a weight and is FMA-bound
-    // (cuda_set_bf16_lt_decode_rows).
+    // Fast modes' BF16 products of 2..8 rows with many output rows (4096 by default: the lm_head,
+    // a BF16 model's projections): cuBLASLt on x rounded to bf16, where the f32-math GEMV does T
+    // FMAs a weight and is FMA-bound (cuda_set_bf16_lt_decode_rows).
     const bool lt_decode = T >= 2 && T <= kGemvRows && w.dt == W_BF16 &&
                            (mode_ == CudaGemmMode::Bf16 || mode_ == CudaGemmMode::Fp8) &&
                            w.out >= bf16_lt_decode_min_out() && lt_bf16_fits(w, y);
