@@ -1499,6 +1499,66 @@ TEST(CudaOps, DecodeAttentionGlmShapesFastAndReference) {
     }
 }
 
+// The decode attention straight after the indexer's top-k on the device, in one stream of
+// programmatic launches, as a decode step runs them: the o_lat kernel reads the selection and the
+// cache rows before it waits (pdl_defer), which is right only if the scores kernel between them
+// has waited for the top-k. The selection buffer holds a wrong but valid selection (every key 0)
+// before each run, so a read that came too early gives wrong output, not a fault. GLM-5 attention
+// shapes, 2048 of 3000 keys, host and run-time positions.
+TEST(CudaOps, DecodeAttentionReadsTheSelectionJustMade) {
+  REQUIRE_CUDA();
+  Pair p;
+  const int64_t nope = 192, rope = 64, vd = 256, L = 512, H = 64, N = 3000, topk = 2048, nI = 4, d = 32;
+  const int64_t kvw = L + rope, hw = nope + vd, qw = nope + rope;
+  auto kv = randv(size_t(N * kvw), 390);
+  HostWeight kvb = make_weight(DType::F8_E4M3, H * hw, L, 391);
+  Weight gkvb = p.gpu->upload_weight(kvb.w);
+  auto keys = randv(size_t(N * d), 392);
+  for (int64_t T : {int64_t(1), int64_t(3)}) {
+    const int64_t pos0 = N - T;
+    auto iq = randv(size_t(T * nI * d), uint32_t(393 + T)), iw = randv(size_t(T * nI), uint32_t(394 + T), 0.5f);
+    auto q = randv(size_t(T * H * qw), uint32_t(395 + T));
+    const IndexerArgs ia = indexer_shape(T, nI, d, N, pos0, topk);
+    const Selection sel = cpu_select(p, ia, iq, iw, keys);
+    const MlaAttentionArgs a = mla_shape(T, H, nope, rope, vd, L, N, pos0, 1.0f / std::sqrt(float(qw)), true);
+    const KeySelection host_sel{sel.selected.data(), sel.counts.data(), topk};
+    const std::vector<float> want = cpu_mla_attention(*p.cpu, a, q, kv, kvb.w, &host_sel);
+    IndexerArgs gi = ia;
+    gi.q = p.g.up(iq);
+    gi.weights = p.g.up(iw);
+    gi.keys = p.g.up(keys);
+    gi.selected = p.g.zeros_i(size_t(T * topk));
+    gi.counts = p.g.zeros_i(size_t(T));
+    MlaAttentionArgs g = a;
+    g.q = p.g.up(q);
+    g.kv = p.g.up(kv);
+    g.kv_b = &gkvb;
+    g.out = p.g.zeros(want.size());
+    g.selection = KeySelection{gi.selected, gi.counts, topk};
+    int32_t* gpos = p.g.up_i({int32_t(pos0)});
+    for (bool dev_pos : {false, true}) {
+      IndexerArgs gg = gi;
+      MlaAttentionArgs ga = g;
+      if (dev_pos) {  // as a recorded step: a bound above the real length
+        gg.pos0_dev = ga.pos0_dev = gpos;
+        gg.pos0 = ga.pos0 = N + 64 - T;
+        gg.n_keys = ga.n_keys = N + 64;
+      }
+      const std::vector<int32_t> zeros(size_t(T * topk), 0);
+      const std::vector<int32_t> full = std::vector<int32_t>(size_t(T), int32_t(topk));
+      p.gpu->copy_from_host_i32(gi.selected, zeros.data(), zeros.size());
+      p.gpu->copy_from_host_i32(gi.counts, full.data(), full.size());
+      p.gpu->fill(ga.out, NAN, int64_t(want.size()));
+      p.gpu->indexer_select(gg);
+      p.gpu->mla_attention(ga);
+      const double e = nmse(p.g.down(ga.out, want.size()), want);
+      EXPECT_LT(e, 1e-10) << "T " << T << (dev_pos ? " run-time pos" : " host pos");
+      expect_same_selection(sel, {p.g.down_i(gi.selected, size_t(T * topk)), p.g.down_i(gi.counts, size_t(T))}, topk,
+                            "T " + std::to_string(T));
+    }
+  }
+}
+
 // Short contexts at GLM-5 head shapes: key lists of at most 256 take the one-kernel scores + o_lat
 // path (splits of 32 keys, 4 heads a block), longer bounds the two long-context kernels. Lengths
 // around the split edges, a head count that leaves a partial head group, causal and selected keys,

@@ -614,9 +614,10 @@ __global__ void indexer_score_kernel(const float* __restrict__ q, const float* _
 // vectors for kV4H x 32 dot products, against 2 scalar loads per product before. 16 warps of 2
 // heads rather than 8 of 4: a block per SM (4096 keys: 128 blocks), so the warps, not the blocks,
 // hide the load and dependent-add latency (8 warps of 4 heads: 7.9 cycles between a warp's
-// instructions, 12.7 us at 4096 keys; 16 of 2: 10.1 us). Needs d % 4 == 0. The grid covers only the rows that select (t >= t_first: more
+// instructions, 12.7 us at 4096 keys; 16 of 2: 10.1 us; 32 of 1, 1024 threads: the same as 16 of 2,
+// 12.97 against 12.94 us for indexer_select in CudaBench and even end to end, session 38). Needs d % 4 == 0. The grid covers only the rows that select (t >= t_first: more
 // causal keys than topk); key blocks past a row's causal keys exit at once.
-template <int kV4H, int kV4Threads>
+constexpr int kV4H = 2, kV4Threads = 512;
 __global__ void __launch_bounds__(kV4Threads)
     indexer_score_v4_kernel(const float* __restrict__ q, const float* __restrict__ wts, const float* __restrict__ keys,
                             int64_t nI, int64_t d, int64_t n_keys, int64_t pos0, const int32_t* __restrict__ pos0_dev,
@@ -990,23 +991,18 @@ void indexer_scores(const float* q, const float* wts, const float* keys, int64_t
   // Run-time positions (a recorded decode step): every row and the bound's key blocks are
   // launched, rows and blocks past the real causal count exit at once.
   if ((fast || !pos0_dev) && d % 4 == 0 && aligned && smem4 <= 200 * 1024) {
-    // VIREO_IX_WARP_HEADS=2: 16 warps of 2 heads (A/B runs), else 32 warps of 1 head.
-    static const bool two = [] {
-      const char* e = std::getenv("VIREO_IX_WARP_HEADS");
-      return e && std::atoi(e) == 2;
-    }();
-    auto kernel = two ? indexer_score_v4_kernel<2, 512> : indexer_score_v4_kernel<1, 1024>;
     static bool configured4 = false;
     if (!configured4) {
-      VIREO_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+      VIREO_CUDA_CHECK(
+          cudaFuncSetAttribute(indexer_score_v4_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
       configured4 = true;
     }
     // Rows before t_first take every causal key (no scores needed).
     const int64_t t_first = pos0_dev ? 0 : std::max<int64_t>(0, topk - pos0);
     if (t_first >= T) return;
     dim3 grid(unsigned((n_keys + 31) / 32), unsigned(T - t_first));
-    launch(kernel, grid, two ? 512 : 1024, smem4, st, q, wts, keys, nI, d, n_keys, pos0, pos0_dev, topk, scale, wscale,
-           t_first, scores);
+    launch(indexer_score_v4_kernel, grid, kV4Threads, smem4, st, q, wts, keys, nI, d, n_keys, pos0, pos0_dev, topk,
+           scale, wscale, t_first, scores);
     VIREO_CUDA_LAUNCHED();
     return;
   }
