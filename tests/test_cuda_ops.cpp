@@ -1500,11 +1500,11 @@ TEST(CudaOps, DecodeAttentionGlmShapesFastAndReference) {
 }
 
 // The decode attention straight after the indexer's top-k on the device, in one stream of
-// programmatic launches, as a decode step runs them: the o_lat kernel reads the selection and the
-// cache rows before it waits (pdl_defer), which is right only if the scores kernel between them
-// has waited for the top-k. The selection buffer holds a wrong but valid selection (every key 0)
-// before each run, so a read that came too early gives wrong output, not a fault. GLM-5 attention
-// shapes, 2048 of 3000 keys, host and run-time positions.
+// programmatic launches, as a decode step runs them (the other attention tests upload their
+// selection): every kernel that reads the selection must do so after its wait. The selection
+// buffer holds a wrong but valid selection (every key 0) before each run, so a read that came too
+// early gives wrong output, not a fault. GLM-5 attention shapes, 2048 of 3000 keys, FP8 W_UV,
+// host and run-time positions.
 TEST(CudaOps, DecodeAttentionReadsTheSelectionJustMade) {
   REQUIRE_CUDA();
   Pair p;

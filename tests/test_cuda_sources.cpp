@@ -3,10 +3,8 @@
 // programmatic dependent launch (`launch`, cuda_internal.h) and must call pdl_begin() (or
 // pdl_begin(wait), cuda_kernels.cuh) before anything else: a kernel that skipped it would run concurrently with its
 // predecessor and read its inputs before they are written, a race no result test is sure to catch.
-// The exceptions are their own forms: a first statement that calls pdl_begin_after(loads), whose
-// argument (loads of weights, which no kernel writes) is evaluated before the wait; and a first
-// statement pdl_defer(), whose kernel must call pdl_begin( later in its body (it reads before that
-// only what the kernels before its predecessor wrote; cuda_kernels.cuh).
+// The one exception is its own form: a first statement that calls pdl_begin_after(loads), whose
+// argument (loads of weights, which no kernel writes) is evaluated before the wait.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -44,23 +42,6 @@ std::string strip_comments(const std::string& s) {
   return out;
 }
 
-// The position of the brace closing the one at `open` (string literals skipped: asm text holds
-// braces), or npos.
-size_t closing_brace(const std::string& s, size_t open) {
-  int depth = 0;
-  for (size_t i = open; i < s.size(); ++i) {
-    if (s[i] == '"') {
-      for (++i; i < s.size() && s[i] != '"'; ++i)
-        if (s[i] == '\\') ++i;
-    } else if (s[i] == '{') {
-      ++depth;
-    } else if (s[i] == '}' && --depth == 0) {
-      return i;
-    }
-  }
-  return std::string::npos;
-}
-
 int line_of(const std::string& s, size_t pos) { return 1 + int(std::count(s.begin(), s.begin() + long(pos), '\n')); }
 
 struct Finding {
@@ -82,10 +63,7 @@ Finding scan(const std::string& name, const std::string& text) {
     const size_t first_end = s.find(';', q);
     const bool after =
         first_end != std::string::npos && s.substr(q, first_end - q).find("pdl_begin_after(") != std::string::npos;
-    const size_t body_end = closing_brace(s, body);
-    const bool deferred = s.compare(q, 12, "pdl_defer();") == 0 && body_end != std::string::npos &&
-                          s.substr(q + 12, body_end - q - 12).find("pdl_begin(") != std::string::npos;
-    if (s.compare(q, 10, "pdl_begin(") != 0 && !after && !deferred)
+    if (s.compare(q, 10, "pdl_begin(") != 0 && !after)
       f.missing_wait.push_back(name + ":" + std::to_string(line_of(s, p)));
   }
   for (size_t p = s.find("<<<"); p != std::string::npos; p = s.find("<<<", p + 3))
@@ -105,16 +83,11 @@ TEST(CudaSources, ScannerFindsAKernelWithoutPdlBegin) {
                            "void host() { ok<<<1, 32, 0, 0>>>(1); }\n"
                            "__global__ void ahead(const uint4* w) {\n  const uint4 a = pdl_begin_after(load(w));\n}\n"
                            "__global__ void ahead_late(const uint4* w) {\n  const uint4 a = load(w);\n"
-                           "  pdl_begin_after(a);\n}\n"
-                           "__global__ void deferred(int n) {\n  pdl_defer();\n  asm(\"{ }\");\n  pdl_begin();\n}\n"
-                           "__global__ void never(int n) {\n  pdl_defer();\n  if (n) return;\n}\n"
-                           "__global__ void after_body() {\n  pdl_defer();\n}\nvoid f() { pdl_begin(); }\n");
-  EXPECT_EQ(bad.kernels, 7);
-  ASSERT_EQ(bad.missing_wait.size(), 4u);
+                           "  pdl_begin_after(a);\n}\n");
+  EXPECT_EQ(bad.kernels, 4);
+  ASSERT_EQ(bad.missing_wait.size(), 2u);
   EXPECT_EQ(bad.missing_wait[0], "x.cu:7");
   EXPECT_EQ(bad.missing_wait[1], "x.cu:16");
-  EXPECT_EQ(bad.missing_wait[2], "x.cu:25");
-  EXPECT_EQ(bad.missing_wait[3], "x.cu:29");
   ASSERT_EQ(bad.chevron_launch.size(), 1u);
   EXPECT_EQ(bad.chevron_launch[0], "x.cu:12");
 }
@@ -129,9 +102,7 @@ TEST(CudaSources, EveryKernelBeginsWithPdlBeginAndIsLaunchedByLaunch) {
     const Finding f = scan(e.path().filename().string(), read_all(e.path()));
     kernels += f.kernels;
     for (const std::string& where : f.missing_wait)
-      ADD_FAILURE() << where
-                    << ": a __global__ kernel whose body does not begin with pdl_begin(...); (or pdl_defer(); with a "
-                       "pdl_begin( later in it)";
+      ADD_FAILURE() << where << ": a __global__ kernel whose body does not begin with pdl_begin(...);";
     for (const std::string& where : f.chevron_launch)
       ADD_FAILURE() << where << ": a <<<>>> launch; use launch() (cuda_internal.h)";
   }

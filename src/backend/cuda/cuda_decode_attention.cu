@@ -156,21 +156,13 @@ __global__ void __launch_bounds__(64 * KQ) mla_decode_scores_kernel(
 // exponentiated), then o[h, c] = sum_j p[h, j] v[j, c] with thread tile 8 heads (ht + 8i) x 4
 // columns over every KG-th 4-key step (kg = tid / 64), the KG key groups summed through shared
 // memory. Column slice 0 also writes each head's (m, l) for the merge.
-//
-// AHEAD: everything but the scores is read before the kernel waits for the scores kernel (its only
-// predecessor). That is safe because this kernel's blocks are dispatched only once every block of
-// the scores kernel has passed its own wait, which returns once the kernels it depends on (the
-// top-k that wrote sel and counts, the cache append that wrote the rows) are done: the key count,
-// the selected positions and the latent slices then load while the scores kernel runs, leaving
-// only the scores (one round trip from L2) after the wait.
-template <int KG, bool AHEAD>
+template <int KG>
 __global__ void __launch_bounds__(64 * KG) mla_decode_pv_kernel(
     const float* __restrict__ scores, int64_t sstride, int H, int nhg, int L, const float* __restrict__ kv, int kvw,
     int64_t pos0, const int32_t* __restrict__ pos0_dev, const int32_t* __restrict__ sel,
     const int32_t* __restrict__ counts, int64_t sel_stride, int nks, float* __restrict__ opart,
     float* __restrict__ mpart, float* __restrict__ lpart) {
-  pdl_defer();
-  if constexpr (!AHEAD) pdl_begin();
+  pdl_begin();
   extern __shared__ __align__(16) float sm[];
   float* ps = sm;                                   // [kPH][kPS]
   float* vs = ps + kPH * kPS;                       // [kPK][kPC]
@@ -184,7 +176,6 @@ __global__ void __launch_bounds__(64 * KG) mla_decode_pv_kernel(
   const int64_t n = sel ? int64_t(counts[t]) : pos0 + t + 1;
   const int cnt = int(n - i0 < 0 ? 0 : n - i0 > kPK ? kPK : n - i0);
   if (cnt == 0) {  // an empty split: the merge skips it by its max
-    if constexpr (AHEAD) pdl_begin();
     if (blockIdx.x == 0)
       for (int h = tid; h < kPH && hg0 + h < H; h += NT) {
         mpart[(t * H + hg0 + h) * nks + s] = -INFINITY;
@@ -194,18 +185,15 @@ __global__ void __launch_bounds__(64 * KG) mla_decode_pv_kernel(
   }
   const int cntr = (cnt + 4 * KG - 1) / (4 * KG) * (4 * KG);  // the product loop's step: KG groups x 4 keys
   for (int j = tid; j < cnt; j += NT) us[j] = sel ? sel[t * sel_stride + i0 + j] : int(i0 + j);
-  // The scores, 16 bytes at a time: every load of the block in flight at once (a warp walking its
-  // heads' rows in global memory waited on one round trip per head). Chunks past cnt read stale
-  // scores inside the row (sstride covers them); they are zeroed below.
+  // The scores first (they are needed first), 16 bytes at a time: every load of the block in flight
+  // at once (a warp walking its heads' rows in global memory waited on one round trip per head).
+  // Chunks past cnt read stale scores inside the row (sstride covers them); they are zeroed below.
   const int c4n = (cnt + 3) / 4;
-  auto load_scores = [&] {
-    for (int x = tid; x < kPH * c4n; x += NT) {
-      const int hh = x / c4n, c4 = x % c4n;
-      if (hg0 + hh < H) cp_async16(ps + hh * kPS + 4 * c4, scores + (t * H + hg0 + hh) * sstride + i0 + 4 * c4);
-    }
-    cp_async_commit();
-  };
-  if constexpr (!AHEAD) load_scores();  // first: they are needed first
+  for (int x = tid; x < kPH * c4n; x += NT) {
+    const int hh = x / c4n, c4 = x % c4n;
+    if (hg0 + hh < H) cp_async16(ps + hh * kPS + 4 * c4, scores + (t * H + hg0 + hh) * sstride + i0 + 4 * c4);
+  }
+  cp_async_commit();
   __syncthreads();  // us
   for (int x = tid; x < cnt * (kPC / 4); x += NT) {
     const int j = x / (kPC / 4), c4 = x % (kPC / 4);
@@ -213,13 +201,7 @@ __global__ void __launch_bounds__(64 * KG) mla_decode_pv_kernel(
   }
   cp_async_commit();
   for (int x = cnt * kPC + tid; x < cntr * kPC; x += NT) vs[x] = 0.0f;  // padding keys: p = 0, v = 0
-  if constexpr (AHEAD) {
-    pdl_begin();
-    load_scores();
-    cp_async_wait<0>();  // (the rows, asked for before the wait, have had the scores kernel's time)
-  } else {
-    cp_async_wait<1>();
-  }
+  cp_async_wait<1>();
   __syncthreads();
   for (int hh = warp; hh < kPH; hh += NW) {  // warp hh: one head's scores at a time, 8 per lane
     const int h = hg0 + hh;
@@ -694,10 +676,8 @@ bool mla_decode_fast(const DecodeAttnArgs& a, cudaStream_t st) {
   if (!configured) {
     VIREO_CUDA_CHECK(cudaFuncSetAttribute(mla_decode_scores_kernel<KQ>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           227 * 1024));
-    VIREO_CUDA_CHECK(cudaFuncSetAttribute(mla_decode_pv_kernel<KG, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          int(smem_p)));
-    VIREO_CUDA_CHECK(cudaFuncSetAttribute(mla_decode_pv_kernel<KG, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          int(smem_p)));
+    VIREO_CUDA_CHECK(
+        cudaFuncSetAttribute(mla_decode_pv_kernel<KG>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_p)));
     configured = true;
   }
   const int H = int(a.H), nhg = int((a.H + kPH - 1) / kPH);
@@ -726,11 +706,8 @@ bool mla_decode_fast(const DecodeAttnArgs& a, cudaStream_t st) {
            a.kv, int(kvw), a.pos0, a.pos0_dev, a.sel, a.counts, a.sel_stride, scale2, sstride, a.scores);
     VIREO_CUDA_LAUNCHED();
     const dim3 pgrid(unsigned(L / kPC), unsigned(nks), unsigned(a.T * nhg));
-    // VIREO_PV_AHEAD=0: the o_lat kernel reads nothing before its wait (A/B runs; the same bits).
-    static const bool ahead = env_switch("VIREO_PV_AHEAD");
-    launch(ahead ? mla_decode_pv_kernel<KG, true> : mla_decode_pv_kernel<KG, false>, pgrid, 64 * KG, smem_p, st,
-           a.scores, sstride, H, nhg, int(L), a.kv, int(kvw), a.pos0, a.pos0_dev, a.sel, a.counts, a.sel_stride, nks,
-           a.opart, a.mpart, a.lpart);
+    launch(mla_decode_pv_kernel<KG>, pgrid, 64 * KG, smem_p, st, a.scores, sstride, H, nhg, int(L), a.kv, int(kvw),
+           a.pos0, a.pos0_dev, a.sel, a.counts, a.sel_stride, nks, a.opart, a.mpart, a.lpart);
     VIREO_CUDA_LAUNCHED();
   }
   static const bool wide_merge = [] {

@@ -65,15 +65,6 @@ __device__ __forceinline__ void pdl_begin(bool wait = true) {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
-// A kernel whose first statement is pdl_defer() calls pdl_begin() later (tests/test_cuda_sources.cpp
-// checks that it does), reading before it only what kernels before its predecessor wrote, and
-// writing nothing but shared memory: its blocks are dispatched once every block of its predecessor
-// has passed its own griddepcontrol.wait, which returns once the kernels that one depends on are
-// done. So the predecessor must be a kernel that waits (pdl_begin(), not pdl_begin(false)). Its
-// early returns, too, come after pdl_begin (as above). mla_decode_pv_kernel: the selection and the
-// cache rows load while the attention's scores kernel runs.
-__device__ __forceinline__ void pdl_defer() {}
-
 // pdl_begin() after `ahead`, the argument, is evaluated: a kernel's first statement may issue loads
 // of what no kernel writes (its weights) before the wait, so that they land while the kernel
 // before it finishes (pdl_begin_after(first_loads(...))). Nothing else may be read there.
