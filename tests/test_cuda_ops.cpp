@@ -1499,6 +1499,53 @@ TEST(CudaOps, DecodeAttentionGlmShapesFastAndReference) {
     }
 }
 
+// The fast modes' long-context decode attention: p x latent on bf16 tensor cores (p and the
+// latent rounded once, f32 sums). Against the CPU at the fast modes' tolerance, and above the f32
+// kernels' error (so the rounding, and with it the tensor-core path, really ran); exact mode keeps
+// the f32 kernels. GLM-5 shapes, 2048 selected of 4200 keys, 64 heads and 80 (a partial head
+// group), 1 and 3 rows, host and run-time positions.
+TEST(CudaOps, DecodeAttentionFastModesOnTensorCores) {
+  REQUIRE_CUDA();
+  Pair p;
+  const int64_t nope = 192, rope = 64, vd = 256, L = 512, N = 4200, stride = 2048;
+  const int64_t kvw = L + rope, hw = nope + vd;
+  auto kv = randv(size_t(N * kvw), 490);
+  float* gkv = p.g.up(kv);
+  for (int64_t H : {int64_t(64), int64_t(80)}) {
+    HostWeight kvb = make_weight(DType::BF16, H * hw, L, uint32_t(491 + H));
+    Weight gkvb = p.gpu->upload_weight(kvb.w);
+    for (int64_t T : {int64_t(1), int64_t(3)}) {
+      const GlmDecodeCase c =
+          glm_decode_case(p, T, H, N, stride, false, uint32_t(492 + T), uint32_t(493 + T), kv, gkv, kvb, gkvb);
+      for (bool dev_pos : {false, true}) {
+        MlaAttentionArgs g = c.g;
+        if (dev_pos) {
+          g.pos0_dev = c.gpos;
+          g.pos0 = N + 100 - T;
+          g.n_keys = N + 100;
+        }
+        double err[3] = {};
+        const CudaGemmMode modes[3] = {CudaGemmMode::Split, CudaGemmMode::Bf16, CudaGemmMode::Fp8};
+        for (int m = 0; m < 3; ++m) {
+          cuda_set_gemm_mode(*p.gpu, modes[m]);
+          p.gpu->fill(g.out, NAN, int64_t(c.want.size()));
+          p.gpu->mla_attention(g);
+          err[m] = nmse(p.g.down(g.out, c.want.size()), c.want);
+        }
+        cuda_set_gemm_mode(*p.gpu, CudaGemmMode::Split);
+        const std::string what = "H " + std::to_string(H) + " T " + std::to_string(T) + (dev_pos ? " run-time" : " host");
+        EXPECT_LT(err[0], 1e-10) << what << " exact";
+        for (int m = 1; m < 3; ++m) {
+          EXPECT_LT(err[m], 1e-4) << what << " fast mode " << m;
+          EXPECT_GT(err[m], 100 * err[0]) << what << " fast mode " << m << ": not rounded (the f32 kernels ran?)";
+        }
+        std::printf("  decode attention %-16s NMSE exact %.3g, fast %.3g, fast-fp8 %.3g\n", what.c_str(), err[0], err[1],
+                    err[2]);
+      }
+    }
+  }
+}
+
 // The decode attention straight after the indexer's top-k on the device, in one stream of
 // programmatic launches, as a decode step runs them (the other attention tests upload their
 // selection): every kernel that reads the selection must do so after its wait. The selection

@@ -36,6 +36,8 @@ struct DecodeAttnArgs {
   int64_t max_keys = 0;
   float* scores = nullptr;
   bool fast = true;
+  // The fast modes: the long-context p x latent on bf16 tensor cores (p and the latent rounded).
+  bool tc = false;
 };
 // Splits of the decode kernels for a key list of at most `max_keys` (sizes the partials: every
 // kernel set fits in T x H x decode_splits(max_keys) x (L + 2) floats). The rule lives in

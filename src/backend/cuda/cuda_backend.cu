@@ -1939,6 +1939,7 @@ class CudaBackend final : public Backend {
     d.max_keys = max_keys;
     d.scores = dscores_.get<float>(size_t(rows * H * keys32));
     d.fast = fast_attention_;
+    d.tc = fast_math() && tc_decode_attention_;
     VIREO_PROF("decode kernels");
     for (int64_t t0 = 0; t0 < a.T; t0 += rows) {
       d.T = std::min(rows, a.T - t0);
@@ -2084,6 +2085,9 @@ class CudaBackend final : public Backend {
   bool grouped_on_ = env_switch("VIREO_GROUPED");
   bool grouped_tma_ = env_switch("VIREO_GROUPED_TMA");    // TMA tile loads (else cp.async), for A/B runs
   GroupedFp8Form grouped_fp8_form_ = GroupedFp8Form::Auto;  // tests force either form
+  // The fast modes' long-context decode attention: p x latent on bf16 tensor cores (on), or in
+  // f32 as exact mode (VIREO_TC_DECODE_ATTENTION=0, A/B runs).
+  bool tc_decode_attention_ = env_switch("VIREO_TC_DECODE_ATTENTION");
   // Branches (begin_branch): on, or every op in order on one stream (VIREO_BRANCHES=0, A/B runs).
   bool branches_ = env_switch("VIREO_BRANCHES");
   cudaStream_t branch_stream_ = nullptr;

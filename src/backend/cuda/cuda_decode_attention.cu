@@ -150,23 +150,121 @@ __global__ void __launch_bounds__(64 * KQ) mla_decode_scores_kernel(
   }
 }
 
+// The fast modes' scores kernel: the same grid, tiles and loads as mla_decode_scores_kernel, the
+// products on the tensor cores (q and the cache rows rounded to bf16 at the fragment loads,
+// mma.sync m16n8k16, f32 sums). 16 warps: warp w takes heads 16 (w & 1).., keys 8 ((w >> 1) & 3)..
+// over half the row's 16-wide k-steps (w >> 3): the first half as soon as the first column half
+// of the tiles lands, the second after; the halves' sums meet in shared memory in that order.
+// Tile rows are padded to 8 mod 32 words, so the fragments' 8-byte loads hit distinct banks.
+__host__ __device__ inline int tc_tile_stride(int kvw) { return (kvw + 31) / 32 * 32 + 8; }
+constexpr int kTcRed = 8 * 32 * 4;  // the second k-half's 8 warps' tiles, 4 floats a lane
+
+__global__ void __launch_bounds__(512) mla_decode_scores_tc_kernel(
+    const float* __restrict__ qlat, const float* __restrict__ q, int H, int qw, int nope, int L,
+    const float* __restrict__ kv, int kvw, int64_t pos0, const int32_t* __restrict__ pos0_dev,
+    const int32_t* __restrict__ sel, const int32_t* __restrict__ counts, int64_t sel_stride, float scale,
+    int64_t sstride, float* __restrict__ scores) {
+  pdl_begin();
+  extern __shared__ __align__(16) float sm[];
+  const int P = tc_tile_stride(kvw);
+  float* qs = sm;                                     // [kSH][P]: q_lat | q_rope
+  float* ks = qs + kSH * P;                           // [kSK][P]: the keys' cache rows
+  float* red = ks + kSK * P;                          // [8][32][4]
+  int* us = reinterpret_cast<int*>(red + kTcRed);     // [kSK]
+  const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  const int mt = warp & 1, nt = (warp >> 1) & 3, kh = warp >> 3, g = lane >> 2, qq = lane & 3;
+  const int64_t t = blockIdx.z;
+  const int hg0 = int(blockIdx.y) * kSH;
+  if (pos0_dev) pos0 = *pos0_dev;
+  const int64_t n = sel ? int64_t(counts[t]) : pos0 + t + 1;
+  const int KS = kvw / 16, KA = KS / 2;  // 16-wide k-steps; the first half's
+  for (int64_t k0 = int64_t(blockIdx.x) * kSK; k0 < n; k0 += int64_t(gridDim.x) * kSK) {  // uniform
+    const int cnt = int(n - k0 > kSK ? kSK : n - k0);
+    __syncthreads();  // the previous tile's reads of shared memory are done
+    if (tid < cnt) us[tid] = sel ? sel[t * sel_stride + k0 + tid] : int(k0 + tid);
+    __syncthreads();
+    const int C4 = kvw / 4, L4 = L / 4;
+    auto load = [&](int c4a, int c4b) {
+      for (int r = warp; r < kSH; r += 16) {
+        const int h = hg0 + r;
+        for (int c4 = c4a + lane; c4 < c4b; c4 += 32) {
+          float* d = qs + r * P + 4 * c4;
+          if (h >= H) *reinterpret_cast<float4*>(d) = make_float4(0.f, 0.f, 0.f, 0.f);
+          else if (c4 < L4) cp_async16(d, qlat + ((t * H + h) * L + 4 * c4));
+          else cp_async16(d, q + ((t * H + h) * qw + nope + 4 * (c4 - L4)));
+        }
+      }
+      for (int r = warp; r < cnt; r += 16) {  // rows past cnt stay stale: their scores are never written
+        const float* src = kv + int64_t(us[r]) * kvw;
+        for (int c4 = c4a + lane; c4 < c4b; c4 += 32) cp_async16(ks + r * P + 4 * c4, src + 4 * c4);
+      }
+      cp_async_commit();
+    };
+    load(0, 4 * KA);
+    load(4 * KA, C4);
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const float* pa = qs + (16 * mt + g) * P + 2 * qq;  // A: q[head][dim], rows g and g + 8
+    const float* pb = ks + (8 * nt + g) * P + 2 * qq;   // B: row[key][dim], column (key) g
+    auto run = [&](int ka, int kb) {
+      for (int k = ka; k < kb; ++k) {
+        const int c = 16 * k;
+        const float2 a0 = *reinterpret_cast<const float2*>(pa + c), a1 = *reinterpret_cast<const float2*>(pa + 8 * P + c);
+        const float2 a2 = *reinterpret_cast<const float2*>(pa + c + 8);
+        const float2 a3 = *reinterpret_cast<const float2*>(pa + 8 * P + c + 8);
+        const float2 b0 = *reinterpret_cast<const float2*>(pb + c), b1 = *reinterpret_cast<const float2*>(pb + c + 8);
+        mma_bf16_16816(d, pack_bf16x2(a0.x, a0.y), pack_bf16x2(a1.x, a1.y), pack_bf16x2(a2.x, a2.y),
+                       pack_bf16x2(a3.x, a3.y), pack_bf16x2(b0.x, b0.y), pack_bf16x2(b1.x, b1.y));
+      }
+    };
+    cp_async_wait<1>();
+    __syncthreads();
+    if (kh == 0) run(0, KA);
+    cp_async_wait<0>();
+    __syncthreads();
+    if (kh == 1) {
+      run(KA, KS);
+      *reinterpret_cast<float4*>(red + ((warp - 8) * 32 + lane) * 4) = make_float4(d[0], d[1], d[2], d[3]);
+    }
+    __syncthreads();
+    if (kh == 0) {
+      const float4 o = *reinterpret_cast<const float4*>(red + (warp * 32 + lane) * 4);
+      const float sc[4] = {d[0] + o.x, d[1] + o.y, d[2] + o.z, d[3] + o.w};
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int h = hg0 + 16 * mt + g + 8 * r, j = 8 * nt + 2 * qq + e;
+          if (h < H && j < cnt) scores[(t * H + h) * sstride + k0 + j] = sc[2 * r + e] * scale;
+        }
+    }
+  }
+}
+
 // Grid (L / 32 column slices, key splits of 256, T x head groups of 64); 64 KG threads. Each block:
 // its heads' scores for the split (cp.async) -> p = 2^(s - m_local) in shared memory ([head][key]),
 // the split's 256 x 32 slice of the latent rows (cp.async, landing while the scores are
 // exponentiated), then o[h, c] = sum_j p[h, j] v[j, c] with thread tile 8 heads (ht + 8i) x 4
 // columns over every KG-th 4-key step (kg = tid / 64), the KG key groups summed through shared
 // memory. Column slice 0 also writes each head's (m, l) for the merge.
-template <int KG>
+//
+// TC (the fast modes): p and the latent rounded to bf16 and multiplied on the tensor cores
+// (mma.sync m16n8k16, f32 accumulation): warp w takes heads 16 (w / 4).. x columns 8 (w % 4).. over
+// all the split's keys, so the FMA loop and the KG groups' sums through shared memory go; each
+// head's sum l adds the rounded p, so o / l weighs the keys as the products did. Rows padded so the
+// fragments' loads hit distinct banks (p: 8 mod 32 words, the latent: 4 mod 32).
+template <int KG, bool TC>
 __global__ void __launch_bounds__(64 * KG) mla_decode_pv_kernel(
     const float* __restrict__ scores, int64_t sstride, int H, int nhg, int L, const float* __restrict__ kv, int kvw,
     int64_t pos0, const int32_t* __restrict__ pos0_dev, const int32_t* __restrict__ sel,
     const int32_t* __restrict__ counts, int64_t sel_stride, int nks, float* __restrict__ opart,
     float* __restrict__ mpart, float* __restrict__ lpart) {
   pdl_begin();
+  constexpr int PS = TC ? kPK + 8 : kPS, VS = TC ? kPC + 4 : kPC;  // row strides (words)
+  static_assert(!TC || (KG == 8 && kPH == 64 && kPC == 32 && (4 * KG) % 16 == 0), "16 warps of 16 x 8 tiles");
   extern __shared__ __align__(16) float sm[];
-  float* ps = sm;                                   // [kPH][kPS]
-  float* vs = ps + kPH * kPS;                       // [kPK][kPC]
-  int* us = reinterpret_cast<int*>(vs + kPK * kPC);  // [kPK]
+  float* ps = sm;                                  // [kPH][PS]
+  float* vs = ps + kPH * PS;                       // [kPK][VS]
+  int* us = reinterpret_cast<int*>(vs + kPK * VS);  // [kPK]
   constexpr int NT = 64 * KG, NW = NT / 32;
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   const int64_t t = blockIdx.z / nhg;
@@ -191,21 +289,22 @@ __global__ void __launch_bounds__(64 * KG) mla_decode_pv_kernel(
   const int c4n = (cnt + 3) / 4;
   for (int x = tid; x < kPH * c4n; x += NT) {
     const int hh = x / c4n, c4 = x % c4n;
-    if (hg0 + hh < H) cp_async16(ps + hh * kPS + 4 * c4, scores + (t * H + hg0 + hh) * sstride + i0 + 4 * c4);
+    if (hg0 + hh < H) cp_async16(ps + hh * PS + 4 * c4, scores + (t * H + hg0 + hh) * sstride + i0 + 4 * c4);
   }
   cp_async_commit();
   __syncthreads();  // us
   for (int x = tid; x < cnt * (kPC / 4); x += NT) {
     const int j = x / (kPC / 4), c4 = x % (kPC / 4);
-    cp_async16(vs + j * kPC + 4 * c4, kv + int64_t(us[j]) * kvw + c0 + 4 * c4);
+    cp_async16(vs + j * VS + 4 * c4, kv + int64_t(us[j]) * kvw + c0 + 4 * c4);
   }
   cp_async_commit();
-  for (int x = cnt * kPC + tid; x < cntr * kPC; x += NT) vs[x] = 0.0f;  // padding keys: p = 0, v = 0
+  for (int x = tid; x < (cntr - cnt) * kPC; x += NT)  // padding keys: p = 0, v = 0
+    vs[(cnt + x / kPC) * VS + x % kPC] = 0.0f;
   cp_async_wait<1>();
   __syncthreads();
   for (int hh = warp; hh < kPH; hh += NW) {  // warp hh: one head's scores at a time, 8 per lane
     const int h = hg0 + hh;
-    float* prow = ps + hh * kPS;
+    float* prow = ps + hh * PS;
     if (h >= H) {
       for (int j = lane; j < cntr; j += 32) prow[j] = 0.0f;
       continue;
@@ -223,7 +322,8 @@ __global__ void __launch_bounds__(64 * KG) mla_decode_pv_kernel(
 #pragma unroll
     for (int r = 0; r < kPK / 32; ++r) {
       const int j = lane + 32 * r;
-      const float p = j < cnt ? exp2f(sv[r] - m) : 0.0f;
+      float p = j < cnt ? exp2f(sv[r] - m) : 0.0f;
+      if constexpr (TC) p = __bfloat162float(__float2bfloat16_rn(p));
       if (j < cntr) prow[j] = p;
       l += p;
     }
@@ -235,6 +335,29 @@ __global__ void __launch_bounds__(64 * KG) mla_decode_pv_kernel(
   }
   cp_async_wait<0>();
   __syncthreads();
+  if constexpr (TC) {
+    const int g = lane >> 2, q = lane & 3, hm = 16 * (warp >> 2), cn = 8 * (warp & 3);
+    const float* pa = ps + (hm + g) * PS + 2 * q;  // A: p[head][key], rows g and g + 8
+    const float* vb = vs + 2 * q * VS + cn + g;    // B: latent[key][column], column g
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int k0 = 0; k0 < cntr; k0 += 16) {
+      const float2 x0 = *reinterpret_cast<const float2*>(pa + k0);
+      const float2 x1 = *reinterpret_cast<const float2*>(pa + 8 * PS + k0);
+      const float2 x2 = *reinterpret_cast<const float2*>(pa + k0 + 8);
+      const float2 x3 = *reinterpret_cast<const float2*>(pa + 8 * PS + k0 + 8);
+      const float* v = vb + k0 * VS;
+      mma_bf16_16816(d, pack_bf16x2(x0.x, x0.y), pack_bf16x2(x1.x, x1.y), pack_bf16x2(x2.x, x2.y),
+                     pack_bf16x2(x3.x, x3.y), pack_bf16x2(v[0], v[VS]), pack_bf16x2(v[8 * VS], v[9 * VS]));
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {  // d[2r], d[2r + 1]: head hm + g + 8r, columns cn + 2q, + 1
+      const int h = hg0 + hm + g + 8 * r;
+      if (h < H)
+        *reinterpret_cast<float2*>(opart + ((t * H + h) * nks + s) * L + c0 + cn + 2 * q) =
+            make_float2(d[2 * r], d[2 * r + 1]);
+    }
+    return;
+  }
   const int kg = tid >> 6, ht = (tid >> 3) & 7, ct = tid & 7;  // kg < KG
   float acc[8][4];
 #pragma unroll
@@ -244,10 +367,10 @@ __global__ void __launch_bounds__(64 * KG) mla_decode_pv_kernel(
   for (int j = 4 * kg; j < cntr; j += 4 * KG) {
     float4 v[4];
 #pragma unroll
-    for (int jj = 0; jj < 4; ++jj) v[jj] = *reinterpret_cast<const float4*>(vs + (j + jj) * kPC + 4 * ct);
+    for (int jj = 0; jj < 4; ++jj) v[jj] = *reinterpret_cast<const float4*>(vs + (j + jj) * VS + 4 * ct);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      const float4 p = *reinterpret_cast<const float4*>(ps + (ht + 8 * i) * kPS + j);
+      const float4 p = *reinterpret_cast<const float4*>(ps + (ht + 8 * i) * PS + j);
       const float pj[4] = {p.x, p.y, p.z, p.w};
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) {
@@ -665,6 +788,7 @@ bool mla_decode_fast(const DecodeAttnArgs& a, cudaStream_t st) {
   // The tiles' space also holds the 4 column quarters' sums at the end.
   const size_t smem_s = size_t(std::max((kSH + kSK) * P, 8 * kSH * (kSK + 1))) * 4 + kSK * 4;
   const size_t smem_p = size_t(kPH * kPS + kPK * kPC) * 4 + kPK * 4;
+  const size_t smem_ptc = size_t(kPH * (kPK + 8) + kPK * (kPC + 4)) * 4 + kPK * 4;  // the TC form's padded rows
   if (!a.scores || a.max_keys <= 0 || L % kPC != 0 || kvw % 4 != 0 || a.qw % 4 != 0 || a.nope % 4 != 0 ||
       !aligned(a.qlat) || !aligned(a.q) || !aligned(a.kv) || !rows_vectorizable(a.kvb, L) ||
       smem_s > size_t(227) * 1024)
@@ -676,8 +800,10 @@ bool mla_decode_fast(const DecodeAttnArgs& a, cudaStream_t st) {
   if (!configured) {
     VIREO_CUDA_CHECK(cudaFuncSetAttribute(mla_decode_scores_kernel<KQ>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           227 * 1024));
-    VIREO_CUDA_CHECK(
-        cudaFuncSetAttribute(mla_decode_pv_kernel<KG>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_p)));
+    VIREO_CUDA_CHECK(cudaFuncSetAttribute(mla_decode_pv_kernel<KG, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          int(smem_p)));
+    VIREO_CUDA_CHECK(cudaFuncSetAttribute(mla_decode_pv_kernel<KG, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          int(smem_ptc)));
     configured = true;
   }
   const int H = int(a.H), nhg = int((a.H + kPH - 1) / kPH);
@@ -702,12 +828,22 @@ bool mla_decode_fast(const DecodeAttnArgs& a, cudaStream_t st) {
     // blocks of ~150 KB shared memory each (1 per SM).
     constexpr int64_t kScoreTiles = 64;
     const dim3 sgrid(unsigned(std::min(sstride / kSK, kScoreTiles)), unsigned((a.H + kSH - 1) / kSH), unsigned(a.T));
-    launch(mla_decode_scores_kernel<KQ>, sgrid, 64 * KQ, smem_s, st, a.qlat, a.q, H, int(a.qw), int(a.nope), int(L),
-           a.kv, int(kvw), a.pos0, a.pos0_dev, a.sel, a.counts, a.sel_stride, scale2, sstride, a.scores);
+    // The fast modes' scores on the tensor cores (VIREO_TC_DECODE_SCORES=0: the f32 kernel, A/B runs).
+    static const bool tc_scores = env_switch("VIREO_TC_DECODE_SCORES");
+    const size_t smem_stc = size_t((kSH + kSK) * tc_tile_stride(int(kvw)) + kTcRed) * 4 + kSK * 4;
+    if (a.tc && tc_scores && kvw % 16 == 0 && L % 16 == 0 && smem_stc <= size_t(227) * 1024) {
+      allow_dynamic_smem<mla_decode_scores_tc_kernel, 227 * 1024>();
+      launch(mla_decode_scores_tc_kernel, sgrid, 512, smem_stc, st, a.qlat, a.q, H, int(a.qw), int(a.nope), int(L),
+             a.kv, int(kvw), a.pos0, a.pos0_dev, a.sel, a.counts, a.sel_stride, scale2, sstride, a.scores);
+    } else {
+      launch(mla_decode_scores_kernel<KQ>, sgrid, 64 * KQ, smem_s, st, a.qlat, a.q, H, int(a.qw), int(a.nope),
+             int(L), a.kv, int(kvw), a.pos0, a.pos0_dev, a.sel, a.counts, a.sel_stride, scale2, sstride, a.scores);
+    }
     VIREO_CUDA_LAUNCHED();
     const dim3 pgrid(unsigned(L / kPC), unsigned(nks), unsigned(a.T * nhg));
-    launch(mla_decode_pv_kernel<KG>, pgrid, 64 * KG, smem_p, st, a.scores, sstride, H, nhg, int(L), a.kv, int(kvw),
-           a.pos0, a.pos0_dev, a.sel, a.counts, a.sel_stride, nks, a.opart, a.mpart, a.lpart);
+    launch(a.tc ? mla_decode_pv_kernel<KG, true> : mla_decode_pv_kernel<KG, false>, pgrid, 64 * KG,
+           a.tc ? smem_ptc : smem_p, st, a.scores, sstride, H, nhg, int(L), a.kv, int(kvw), a.pos0, a.pos0_dev, a.sel,
+           a.counts, a.sel_stride, nks, a.opart, a.mpart, a.lpart);
     VIREO_CUDA_LAUNCHED();
   }
   static const bool wide_merge = [] {
