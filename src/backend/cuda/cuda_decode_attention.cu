@@ -48,6 +48,41 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// A scores block's tiles (both scores kernels): its kSH heads' query rows (q_lat | q_rope; zeros
+// past H) and its cnt keys' cache rows, row stride P words.
+struct ScoreTiles {
+  float* qs;
+  float* ks;
+  int P;
+  const float* qlat;
+  const float* q;
+  int H, hg0, qw, nope, L;
+  const float* kv;
+  int kvw;
+  const int* us;
+  int cnt;
+  int64_t t;
+};
+// Columns [c4a, c4b) (16-byte units) of both tiles by cp.async, as one group; warp of nw warps.
+// Key rows past cnt stay stale: their scores are never written.
+__device__ __forceinline__ void load_score_tiles(const ScoreTiles& a, int c4a, int c4b, int warp, int nw, int lane) {
+  const int L4 = a.L / 4;
+  for (int r = warp; r < kSH; r += nw) {
+    const int h = a.hg0 + r;
+    for (int c4 = c4a + lane; c4 < c4b; c4 += 32) {
+      float* d = a.qs + r * a.P + 4 * c4;
+      if (h >= a.H) *reinterpret_cast<float4*>(d) = make_float4(0.f, 0.f, 0.f, 0.f);
+      else if (c4 < L4) cp_async16(d, a.qlat + ((a.t * a.H + h) * a.L + 4 * c4));
+      else cp_async16(d, a.q + ((a.t * a.H + h) * a.qw + a.nope + 4 * (c4 - L4)));
+    }
+  }
+  for (int r = warp; r < a.cnt; r += nw) {
+    const float* src = a.kv + int64_t(a.us[r]) * a.kvw;
+    for (int c4 = c4a + lane; c4 < c4b; c4 += 32) cp_async16(a.ks + r * a.P + 4 * c4, src + 4 * c4);
+  }
+  cp_async_commit();
+}
+
 // Row stride of the scores kernel's tiles in words: >= kvw, 16-byte aligned and 4 mod 32, so the
 // 4 (heads) or 8 (keys) distinct rows one warp reads with a 16-byte load sit in distinct banks.
 __host__ __device__ inline int score_tile_stride(int kvw) { return (kvw + 31) / 32 * 32 + 4; }
@@ -80,24 +115,10 @@ __global__ void __launch_bounds__(64 * KQ) mla_decode_scores_kernel(
     __syncthreads();  // the previous tile's reads of shared memory are done
     if (tid < cnt) us[tid] = sel ? sel[t * sel_stride + k0 + tid] : int(k0 + tid);
     __syncthreads();
-    const int C4 = kvw / 4, L4 = L / 4, CA = (C4 / 2) / 4 * 4;  // 16-byte columns; first half
+    const int C4 = kvw / 4, CA = (C4 / 2) / 4 * 4;  // 16-byte columns; first half
     constexpr int NT = 64 * KQ, NW = NT / 32;
-    auto load = [&](int c4a, int c4b) {
-      for (int r = warp; r < kSH; r += NW) {
-        const int h = hg0 + r;
-        for (int c4 = c4a + lane; c4 < c4b; c4 += 32) {
-          float* d = qs + r * P + 4 * c4;
-          if (h >= H) *reinterpret_cast<float4*>(d) = make_float4(0.f, 0.f, 0.f, 0.f);
-          else if (c4 < L4) cp_async16(d, qlat + ((t * H + h) * L + 4 * c4));
-          else cp_async16(d, q + ((t * H + h) * qw + nope + 4 * (c4 - L4)));
-        }
-      }
-      for (int r = warp; r < cnt; r += NW) {  // rows past cnt stay stale: their scores are never written
-        const float* src = kv + int64_t(us[r]) * kvw;
-        for (int c4 = c4a + lane; c4 < c4b; c4 += 32) cp_async16(ks + r * P + 4 * c4, src + 4 * c4);
-      }
-      cp_async_commit();
-    };
+    const ScoreTiles tiles{qs, ks, P, qlat, q, H, hg0, qw, nope, L, kv, kvw, us, cnt, t};
+    auto load = [&](int c4a, int c4b) { load_score_tiles(tiles, c4a, c4b, warp, NW, lane); };
     load(0, CA);
     load(CA, C4);
     const int kq = tid >> 6, ht = (tid >> 3) & 7, kt = tid & 7;
@@ -183,23 +204,9 @@ __global__ void __launch_bounds__(512) mla_decode_scores_tc_kernel(
     __syncthreads();  // the previous tile's reads of shared memory are done
     if (tid < cnt) us[tid] = sel ? sel[t * sel_stride + k0 + tid] : int(k0 + tid);
     __syncthreads();
-    const int C4 = kvw / 4, L4 = L / 4;
-    auto load = [&](int c4a, int c4b) {
-      for (int r = warp; r < kSH; r += 16) {
-        const int h = hg0 + r;
-        for (int c4 = c4a + lane; c4 < c4b; c4 += 32) {
-          float* d = qs + r * P + 4 * c4;
-          if (h >= H) *reinterpret_cast<float4*>(d) = make_float4(0.f, 0.f, 0.f, 0.f);
-          else if (c4 < L4) cp_async16(d, qlat + ((t * H + h) * L + 4 * c4));
-          else cp_async16(d, q + ((t * H + h) * qw + nope + 4 * (c4 - L4)));
-        }
-      }
-      for (int r = warp; r < cnt; r += 16) {  // rows past cnt stay stale: their scores are never written
-        const float* src = kv + int64_t(us[r]) * kvw;
-        for (int c4 = c4a + lane; c4 < c4b; c4 += 32) cp_async16(ks + r * P + 4 * c4, src + 4 * c4);
-      }
-      cp_async_commit();
-    };
+    const int C4 = kvw / 4;
+    const ScoreTiles tiles{qs, ks, P, qlat, q, H, hg0, qw, nope, L, kv, kvw, us, cnt, t};
+    auto load = [&](int c4a, int c4b) { load_score_tiles(tiles, c4a, c4b, warp, 16, lane); };
     load(0, 4 * KA);
     load(4 * KA, C4);
     float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
