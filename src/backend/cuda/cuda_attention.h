@@ -36,7 +36,7 @@ struct DecodeAttnArgs {
   int64_t max_keys = 0;
   float* scores = nullptr;
   bool fast = true;
-  // The fast modes: the long-context p x latent on bf16 tensor cores (p and the latent rounded).
+  // The fast modes: the long-context scores on bf16 tensor cores (q and the cache rows rounded).
   bool tc = false;
 };
 // Splits of the decode kernels for a key list of at most `max_keys` (sizes the partials: every
