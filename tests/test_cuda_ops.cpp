@@ -1533,14 +1533,15 @@ TEST(CudaOps, DecodeAttentionFastModesOnTensorCores) {
           err[m] = nmse(p.g.down(g.out, c.want.size()), c.want);
         }
         cuda_set_gemm_mode(*p.gpu, CudaGemmMode::Split);
-        const std::string what = "H " + std::to_string(H) + " T " + std::to_string(T) + (dev_pos ? " run-time" : " host");
+        const std::string what =
+            "H " + std::to_string(H) + " T " + std::to_string(T) + (dev_pos ? " run-time" : " host");
         EXPECT_LT(err[0], 1e-10) << what << " exact";
         for (int m = 1; m < 3; ++m) {
           EXPECT_LT(err[m], 1e-4) << what << " fast mode " << m;
           EXPECT_GT(err[m], 100 * err[0]) << what << " fast mode " << m << ": not rounded (the f32 kernels ran?)";
         }
-        std::printf("  decode attention %-16s NMSE exact %.3g, fast %.3g, fast-fp8 %.3g\n", what.c_str(), err[0], err[1],
-                    err[2]);
+        std::printf("  decode attention %-16s NMSE exact %.3g, fast %.3g, fast-fp8 %.3g\n", what.c_str(), err[0],
+                    err[1], err[2]);
       }
     }
   }

@@ -614,9 +614,10 @@ __global__ void indexer_score_kernel(const float* __restrict__ q, const float* _
 // vectors for kV4H x 32 dot products, against 2 scalar loads per product before. 16 warps of 2
 // heads rather than 8 of 4: a block per SM (4096 keys: 128 blocks), so the warps, not the blocks,
 // hide the load and dependent-add latency (8 warps of 4 heads: 7.9 cycles between a warp's
-// instructions, 12.7 us at 4096 keys; 16 of 2: 10.1 us; 32 of 1, 1024 threads: the same as 16 of 2,
-// 12.97 against 12.94 us for indexer_select in CudaBench and even end to end, session 38). Needs d % 4 == 0. The grid covers only the rows that select (t >= t_first: more
-// causal keys than topk); key blocks past a row's causal keys exit at once.
+// instructions, 12.7 us at 4096 keys; 16 of 2: 10.1 us; 32 of 1, 1024 threads: the same as 16 of
+// 2, 12.97 against 12.94 us for indexer_select in CudaBench and even end to end, session 38).
+// Needs d % 4 == 0. The grid covers only the rows that select (t >= t_first: more causal keys
+// than topk); key blocks past a row's causal keys exit at once.
 constexpr int kV4H = 2, kV4Threads = 512;
 __global__ void __launch_bounds__(kV4Threads)
     indexer_score_v4_kernel(const float* __restrict__ q, const float* __restrict__ wts, const float* __restrict__ keys,

@@ -181,18 +181,19 @@ __global__ void __launch_bounds__(64 * KQ) mla_decode_scores_kernel(
 __host__ __device__ inline int tc_tile_stride(int kvw) { return (kvw + 31) / 32 * 32 + 8; }
 constexpr int kTcRed = 8 * 32 * 4;  // the second k-half's 8 warps' tiles, 4 floats a lane
 
-__global__ void __launch_bounds__(512) mla_decode_scores_tc_kernel(
-    const float* __restrict__ qlat, const float* __restrict__ q, int H, int qw, int nope, int L,
-    const float* __restrict__ kv, int kvw, int64_t pos0, const int32_t* __restrict__ pos0_dev,
-    const int32_t* __restrict__ sel, const int32_t* __restrict__ counts, int64_t sel_stride, float scale,
-    int64_t sstride, float* __restrict__ scores) {
+__global__ void __launch_bounds__(512)
+    mla_decode_scores_tc_kernel(const float* __restrict__ qlat, const float* __restrict__ q, int H, int qw, int nope,
+                                int L, const float* __restrict__ kv, int kvw, int64_t pos0,
+                                const int32_t* __restrict__ pos0_dev, const int32_t* __restrict__ sel,
+                                const int32_t* __restrict__ counts, int64_t sel_stride, float scale, int64_t sstride,
+                                float* __restrict__ scores) {
   pdl_begin();
   extern __shared__ __align__(16) float sm[];
   const int P = tc_tile_stride(kvw);
-  float* qs = sm;                                     // [kSH][P]: q_lat | q_rope
-  float* ks = qs + kSH * P;                           // [kSK][P]: the keys' cache rows
-  float* red = ks + kSK * P;                          // [8][32][4]
-  int* us = reinterpret_cast<int*>(red + kTcRed);     // [kSK]
+  float* qs = sm;                                  // [kSH][P]: q_lat | q_rope
+  float* ks = qs + kSH * P;                        // [kSK][P]: the keys' cache rows
+  float* red = ks + kSK * P;                       // [8][32][4]
+  int* us = reinterpret_cast<int*>(red + kTcRed);  // [kSK]
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   const int mt = warp & 1, nt = (warp >> 1) & 3, kh = warp >> 3, g = lane >> 2, qq = lane & 3;
   const int64_t t = blockIdx.z;
@@ -216,7 +217,8 @@ __global__ void __launch_bounds__(512) mla_decode_scores_tc_kernel(
     auto run = [&](int ka, int kb) {
       for (int k = ka; k < kb; ++k) {
         const int c = 16 * k;
-        const float2 a0 = *reinterpret_cast<const float2*>(pa + c), a1 = *reinterpret_cast<const float2*>(pa + 8 * P + c);
+        const float2 a0 = *reinterpret_cast<const float2*>(pa + c),
+                     a1 = *reinterpret_cast<const float2*>(pa + 8 * P + c);
         const float2 a2 = *reinterpret_cast<const float2*>(pa + c + 8);
         const float2 a3 = *reinterpret_cast<const float2*>(pa + 8 * P + c + 8);
         const float2 b0 = *reinterpret_cast<const float2*>(pb + c), b1 = *reinterpret_cast<const float2*>(pb + c + 8);
@@ -807,8 +809,8 @@ bool mla_decode_fast(const DecodeAttnArgs& a, cudaStream_t st) {
       launch(mla_decode_scores_tc_kernel, sgrid, 512, smem_stc, st, a.qlat, a.q, H, int(a.qw), int(a.nope), int(L),
              a.kv, int(kvw), a.pos0, a.pos0_dev, a.sel, a.counts, a.sel_stride, scale2, sstride, a.scores);
     } else {
-      launch(mla_decode_scores_kernel<KQ>, sgrid, 64 * KQ, smem_s, st, a.qlat, a.q, H, int(a.qw), int(a.nope),
-             int(L), a.kv, int(kvw), a.pos0, a.pos0_dev, a.sel, a.counts, a.sel_stride, scale2, sstride, a.scores);
+      launch(mla_decode_scores_kernel<KQ>, sgrid, 64 * KQ, smem_s, st, a.qlat, a.q, H, int(a.qw), int(a.nope), int(L),
+             a.kv, int(kvw), a.pos0, a.pos0_dev, a.sel, a.counts, a.sel_stride, scale2, sstride, a.scores);
     }
     VIREO_CUDA_LAUNCHED();
     const dim3 pgrid(unsigned(L / kPC), unsigned(nks), unsigned(a.T * nhg));
