@@ -82,7 +82,8 @@ uint64_t cuda_weight_bytes(Backend& cuda);
 // inference does, where cuBLASLt takes the shape: x quantized per (token, 128 columns), an FP8 x
 // FP8 block-scaled GEMM (~2^-4 relative per element of x, output NMSE ~5e-4; cuda_fp8_gemm.h);
 // and in decode products of 2..8 rows on FP8 weights (cuda_q8_gemv.h). One-row products and the
-// decode experts keep f32 math.
+// decode experts keep f32 math. Both fast modes also run the absorbed decode attention's scores
+// over more than 256 keys on bf16 tensor cores (cuda_decode_attention.cu).
 // Simt: f32 CUDA-core tiles for GEMMs and attention (exact f32 math, slow).
 enum class CudaGemmMode { Split, Bf16, Fp8, Simt };
 void cuda_set_gemm_mode(Backend& cuda, CudaGemmMode mode);
