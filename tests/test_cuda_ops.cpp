@@ -159,7 +159,9 @@ TEST(CudaOps, MatmulBf16FastDecodeOnLt) {
       const double e = nmse(p.g.down(gy, want.size()), want);
       EXPECT_LT(e, c.tol) << "T " << T << " rows " << c.rows << c.path;
       EXPECT_NE(report.find(c.path), std::string::npos) << "T " << T << " rows " << c.rows << "\n" << report;
-      if (c.tol > 1e-10) EXPECT_GT(e, 1e-12) << "T " << T << ": x not rounded to bf16?";
+      if (c.tol > 1e-10) {
+        EXPECT_GT(e, 1e-12) << "T " << T << ": x not rounded to bf16?";
+      }
     }
   }
   cuda_set_bf16_lt_decode_rows(*p.gpu, 0);

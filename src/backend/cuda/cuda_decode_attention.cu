@@ -179,9 +179,10 @@ __global__ void __launch_bounds__(64 * KQ) mla_decode_scores_kernel(
 // of the tiles lands, the second after; the halves' sums meet in shared memory in that order.
 // Tile rows are padded to 8 mod 32 words, so the fragments' 8-byte loads hit distinct banks.
 __host__ __device__ inline int tc_tile_stride(int kvw) { return (kvw + 31) / 32 * 32 + 8; }
-constexpr int kTcRed = 8 * 32 * 4;  // the second k-half's 8 warps' tiles, 4 floats a lane
+constexpr int kTcWarps = 16;                    // 2 head tiles x 4 key tiles x 2 k-halves
+constexpr int kTcRed = kTcWarps / 2 * 32 * 4;  // the second k-half's warps' tiles, 4 floats a lane
 
-__global__ void __launch_bounds__(512)
+__global__ void __launch_bounds__(kTcWarps * 32)
     mla_decode_scores_tc_kernel(const float* __restrict__ qlat, const float* __restrict__ q, int H, int qw, int nope,
                                 int L, const float* __restrict__ kv, int kvw, int64_t pos0,
                                 const int32_t* __restrict__ pos0_dev, const int32_t* __restrict__ sel,
@@ -206,19 +207,17 @@ __global__ void __launch_bounds__(512)
     __syncthreads();  // the previous tile's reads of shared memory are done
     if (tid < cnt) us[tid] = sel ? sel[t * sel_stride + k0 + tid] : int(k0 + tid);
     __syncthreads();
-    const int C4 = kvw / 4;
     const ScoreTiles tiles{qs, ks, P, qlat, q, H, hg0, qw, nope, L, kv, kvw, us, cnt, t};
-    auto load = [&](int c4a, int c4b) { load_score_tiles(tiles, c4a, c4b, warp, 16, lane); };
-    load(0, 4 * KA);
-    load(4 * KA, C4);
+    load_score_tiles(tiles, 0, 4 * KA, warp, kTcWarps, lane);  // 16-byte columns of the first k-half
+    load_score_tiles(tiles, 4 * KA, kvw / 4, warp, kTcWarps, lane);
     float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     const float* pa = qs + (16 * mt + g) * P + 2 * qq;  // A: q[head][dim], rows g and g + 8
     const float* pb = ks + (8 * nt + g) * P + 2 * qq;   // B: row[key][dim], column (key) g
     auto run = [&](int ka, int kb) {
       for (int k = ka; k < kb; ++k) {
         const int c = 16 * k;
-        const float2 a0 = *reinterpret_cast<const float2*>(pa + c),
-                     a1 = *reinterpret_cast<const float2*>(pa + 8 * P + c);
+        const float2 a0 = *reinterpret_cast<const float2*>(pa + c);
+        const float2 a1 = *reinterpret_cast<const float2*>(pa + 8 * P + c);
         const float2 a2 = *reinterpret_cast<const float2*>(pa + c + 8);
         const float2 a3 = *reinterpret_cast<const float2*>(pa + 8 * P + c + 8);
         const float2 b0 = *reinterpret_cast<const float2*>(pb + c), b1 = *reinterpret_cast<const float2*>(pb + c + 8);
@@ -233,7 +232,7 @@ __global__ void __launch_bounds__(512)
     __syncthreads();
     if (kh == 1) {
       run(KA, KS);
-      *reinterpret_cast<float4*>(red + ((warp - 8) * 32 + lane) * 4) = make_float4(d[0], d[1], d[2], d[3]);
+      *reinterpret_cast<float4*>(red + ((warp - kTcWarps / 2) * 32 + lane) * 4) = make_float4(d[0], d[1], d[2], d[3]);
     }
     __syncthreads();
     if (kh == 0) {
@@ -806,7 +805,7 @@ bool mla_decode_fast(const DecodeAttnArgs& a, cudaStream_t st) {
     const size_t smem_stc = size_t((kSH + kSK) * tc_tile_stride(int(kvw)) + kTcRed) * 4 + kSK * 4;
     if (a.tc && kvw % 16 == 0 && smem_stc <= size_t(227) * 1024) {
       allow_dynamic_smem<mla_decode_scores_tc_kernel, 227 * 1024>();
-      launch(mla_decode_scores_tc_kernel, sgrid, 512, smem_stc, st, a.qlat, a.q, H, int(a.qw), int(a.nope), int(L),
+      launch(mla_decode_scores_tc_kernel, sgrid, kTcWarps * 32, smem_stc, st, a.qlat, a.q, H, int(a.qw), int(a.nope), int(L),
              a.kv, int(kvw), a.pos0, a.pos0_dev, a.sel, a.counts, a.sel_stride, scale2, sstride, a.scores);
     } else {
       launch(mla_decode_scores_kernel<KQ>, sgrid, 64 * KQ, smem_s, st, a.qlat, a.q, H, int(a.qw), int(a.nope), int(L),
