@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(64 * KQ) mla_decode_scores_kernel(
 // of the tiles lands, the second after; the halves' sums meet in shared memory in that order.
 // Tile rows are padded to 8 mod 32 words, so the fragments' 8-byte loads hit distinct banks.
 __host__ __device__ inline int tc_tile_stride(int kvw) { return (kvw + 31) / 32 * 32 + 8; }
-constexpr int kTcWarps = 16;                    // 2 head tiles x 4 key tiles x 2 k-halves
+constexpr int kTcWarps = 16;                   // 2 head tiles x 4 key tiles x 2 k-halves
 constexpr int kTcRed = kTcWarps / 2 * 32 * 4;  // the second k-half's warps' tiles, 4 floats a lane
 
 __global__ void __launch_bounds__(kTcWarps * 32)
@@ -805,8 +805,8 @@ bool mla_decode_fast(const DecodeAttnArgs& a, cudaStream_t st) {
     const size_t smem_stc = size_t((kSH + kSK) * tc_tile_stride(int(kvw)) + kTcRed) * 4 + kSK * 4;
     if (a.tc && kvw % 16 == 0 && smem_stc <= size_t(227) * 1024) {
       allow_dynamic_smem<mla_decode_scores_tc_kernel, 227 * 1024>();
-      launch(mla_decode_scores_tc_kernel, sgrid, kTcWarps * 32, smem_stc, st, a.qlat, a.q, H, int(a.qw), int(a.nope), int(L),
-             a.kv, int(kvw), a.pos0, a.pos0_dev, a.sel, a.counts, a.sel_stride, scale2, sstride, a.scores);
+      launch(mla_decode_scores_tc_kernel, sgrid, kTcWarps * 32, smem_stc, st, a.qlat, a.q, H, int(a.qw), int(a.nope),
+             int(L), a.kv, int(kvw), a.pos0, a.pos0_dev, a.sel, a.counts, a.sel_stride, scale2, sstride, a.scores);
     } else {
       launch(mla_decode_scores_kernel<KQ>, sgrid, 64 * KQ, smem_s, st, a.qlat, a.q, H, int(a.qw), int(a.nope), int(L),
              a.kv, int(kvw), a.pos0, a.pos0_dev, a.sel, a.counts, a.sel_stride, scale2, sstride, a.scores);
