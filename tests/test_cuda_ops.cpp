@@ -1737,7 +1737,10 @@ TEST(CudaOps, IndexerFastMathDiffersOnlyAtNearTies) {
   Pair p;
   cuda_set_gemm_mode(*p.gpu, CudaGemmMode::Bf16);
   struct Shape { int64_t nI, d, T, N, topk; };
-  for (const Shape& sh : {Shape{32, 128, 700, 700, 256}, Shape{4, 32, 300, 1000, 64}, Shape{32, 128, 4, 900, 256}}) {
+  // Prefill rows (indexer_scores_bf16) and decode rows (indexer_scores_decode_tc, also under run-time
+  // positions as a recorded step gives them: the same bits as host positions).
+  for (const Shape& sh : {Shape{32, 128, 700, 700, 256}, Shape{4, 32, 300, 1000, 64}, Shape{32, 128, 4, 900, 256},
+                          Shape{32, 128, 1, 4096, 2048}, Shape{20, 48, 3, 333, 64}}) {
     const int64_t pos0 = sh.N - sh.T;
     auto q = randv(size_t(sh.T * sh.nI * sh.d), uint32_t(51 + sh.d)), w = randv(size_t(sh.T * sh.nI), 52, 0.5f);
     auto keys = randv(size_t(sh.N * sh.d), 53);
@@ -1750,8 +1753,14 @@ TEST(CudaOps, IndexerFastMathDiffersOnlyAtNearTies) {
     const Selection got = gpu_select(p, g);
     const std::string what = "nI " + std::to_string(sh.nI) + " T " + std::to_string(sh.T);
     if (sh.T <= 8) {
-      expect_same_selection(want, got, sh.topk, what + " (decode rows: exact kernel)");
-      continue;
+      IndexerArgs r = g;  // the recorded step's form: bounds on the host, the position on the device
+      r.pos0_dev = p.g.up_i({int32_t(pos0)});
+      r.n_keys = sh.N + 64;
+      r.pos0 = r.n_keys - sh.T;
+      std::vector<float> kpad(keys);
+      kpad.resize(size_t(r.n_keys * sh.d), 1e3f);  // keys past the causal ones: never scored
+      r.keys = p.g.up(kpad);
+      expect_same_selection(got, gpu_select(p, r), sh.topk, what + " run-time positions");
     }
     ASSERT_EQ(got.counts, want.counts) << what;
     int64_t swaps = 0, selected = 0;

@@ -36,7 +36,8 @@ struct DecodeAttnArgs {
   int64_t max_keys = 0;
   float* scores = nullptr;
   bool fast = true;
-  // The fast modes: the long-context scores on bf16 tensor cores (q and the cache rows rounded).
+  // The fast modes: the long-context scores and p x latent on bf16 tensor cores (q, the cache rows
+  // and p rounded).
   bool tc = false;
 };
 // Splits of the decode kernels for a key list of at most `max_keys` (sizes the partials: every
@@ -99,6 +100,12 @@ void indexer_scores(const float* q, const float* wts, const float* keys, int64_t
 bool indexer_scores_bf16(const float* q, const float* wts, const float* keys, int64_t T, int64_t nI, int64_t d,
                          int64_t n_keys, int64_t pos0, int64_t topk, float scale, float wscale, float* scores,
                          cudaStream_t st);
+// --math fast decode (cuda_indexer_fast.cu): the same rounding as indexer_scores_bf16 for a few rows
+// under run-time or host positions, shaped for latency. False (nothing launched) for shapes it does not
+// take (d a multiple of 16 up to 128, at most 64 heads).
+bool indexer_scores_decode_tc(const float* q, const float* wts, const float* keys, int64_t T, int64_t nI, int64_t d,
+                              int64_t n_keys, int64_t pos0, const int32_t* pos0_dev, int64_t topk, float scale,
+                              float wscale, float* scores, cudaStream_t st);
 // fast: the register-resident 1024-thread kernel where every row fits it (n_keys <= 16384).
 void indexer_topk(const float* scores, int64_t T, int64_t n_keys, int64_t pos0, const int32_t* pos0_dev, int64_t topk,
                   int32_t* selected, int32_t* counts, cudaStream_t st, bool fast = true);

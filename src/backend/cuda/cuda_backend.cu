@@ -1024,7 +1024,13 @@ class CudaBackend final : public Backend {
       const bool bf16 = fast_math() && a.T > kGemvRows && !a.pos0_dev &&
                         indexer_scores_bf16(a.q, a.weights, a.keys, a.T, a.n_heads, a.head_dim, a.n_keys, a.pos0,
                                             a.topk, a.scale, a.weight_scale, scores, stream_);
-      if (!bf16)
+      // Decode rows in the fast modes: the same rounding on tensor cores, shaped for latency
+      // (VIREO_TC_DECODE_INDEXER=0: the exact kernel, A/B runs).
+      static const bool tc_decode = env_switch("VIREO_TC_DECODE_INDEXER");
+      const bool tc = !bf16 && fast_math() && tc_decode &&
+                      indexer_scores_decode_tc(a.q, a.weights, a.keys, a.T, a.n_heads, a.head_dim, a.n_keys, a.pos0,
+                                               a.pos0_dev, a.topk, a.scale, a.weight_scale, scores, stream_);
+      if (!bf16 && !tc)
         indexer_scores(a.q, a.weights, a.keys, a.T, a.n_heads, a.head_dim, a.n_keys, a.pos0, a.pos0_dev, a.topk,
                        a.scale, a.weight_scale, scores, stream_, fast_scores_);
     }

@@ -254,18 +254,22 @@ __global__ void __launch_bounds__(kTcWarps * 32)
 // the split's 256 x 32 slice of the latent rows (cp.async, landing while the scores are
 // exponentiated), then o[h, c] = sum_j p[h, j] v[j, c] with thread tile 8 heads (ht + 8i) x 4
 // columns over every KG-th 4-key step (kg = tid / 64), the KG key groups summed through shared
-// memory. Column slice 0 also writes each head's (m, l) for the merge.
-template <int KG>
+// memory. Column slice 0 also writes each head's (m, l) for the merge. TC (the fast modes): p
+// rounded to bf16 as it is stored, the product on mma.sync m16n8k16 (16 warps, a 16 heads x 8
+// columns tile each, the latent rounded at the fragment loads), rows padded to 8 and 4 mod 32 words.
+template <int KG, bool TC>
 __global__ void __launch_bounds__(64 * KG) mla_decode_pv_kernel(
     const float* __restrict__ scores, int64_t sstride, int H, int nhg, int L, const float* __restrict__ kv, int kvw,
     int64_t pos0, const int32_t* __restrict__ pos0_dev, const int32_t* __restrict__ sel,
     const int32_t* __restrict__ counts, int64_t sel_stride, int nks, float* __restrict__ opart,
     float* __restrict__ mpart, float* __restrict__ lpart) {
   pdl_begin();
+  constexpr int PS = TC ? kPK + 8 : kPS, VS = TC ? kPC + 4 : kPC;  // row strides (words)
+  static_assert(!TC || (KG == 8 && kPH == 64 && kPC == 32), "16 warps of 16 x 8 tiles");
   extern __shared__ __align__(16) float sm[];
-  float* ps = sm;                                   // [kPH][kPS]
-  float* vs = ps + kPH * kPS;                       // [kPK][kPC]
-  int* us = reinterpret_cast<int*>(vs + kPK * kPC);  // [kPK]
+  float* ps = sm;                                  // [kPH][PS]
+  float* vs = ps + kPH * PS;                       // [kPK][VS]
+  int* us = reinterpret_cast<int*>(vs + kPK * VS);  // [kPK]
   constexpr int NT = 64 * KG, NW = NT / 32;
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   const int64_t t = blockIdx.z / nhg;
@@ -290,21 +294,22 @@ __global__ void __launch_bounds__(64 * KG) mla_decode_pv_kernel(
   const int c4n = (cnt + 3) / 4;
   for (int x = tid; x < kPH * c4n; x += NT) {
     const int hh = x / c4n, c4 = x % c4n;
-    if (hg0 + hh < H) cp_async16(ps + hh * kPS + 4 * c4, scores + (t * H + hg0 + hh) * sstride + i0 + 4 * c4);
+    if (hg0 + hh < H) cp_async16(ps + hh * PS + 4 * c4, scores + (t * H + hg0 + hh) * sstride + i0 + 4 * c4);
   }
   cp_async_commit();
   __syncthreads();  // us
   for (int x = tid; x < cnt * (kPC / 4); x += NT) {
     const int j = x / (kPC / 4), c4 = x % (kPC / 4);
-    cp_async16(vs + j * kPC + 4 * c4, kv + int64_t(us[j]) * kvw + c0 + 4 * c4);
+    cp_async16(vs + j * VS + 4 * c4, kv + int64_t(us[j]) * kvw + c0 + 4 * c4);
   }
   cp_async_commit();
-  for (int x = cnt * kPC + tid; x < cntr * kPC; x += NT) vs[x] = 0.0f;  // padding keys: p = 0, v = 0
+  for (int x = tid; x < (cntr - cnt) * kPC; x += NT)  // padding keys: p = 0, v = 0
+    vs[(cnt + x / kPC) * VS + x % kPC] = 0.0f;
   cp_async_wait<1>();
   __syncthreads();
   for (int hh = warp; hh < kPH; hh += NW) {  // warp hh: one head's scores at a time, 8 per lane
     const int h = hg0 + hh;
-    float* prow = ps + hh * kPS;
+    float* prow = ps + hh * PS;
     if (h >= H) {
       for (int j = lane; j < cntr; j += 32) prow[j] = 0.0f;
       continue;
@@ -322,7 +327,8 @@ __global__ void __launch_bounds__(64 * KG) mla_decode_pv_kernel(
 #pragma unroll
     for (int r = 0; r < kPK / 32; ++r) {
       const int j = lane + 32 * r;
-      const float p = j < cnt ? exp2f(sv[r] - m) : 0.0f;
+      float p = j < cnt ? exp2f(sv[r] - m) : 0.0f;
+      if constexpr (TC) p = __bfloat162float(__float2bfloat16_rn(p));
       if (j < cntr) prow[j] = p;
       l += p;
     }
@@ -334,6 +340,29 @@ __global__ void __launch_bounds__(64 * KG) mla_decode_pv_kernel(
   }
   cp_async_wait<0>();
   __syncthreads();
+  if constexpr (TC) {
+    const int g = lane >> 2, q = lane & 3, hm = 16 * (warp >> 2), cn = 8 * (warp & 3);
+    const float* pa = ps + (hm + g) * PS + 2 * q;  // A: p[head][key], rows g and g + 8
+    const float* vb = vs + 2 * q * VS + cn + g;    // B: latent[key][column], column g
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int k0 = 0; k0 < cntr; k0 += 16) {
+      const float2 x0 = *reinterpret_cast<const float2*>(pa + k0);
+      const float2 x1 = *reinterpret_cast<const float2*>(pa + 8 * PS + k0);
+      const float2 x2 = *reinterpret_cast<const float2*>(pa + k0 + 8);
+      const float2 x3 = *reinterpret_cast<const float2*>(pa + 8 * PS + k0 + 8);
+      const float* v = vb + k0 * VS;
+      mma_bf16_16816(d, pack_bf16x2(x0.x, x0.y), pack_bf16x2(x1.x, x1.y), pack_bf16x2(x2.x, x2.y),
+                     pack_bf16x2(x3.x, x3.y), pack_bf16x2(v[0], v[VS]), pack_bf16x2(v[8 * VS], v[9 * VS]));
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {  // d[2r], d[2r + 1]: head hm + g + 8r, columns cn + 2q, + 1
+      const int h = hg0 + hm + g + 8 * r;
+      if (h < H)
+        *reinterpret_cast<float2*>(opart + ((t * H + h) * nks + s) * L + c0 + cn + 2 * q) =
+            make_float2(d[2 * r], d[2 * r + 1]);
+    }
+    return;
+  }
   const int kg = tid >> 6, ht = (tid >> 3) & 7, ct = tid & 7;  // kg < KG
   float acc[8][4];
 #pragma unroll
@@ -343,10 +372,10 @@ __global__ void __launch_bounds__(64 * KG) mla_decode_pv_kernel(
   for (int j = 4 * kg; j < cntr; j += 4 * KG) {
     float4 v[4];
 #pragma unroll
-    for (int jj = 0; jj < 4; ++jj) v[jj] = *reinterpret_cast<const float4*>(vs + (j + jj) * kPC + 4 * ct);
+    for (int jj = 0; jj < 4; ++jj) v[jj] = *reinterpret_cast<const float4*>(vs + (j + jj) * VS + 4 * ct);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      const float4 p = *reinterpret_cast<const float4*>(ps + (ht + 8 * i) * kPS + j);
+      const float4 p = *reinterpret_cast<const float4*>(ps + (ht + 8 * i) * PS + j);
       const float pj[4] = {p.x, p.y, p.z, p.w};
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) {
@@ -655,16 +684,14 @@ __global__ void __launch_bounds__(1024)
   for (int pass = 0; pass < 4; ++pass) {
     const int shift = 24 - 8 * pass;
     unsigned* cur = hist[pass & 1];
-    // Keys agree on their top bits, so most land in a few bins: lanes with the same bin combine
-    // their counts first (one shared-memory atomic per distinct bin per warp and register slot).
+    // One shared-memory atomic per candidate key. Lanes of a warp combining their counts first
+    // (__match_any_sync, one atomic per distinct bin) measured slower: 9.0 us for the kernel at
+    // 4096 keys (ncu), and -0.9 points of fp8 decode at 4096 cached against this (H200, session 39).
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       if (r >= re || warp * 32 * re + r >= n) break;  // this warp's lowest key in slot r: past the row
       const bool in = u0 + r < n && (key[r] & pmask) == prefix;
-      if (__ballot_sync(0xffffffffu, in) == 0u) continue;  // later passes: most warps hold no candidate
-      const int bin = in ? int((key[r] >> shift) & 255u) : -1;
-      const unsigned same = __match_any_sync(0xffffffffu, bin);
-      if (in && lane == __ffs(same) - 1) atomicAdd(&cur[bin], unsigned(__popc(same)));
+      if (in) atomicAdd(&cur[(key[r] >> shift) & 255u], 1u);
     }
     if (tid < 256) hist[(pass + 1) & 1][tid] = 0;  // last read by the previous pass's scan
     __syncthreads();
@@ -764,6 +791,8 @@ bool mla_decode_fast(const DecodeAttnArgs& a, cudaStream_t st) {
   // The tiles' space also holds the 4 column quarters' sums at the end.
   const size_t smem_s = size_t(std::max((kSH + kSK) * P, 8 * kSH * (kSK + 1))) * 4 + kSK * 4;
   const size_t smem_p = size_t(kPH * kPS + kPK * kPC) * 4 + kPK * 4;
+  // The tensor-core form's padded rows, and at least 120 KB: one block an SM (see its launch).
+  const size_t smem_ptc = std::max<size_t>(size_t(kPH * (kPK + 8) + kPK * (kPC + 4)) * 4 + kPK * 4, 120 * 1024);
   if (!a.scores || a.max_keys <= 0 || L % kPC != 0 || kvw % 4 != 0 || a.qw % 4 != 0 || a.nope % 4 != 0 ||
       !aligned(a.qlat) || !aligned(a.q) || !aligned(a.kv) || !rows_vectorizable(a.kvb, L) ||
       smem_s > size_t(227) * 1024)
@@ -775,8 +804,10 @@ bool mla_decode_fast(const DecodeAttnArgs& a, cudaStream_t st) {
   if (!configured) {
     VIREO_CUDA_CHECK(cudaFuncSetAttribute(mla_decode_scores_kernel<KQ>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           227 * 1024));
-    VIREO_CUDA_CHECK(
-        cudaFuncSetAttribute(mla_decode_pv_kernel<KG>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_p)));
+    VIREO_CUDA_CHECK(cudaFuncSetAttribute(mla_decode_pv_kernel<KG, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          int(smem_p)));
+    VIREO_CUDA_CHECK(cudaFuncSetAttribute(mla_decode_pv_kernel<KG, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          int(smem_ptc)));
     configured = true;
   }
   const int H = int(a.H), nhg = int((a.H + kPH - 1) / kPH);
@@ -813,8 +844,16 @@ bool mla_decode_fast(const DecodeAttnArgs& a, cudaStream_t st) {
     }
     VIREO_CUDA_LAUNCHED();
     const dim3 pgrid(unsigned(L / kPC), unsigned(nks), unsigned(a.T * nhg));
-    launch(mla_decode_pv_kernel<KG>, pgrid, 64 * KG, smem_p, st, a.scores, sstride, H, nhg, int(L), a.kv, int(kvw),
-           a.pos0, a.pos0_dev, a.sel, a.counts, a.sel_stride, nks, a.opart, a.mpart, a.lpart);
+    // The fast modes' p x latent on the tensor cores too. Its form takes 54 registers a thread
+    // (the f32 form 70), so two of its blocks would fit an SM and the scheduler packed them: 10.8 ->
+    // 12.9 us a layer (session 38). Asking for more than half the SM's shared memory holds it to one
+    // block an SM: +0.9 points of fp8 decode at 4096 cached over the f32 form (session 39).
+    if (a.tc)
+      launch(mla_decode_pv_kernel<KG, true>, pgrid, 64 * KG, smem_ptc, st, a.scores, sstride, H, nhg, int(L), a.kv,
+             int(kvw), a.pos0, a.pos0_dev, a.sel, a.counts, a.sel_stride, nks, a.opart, a.mpart, a.lpart);
+    else
+      launch(mla_decode_pv_kernel<KG, false>, pgrid, 64 * KG, smem_p, st, a.scores, sstride, H, nhg, int(L), a.kv,
+             int(kvw), a.pos0, a.pos0_dev, a.sel, a.counts, a.sel_stride, nks, a.opart, a.mpart, a.lpart);
     VIREO_CUDA_LAUNCHED();
   }
   static const bool wide_merge = [] {
