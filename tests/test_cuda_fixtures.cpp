@@ -83,13 +83,14 @@ TEST_P(CudaFixture, LogitsAndGreedyMatchTransformers) {
 #endif
 }
 
-// --math fast: prefill products, prefill attention and the indexer's scores round their operands
-// once to bf16; decode steps are unchanged. A rounding can
+// --math fast: prefill products, prefill attention and the indexer's scores (in decode steps too)
+// round their operands once to bf16; decode steps' products are unchanged. A rounding can
 // flip a DSA selection at a near-tie, and in these tiny random models (top-k 8-16 of 48 keys)
 // one flipped key changes a row's logits wholesale, so the stated tolerance, relative L2 2e-2
 // against transformers, is checked on the rows whose selection is every causal key (t < top-k;
 // every row without an indexer). The trained demo model's tokens are checked in
-// test_demo_model.cpp. Decode logits stay at the exact bound.
+// test_demo_model.cpp. Decode logits of those rows stay at the exact bound (no indexer there, and
+// attention over at most 256 keys keeps its f32 kernel).
 TEST_P(CudaFixture, FastMathWithinStatedTolerance) {
   REQUIRE_CUDA();
 #ifdef VIREO_HAVE_CUDA
@@ -106,9 +107,10 @@ TEST_P(CudaFixture, FastMathWithinStatedTolerance) {
   auto prefill = run_logits(*m, *be, ids, false);
   auto decode = run_logits(*m, *be, ids, true);
   const double e_prefill = max_row_rel_l2(prefill.data(), logits.data.data(), rows, V);
-  const double e_decode = max_row_rel_l2(decode.data(), logits.data.data(), T, V);
-  std::printf("  %-20s fast math: prefill rel L2 %.2e (first %lld rows)  decode rel L2 %.2e\n", GetParam().c_str(),
-              e_prefill, (long long)rows, e_decode);
+  const double e_decode = max_row_rel_l2(decode.data(), logits.data.data(), rows, V);
+  for (float v : decode) ASSERT_TRUE(std::isfinite(v));
+  std::printf("  %-20s fast math: prefill rel L2 %.2e  decode rel L2 %.2e (first %lld rows)\n", GetParam().c_str(),
+              e_prefill, e_decode, (long long)rows);
   EXPECT_LE(e_prefill, 2e-2);
   // --math fast-fp8 quantizes activations to e4m3 (~2^-4 per element) on FP8 weights, which
   // flips this random model's top-2-of-8 expert routing at near-ties as readily as a DSA

@@ -15,8 +15,6 @@
 // round-to-nearest multiply and add in its order), then an exact top-k per row by radix select
 // on (score, -position) keys, so ties go to the lower position, written in ascending order (rows
 // of up to 16384 keys take the register-resident top-k of cuda_decode_attention.cu instead).
-#include <type_traits>
-
 #include "backend/cuda/cuda_attention.h"
 #include "backend/cuda/cuda_internal.h"
 
@@ -48,23 +46,21 @@ __global__ void absorb_q_kernel(const float* __restrict__ q, int64_t H, int64_t 
 }
 
 // q_lat[t, h, c] = sum_i q[t, h, i] W_UK(h)[i, c] with 16-byte weight loads: lane l of warp w owns
-// the N columns c0 + (l % (32 / RW)) N .. of this block and rows i = RW w + l / (32 / RW), + RW kAqW,
-// ..; the RW kAqW row groups' partial sums are added in a fixed order. Grid (H, ceil(L / (32 N / RW)),
-// T), ~one block per SM for GLM-5 shapes, so the loads in flight per SM are those of one block: 16
-// warps, each with several rows' loads issued ahead (8 warps, one row at a time: 12.6 MB of W_UK in
-// 8.8 us, ~1.4 TB/s). 8 rows ahead instead of 4 measured slower (FP8, 6.3 MB: 6.6 -> 8.0 us; H200,
-// ncu, session 9). RW = 2 (a half-warp a row, half the columns a block) where one row a warp would
-// leave most SMs idle: FP8 GLM-5's 512 columns are one 16-byte load a lane, so 64 blocks.
+// the N columns c0 + l N .. of this block and rows i = w, w + kAqW, ..; the kAqW warps' partial
+// sums are added in a fixed order. Grid (H, ceil(L / (32 N)), T): ~one block per SM for GLM-5
+// shapes, so the loads in flight per SM are those of one block: 16 warps, each with several rows'
+// loads issued ahead (8 warps, one row at a time: 12.6 MB of W_UK in 8.8 us, ~1.4 TB/s). 8 rows
+// ahead instead of 4 measured slower (FP8, 6.3 MB: 6.6 -> 8.0 us; H200, ncu, session 9).
 constexpr int kAqW = 16;
-template <int DT, int RW>
+template <int DT>
 __global__ void __launch_bounds__(kAqW * 32) absorb_q_vec_kernel(const float* __restrict__ q, int64_t H, int64_t qw,
                                                            int64_t nope, DevW kvb, int64_t hw, int64_t L,
                                                            float* __restrict__ qlat) {
   pdl_begin();
-  constexpr int N = GemvVec<DT>::n, LPR = 32 / RW;  // columns a lane, lanes a row
-  __shared__ float red[kAqW * RW][LPR * N];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, lr = lane % LPR, rg = RW * warp + lane / LPR;
-  const int64_t h = blockIdx.x, t = blockIdx.z, c0 = int64_t(blockIdx.y) * LPR * N + lr * N;
+  constexpr int N = GemvVec<DT>::n;
+  __shared__ float red[kAqW][32 * N];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t h = blockIdx.x, t = blockIdx.z, c0 = int64_t(blockIdx.y) * 32 * N + lane * N;
   const float* qp = q + (t * H + h) * qw;
   float acc[N];
 #pragma unroll
@@ -72,7 +68,7 @@ __global__ void __launch_bounds__(kAqW * 32) absorb_q_vec_kernel(const float* __
   if (c0 < L) {
     // Unrolled so that several rows' 16-byte loads are in flight per thread.
 #pragma unroll 4
-    for (int64_t i = rg; i < nope; i += RW * kAqW) {
+    for (int64_t i = warp; i < nope; i += kAqW) {
       const int64_t row = h * hw + i;
       const uint4 v = ldg_stream(reinterpret_cast<const uint4*>(static_cast<const char*>(kvb.w) +
                                                                 (row * L + c0) * elem_bytes<DT>()));
@@ -85,14 +81,14 @@ __global__ void __launch_bounds__(kAqW * 32) absorb_q_vec_kernel(const float* __
     }
   }
 #pragma unroll
-  for (int j = 0; j < N; ++j) red[rg][lr * N + j] = acc[j];
+  for (int j = 0; j < N; ++j) red[warp][lane * N + j] = acc[j];
   __syncthreads();
-  for (int x = threadIdx.x; x < LPR * N; x += blockDim.x) {
-    const int64_t c = int64_t(blockIdx.y) * LPR * N + x;
+  for (int x = threadIdx.x; x < 32 * N; x += blockDim.x) {
+    const int64_t c = int64_t(blockIdx.y) * 32 * N + x;
     if (c >= L) continue;
     float sum = 0.0f;
 #pragma unroll
-    for (int w = 0; w < RW * kAqW; ++w) sum += red[w][x];
+    for (int w = 0; w < kAqW; ++w) sum += red[w][x];
     qlat[(t * H + h) * L + c] = sum;
   }
 }
@@ -623,7 +619,6 @@ __global__ void indexer_score_kernel(const float* __restrict__ q, const float* _
 // Needs d % 4 == 0. The grid covers only the rows that select (t >= t_first: more causal keys
 // than topk); key blocks past a row's causal keys exit at once.
 constexpr int kV4H = 2, kV4Threads = 512;
-template <bool FMA>  // EXPERIMENT (session 39): FMA = fused, contracted products (not the CPU's bits)
 __global__ void __launch_bounds__(kV4Threads)
     indexer_score_v4_kernel(const float* __restrict__ q, const float* __restrict__ wts, const float* __restrict__ keys,
                             int64_t nI, int64_t d, int64_t n_keys, int64_t pos0, const int32_t* __restrict__ pos0_dev,
@@ -656,17 +651,10 @@ __global__ void __launch_bounds__(kV4Threads)
         if (h0 + i >= nI) break;
         const float4 qv = qs[(h0 + i) * d4 + x];
         float a = acc[i];
-        if constexpr (FMA) {
-          a = fmaf(qv.x, kv.x, a);
-          a = fmaf(qv.y, kv.y, a);
-          a = fmaf(qv.z, kv.z, a);
-          a = fmaf(qv.w, kv.w, a);
-        } else {
-          a = __fadd_rn(a, __fmul_rn(qv.x, kv.x));
-          a = __fadd_rn(a, __fmul_rn(qv.y, kv.y));
-          a = __fadd_rn(a, __fmul_rn(qv.z, kv.z));
-          a = __fadd_rn(a, __fmul_rn(qv.w, kv.w));
-        }
+        a = __fadd_rn(a, __fmul_rn(qv.x, kv.x));
+        a = __fadd_rn(a, __fmul_rn(qv.y, kv.y));
+        a = __fadd_rn(a, __fmul_rn(qv.z, kv.z));
+        a = __fadd_rn(a, __fmul_rn(qv.w, kv.w));
         acc[i] = a;
       }
     }
@@ -898,22 +886,12 @@ void absorb_q(const float* q, int64_t T, int64_t H, int64_t qw, int64_t nope, co
               float* qlat, cudaStream_t st) {
   if (kvb_rows_vectorizable(kvb, L)) {
     const int n = 16 / (kvb.dt == W_F32 ? 4 : kvb.dt == W_FP8 ? 1 : 2);
-    // Half-warp rows where a warp a row gives fewer blocks than ~the SMs (not for f32 weights: the
-    // test models' reference sums keep their order).
-    static const bool half_rows = env_switch("VIREO_ABSORB_HALF_ROWS");  // 0: a warp a row (A/B runs)
-    const int64_t blocks = H * ((L + 32 * n - 1) / (32 * n)) * T;
-    const int rw = half_rows && kvb.dt != W_F32 && blocks < 100 ? 2 : 1;
-    const dim3 grid(unsigned(H), unsigned((L + 32 / rw * n - 1) / (32 / rw * n)), unsigned(T));
-    auto go = [&](auto dt) {
-      constexpr int DT = decltype(dt)::value;
-      if (rw == 2) launch(absorb_q_vec_kernel<DT, 2>, grid, kAqW * 32, 0, st, q, H, qw, nope, kvb, hw, L, qlat);
-      else launch(absorb_q_vec_kernel<DT, 1>, grid, kAqW * 32, 0, st, q, H, qw, nope, kvb, hw, L, qlat);
-    };
+    const dim3 grid(unsigned(H), unsigned((L + 32 * n - 1) / (32 * n)), unsigned(T));
     switch (kvb.dt) {
-      case W_F32: go(std::integral_constant<int, W_F32>{}); break;
-      case W_BF16: go(std::integral_constant<int, W_BF16>{}); break;
-      case W_F16: go(std::integral_constant<int, W_F16>{}); break;
-      default: go(std::integral_constant<int, W_FP8>{}); break;
+      case W_F32: launch(absorb_q_vec_kernel<W_F32>, grid, kAqW * 32, 0, st, q, H, qw, nope, kvb, hw, L, qlat); break;
+      case W_BF16: launch(absorb_q_vec_kernel<W_BF16>, grid, kAqW * 32, 0, st, q, H, qw, nope, kvb, hw, L, qlat); break;
+      case W_F16: launch(absorb_q_vec_kernel<W_F16>, grid, kAqW * 32, 0, st, q, H, qw, nope, kvb, hw, L, qlat); break;
+      default: launch(absorb_q_vec_kernel<W_FP8>, grid, kAqW * 32, 0, st, q, H, qw, nope, kvb, hw, L, qlat); break;
     }
   } else {
     launch(absorb_q_kernel, dim3(unsigned(H), unsigned(T)), 256, size_t(nope) * 4, st, q, H, qw, nope, kvb, hw, L,
@@ -1016,18 +994,15 @@ void indexer_scores(const float* q, const float* wts, const float* keys, int64_t
   if ((fast || !pos0_dev) && d % 4 == 0 && aligned && smem4 <= 200 * 1024) {
     static bool configured4 = false;
     if (!configured4) {
-      VIREO_CUDA_CHECK(cudaFuncSetAttribute(indexer_score_v4_kernel<false>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
-      VIREO_CUDA_CHECK(cudaFuncSetAttribute(indexer_score_v4_kernel<true>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+      VIREO_CUDA_CHECK(
+          cudaFuncSetAttribute(indexer_score_v4_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
       configured4 = true;
     }
     // Rows before t_first take every causal key (no scores needed).
     const int64_t t_first = pos0_dev ? 0 : std::max<int64_t>(0, topk - pos0);
     if (t_first >= T) return;
     dim3 grid(unsigned((n_keys + 31) / 32), unsigned(T - t_first));
-    static const bool fma = std::getenv("VIREO_EXP_IX_FMA") != nullptr;
-    launch(fma && fast ? indexer_score_v4_kernel<true> : indexer_score_v4_kernel<false>, grid, kV4Threads, smem4, st, q, wts, keys, nI, d, n_keys, pos0, pos0_dev, topk,
+    launch(indexer_score_v4_kernel, grid, kV4Threads, smem4, st, q, wts, keys, nI, d, n_keys, pos0, pos0_dev, topk,
            scale, wscale, t_first, scores);
     VIREO_CUDA_LAUNCHED();
     return;
