@@ -258,17 +258,17 @@ __global__ void __launch_bounds__(kTcWarps * 32)
 // rounded to bf16 as it is stored, the product on mma.sync m16n8k16 (16 warps, a 16 heads x 8
 // columns tile each, the latent rounded at the fragment loads), rows padded to 8 and 4 mod 32 words.
 template <int KG, bool TC>
-__global__ void __launch_bounds__(64 * KG) mla_decode_pv_kernel(
-    const float* __restrict__ scores, int64_t sstride, int H, int nhg, int L, const float* __restrict__ kv, int kvw,
-    int64_t pos0, const int32_t* __restrict__ pos0_dev, const int32_t* __restrict__ sel,
-    const int32_t* __restrict__ counts, int64_t sel_stride, int nks, float* __restrict__ opart,
-    float* __restrict__ mpart, float* __restrict__ lpart) {
+__global__ void __launch_bounds__(64 * KG)
+    mla_decode_pv_kernel(const float* __restrict__ scores, int64_t sstride, int H, int nhg, int L,
+                         const float* __restrict__ kv, int kvw, int64_t pos0, const int32_t* __restrict__ pos0_dev,
+                         const int32_t* __restrict__ sel, const int32_t* __restrict__ counts, int64_t sel_stride,
+                         int nks, float* __restrict__ opart, float* __restrict__ mpart, float* __restrict__ lpart) {
   pdl_begin();
   constexpr int PS = TC ? kPK + 8 : kPS, VS = TC ? kPC + 4 : kPC;  // row strides (words)
   static_assert(!TC || (KG == 8 && kPH == 64 && kPC == 32), "16 warps of 16 x 8 tiles");
   extern __shared__ __align__(16) float sm[];
-  float* ps = sm;                                  // [kPH][PS]
-  float* vs = ps + kPH * PS;                       // [kPK][VS]
+  float* ps = sm;                                   // [kPH][PS]
+  float* vs = ps + kPH * PS;                        // [kPK][VS]
   int* us = reinterpret_cast<int*>(vs + kPK * VS);  // [kPK]
   constexpr int NT = 64 * KG, NW = NT / 32;
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
