@@ -24,7 +24,8 @@ void add_device_flag(CLI::App& app, std::string& device, std::string& math) {
                  "CUDA products of more than 8 rows (prefill, large batches) on tensor cores: exact (default: "
                  "activations split into bf16 hi + lo, f32-level accuracy, 2-3 passes), fast (activations "
                  "rounded once to bf16: one pass, ~2^-9 relative per product, as other engines run; also "
-                 "batched decode's large bf16 products and decode attention's scores past 256 keys) or fast-fp8 "
+                 "batched decode's large bf16 products, decode attention past 256 keys and the indexer's decode "
+                 "scores) or fast-fp8 "
                  "(fast, and FP8 weights multiply e4m3 activations, per 128 columns, as DeepSeek's reference "
                  "inference: ~2^-4 relative per activation)")
       ->check(CLI::IsMember({"exact", "fast", "fast-fp8"}));
