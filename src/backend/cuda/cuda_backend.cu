@@ -1024,10 +1024,8 @@ class CudaBackend final : public Backend {
       const bool bf16 = fast_math() && a.T > kGemvRows && !a.pos0_dev &&
                         indexer_scores_bf16(a.q, a.weights, a.keys, a.T, a.n_heads, a.head_dim, a.n_keys, a.pos0,
                                             a.topk, a.scale, a.weight_scale, scores, stream_);
-      // Decode rows in the fast modes: the same rounding on tensor cores, shaped for latency
-      // (VIREO_TC_DECODE_INDEXER=0: the exact kernel, A/B runs).
-      static const bool tc_decode = env_switch("VIREO_TC_DECODE_INDEXER");
-      const bool tc = !bf16 && fast_math() && tc_decode &&
+      // Decode rows in the fast modes: the same rounding on tensor cores, shaped for latency.
+      const bool tc = !bf16 && fast_math() && tc_decode_indexer_ &&
                       indexer_scores_decode_tc(a.q, a.weights, a.keys, a.T, a.n_heads, a.head_dim, a.n_keys, a.pos0,
                                                a.pos0_dev, a.topk, a.scale, a.weight_scale, scores, stream_);
       if (!bf16 && !tc)
@@ -2091,10 +2089,13 @@ class CudaBackend final : public Backend {
   bool grouped_on_ = env_switch("VIREO_GROUPED");
   bool grouped_tma_ = env_switch("VIREO_GROUPED_TMA");    // TMA tile loads (else cp.async), for A/B runs
   GroupedFp8Form grouped_fp8_form_ = GroupedFp8Form::Auto;  // tests force either form
-  // The fast modes' long-context decode attention: its scores on bf16 tensor cores (on; H200,
-  // fp8 8 layers at 4096 cached: the scores kernel 11.0 -> 6.6 us a layer in the step, +1.3
-  // points), or in f32 as exact mode (VIREO_TC_DECODE_ATTENTION=0, A/B runs).
+  // The fast modes' long-context decode attention: its scores and p x latent on bf16 tensor cores
+  // (on; H200, fp8 8 layers at 4096 cached: the scores kernel 11.0 -> 6.6 us a layer in the step,
+  // +1.3 points, session 38; p x latent +0.9, session 39), or in f32 as exact mode
+  // (VIREO_TC_DECODE_ATTENTION=0, A/B runs).
   bool tc_decode_attention_ = env_switch("VIREO_TC_DECODE_ATTENTION");
+  // The fast modes' indexer decode scores on tensor cores (0: the exact kernel, A/B runs).
+  bool tc_decode_indexer_ = env_switch("VIREO_TC_DECODE_INDEXER");
   // Branches (begin_branch): on, or every op in order on one stream (VIREO_BRANCHES=0, A/B runs).
   bool branches_ = env_switch("VIREO_BRANCHES");
   cudaStream_t branch_stream_ = nullptr;
