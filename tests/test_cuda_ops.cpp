@@ -1502,10 +1502,10 @@ TEST(CudaOps, DecodeAttentionGlmShapesFastAndReference) {
 }
 
 // The fast modes' long-context decode attention: its scores and p x latent on bf16 tensor cores
-// (the queries, the cache rows and the softmax's weights rounded once, f32 sums). Against the CPU at the fast modes' tolerance, and above
-// the f32 kernels' error (so the rounding, and with it the tensor-core path, really ran); exact
-// mode keeps the f32 kernels. GLM-5 shapes, 2048 selected of 4200 keys, 64 heads and 80 (a partial head
-// group), 1 and 3 rows, host and run-time positions.
+// (the queries, the cache rows and the softmax's weights rounded once, f32 sums). Against the CPU
+// at the fast modes' tolerance, and above the f32 kernels' error (so the rounding, and with it the
+// tensor-core path, really ran); exact mode keeps the f32 kernels. GLM-5 shapes, 2048 selected of
+// 4200 keys, 64 heads and 80 (a partial head group), 1 and 3 rows, host and run-time positions.
 TEST(CudaOps, DecodeAttentionFastModesOnTensorCores) {
   REQUIRE_CUDA();
   Pair p;
