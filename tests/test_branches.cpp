@@ -38,6 +38,7 @@ bool overlap(const Span& a, const Span& b) { return a.begin < b.end && b.begin <
 struct OpRecord {
   std::string name;
   std::vector<Span> reads, writes;
+  size_t main_before = 0;  // a branch op: the main-side ops of its window queued before it (continue_branch)
 };
 
 // Runs every op on `inner` (the CPU reference); records the ops of each branch window and checks
@@ -112,6 +113,20 @@ class BranchCheckingBackend final : public Backend {
     note("matmul", {span(x, T * w.in())}, {span(y, T * w.out())});
     in_->matmul(x, T, w, y);
   }
+  // Early's promise: the op queued just before it (on its side) writes nothing it reads or writes.
+  void matmul_launched(const float* x, int64_t T, const Weight& w, float* y, ProductLaunch launch) override {
+    OpRecord r{"matmul", {span(x, T * w.in())}, {span(y, T * w.out())}};
+    if (launch == ProductLaunch::Early) {
+      ++early_products_;
+      if (state_ == State::InBranch) hazards_.push_back("an early product inside a branch");
+      if (!last_outside_.name.empty() &&
+          (any_overlap(last_outside_.writes, r.reads) || any_overlap(last_outside_.writes, r.writes)))
+        hazards_.push_back("an early product touches what " + last_outside_.name + " (just before it) writes");
+    }
+    record(std::move(r));
+    in_->matmul_launched(x, T, w, y, launch);
+  }
+  int early_products() const { return early_products_; }
   void matmul_many(const float* x, int64_t T, const Weight* const* ws, float* const* ys, int n) override {
     OpRecord r{"matmul_many", {}, {}};
     for (int i = 0; i < n; ++i) {
@@ -221,6 +236,14 @@ class BranchCheckingBackend final : public Backend {
     main_.clear();
     in_->begin_branch(rows);
   }
+  // Its ops follow the main side's ops queued so far: they are checked against the later ones only.
+  void continue_branch(int64_t rows) override {
+    if (state_ != State::AfterBranch) return begin_branch(rows);
+    state_ = State::InBranch;
+    ++continued_;
+    in_->continue_branch(rows);
+  }
+  int branches_continued() const { return continued_; }
   void end_branch() override {
     if (state_ != State::InBranch) hazards_.push_back("end_branch outside a branch");
     state_ = State::AfterBranch;
@@ -238,10 +261,18 @@ class BranchCheckingBackend final : public Backend {
     record({name, std::move(reads), std::move(writes)});
   }
   void record(OpRecord r) {
+    if (state_ != State::InBranch) last_outside_ = r;
     if (state_ == State::InBranch) {
       ++branch_ops_[r.name];
+      r.main_before = main_.size();
       branch_.push_back(std::move(r));
     } else if (state_ == State::AfterBranch) main_.push_back(std::move(r));
+  }
+  static bool any_overlap(const std::vector<Span>& a, const std::vector<Span>& b) {
+    for (const Span& x : a)
+      for (const Span& y : b)
+        if (overlap(x, y)) return true;
+    return false;
   }
   void unchecked(const char* name) {
     if (state_ != State::Outside)
@@ -251,14 +282,10 @@ class BranchCheckingBackend final : public Backend {
   // a main op writes.
   void check() {
     ++windows_;
-    auto any = [](const std::vector<Span>& a, const std::vector<Span>& b) {
-      for (const Span& x : a)
-        for (const Span& y : b)
-          if (overlap(x, y)) return true;
-      return false;
-    };
+    auto any = any_overlap;
     for (const OpRecord& b : branch_)
-      for (const OpRecord& m : main_) {
+      for (size_t j = b.main_before; j < main_.size(); ++j) {
+        const OpRecord& m = main_[j];
         if (any(b.writes, m.reads) || any(b.writes, m.writes))
           hazards_.push_back("branch op " + b.name + " writes what " + m.name + " (after the branch) touches");
         if (any(b.reads, m.writes))
@@ -272,7 +299,8 @@ class BranchCheckingBackend final : public Backend {
   State state_ = State::Outside;
   std::vector<OpRecord> branch_, main_;
   std::vector<std::string> hazards_;
-  int windows_ = 0;
+  int windows_ = 0, continued_ = 0, early_products_ = 0;
+  OpRecord last_outside_;  // the last op queued outside a branch (the main side's stream order)
   std::map<std::string, int> branch_ops_;
 };
 
@@ -305,12 +333,34 @@ TEST(Branches, CheckerFindsAMainOpReadingWhatTheBranchWrote) {
   ASSERT_EQ(be.hazards().size(), size_t(1));
   EXPECT_NE(be.hazards()[0].find("scale"), std::string::npos) << be.hazards()[0];
   EXPECT_EQ(be.windows_checked(), 2);
+  // A continued branch's later ops follow the main ops queued before them; its earlier ops do not.
+  const size_t before = be.hazards().size();
+  be.begin_branch(1);
+  be.scale(a.get(), 2.0f, 16);
+  be.end_branch();
+  be.fill(b.get(), 3.0f, 16);
+  be.continue_branch(1);
+  be.add(c.get(), b.get(), 16);  // reads what the main side wrote before it: allowed
+  be.end_branch();
+  be.join_branch();
+  EXPECT_EQ(be.hazards().size(), before) << joined(be.hazards());
+  be.begin_branch(1);
+  be.scale(a.get(), 2.0f, 16);
+  be.end_branch();
+  be.fill(a.get(), 3.0f, 16);  // writes what the branch's first part writes
+  be.continue_branch(1);
+  be.end_branch();
+  be.join_branch();
+  ASSERT_EQ(be.hazards().size(), before + 2);  // scale reads and writes a
+  EXPECT_NE(be.hazards().back().find("scale"), std::string::npos) << be.hazards().back();
+  EXPECT_EQ(be.branches_continued(), 2);
 }
 
 // The model's branches keep their promise in every fixture family (own indexer, shared indexer
 // layers, FP8, no indexer), over a prefill, single-token decode steps (the absorbed path, experts
 // by id as on a GPU) and a batched step of two sequences, and leave no branch open.
 TEST(Branches, ModelBranchesTouchNothingTheOpsBesideThemTouch) {
+  int continued = 0, early = 0;
   for (const char* name : {"glm_dsa_full_f32", "glm_dsa_shared_f32", "glm_dsa_fp8", "dsv32_f32", "dsv3_f32"}) {
     SCOPED_TRACE(name);
     const std::string dir = kFixtures + "/" + name;
@@ -348,5 +398,11 @@ TEST(Branches, ModelBranchesTouchNothingTheOpsBesideThemTouch) {
     if (m->config().n_shared_experts > 0 && m->config().n_routed_experts > 0) {
       EXPECT_GE(be.ops_in_branches("moe_shared_gate_up"), 5) << "the shared expert's branch is gone";
     }
+    continued += be.branches_continued();
+    early += be.early_products();
   }
+  // Where the indexer selects (past index_topk keys) and the queries are low-rank: the appends'
+  // branch continued after the indexer's query product, and q_b launched early behind it.
+  EXPECT_GT(continued, 0) << "no fixture's step continued a branch";
+  EXPECT_GT(early, 0) << "no fixture's step launched a product early";
 }

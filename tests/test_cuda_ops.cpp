@@ -460,6 +460,67 @@ TEST(CudaOps, MlaAttentionBothPathsWithAndWithoutSelection) {
   }
 }
 
+// The launch forms of a one-token product (Backend::ProductLaunch: blocks that leave half an SM,
+// and the early start that skips the wait) and the queries' RoPE inside the absorption launch
+// change where and when the work runs, never its values: the same bits as the plain ops.
+TEST(CudaOps, LaunchFormsAndFusedRopeChangeNoBits) {
+  REQUIRE_CUDA();
+  Pair p;
+  for (DType dt : {DType::F8_E4M3, DType::BF16}) {
+    HostWeight w = make_weight(dt, 8192, 2048, 31);  // gemv_rows2's shape class (q_b, the indexer's queries)
+    Weight gw = p.gpu->upload_weight(w.w);
+    float* x = p.g.up(randv(2048, 32));
+    float* y0 = p.g.zeros(8192);
+    float* y1 = p.g.zeros(8192);
+    float* y2 = p.g.zeros(8192);
+    p.gpu->matmul(x, 1, gw, y0);
+    p.gpu->matmul_launched(x, 1, gw, y1, Backend::ProductLaunch::HalfSm);
+    p.gpu->matmul_launched(x, 1, gw, y2, Backend::ProductLaunch::Early);  // (the op before writes neither x nor y2)
+    const std::vector<float> want = p.g.down(y0, 8192);
+    EXPECT_EQ(p.g.down(y1, 8192), want) << dt_name(dt) << " half an SM";
+    EXPECT_EQ(p.g.down(y2, 8192), want) << dt_name(dt) << " early";
+  }
+  // GLM-5's head shapes (fewer heads); L 512 takes the 16-byte absorption kernel, L 72 the other.
+  struct Shape {
+    int64_t nope, rope, L;
+  };
+  for (Shape sh : {Shape{192, 64, 512}, Shape{24, 8, 72}})
+    for (DType dt : {DType::F8_E4M3, DType::BF16})
+      for (RopeKind kind : {RopeKind::Interleaved, RopeKind::HalfSplit})
+        for (int64_t T : {int64_t(1), int64_t(2)}) {
+          const int64_t H = 6, vd = 40, N = 50, qw = sh.nope + sh.rope, kvw = sh.L + sh.rope;
+          HostWeight kvb = make_weight(dt, H * (sh.nope + vd), sh.L, 33);
+          Weight gkvb = p.gpu->upload_weight(kvb.w);
+          const auto q = randv(size_t(T * H * qw), 34);
+          const auto cs = randv(size_t(T * sh.rope), 35);
+          MlaAttentionArgs a = mla_shape(T, H, sh.nope, sh.rope, vd, sh.L, N, N - T, 0.1f, true);
+          a.kv = p.g.up(randv(size_t(N * kvw), 36));
+          a.kv_b = &gkvb;
+          float* gcs = p.g.up(cs);
+          std::vector<float> q_after[2], out[2];
+          for (int fused = 0; fused < 2; ++fused) {
+            float* gq = p.g.up(q);
+            a.q = gq;
+            a.out = p.g.zeros(size_t(T * H * vd));
+            if (fused) {
+              p.gpu->mla_rope_absorb_queries(gq, gcs, kind, a);
+            } else {
+              p.gpu->rope(gq, T, H, H * qw, qw, sh.nope, sh.rope, gcs, kind);
+              p.gpu->mla_absorb_queries(a);
+            }
+            p.gpu->mla_attention(a);
+            q_after[fused] = p.g.down(gq, q.size());
+            out[fused] = p.g.down(a.out, size_t(T * H * vd));
+          }
+          const std::string what = std::string(dt_name(dt)) + " L " + std::to_string(sh.L) +
+                                   (kind == RopeKind::Interleaved ? " interleaved" : " half") + " T " +
+                                   std::to_string(T);
+          EXPECT_NE(q_after[0], q) << what << ": the rope parts were not rotated";
+          EXPECT_EQ(q_after[1], q_after[0]) << what;
+          EXPECT_EQ(out[1], out[0]) << what;
+        }
+}
+
 #ifdef VIREO_HAVE_CUDA
 // The prefill attention kernels at GLM-5 head shapes (qk 192 + 64, v 256, kv_lora 512; fewer
 // heads): a prompt from an empty cache and a chunk after cached keys, causal and under a DSA

@@ -167,6 +167,22 @@ class Backend {
   virtual void matmul_many(const float* x, int64_t T, const Weight* const* ws, float* const* ys, int n) {
     for (int i = 0; i < n; ++i) matmul(x, T, *ws[i], ys[i]);
   }
+  // How a product may share the device with the ops queued around it (a GPU's decode step; a
+  // backend that runs its ops in order ignores it). The result never changes.
+  enum class ProductLaunch {
+    InOrder,
+    // In blocks that leave about half of each SM to the ops queued after it, which can then start
+    // beside it instead of waiting for its blocks to drain.
+    HalfSm,
+    // Starts without waiting for the op queued just before it. Only where that op writes nothing
+    // this product reads or writes, and this product's inputs were complete before that op was
+    // queued (so that op's own wait for its predecessors covered them).
+    Early,
+  };
+  virtual void matmul_launched(const float* x, int64_t T, const Weight& w, float* y, ProductLaunch launch) {
+    (void)launch;
+    matmul(x, T, w, y);
+  }
   // Rotates x[t, h, offset : offset + width] in place by cos_sin[t] ([T, width/2, 2]).
   virtual void rope(float* x, int64_t T, int64_t n_heads, int64_t token_stride, int64_t head_stride,
                     int64_t offset, int64_t width, const float* cos_sin, RopeKind kind) = 0;
@@ -191,12 +207,23 @@ class Backend {
   // ahead of the mla_attention call with the same args (so it can run while a branch selects the
   // keys). The default does nothing: mla_attention does it all. Results do not change.
   virtual void mla_absorb_queries(const MlaAttentionArgs& a) { (void)a; }
+  // rope(q, ...) of the queries' rope parts (q = a.q: [T, H, qk_nope + qk_rope], each head's rope
+  // part at qk_nope) and then mla_absorb_queries(a): one launch on a GPU, the same values.
+  virtual void mla_rope_absorb_queries(float* q, const float* cos_sin, RopeKind kind, const MlaAttentionArgs& a) {
+    const int64_t qw = a.qk_nope + a.qk_rope;
+    rope(q, a.T, a.n_heads, a.n_heads * qw, qw, a.qk_nope, a.qk_rope, cos_sin, kind);
+    mla_absorb_queries(a);
+  }
   // A branch: the ops queued between begin_branch() and end_branch() may run concurrently with
   // the ops queued after end_branch(), until join_branch(). Neither side may read what the other
   // writes. A GPU fills SMs that a chain of small latency-bound kernels leaves idle (a decode
   // step's indexer beside its queries' absorption); the CPU runs every op in order. rows: the
   // tokens the ops work on (a backend may run large steps in order).
   virtual void begin_branch(int64_t rows) { (void)rows; }
+  // A branch whose ops follow both those of the branch ended last (not yet joined) and every op
+  // queued so far: a branch that waits, part way, for a product of the main side. With no branch
+  // open, begin_branch.
+  virtual void continue_branch(int64_t rows) { begin_branch(rows); }
   // Whether begin_branch(rows) runs its ops beside the rest (true) or in order (false).
   virtual bool branches_beside(int64_t rows) const {
     (void)rows;
@@ -207,7 +234,11 @@ class Backend {
   // begin_branch .. end_branch over a scope, so that an op that throws inside it leaves no
   // branch half open (the next begin_branch or recording joins what was queued).
   struct BranchScope {
-    BranchScope(Backend& b, int64_t rows) : backend(b) { backend.begin_branch(rows); }
+    enum Kind { Begin, Continue };
+    BranchScope(Backend& b, int64_t rows, Kind kind = Begin) : backend(b) {
+      if (kind == Continue) backend.continue_branch(rows);
+      else backend.begin_branch(rows);
+    }
     ~BranchScope() noexcept(false) {
       if (std::uncaught_exceptions() == unwinding) {
         backend.end_branch();

@@ -182,11 +182,15 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
   // Sampler::sample), the last two with --temp etc.
   enum class Pick { Greedy, SampleDevice, SampleHost };
   // gpu_us: a step's GPU time, the recorded step replayed back to back (0: not measured).
+  // picks: the FNV-1a hash of the timed steps' picked ids (0: not taken). Two launch forms or
+  // builds that promise the same bits must print the same hash (an A/B's check that the faster
+  // variant computes what the other does).
   struct Decode {
     int64_t ctx;
     double tps, bytes;
     Pick pick;
     double gpu_us;
+    uint64_t picks;
   };
   struct Prefill { int64_t T; double s, flops; const char* math; };
   std::vector<Decode> dec;
@@ -210,6 +214,7 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
     const bool in_range = profiler_range == "decode";
     if (in_range) cuda_profiler_range(*backend, true);
     auto a = clock::now();
+    uint64_t picks = 0;
     // Picks on the device run as `vireo run` runs them (generate()): each step fed the pick of the
     // one before on the device, queued before that pick is read back. (VIREO_QUEUED_DECODE=0: one
     // step at a time on the prompt's next ids, as before session 30, for A/B runs.)
@@ -220,9 +225,10 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
         model->queue_step(token, cache, 0, pick == Pick::Greedy ? nullptr : &args[size_t(i)]);
       };
       queue(0, &ids[size_t(ctx)]);
+      picks = 1469598103934665603ull;
       for (int64_t i = 0; i < n_decode; ++i) {
         if (i + 1 < n_decode) queue(i + 1, nullptr);
-        model->take_step();
+        picks = (picks ^ uint64_t(uint32_t(model->take_step()))) * 1099511628211ull;
       }
     } else {
       for (int64_t i = 0; i < n_decode; ++i) step(&ids[size_t(ctx + i)]);
@@ -236,7 +242,7 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
       auto b = clock::now();
       if (model->replay_latest(int(n_decode))) gpu_us = 1e6 * secs(b, clock::now()) / double(n_decode);
     }
-    dec.push_back({ctx - 2, double(n_decode) / s, bytes, pick, gpu_us});
+    dec.push_back({ctx - 2, double(n_decode) / s, bytes, pick, gpu_us, picks});
   };
   const bool sampled = sampling.temperature != 0.0f;
   for (Pick pick : sampled ? std::vector<Pick>{Pick::Greedy, Pick::SampleDevice, Pick::SampleHost}
@@ -392,6 +398,13 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
           "decode ctx %-6lld  steps back to back: %.1f us a step against %.1f (%.1f us a step between "
           "steps: the host's work and the launch)\n",
           (long long)d.ctx, d.gpu_us, 1e6 / d.tps, 1e6 / d.tps - d.gpu_us);
+  for (const Decode& d : dec)
+    if (d.picks)
+      std::printf(
+          "decode ctx %-6lld  %-14s picks' hash %016llx (FNV-1a of the %lld ids: equal across forms "
+          "that change no bits)\n",
+          (long long)d.ctx, d.pick == Pick::Greedy ? "greedy/device" : "sample/device", (unsigned long long)d.picks,
+          (long long)n_decode);
   for (const Batched& b : batched) {
     const double one = dec.empty() ? 0 : dec[0].tps;
     std::printf("decode ctx 0       batch %-3d %11.2f tok/s  (%.2f tok/s a sequence, %.3f ms a step: %.2fx one "

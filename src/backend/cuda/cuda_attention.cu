@@ -25,16 +25,30 @@ namespace {
 __device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 __device__ __forceinline__ int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
 
+// The fused RoPE of absorb_q (AbsorbRope): warp 0 of one block a (token, head) rotates the head's
+// rope part q[t, h, nope : qw] in place, as rope_kernel would. The absorption reads only [0, nope).
+__device__ __forceinline__ void absorb_rotate(const AbsorbRope& r, int64_t t, int64_t h, int64_t H, int64_t qw,
+                                              int64_t nope) {
+  if (!r.q || threadIdx.x >= 32) return;
+  const int half = int(qw - nope) / 2, i = int(threadIdx.x);
+  float* v = r.q + (t * H + h) * qw + nope;
+  float2 ab = {};
+  if (i < half) ab = rope_pair_read(v, i, half, r.interleaved);
+  __syncwarp();
+  if (i < half) rope_pair_write(v, i, half, ab, r.cs + t * (qw - nope));
+}
+
 constexpr int kHG = 8;       // heads per block in the decode partial kernel (= warps)
 constexpr int kSplit = 64;   // keys per split in the decode partial kernel (2 blocks per SM at 2048 keys)
 constexpr int kChunk = 32;   // cache rows staged in shared memory at a time (8 warps x 4 keys)
 constexpr int kQT = 32, kKT = 32;  // prefill attention tile: queries x keys
 
-__global__ void absorb_q_kernel(const float* __restrict__ q, int64_t H, int64_t qw, int64_t nope, DevW kvb,
-                                int64_t hw, int64_t L, float* __restrict__ qlat) {
+__global__ void absorb_q_kernel(const float* __restrict__ q, int64_t H, int64_t qw, int64_t nope, DevW kvb, int64_t hw,
+                                int64_t L, float* __restrict__ qlat, AbsorbRope rope) {
   pdl_begin();
   extern __shared__ float qs[];  // [nope]
   const int64_t h = blockIdx.x, t = blockIdx.y;
+  absorb_rotate(rope, t, h, H, qw, nope);
   const float* qp = q + (t * H + h) * qw;
   for (int64_t i = threadIdx.x; i < nope; i += blockDim.x) qs[i] = qp[i];
   __syncthreads();
@@ -53,14 +67,15 @@ __global__ void absorb_q_kernel(const float* __restrict__ q, int64_t H, int64_t 
 // ahead instead of 4 measured slower (FP8, 6.3 MB: 6.6 -> 8.0 us; H200, ncu, session 9).
 constexpr int kAqW = 16;
 template <int DT>
-__global__ void __launch_bounds__(kAqW * 32) absorb_q_vec_kernel(const float* __restrict__ q, int64_t H, int64_t qw,
-                                                           int64_t nope, DevW kvb, int64_t hw, int64_t L,
-                                                           float* __restrict__ qlat) {
+__global__ void __launch_bounds__(kAqW * 32)
+    absorb_q_vec_kernel(const float* __restrict__ q, int64_t H, int64_t qw, int64_t nope, DevW kvb, int64_t hw,
+                        int64_t L, float* __restrict__ qlat, AbsorbRope rope) {
   pdl_begin();
   constexpr int N = GemvVec<DT>::n;
   __shared__ float red[kAqW][32 * N];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t h = blockIdx.x, t = blockIdx.z, c0 = int64_t(blockIdx.y) * 32 * N + lane * N;
+  if (blockIdx.y == 0) absorb_rotate(rope, t, h, H, qw, nope);
   const float* qp = q + (t * H + h) * qw;
   float acc[N];
 #pragma unroll
@@ -883,19 +898,29 @@ __global__ void moe_route_kernel(const float* __restrict__ logits, int E, int G,
 }  // namespace
 
 void absorb_q(const float* q, int64_t T, int64_t H, int64_t qw, int64_t nope, const DevW& kvb, int64_t hw, int64_t L,
-              float* qlat, cudaStream_t st) {
+              float* qlat, cudaStream_t st, AbsorbRope rope) {
+  if (rope.q && (rope.q != q || qw - nope > 64 || (qw - nope) % 2))
+    fail("absorb_q: the fused RoPE takes q itself and a rope part of at most 64 (even), not ", qw - nope);
   if (kvb_rows_vectorizable(kvb, L)) {
     const int n = 16 / (kvb.dt == W_F32 ? 4 : kvb.dt == W_FP8 ? 1 : 2);
     const dim3 grid(unsigned(H), unsigned((L + 32 * n - 1) / (32 * n)), unsigned(T));
     switch (kvb.dt) {
-      case W_F32: launch(absorb_q_vec_kernel<W_F32>, grid, kAqW * 32, 0, st, q, H, qw, nope, kvb, hw, L, qlat); break;
-      case W_BF16: launch(absorb_q_vec_kernel<W_BF16>, grid, kAqW * 32, 0, st, q, H, qw, nope, kvb, hw, L, qlat); break;
-      case W_F16: launch(absorb_q_vec_kernel<W_F16>, grid, kAqW * 32, 0, st, q, H, qw, nope, kvb, hw, L, qlat); break;
-      default: launch(absorb_q_vec_kernel<W_FP8>, grid, kAqW * 32, 0, st, q, H, qw, nope, kvb, hw, L, qlat); break;
+      case W_F32:
+        launch(absorb_q_vec_kernel<W_F32>, grid, kAqW * 32, 0, st, q, H, qw, nope, kvb, hw, L, qlat, rope);
+        break;
+      case W_BF16:
+        launch(absorb_q_vec_kernel<W_BF16>, grid, kAqW * 32, 0, st, q, H, qw, nope, kvb, hw, L, qlat, rope);
+        break;
+      case W_F16:
+        launch(absorb_q_vec_kernel<W_F16>, grid, kAqW * 32, 0, st, q, H, qw, nope, kvb, hw, L, qlat, rope);
+        break;
+      default:
+        launch(absorb_q_vec_kernel<W_FP8>, grid, kAqW * 32, 0, st, q, H, qw, nope, kvb, hw, L, qlat, rope);
+        break;
     }
   } else {
-    launch(absorb_q_kernel, dim3(unsigned(H), unsigned(T)), 256, size_t(nope) * 4, st, q, H, qw, nope, kvb, hw, L,
-           qlat);
+    launch(absorb_q_kernel, dim3(unsigned(H), unsigned(T)), 256, size_t(nope) * 4, st, q, H, qw, nope, kvb, hw, L, qlat,
+           rope);
   }
   VIREO_CUDA_LAUNCHED();
 }

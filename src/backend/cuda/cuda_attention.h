@@ -10,9 +10,16 @@
 
 namespace vireo::cuda {
 
+// With q set: the same launch rotates q's rope parts [t, h, nope : qw] in place first (q the
+// absorption's own q; rope width qw - nope <= 64), as rope_kernel by cs ([T, (qw - nope) / 2, 2]).
+struct AbsorbRope {
+  float* q = nullptr;
+  const float* cs = nullptr;
+  bool interleaved = false;
+};
 // q_lat[t, h, :] = W_UK(h)^T q[t, h, :nope]                         q_lat [T, H, L]
 void absorb_q(const float* q, int64_t T, int64_t H, int64_t qw, int64_t nope, const DevW& kvb, int64_t hw, int64_t L,
-              float* qlat, cudaStream_t st);
+              float* qlat, cudaStream_t st, AbsorbRope rope = {});
 
 struct DecodeAttnArgs {
   const float* qlat = nullptr;  // [T, H, L]

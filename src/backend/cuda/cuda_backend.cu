@@ -156,18 +156,11 @@ __global__ void rope_kernel(float* x, int64_t TH, int64_t H, int64_t ts, int64_t
   const int64_t t = item / H, h = item % H, half = width / 2;
   float* v = x + t * ts + h * hs + offset;
   const float* c = cs + t * width;
-  float a = 0, b = 0;
-  if (i < half) {
-    a = interleaved ? v[2 * i] : v[i];
-    b = interleaved ? v[2 * i + 1] : v[half + i];
-  }
+  float2 ab = {};
+  if (i < half) ab = rope_pair_read(v, int(i), int(half), interleaved);
   if (per_block > 1) __syncwarp();
   else __syncthreads();
-  if (i < half) {
-    const float co = c[2 * i], si = c[2 * i + 1];
-    v[i] = a * co - b * si;
-    v[half + i] = b * co + a * si;
-  }
+  if (i < half) rope_pair_write(v, int(i), int(half), ab, c);
 }
 
 // matmul_joined's output [T, cols] split by columns: ys[i][t, 0:width_i] = y[t, col0_i : col0_i + width_i].
@@ -663,7 +656,17 @@ class CudaBackend final : public Backend {
   int64_t bf16_lt_decode_min_out() const {
     return bf16_lt_decode_rows_ > 0 ? bf16_lt_decode_rows_ : std::numeric_limits<int64_t>::max();
   }
+  static cuda::Rows2Launch rows2_launch(ProductLaunch launch) {
+    return launch == ProductLaunch::HalfSm  ? cuda::Rows2Launch::HalfSm
+           : launch == ProductLaunch::Early ? cuda::Rows2Launch::Early
+                                            : cuda::Rows2Launch::InOrder;
+  }
   void matmul(const float* x, int64_t T, const Weight& wt, float* y) override {
+    matmul_launched(x, T, wt, y, ProductLaunch::InOrder);
+  }
+  // The launch form reaches only gemv_rows2 (one token, many rows: the one form whose blocks fill
+  // every SM); the other paths launch in order, which is always allowed.
+  void matmul_launched(const float* x, int64_t T, const Weight& wt, float* y, ProductLaunch launch) override {
     if (T <= 0) return;
     const DevW w = devw(wt);
     // A few output rows (a router) over many tokens: one pass over x on CUDA cores (matmul_skinny).
@@ -708,7 +711,7 @@ class CudaBackend final : public Backend {
       // done: e4m3 x e4m3
     } else if (lt_decode && lt_bf16(x, T, w, y)) {
       // done: bf16 x bf16
-    } else if (T == 1 && w.out >= 4096 && gemv_rows2(x, w, y, gemv_x_shared_, stream_)) {
+    } else if (T == 1 && w.out >= 4096 && gemv_rows2(x, w, y, gemv_x_shared_, stream_, rows2_launch(launch))) {
       // done: two rows per warp
     } else if (T <= kGemvRows) {
       matmul_small(x, T, w, y, stream_, sms_, gemv_x_shared_);
@@ -894,12 +897,19 @@ class CudaBackend final : public Backend {
     absorb_into_qlat(a);
     absorbed_ = {a.q, a.kv_b, a.T};
   }
-  // q_nope through W_UK's rows: qlat_ [T, H, kv_lora], returned.
-  float* absorb_into_qlat(const MlaAttentionArgs& a) {
+  void mla_rope_absorb_queries(float* q, const float* cs, RopeKind kind, const MlaAttentionArgs& a) override {
+    if (a.T <= 0 || !a.absorbed || q != a.q || a.qk_rope / 2 > 32)
+      return Backend::mla_rope_absorb_queries(q, cs, kind, a);
+    absorb_into_qlat(a, {q, cs, kind == RopeKind::Interleaved});
+    absorbed_ = {a.q, a.kv_b, a.T};
+  }
+  // q_nope through W_UK's rows: qlat_ [T, H, kv_lora], returned; with rope.q set, the queries'
+  // rope parts rotated in place by the same launch.
+  float* absorb_into_qlat(const MlaAttentionArgs& a, cuda::AbsorbRope rope = {}) {
     VIREO_PROF("absorb_q");
     float* qlat = qlat_.get<float>(size_t(a.T * a.n_heads * a.kv_lora));
     absorb_q(a.q, a.T, a.n_heads, a.qk_nope + a.qk_rope, a.qk_nope, devw(*a.kv_b), a.qk_nope + a.v_dim, a.kv_lora, qlat,
-             stream_);
+             stream_, rope);
     return qlat;
   }
   // Branches on a second stream (forked and joined by events, so a recording captures them as a
@@ -916,6 +926,16 @@ class CudaBackend final : public Backend {
       VIREO_CUDA_CHECK(cudaEventCreateWithFlags(&branch_fork_, cudaEventDisableTiming));
       VIREO_CUDA_CHECK(cudaEventCreateWithFlags(&branch_join_, cudaEventDisableTiming));
     }
+    fork_branch();
+  }
+  void continue_branch(int64_t rows) override {
+    if (!branches_beside(rows)) return;
+    if (in_branch_) fail("cuda: a branch continued inside another");
+    if (!branch_open_) return begin_branch(rows);
+    branch_open_ = false;  // its join is recorded again at this part's end
+    fork_branch();
+  }
+  void fork_branch() {
     VIREO_CUDA_CHECK(cudaEventRecord(branch_fork_, stream_));
     VIREO_CUDA_CHECK(cudaStreamWaitEvent(branch_stream_, branch_fork_, 0));
     std::swap(stream_, branch_stream_);  // the ops queued now go to the branch's stream

@@ -669,27 +669,42 @@ void launch_moe_dt(bool vec, bool x_shared, MoePart part, const float* x, int64_
 }
 
 // y[row] for rows 2i and 2i + 1 by one warp, x read once for both (T = 1, rows 16-byte aligned).
-// XS: x staged in shared memory by the block (w.in floats).
-template <int DT, bool XS = false, int WARPS = 8>
+// XS: x staged in shared memory by the block (w.in floats). ahead_on: 1 issues the first weight
+// loads before the wait (weights_ahead); kRows2Early skips the wait (Rows2Launch::Early: x was
+// complete before the kernel queued before this one passed its own wait) and reads x through L2.
+constexpr int kRows2Early = 2;
+template <int DT, bool XS = false, int WARPS = 8, bool WALK = false>
 __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
     gemv_rows2_kernel(const float* __restrict__ x, DevW w, float* __restrict__ y, int spread, int ahead_on) {
   const PairAhead ahead =
-      pdl_begin_after(pair_ahead<DT>(w, warp_unit(spread, threadIdx.x >> 5, WARPS) * 2, threadIdx.x & 31, ahead_on));
+      pdl_begin_after(pair_ahead<DT>(w, warp_unit(spread, threadIdx.x >> 5, WARPS) * 2, threadIdx.x & 31, ahead_on),
+                      ahead_on != kRows2Early);
+  const bool early = ahead_on == kRows2Early;
   extern __shared__ float4 xs[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t row = warp_unit(spread, warp, WARPS) * 2;
-  if constexpr (XS) stage_x(x, w.in, xs);
-  if (row >= w.out) return;
+  // WALK: each warp walks the row pairs gridDim.x * WARPS apart (a grid smaller than the pairs,
+  // leaving room on the SMs to other kernels); else one pair a warp.
+  int64_t row = warp_unit(spread, warp, WARPS) * 2;
+  if constexpr (XS) {
+    if (early) stage_x<true>(x, w.in, xs);  // (not through L1, which the wait would have invalidated)
+    else stage_x(x, w.in, xs);
+  }
   DevW next = w;  // the same matrix one row on: FP8 rows 2i, 2i + 1 share a 128-row scale block
   next.w = static_cast<const char*>(w.w) + size_t(w.in) * elem_bytes<DT>();
-  float2 v;
-  if constexpr (XS) v = lane_dot2<DT, true>(w, next, row, XShared{xs, 0}, lane, &ahead);
-  else v = lane_dot2<DT, true>(w, next, row, XGlobal{x}, lane, &ahead);
-  const float a = warp_sum(v.x), b = warp_sum(v.y);
-  if (lane == 0) {
-    y[row] = a;
-    y[row + 1] = b;
-  }
+  auto pair = [&](int64_t r, const PairAhead* first) {
+    float2 v;
+    if constexpr (XS) v = lane_dot2<DT, true>(w, next, r, XShared{xs, 0}, lane, first);
+    else v = lane_dot2<DT, true>(w, next, r, XGlobal{x}, lane, first);
+    const float a = warp_sum(v.x), b = warp_sum(v.y);
+    if (lane == 0) {
+      y[r] = a;
+      y[r + 1] = b;
+    }
+  };
+  if (row >= w.out) return;
+  pair(row, &ahead);
+  if constexpr (WALK)
+    for (row += int64_t(gridDim.x) * WARPS * 2; row < w.out; row += int64_t(gridDim.x) * WARPS * 2) pair(row, nullptr);
 }
 
 // A warp per output row, or (PAIRS: every weight has an even row count) per two rows of one
@@ -1017,8 +1032,29 @@ void index_key_append(const float* k, int64_t T, int64_t d, const float* w, cons
 
 namespace {
 template <int DT, int WARPS>
-void launch_rows2_xs(const float* x, const DevW& w, float* y, cudaStream_t st) {
+void launch_rows2_xs(const float* x, const DevW& w, float* y, cudaStream_t st, Rows2Launch form) {
   const size_t x_bytes = size_t(w.in) * 4;
+  if (form != Rows2Launch::InOrder) {  // blocks of 16 warps (two fill an SM's registers), one an SM at most
+    // More FP8 pairs than that: a block an SM, each warp walking its pairs (q_b's 8192 pairs at
+    // GLM-5 shapes: one pair a warp in 512 blocks took every SM's registers and starved the
+    // indexer's branch beside it). BF16 rows keep a pair a warp: twice the bytes, and 16 warps an
+    // SM then keep too few of them in flight (8 layers at 4096 cached, session 41: FP8 +1.2
+    // points with the walk, BF16 -1.0 with it and +1.6 without; BENCHMARKS).
+    const int64_t walk_blocks = multiprocessors(), blocks = (w.out / 2 + 15) / 16;
+    const bool walk = DT == W_FP8 && blocks > walk_blocks;
+    const int ahead = form == Rows2Launch::Early ? kRows2Early : weights_ahead(DT);
+    if (walk) {
+      constexpr auto kernel = gemv_rows2_kernel<DT, true, 16, true>;
+      allow_xs<kernel>();
+      launch(kernel, unsigned(walk_blocks), 32 * 16, x_bytes, st, x, w, y, 0, ahead);
+    } else {
+      constexpr auto kernel = gemv_rows2_kernel<DT, true, 16>;
+      allow_xs<kernel>();
+      launch(kernel, unsigned(blocks), 32 * 16, x_bytes, st, x, w, y, 0, ahead);
+    }
+    VIREO_CUDA_LAUNCHED();
+    return;
+  }
   {  // one block an SM where that holds every row pair
     constexpr auto kernel = gemv_rows2_kernel<DT, true, kWideWarps>;
     allow_xs<kernel>();
@@ -1046,11 +1082,11 @@ bool rows2_xs_fits(const DevW& w, bool x_shared) {
 }
 }  // namespace
 
-bool gemv_rows2(const float* x, const DevW& w, float* y, bool x_shared, cudaStream_t st) {
+bool gemv_rows2(const float* x, const DevW& w, float* y, bool x_shared, cudaStream_t st, Rows2Launch form) {
   if (!rows2_fits(x, w)) return false;
   if (rows2_xs_fits(w, x_shared)) {
-    if (w.dt == W_FP8) launch_rows2_xs<W_FP8, kXsWarps>(x, w, y, st);
-    else launch_rows2_xs<W_BF16, kXsWarps>(x, w, y, st);
+    if (w.dt == W_FP8) launch_rows2_xs<W_FP8, kXsWarps>(x, w, y, st, form);
+    else launch_rows2_xs<W_BF16, kXsWarps>(x, w, y, st, form);
     return true;
   }
   const unsigned blocks = unsigned((w.out / 2 + 7) / 8);

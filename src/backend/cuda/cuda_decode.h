@@ -66,7 +66,12 @@ void gemv_many(const float* x, const ManyW& m, bool x_shared, cudaStream_t st); 
 // y = W x for one token, a warp per two rows (x read once for both): large matrices, where the
 // x reads from L1 rather than the weight bytes limit the one-row-per-warp GEMV. False when the
 // shape or alignment does not allow it (nothing launched). x_shared: as moe_experts.
-bool gemv_rows2(const float* x, const DevW& w, float* y, bool x_shared, cudaStream_t st);
+// form (Backend::ProductLaunch, with x shared): HalfSm launches blocks of 16 warps (half of an SM's
+// registers), Early the same without waiting for the kernel before; otherwise the form that
+// fills the SMs. The other paths (x not shared) always launch in order.
+enum class Rows2Launch { InOrder, HalfSm, Early };
+bool gemv_rows2(const float* x, const DevW& w, float* y, bool x_shared, cudaStream_t st,
+                Rows2Launch form = Rows2Launch::InOrder);
 
 // out[r] = the index of row r's largest value (the lowest on ties), as the CPU reference. Two
 // launches: blocks over parts of each row, then one warp per row; parts_buf holds

@@ -68,9 +68,13 @@ __device__ __forceinline__ void pdl_begin(bool wait = true) {
 // pdl_begin() after `ahead`, the argument, is evaluated: a kernel's first statement may issue loads
 // of what no kernel writes (its weights) before the wait, so that they land while the kernel
 // before it finishes (pdl_begin_after(first_loads(...))). Nothing else may be read there.
+// wait = false only in a product launched early (Backend::ProductLaunch::Early): its inputs were
+// complete before the kernel before it passed its own wait, and it writes nothing that kernel
+// touches; the kernels after it must not read what the kernel before it writes (they wait for
+// this one only).
 template <class T>
-__device__ __forceinline__ T pdl_begin_after(T ahead) {
-  pdl_begin();
+__device__ __forceinline__ T pdl_begin_after(T ahead, bool wait = true) {
+  pdl_begin(wait);
   return ahead;
 }
 
@@ -351,6 +355,19 @@ __device__ __forceinline__ void gemv_consume(const uint4& v, const float* __rest
     if constexpr (DT == W_FP8) acc[t] += scale * p;
     else acc[t] += p;
   }
+}
+
+// RoPE of one (token, head)'s rope part v[0 : 2 half] by cos_sin c ([half, 2]): pair i is read by
+// one thread (rope_pair_read), and after every thread of the item has read its pair (the item's
+// pairs overlap in the interleaved layout) written de-interleaved (rope_pair_write). rope_kernel
+// and the absorbed queries' fused rotation both use these, so they write the same bits.
+__device__ __forceinline__ float2 rope_pair_read(const float* v, int i, int half, bool interleaved) {
+  return interleaved ? make_float2(v[2 * i], v[2 * i + 1]) : make_float2(v[i], v[half + i]);
+}
+__device__ __forceinline__ void rope_pair_write(float* v, int i, int half, float2 ab, const float* c) {
+  const float co = c[2 * i], si = c[2 * i + 1];
+  v[i] = ab.x * co - ab.y * si;
+  v[half + i] = ab.y * co + ab.x * si;
 }
 
 // Where a GEMV lane's x comes from, as float4 number q of the input row. XGlobal: through L1.

@@ -643,13 +643,6 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
     backend_.matmul_many(xn, N, ws, ys, !index_products_here ? 2 : dense_dsa ? 3 : 4);
   }
 
-  float* q_resid = nullptr;
-  float* qi = own_indexer ? scratch(15, size_t(N * nI * d)) : nullptr;  // the indexer's queries
-  if (qa) {
-    q_resid = scratch(13, size_t(N * c.q_lora_rank));
-    backend_.rms_norm(qa, c.q_lora_rank, N, c.q_lora_rank, vec(a.q_a_norm), eps_lora, q_resid, c.q_lora_rank);
-  }
-
   // This step's cache entries [latent | k_rope], written straight into each sequence's row.
   auto append_cache_entries = [&] {
     for (const Segment& s : segs)
@@ -657,25 +650,50 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
                                 cs + s.offset * cs_stride, rope_kind(c.mla_rope_style), cache.kv(layer, s.row), s.pos0,
                                 s.pos0_dev);
   };
+  auto append_index_keys = [&] {
+    for (const Segment& s : segs)
+      backend_.index_key_append(kraw + s.offset * d, s.T, d, vec(a.idx_k_norm_w), vec(a.idx_k_norm_b), 1e-6f, rope,
+                                cs + s.offset * cs_stride, rope_kind(c.indexer_rope_style),
+                                cache.index_keys(layer, s.row), s.pos0, s.pos0_dev);
+  };
+  // Where the indexer selects and its branch runs beside the queries' work (a GPU's decode), the
+  // branch starts here with both cache appends (beside the q_a norm), the indexer's query product
+  // runs next on the main side in blocks that leave half of each SM free, the branch continues
+  // after it (RoPE, scores, top-k), and q_b starts early beside it (it reads only q_resid) in the
+  // same half-SM blocks, walking its rows. Before (session 40's trace), q_b's blocks filled every
+  // SM and the branch's kernels were dispatched only as they drained: the query product ran after
+  // q_b, not beside it. H200, 8 layers fp8: +1.2 points at 4096 cached (BENCHMARKS, session 41).
+  const bool queries_first = own_indexer && qa && !dense_dsa && backend_.branches_beside(N);
+  if (queries_first) {
+    Backend::BranchScope branch(backend_, N);
+    append_index_keys();
+    append_cache_entries();
+  }
+
+  float* q_resid = nullptr;
+  float* qi = own_indexer ? scratch(15, size_t(N * nI * d)) : nullptr;  // the indexer's queries
+  if (qa) {
+    q_resid = scratch(13, size_t(N * c.q_lora_rank));
+    backend_.rms_norm(qa, c.q_lora_rank, N, c.q_lora_rank, vec(a.q_a_norm), eps_lora, q_resid, c.q_lora_rank);
+  }
+  if (queries_first) backend_.matmul_launched(q_resid, N, a.idx_wq_b, qi, Backend::ProductLaunch::HalfSm);
   // A branch: the whole indexer (its keys, head weights, queries, scores and top-k) needs nothing
   // of the queries' work (q_b, this step's cache entries, RoPE, absorption), which runs beside it.
   // The indexer's query product is its own GEMV here, not one launch with q_b: its chain of small
   // latency-bound kernels then overlaps q_b's weight stream instead of waiting for it (H200, 8
   // layers, bf16 decode: +1.5 points at context 0). The cache append runs on the shorter side: the
-  // main one when the indexer selects (+0.5 points at 4096 cached; session 15), the branch when
-  // DSA is dense (the branch is then the key product and the key append).
+  // main one when the indexer selects in order (a CPU; queries_first above on a GPU), the branch
+  // when DSA is dense (the branch is then the key product and the key append).
   if (own_indexer) {
     VIREO_ASSERT(q_resid);  // the indexer's queries come from the low-rank query (config checks)
-    Backend::BranchScope branch(backend_, N);
+    Backend::BranchScope branch(backend_, N,
+                                queries_first ? Backend::BranchScope::Continue : Backend::BranchScope::Begin);
     if (!index_products_here) backend_.matmul(xn, N, a.idx_wk, kraw);
-    for (const Segment& s : segs)
-      backend_.index_key_append(kraw + s.offset * d, s.T, d, vec(a.idx_k_norm_w), vec(a.idx_k_norm_b), 1e-6f, rope,
-                                cs + s.offset * cs_stride, rope_kind(c.indexer_rope_style),
-                                cache.index_keys(layer, s.row), s.pos0, s.pos0_dev);
+    if (!queries_first) append_index_keys();
     if (dense_dsa) {
       append_cache_entries();  // the branch is the short side here
     } else {
-      backend_.matmul(q_resid, N, a.idx_wq_b, qi);
+      if (!queries_first) backend_.matmul(q_resid, N, a.idx_wq_b, qi);
       backend_.rope(qi, N, nI, nI * d, d, 0, rope, cs, rope_kind(c.indexer_rope_style));
       for (const Segment& s : segs) {
         IndexerArgs ia;
@@ -697,10 +715,10 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
       }
     }
   }
-  if (qa) backend_.matmul(q_resid, N, a.q_b_proj, q);
-  if (!(own_indexer && dense_dsa)) append_cache_entries();
-
-  backend_.rope(q, N, H, H * qw, qw, nope, rope, cs, rope_kind(c.mla_rope_style));
+  if (qa)
+    backend_.matmul_launched(q_resid, N, a.q_b_proj, q,
+                             queries_first ? Backend::ProductLaunch::Early : Backend::ProductLaunch::InOrder);
+  if (!(own_indexer && dense_dsa) && !queries_first) append_cache_entries();
 
   float* o = scratch(18, size_t(N * H * c.v_head_dim));
   std::vector<MlaAttentionArgs> mas;
@@ -724,8 +742,15 @@ void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::ve
     ma.out = o + s.offset * H * c.v_head_dim;
     mas.push_back(ma);
   }
-  // One segment's queries absorbed while the branch selects its keys (two would need a buffer each).
-  if (mas.size() == 1) backend_.mla_absorb_queries(mas[0]);
+  // One segment's queries rotated and absorbed while the branch selects its keys (two would need
+  // a buffer each); the rotation inside the absorption's launch on a GPU (one kernel fewer on the
+  // queries' chain: +0.3-0.5 points at context 0, session 41).
+  if (mas.size() == 1) {
+    VIREO_ASSERT(mas[0].q == q);  // (one segment: offset 0)
+    backend_.mla_rope_absorb_queries(q, cs, rope_kind(c.mla_rope_style), mas[0]);
+  } else {
+    backend_.rope(q, N, H, H * qw, qw, nope, rope, cs, rope_kind(c.mla_rope_style));
+  }
   backend_.join_branch();
   for (const MlaAttentionArgs& ma : mas) backend_.mla_attention(ma);
   backend_.matmul(o, N, a.o_proj, out);
