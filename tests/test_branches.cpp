@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend_test_util.h"
 #include "cache/mla_cache.h"
 #include "io/json_file.h"
 #include "model/glm_dsa/model.h"
@@ -354,6 +355,17 @@ TEST(Branches, CheckerFindsAMainOpReadingWhatTheBranchWrote) {
   ASSERT_EQ(be.hazards().size(), before + 2);  // scale reads and writes a
   EXPECT_NE(be.hazards().back().find("scale"), std::string::npos) << be.hazards().back();
   EXPECT_EQ(be.branches_continued(), 2);
+  // An early product may not touch what the op queued just before it writes.
+  const test::HostWeight w = test::make_weight(DType::F32, 4, 16, 1);
+  const size_t before_early = be.hazards().size();
+  be.fill(a.get(), 1.0f, 16);
+  be.matmul_launched(b.get(), 1, w.w, c.get(), Backend::ProductLaunch::Early);  // reads b: allowed
+  EXPECT_EQ(be.hazards().size(), before_early) << joined(be.hazards());
+  be.fill(a.get(), 1.0f, 16);
+  be.matmul_launched(a.get(), 1, w.w, c.get(), Backend::ProductLaunch::Early);  // reads the fill's a
+  ASSERT_EQ(be.hazards().size(), before_early + 1);
+  EXPECT_NE(be.hazards().back().find("fill"), std::string::npos) << be.hazards().back();
+  EXPECT_EQ(be.early_products(), 2);
 }
 
 // The model's branches keep their promise in every fixture family (own indexer, shared indexer

@@ -899,7 +899,7 @@ __global__ void moe_route_kernel(const float* __restrict__ logits, int E, int G,
 
 void absorb_q(const float* q, int64_t T, int64_t H, int64_t qw, int64_t nope, const DevW& kvb, int64_t hw, int64_t L,
               float* qlat, cudaStream_t st, AbsorbRope rope) {
-  if (rope.q && (rope.q != q || qw - nope > 64 || (qw - nope) % 2))
+  if (rope.q && (rope.q != q || !absorb_rope_fits(qw - nope)))
     fail("absorb_q: the fused RoPE takes q itself and a rope part of at most 64 (even), not ", qw - nope);
   if (kvb_rows_vectorizable(kvb, L)) {
     const int n = 16 / (kvb.dt == W_F32 ? 4 : kvb.dt == W_FP8 ? 1 : 2);

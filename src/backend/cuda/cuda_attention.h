@@ -17,6 +17,8 @@ struct AbsorbRope {
   const float* cs = nullptr;
   bool interleaved = false;
 };
+// Whether absorb_q can rotate a rope part of this width (a warp a head: at most 64, even).
+inline bool absorb_rope_fits(int64_t rope) { return rope <= 64 && rope % 2 == 0; }
 // q_lat[t, h, :] = W_UK(h)^T q[t, h, :nope]                         q_lat [T, H, L]
 void absorb_q(const float* q, int64_t T, int64_t H, int64_t qw, int64_t nope, const DevW& kvb, int64_t hw, int64_t L,
               float* qlat, cudaStream_t st, AbsorbRope rope = {});

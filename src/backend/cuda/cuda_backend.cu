@@ -898,7 +898,7 @@ class CudaBackend final : public Backend {
     absorbed_ = {a.q, a.kv_b, a.T};
   }
   void mla_rope_absorb_queries(float* q, const float* cs, RopeKind kind, const MlaAttentionArgs& a) override {
-    if (a.T <= 0 || !a.absorbed || q != a.q || a.qk_rope > 64 || a.qk_rope % 2)  // (absorb_q's bounds)
+    if (a.T <= 0 || !a.absorbed || q != a.q || !cuda::absorb_rope_fits(a.qk_rope))
       return Backend::mla_rope_absorb_queries(q, cs, kind, a);
     absorb_into_qlat(a, {q, cs, kind == RopeKind::Interleaved});
     absorbed_ = {a.q, a.kv_b, a.T};
