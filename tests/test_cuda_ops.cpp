@@ -971,8 +971,9 @@ TEST(CudaOps, DecodeStepOpsMatchCpu) {
 }
 
 // Several products of one input in one launch (a decode step's q_a, kv_a, indexer keys and
-// weights): even row counts (two rows per warp), odd ones (one), mixed dtypes and T > 1 (one
-// matmul each): every way equals the CPU's separate products.
+// weights): even row counts (two rows per warp), odd ones (one), mixed dtypes (one token: FP8 and
+// BF16 rows in one launch with x shared, a launch a dtype through L1; more: one matmul each) and
+// T > 1: every way equals the CPU's separate products.
 TEST(CudaOps, MatmulManyMatchesCpu) {
   REQUIRE_CUDA();
   Pair p;
@@ -985,6 +986,8 @@ TEST(CudaOps, MatmulManyMatchesCpu) {
                         Case{{4096, 576, 128}, {DType::F8_E4M3, DType::F8_E4M3, DType::F8_E4M3}, 1},
                         Case{{256, 130, 2}, {DType::F8_E4M3, DType::F8_E4M3, DType::F8_E4M3}, 1},
                         Case{{300, 77}, {DType::F32, DType::F32}, 1}, Case{{256, 32}, {DType::F8_E4M3, DType::BF16}, 1},
+                        // an FP8 layer's input at 4096 cached: the bf16 head weights among FP8 rows
+                        Case{{2048, 576, 128, 32}, {DType::F8_E4M3, DType::F8_E4M3, DType::F8_E4M3, DType::BF16}, 1},
                         Case{{64, 32}, {DType::BF16, DType::BF16}, 3},
                         // prefill rows: x converted once for every product (exact mode: split)
                         Case{{2048, 576, 128, 32}, {DType::BF16, DType::BF16, DType::BF16, DType::BF16}, 100},
@@ -1017,7 +1020,11 @@ TEST(CudaOps, MatmulManyMatchesCpu) {
       const std::vector<float> got = p.g.down(gy[i], want.size());
       EXPECT_LT(nmse(got, want), 1e-9) << "weight " << i << " of " << hw.size() << " rows " << c.outs[i] << " T " << c.T;
 #ifdef VIREO_HAVE_CUDA
-      EXPECT_EQ(p.g.down(gy_l1[i], want.size()), got) << "x via L1, weight " << i << " T " << c.T;
+      // (Except a BF16 weight among FP8 ones: through L1 it runs alone, several warps a row.)
+      bool mixed = false;
+      for (DType dt : c.dts) mixed = mixed || dt != c.dts[0];
+      if (!(mixed && c.T == 1 && c.dts[i] == DType::BF16))
+        EXPECT_EQ(p.g.down(gy_l1[i], want.size()), got) << "x via L1, weight " << i << " T " << c.T;
 #endif
     }
   }

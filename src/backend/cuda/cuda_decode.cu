@@ -724,10 +724,12 @@ __device__ __forceinline__ RowAhead many_ahead(const ManyW& m, int spread, bool 
   while (r >= m.row0[i + 1]) ++i;
   return row_ahead<DT>(m.w[i], r - m.row0[i], int(threadIdx.x & 31), true);
 }
-template <int DT, bool PAIRS, bool XS = false, int WARPS = kManyWarps>
+// MIXED (XS, no pairs, DT = FP8): a weight's rows may also be BF16 (its DevW's dt says which).
+template <int DT, bool PAIRS, bool XS = false, int WARPS = kManyWarps, bool MIXED = false>
 __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
     gemv_many_kernel(const float* __restrict__ x, ManyW m, int spread, int ahead_on) {
   const RowAhead ahead = pdl_begin_after(many_ahead<DT, PAIRS, XS, WARPS>(m, spread, ahead_on));
+  static_assert(!MIXED || (XS && !PAIRS && DT == W_FP8), "mixed rows: the shared-x FP8 form");
   extern __shared__ float4 xs[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t r = warp_unit(spread, warp, WARPS) * (PAIRS ? 2 : 1);
@@ -747,8 +749,14 @@ __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
     }
   } else {
     float v;
-    if constexpr (XS) v = warp_sum(lane_dot<DT, true>(m.w[i], row, XShared{xs, 0}, lane, &ahead));
-    else v = warp_sum(lane_dot<DT, true>(m.w[i], row, x, lane));
+    if constexpr (MIXED) {
+      if (m.w[i].dt == W_BF16) v = warp_sum(lane_dot<W_BF16, true>(m.w[i], row, XShared{xs, 0}, lane));
+      else v = warp_sum(lane_dot<DT, true>(m.w[i], row, XShared{xs, 0}, lane, &ahead));
+    } else if constexpr (XS) {
+      v = warp_sum(lane_dot<DT, true>(m.w[i], row, XShared{xs, 0}, lane, &ahead));
+    } else {
+      v = warp_sum(lane_dot<DT, true>(m.w[i], row, x, lane));
+    }
     if (lane == 0) m.y[i][row] = v;
   }
 }
@@ -1096,6 +1104,22 @@ bool gemv_rows2(const float* x, const DevW& w, float* y, bool x_shared, cudaStre
     case W_F16: launch(gemv_rows2_kernel<W_F16>, blocks, 256, 0, st, x, w, y, 0, 0); break;
     default: launch(gemv_rows2_kernel<W_FP8>, blocks, 256, 0, st, x, w, y, 0, 0); break;
   }
+  VIREO_CUDA_LAUNCHED();
+  return true;
+}
+
+bool gemv_many_mixed(const float* x, const ManyW& m, bool x_shared, cudaStream_t st) {
+  static const bool on = env_switch("VIREO_GEMV_MANY_MIXED");
+  if (!on || !x_shared || m.n < 2) return false;
+  for (int i = 0; i < m.n; ++i)
+    if ((m.w[i].dt != W_FP8 && m.w[i].dt != W_BF16) || m.w[i].in != m.w[0].in) return false;
+  const size_t x_bytes = size_t(m.w[0].in) * 4;
+  if (x_bytes > kXsMaxBytes) return false;
+  constexpr auto kernel = gemv_many_kernel<W_FP8, false, true, kWideWarps, true>;
+  allow_xs<kernel>();
+  const unsigned blocks = wide_blocks<kernel>(m.row0[m.n], x_bytes);
+  if (!blocks) return false;
+  launch(kernel, blocks, 32 * kWideWarps, x_bytes, st, x, m, 1, 0);  // (no loads before the wait: FP8's rule)
   VIREO_CUDA_LAUNCHED();
   return true;
 }

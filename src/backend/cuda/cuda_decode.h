@@ -62,6 +62,11 @@ struct ManyW {
   int n = 0;
 };
 void gemv_many(const float* x, const ManyW& m, bool x_shared, cudaStream_t st);  // x_shared: as moe_experts
+// One launch for FP8 and BF16 weights together (an FP8 checkpoint's bf16 indexer head weights
+// beside q_a, kv_a and the indexer's keys), in the shared-x form of one block an SM, a warp a row
+// (each row's sum as gemv_many's for its dtype). False where that form does not apply (nothing
+// launched). VIREO_GEMV_MANY_MIXED=0: never (a launch a dtype, A/B runs).
+bool gemv_many_mixed(const float* x, const ManyW& m, bool x_shared, cudaStream_t st);
 
 // y = W x for one token, a warp per two rows (x read once for both): large matrices, where the
 // x reads from L1 rather than the weight bytes limit the one-row-per-warp GEMV. False when the
