@@ -873,6 +873,92 @@ TEST(CudaOps, MoeSlotCountsKeepTheSums) {
 #endif
 }
 
+// The experts followed by the next sublayer's residual add and norm in one call
+// (moe_experts_add_rms_norm: on a decode step the slots' ordered sum moves into the norm's launch)
+// against moe_experts then add_rms_norm: the same bits in h and y, over calls queued back to back
+// with new inputs and ids (the slot counts, zeroed by whichever launch sums the slots, must be zero
+// again for the next call), with the shared expert's gate | up queued ahead or not, FP8 (one token
+// walking) and BF16 (counted slots), one token and three; and the CPU's result within f32 error.
+TEST(CudaOps, MoeSumInNormKeepsTheBits) {
+  REQUIRE_CUDA();
+  Pair p;
+  const int kCalls = 4;
+  for (int64_t D : {int64_t(2048), int64_t(256)})
+    for (DType dt : {DType::F8_E4M3, DType::BF16})
+      for (int64_t N : {int64_t(1), int64_t(3)}) {
+        const int64_t I = D / 2;
+        const int K = 4, E = 8;
+        ExpertBank gb, cb;
+        gb.n_shared = cb.n_shared = 1;
+        std::vector<HostWeight> hw;
+        for (int e = 0; e <= E; ++e)
+          for (int m = 0; m < 3; ++m) {
+            hw.push_back(m < 2 ? make_weight(dt, I, D, uint32_t(950 + 3 * e + m))
+                               : make_weight(dt, D, I, uint32_t(952 + 3 * e)));
+            (m == 0 ? cb.gate : m == 1 ? cb.up : cb.down).push_back(hw.back().w);
+            (m == 0 ? gb.gate : m == 1 ? gb.up : gb.down).push_back(p.gpu->upload_weight(hw.back().w));
+          }
+        std::mt19937 rng(uint32_t(N + D));
+        std::vector<std::vector<int32_t>> ids(kCalls);
+        for (auto& call : ids)
+          for (int64_t t = 0; t < N; ++t) {
+            std::vector<int32_t> all(static_cast<size_t>(E));
+            for (int e = 0; e < E; ++e) all[size_t(e)] = e;
+            std::shuffle(all.begin(), all.end(), rng);
+            call.insert(call.end(), all.begin(), all.begin() + K);
+          }
+        const auto h0 = randv(size_t(N * D), 80, 3.0f), nw = randv(size_t(D), 81), w = randv(size_t(N * K), 82);
+        std::vector<std::vector<float>> xs;
+        for (int c = 0; c < kCalls; ++c) xs.push_back(randv(size_t(N * D), uint32_t(83 + c), 2.0f));
+        std::vector<int32_t*> call_ids;
+        for (const auto& call : ids) call_ids.push_back(p.g.up_i(call));
+        int32_t* gids = p.g.up_i(ids[0]);
+        float* gw = p.g.up(w);
+        float* gnw = p.g.up(nw);
+        // Each call: x from the last call's y (the next layer's input), as a step's layers chain.
+        auto run = [&](bool fused) {
+          float* gh = p.g.up(h0);
+          float* gout = p.g.up(std::vector<float>(size_t(N * D), NAN));
+          std::vector<float*> ys;
+          for (int c = 0; c < kCalls; ++c) {
+            p.gpu->copy_rows(reinterpret_cast<float*>(gids), N * K, reinterpret_cast<const float*>(call_ids[size_t(c)]),
+                             N * K, 1, N * K);
+            const float* gx = c == 0 ? p.g.up(xs[0]) : ys.back();
+            ys.push_back(p.g.up(std::vector<float>(size_t(N * D), NAN)));
+            if (c % 2) p.gpu->moe_shared_gate_up(gx, N, K, gb);
+            if (fused) {
+              p.gpu->moe_experts_add_rms_norm(gx, N, gids, gw, K, gb, gout, gh, gnw, 1e-5f, ys.back());
+            } else {
+              p.gpu->moe_experts(gx, N, gids, gw, K, gb, gout);
+              p.gpu->add_rms_norm(gh, gout, N, D, gnw, 1e-5f, ys.back());
+            }
+          }
+          std::vector<std::vector<float>> got{p.g.down(gh, size_t(N * D))};
+          for (float* y : ys) got.push_back(p.g.down(y, size_t(N * D)));
+          return got;
+        };
+        const auto apart = run(false), fused = run(true);
+        for (size_t i = 0; i < apart.size(); ++i)
+          EXPECT_EQ(fused[i], apart[i]) << dt_name(dt) << " D " << D << " N " << N << (i ? " y of call " : " h")
+                                        << (i ? std::to_string(i - 1) : "");
+        // The CPU: the first call (x given), h after it and its y.
+        std::vector<float> h = h0, out(size_t(N * D)), y(size_t(N * D));
+        p.cpu->moe_experts_add_rms_norm(xs[0].data(), N, ids[0].data(), w.data(), K, cb, out.data(), h.data(),
+                                        nw.data(), 1e-5f, y.data());
+        const auto one = [&] {  // the GPU's first call alone
+          float* gh = p.g.up(h0);
+          float* gy = p.g.up(std::vector<float>(size_t(N * D), NAN));
+          p.gpu->copy_rows(reinterpret_cast<float*>(gids), N * K, reinterpret_cast<const float*>(call_ids[0]), N * K,
+                           1, N * K);
+          p.gpu->moe_experts_add_rms_norm(p.g.up(xs[0]), N, gids, gw, K, gb,
+                                          p.g.up(std::vector<float>(size_t(N * D), NAN)), gh, gnw, 1e-5f, gy);
+          return std::make_pair(p.g.down(gh, size_t(N * D)), p.g.down(gy, size_t(N * D)));
+        }();
+        EXPECT_LT(nmse(one.first, h), 1e-12) << dt_name(dt) << " D " << D << " N " << N << " h against the CPU";
+        EXPECT_LT(nmse(one.second, y), 1e-10) << dt_name(dt) << " D " << D << " N " << N << " y against the CPU";
+      }
+}
+
 // Fused cache appends (host and run-time positions), argmax, and absorbed attention plus the
 // indexer with run-time positions against the CPU with the true ones.
 TEST(CudaOps, DecodeStepOpsMatchCpu) {
