@@ -271,15 +271,6 @@ class Backend {
   // ids, weights in backend memory.           x, out [N, D]; ids, weights [N, top_k]
   virtual void moe_experts(const float* x, int64_t N, const int32_t* ids, const float* weights, int top_k,
                            const ExpertBank& bank, float* out) = 0;
-  // moe_experts, then add_rms_norm(h, out, N, D, w, eps, y): a layer's experts and the residual
-  // add and norm of the next sublayer's input, where a backend folds the experts' ordered sum into
-  // the add (out is then not written). The same results as the two calls.   h, y [N, D]
-  virtual void moe_experts_add_rms_norm(const float* x, int64_t N, const int32_t* ids, const float* weights,
-                                        int top_k, const ExpertBank& bank, float* out, float* h, const float* w,
-                                        float eps, float* y) {
-    moe_experts(x, N, ids, weights, top_k, bank, out);
-    add_rms_norm(h, out, N, bank.gate.empty() ? 0 : bank.gate[0].in(), w, eps, y);
-  }
   // The part of moe_experts(x, N, .., top_k, bank, ..) that reads no routing (the shared experts'
   // gate and up products), queued ahead of it so that it can run beside moe_route (in a branch);
   // the moe_experts call that follows with the same x, N, top_k and bank does the rest. The

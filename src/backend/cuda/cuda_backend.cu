@@ -996,27 +996,13 @@ class CudaBackend final : public Backend {
     shared_gate_up_ = {};
     queue_moe(x, N, ids, weights, top_k, bank, out, ahead ? cuda::MoePart::Rest : cuda::MoePart::All);
   }
-  void moe_experts_add_rms_norm(const float* x, int64_t N, const int32_t* ids, const float* weights, int top_k,
-                                const ExpertBank& bank, float* out, float* h, const float* w, float eps,
-                                float* y) override {
-    if (N <= 0) return;
-    const bool aligned = reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
-    if (N > kGemvRows && aligned && bank_run(N, top_k, bank))
-      return Backend::moe_experts_add_rms_norm(x, N, ids, weights, top_k, bank, out, h, w, eps, y);
-    VIREO_PROF("moe_experts");
-    const SharedGateUp mine{x, N, top_k, &bank};
-    const bool ahead = shared_gate_up_ == mine;
-    shared_gate_up_ = {};
-    const cuda::AddNormAfter after{h, w, eps, y};
-    queue_moe(x, N, ids, weights, top_k, bank, out, ahead ? cuda::MoePart::Rest : cuda::MoePart::All, &after);
-  }
   void queue_moe(const float* x, int64_t N, const int32_t* ids, const float* weights, int top_k, const ExpertBank& bank,
-                 float* out, cuda::MoePart part, const cuda::AddNormAfter* after = nullptr) {
+                 float* out, cuda::MoePart part) {
     const DeviceBank& b = device_bank(bank);
     float* h = moe_h_.get<float>(size_t(N * (top_k + bank.n_shared) * (b.I + b.D)));
     cuda::moe_experts(x, N, b.D, b.I, top_k, bank.n_shared, int(bank.gate.size()) - bank.n_shared, ids, weights,
                       b.table.get(), b.dtype, b.vec, gemv_x_shared_, part, h, out,
-                      moe_slot_counts(N * (top_k + bank.n_shared)), stream_, after);
+                      moe_slot_counts(N * (top_k + bank.n_shared)), stream_);
   }
   // The zeroed counts moe_experts' down products wait on per slot (cuda_decode.h), or null: off
   // (VIREO_MOE_SLOT_COUNTS=0, a test, or VIREO_SKIP_KERNELS, where a dropped gate | up would

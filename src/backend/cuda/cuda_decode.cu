@@ -305,8 +305,8 @@ __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
 }
 
 // y[s, row] = down_e[row] . h[s] for slot s = (t, k) (blockIdx.y = k, blockIdx.z = t), rows 2i and
-// 2i + 1 a warp: every slot's down product side by side in one launch, h[s] staged in shared memory
-// (I floats). moe_down2_kernel walks a warp through the K + S slots one after another, each a
+// 2i + 1 a warp (ppw such pairs, down_pairs_a_warp): every slot's down product side by side in one
+// launch, h[s] staged in shared memory (I floats). moe_down2_kernel walks a warp through the K + S slots one after another, each a
 // dependent round trip to DRAM for 4 KB (FP8), and took 50 us for GLM-5's 9 slots (113 MB, 2.3
 // TB/s; ncu, H200) where one slot alone as a dense product took 3.8. The same lane sums and warp
 // reductions as moe_down2_kernel, so moe_down_combine_kernel's sum has the same bits.
@@ -327,7 +327,7 @@ __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<true, WARPS>)
   __shared__ DevW down;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t t = blockIdx.z, s = t * (K + S) + blockIdx.y;
-  // ppw row pairs a warp, one after another (the block's lookups and h's copy shared by more rows).
+  // ppw row pairs a warp, one after another: the block's lookups and h's copy serve more rows.
   int64_t row = (int64_t(blockIdx.x) * WARPS * ppw + warp) * 2;
   if (threadIdx.x == 0) {
     if (ready && int(blockIdx.y) < k_wait) wait_count(ready + s, need);
@@ -569,52 +569,55 @@ bool moe_down_slots() {
   return on;
 }
 
+// Row pairs a warp of moe_down_slots2_kernel. Two: the blocks' serial start (the slot's expert id,
+// its descriptor, h's copy, each a round trip) serves twice the rows, and half as many blocks
+// pass through each SM. H200, 8 layers fp8, B = 1: +0.7 / +1.0 and +0.9 / +0.5 points of decode
+// at context 0 / 4096 against one pair a warp; four pairs +0.3 / +0.5 (BENCHMARKS "Session 43").
+// VIREO_MOE_DOWN_PAIRS=N: N pairs (A/B runs; the sums are the same).
+int down_pairs_a_warp() {
+  static const int ppw = [] {
+    const char* e = std::getenv("VIREO_MOE_DOWN_PAIRS");
+    return e && std::atoi(e) > 0 ? std::atoi(e) : 2;
+  }();
+  return ppw;
+}
+
 // ready (may be null): the slot counts the gate | up launch just before bumped, need per slot
 // for its slots k < k_wait.
-// defer_sum: where the slots' products go to y apart (moe_down_slots), leave their ordered sum
-// to the caller (true returned: moe_experts' AddNormAfter folds it into the residual add).
 template <int DT, int WARPS>
-bool launch_down_xs(float* h, int64_t N, int64_t D, int64_t I, int K, int S, int n_routed, const int32_t* ids,
+void launch_down_xs(float* h, int64_t N, int64_t D, int64_t I, int K, int S, int n_routed, const int32_t* ids,
                     const float* wts, const DevExpert* bank, float* out, int* ready, int need, int k_wait,
-                    bool defer_sum, cudaStream_t st) {
+                    cudaStream_t st) {
   if (moe_down_slots()) {
     constexpr auto kernel = moe_down_slots2_kernel<DT, WARPS>;
     allow_xs<kernel>();
     float* y = h + N * (K + S) * I;  // the slots' down products, after their gate | up products
-    // VIREO_MOE_DOWN_PAIRS: row pairs a warp (experiment; 1 = the launch as measured before).
-    static const int ppw = [] {
-      const char* e = std::getenv("VIREO_MOE_DOWN_PAIRS");
-      return e && std::atoi(e) > 0 ? std::atoi(e) : 2;
-    }();
-    const int64_t per_block = int64_t(WARPS) * ppw;
+    const int64_t per_block = int64_t(WARPS) * down_pairs_a_warp();
     launch(kernel, dim3(unsigned((D / 2 + per_block - 1) / per_block), unsigned(K + S), unsigned(N)), 32 * WARPS,
            size_t(I) * 4, st, h, D, I, K, S, n_routed, ids, bank, y, static_cast<const int*>(ready), need, k_wait,
-           ppw);
+           down_pairs_a_warp());
     VIREO_CUDA_LAUNCHED();
-    if (defer_sum) return true;
     launch(moe_down_combine_kernel, dim3(unsigned((D + 255) / 256), unsigned(N)), 256, 0, st, y, D, K, S, wts, out,
            ready);
     VIREO_CUDA_LAUNCHED();
-    return false;
+    return;
   }
   allow_xs<moe_down2_kernel<DT, true, WARPS>>();
   const size_t h_bytes = size_t(K + S) * size_t(I) * 4;
   launch(moe_down2_kernel<DT, true, WARPS>, dim3(unsigned((D / 2 + WARPS - 1) / WARPS), unsigned(N)), 32 * WARPS,
          h_bytes, st, h, D, I, K, S, n_routed, ids, wts, bank, out);
   VIREO_CUDA_LAUNCHED();
-  return false;
 }
 
-// True where the down products' ordered sum was left to the caller (defer_sum: launch_down_xs).
 template <int DT, bool VEC>
-bool launch_moe(bool x_shared, MoePart part, const float* x, int64_t N, int64_t D, int64_t I, int K, int S,
+void launch_moe(bool x_shared, MoePart part, const float* x, int64_t N, int64_t D, int64_t I, int K, int S,
                 int n_routed, const int32_t* ids, const float* wts, const DevExpert* bank, float* h, float* out,
-                int* ready, bool defer_sum, cudaStream_t st) {
+                int* ready, cudaStream_t st) {
   // The gate | up launch's slots of each token: [k0, k0 + nk).
   const int k0 = part == MoePart::SharedGateUp ? K : 0;
   const int nk = part == MoePart::All ? K + S : part == MoePart::SharedGateUp ? S : K;
   const bool down = part != MoePart::SharedGateUp;
-  if (nk == 0 && !down) return false;
+  if (nk == 0 && !down) return;
   if constexpr ((DT == W_FP8 || DT == W_BF16) && VEC) {
     // The shared copies: x (gate | up), and each slot's h (down; all K + S of them at once in
     // moe_down2_kernel).
@@ -641,8 +644,9 @@ bool launch_moe(bool x_shared, MoePart part, const float* x, int64_t N, int64_t 
                st, x, D, I, K, S, n_routed, k0, nk, ids, bank, h, ready);
         VIREO_CUDA_LAUNCHED();
       }
-      return down && launch_down_xs<DT, kXsWarps>(h, N, D, I, K, S, n_routed, ids, wts, bank, out, ready,
-                                                  int(row_blocks), nk, defer_sum, st);
+      if (down)
+        launch_down_xs<DT, kXsWarps>(h, N, D, I, K, S, n_routed, ids, wts, bank, out, ready, int(row_blocks), nk, st);
+      return;
     }
     if (DT == W_FP8 && I % kFp8GateUpRows == 0 && D % kFp8DownRows == 0 && K + S <= 16) {
       if (nk > 0) {
@@ -656,7 +660,7 @@ bool launch_moe(bool x_shared, MoePart part, const float* x, int64_t N, int64_t 
                unsigned(32 * (K + S)), 0, st, h, D, I, K, S, n_routed, ids, wts, bank, out);
         VIREO_CUDA_LAUNCHED();
       }
-      return false;
+      return;
     }
   }
   if (nk > 0) {
@@ -664,7 +668,7 @@ bool launch_moe(bool x_shared, MoePart part, const float* x, int64_t N, int64_t 
            n_routed, k0, nk, ids, bank, h, static_cast<int*>(nullptr));
     VIREO_CUDA_LAUNCHED();
   }
-  if (!down) return false;
+  if (!down) return;
   if (VEC && D % 2 == 0)
     launch(moe_down2_kernel<DT>, dim3(unsigned((D / 2 + 7) / 8), unsigned(N)), 256, 0, st, h, D, I, K, S, n_routed, ids,
            wts, bank, out);
@@ -672,16 +676,14 @@ bool launch_moe(bool x_shared, MoePart part, const float* x, int64_t N, int64_t 
     launch(moe_down_kernel<DT, VEC>, dim3(unsigned((D + 7) / 8), unsigned(N)), 256, 0, st, h, D, I, K, S, n_routed, ids,
            wts, bank, out);
   VIREO_CUDA_LAUNCHED();
-  return false;
 }
 
 template <int DT>
-bool launch_moe_dt(bool vec, bool x_shared, MoePart part, const float* x, int64_t N, int64_t D, int64_t I, int K, int S,
+void launch_moe_dt(bool vec, bool x_shared, MoePart part, const float* x, int64_t N, int64_t D, int64_t I, int K, int S,
                    int n_routed, const int32_t* ids, const float* wts, const DevExpert* bank, float* h, float* out,
-                   int* ready, bool defer_sum, cudaStream_t st) {
-  if (vec)
-    return launch_moe<DT, true>(x_shared, part, x, N, D, I, K, S, n_routed, ids, wts, bank, h, out, ready, defer_sum, st);
-  return launch_moe<DT, false>(x_shared, part, x, N, D, I, K, S, n_routed, ids, wts, bank, h, out, ready, defer_sum, st);
+                   int* ready, cudaStream_t st) {
+  if (vec) launch_moe<DT, true>(x_shared, part, x, N, D, I, K, S, n_routed, ids, wts, bank, h, out, ready, st);
+  else launch_moe<DT, false>(x_shared, part, x, N, D, I, K, S, n_routed, ids, wts, bank, h, out, ready, st);
 }
 
 // y[row] for rows 2i and 2i + 1 by one warp, x read once for both (T = 1, rows 16-byte aligned).
@@ -816,21 +818,11 @@ void launch_many(const float* x, const ManyW& m, bool x_shared, cudaStream_t st)
 // deterministic), then each block writes its slice. kAdd: h += x first (x then has h's stride n).
 // kEmbed: h = the embedding rows of ids first (the step's lookup and first norm in one launch).
 constexpr int kNormCluster = 8, kNormThreads = 256, kNormPer = 4;
-// kSlots (with kAdd): x is the MoE's per-slot down products [T, K + S, n], summed as
-// moe_down_combine_kernel sums them (its bits) before the add; ready, if set, zeroed as it does.
-// Each thread's kNormPer x (K + S) loads are issued before any is summed (a loop of dependent
-// load-then-add made the launch 5.3 us against 4.0 for the sum and the norm apart; H200).
-struct SlotSum {
-  const float* wts = nullptr;  // [T, K]
-  int K = 0, S = 0;
-  int* ready = nullptr;
-};
-constexpr int kSlotSumMax = 16;  // K + S
-template <bool kAdd, bool kEmbed = false, bool kSlots = false>
+template <bool kAdd, bool kEmbed = false>
 __global__ void __cluster_dims__(kNormCluster, 1, 1) __launch_bounds__(kNormThreads)
     rms_norm_cluster_kernel(float* __restrict__ h, const float* __restrict__ x, int64_t xs, int64_t n,
                             const float* __restrict__ w, float eps, float* __restrict__ y, int64_t ys, DevW table,
-                            const int32_t* __restrict__ ids, SlotSum slots) {
+                            const int32_t* __restrict__ ids) {
   pdl_begin();
   namespace cg = cooperative_groups;
   const cg::cluster_group cl = cg::this_cluster();
@@ -838,32 +830,13 @@ __global__ void __cluster_dims__(kNormCluster, 1, 1) __launch_bounds__(kNormThre
   const int64_t t = blockIdx.y, chunk = (n + kNormCluster - 1) / kNormCluster;
   const int64_t i0 = int64_t(cl.block_rank()) * chunk, i1 = min(n, i0 + chunk);
   float v[kNormPer], wv[kNormPer];
-  float sp[kSlots ? kNormPer : 1][kSlots ? kSlotSumMax : 1];  // kSlots: the slots' products
-  if constexpr (kSlots) {
-    const int ns = slots.K + slots.S;
-#pragma unroll
-    for (int k = 0; k < kNormPer; ++k) {
-      const int64_t i = i0 + threadIdx.x + k * kNormThreads;
-#pragma unroll
-      for (int j = 0; j < kSlotSumMax; ++j)
-        if (j < ns && i < i1) sp[k][j] = x[(t * ns + j) * n + i];
-    }
-  }
 #pragma unroll
   for (int k = 0; k < kNormPer; ++k) {
     const int64_t i = i0 + threadIdx.x + k * kNormThreads;
     v[k] = 0.0f;
     wv[k] = 0.0f;
     if (i < i1) {
-      if constexpr (kSlots) {
-        float acc = 0.0f;
-#pragma unroll
-        for (int j = 0; j < kSlotSumMax; ++j)
-          if (j < slots.K) acc = __fadd_rn(acc, __fmul_rn(slots.wts[t * slots.K + j], sp[k][j]));
-          else if (j < slots.K + slots.S) acc = __fadd_rn(acc, sp[k][j]);
-        v[k] = h[t * n + i] + acc;
-        h[t * n + i] = v[k];
-      } else if constexpr (kAdd) {
+      if constexpr (kAdd) {
         v[k] = h[t * n + i] + x[t * n + i];
         h[t * n + i] = v[k];
       } else if constexpr (kEmbed) {
@@ -874,10 +847,6 @@ __global__ void __cluster_dims__(kNormCluster, 1, 1) __launch_bounds__(kNormThre
       }
       wv[k] = w[i];
     }
-  }
-  if constexpr (kSlots) {
-    if (slots.ready && cl.block_rank() == 0 && t == 0)
-      for (int i = int(threadIdx.x); i < int(gridDim.y) * (slots.K + slots.S); i += kNormThreads) slots.ready[i] = 0;
   }
   float ss = 0.0f;
 #pragma unroll
@@ -1015,20 +984,12 @@ __global__ void argmax_final_kernel(const float* __restrict__ x, int64_t n, cons
 
 void set_moe_walk(bool on) { g_moe_walk = on; }
 
-static bool norm_by_cluster(int64_t T, int64_t n);
-
 void moe_experts(const float* x, int64_t N, int64_t D, int64_t I, int K, int S, int n_routed, const int32_t* ids,
                  const float* weights, const DevExpert* bank, int dtype, bool vec, bool x_shared, MoePart part,
-                 float* h, float* out, int* ready, cudaStream_t st, const AddNormAfter* after) {
+                 float* h, float* out, int* ready, cudaStream_t st) {
   if (N <= 0) return;
-  // The slots' ordered sum inside the add + norm's launch: one launch fewer a layer (its ~2 us
-  // on the step's chain; H200, BENCHMARKS "Session 43"). VIREO_MOE_SUM_IN_NORM=0: apart (A/B runs).
-  static const bool sum_in_norm = env_switch("VIREO_MOE_SUM_IN_NORM");
-  const bool defer =
-      after && sum_in_norm && part != MoePart::SharedGateUp && K + S <= kSlotSumMax && norm_by_cluster(N, D);
-  bool deferred = false;
   auto run = [&](auto launch_dt) {
-    deferred = launch_dt(vec, x_shared, part, x, N, D, I, K, S, n_routed, ids, weights, bank, h, out, ready, defer, st);
+    launch_dt(vec, x_shared, part, x, N, D, I, K, S, n_routed, ids, weights, bank, h, out, ready, st);
   };
   switch (dtype) {
     case W_F32: run(launch_moe_dt<W_F32>); break;
@@ -1036,15 +997,6 @@ void moe_experts(const float* x, int64_t N, int64_t D, int64_t I, int K, int S, 
     case W_F16: run(launch_moe_dt<W_F16>); break;
     default: run(launch_moe_dt<W_FP8>); break;
   }
-  if (!after) return;
-  if (!deferred) {
-    add_rms_norm(after->h, out, N, D, after->w, after->eps, after->y, st);
-    return;
-  }
-  const float* y = h + N * (K + S) * I;  // the slots' down products (launch_down_xs)
-  launch(rms_norm_cluster_kernel<true, false, true>, dim3(kNormCluster, unsigned(N)), kNormThreads, 0, st, after->h, y,
-         D, D, after->w, after->eps, after->y, D, DevW{}, nullptr, SlotSum{weights, K, S, ready});
-  VIREO_CUDA_LAUNCHED();
 }
 
 // The cluster kernels take decode steps (up to 8 rows, as the GEMVs) that fit kNormPer elements a thread.
@@ -1058,7 +1010,7 @@ void add_rms_norm(float* h, const float* x, int64_t T, int64_t n, const float* w
   if (T <= 0) return;
   if (norm_by_cluster(T, n))
     launch(rms_norm_cluster_kernel<true>, dim3(kNormCluster, unsigned(T)), kNormThreads, 0, st, h, x, n, n, w, eps, y,
-           n, DevW{}, nullptr, SlotSum{});
+           n, DevW{}, nullptr);
   else launch(add_rms_norm_kernel, unsigned(T), n >= 2048 ? 512 : 256, 0, st, h, x, n, w, eps, y);
   VIREO_CUDA_LAUNCHED();
 }
@@ -1067,7 +1019,7 @@ bool rms_norm_decode(const float* x, int64_t xs, int64_t T, int64_t n, const flo
                      cudaStream_t st) {
   if (!norm_by_cluster(T, n)) return false;
   launch(rms_norm_cluster_kernel<false>, dim3(kNormCluster, unsigned(T)), kNormThreads, 0, st, nullptr, x, xs, n, w,
-         eps, y, ys, DevW{}, nullptr, SlotSum{});
+         eps, y, ys, DevW{}, nullptr);
   VIREO_CUDA_LAUNCHED();
   return true;
 }
@@ -1081,7 +1033,7 @@ void embed_rms_norm_decode(const DevW& table, const int32_t* ids, int64_t T, con
                            float* y, cudaStream_t st) {
   const int64_t n = table.in;
   launch(rms_norm_cluster_kernel<false, true>, dim3(kNormCluster, unsigned(T)), kNormThreads, 0, st, h, nullptr, n, n,
-         w, eps, y, n, table, ids, SlotSum{});
+         w, eps, y, n, table, ids);
   VIREO_CUDA_LAUNCHED();
 }
 

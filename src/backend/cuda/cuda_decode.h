@@ -24,17 +24,9 @@ enum class MoePart { All, SharedGateUp, Rest };
 // x_shared: BF16/FP8 kernels read x from a copy in shared memory (else through L1; same sums).
 // ready (may be null): N * (K + S) ints, zero, that the shared-memory kernels use to let each slot's
 // down products begin once that slot's gate | up is written (and zero again after); the same sums.
-// after (may be null): then h += out, y = rms_norm(h) * w (add_rms_norm's bits), the slots' sum
-// folded into that launch where it can be (out is then not written).   h, y [N, D]
-struct AddNormAfter {
-  float* h;
-  const float* w;
-  float eps;
-  float* y;
-};
 void moe_experts(const float* x, int64_t N, int64_t D, int64_t I, int K, int S, int n_routed, const int32_t* ids,
                  const float* weights, const DevExpert* bank, int dtype, bool vec, bool x_shared, MoePart part,
-                 float* h, float* out, int* ready, cudaStream_t st, const AddNormAfter* after = nullptr);
+                 float* h, float* out, int* ready, cudaStream_t st);
 // cuda_set_moe_walk (cuda_backend.h).
 void set_moe_walk(bool on);
 

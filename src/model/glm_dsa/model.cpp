@@ -575,12 +575,10 @@ void GlmDsaModel::run_step(const std::vector<Segment>& segs, int64_t N, MlaCache
     attention(l, xn, N, segs, cache, out);
     backend_.add_rms_norm(h, out, N, D, vec(L.ffn_norm), eps, xn);
     if (experts_->wants_prefetch()) prefetch_next(l, h, N);
-    const bool last = l + 1 == c.num_layers;
-    const AddNorm next{h, last ? nullptr : vec(weights_.layers[size_t(l) + 1].attn_norm), eps, xn};
-    bool added = false;
     if (L.dense) mlp(L.mlp, xn, N, out);
-    else added = moe(l, xn, N, out, last ? nullptr : &next);
-    if (!last && !added) backend_.add_rms_norm(h, out, N, D, next.w, eps, xn);
+    else moe(l, xn, N, out);
+    if (l + 1 < c.num_layers)
+      backend_.add_rms_norm(h, out, N, D, vec(weights_.layers[size_t(l) + 1].attn_norm), eps, xn);
   }
 
   // The last layer's residual add, the final norm and lm_head only for the rows whose logits
@@ -788,7 +786,7 @@ RouterArgs GlmDsaModel::router_args(const LayerWeights& L) const {
   return ra;
 }
 
-bool GlmDsaModel::moe(int layer, const float* xn, int64_t N, float* out, const AddNorm* then) {
+void GlmDsaModel::moe(int layer, const float* xn, int64_t N, float* out) {
   const GlmDsaConfig& c = config_;
   const LayerWeights& L = weights_.layers[size_t(layer)];
   const int64_t K = c.experts_per_token;
@@ -807,7 +805,8 @@ bool GlmDsaModel::moe(int layer, const float* xn, int64_t N, float* out, const A
     }
     backend_.moe_route(xn, N, router_args(L), ids_dev, wts_dev);
     backend_.join_branch();
-    return moe_bank(layer, xn, N, ids_dev, wts_dev, bank, out, then);
+    moe_bank(layer, xn, N, ids_dev, wts_dev, bank, out);
+    return;
   }
   backend_.moe_route(xn, N, router_args(L), ids_dev, wts_dev);
   if (streams_fused(layer, N)) {
@@ -820,10 +819,9 @@ bool GlmDsaModel::moe(int layer, const float* xn, int64_t N, float* out, const A
     } else {
       moe_streamed(layer, xn, N, ids_dev, wts_dev, out);
     }
-    return false;
+    return;
   }
   moe_grouped(layer, xn, N, ids_dev, wts_dev, out);  // the shared expert included
-  return false;
 }
 
 // Why the fused launches when every expert is in a slot: moe_grouped runs ~7 ops per expert,
@@ -869,23 +867,16 @@ void GlmDsaModel::moe_streamed(int layer, const float* xn, int64_t N, const int3
 }
 
 // The routed experts by id from `bank`, then the shared expert when the bank does not hold it.
-bool GlmDsaModel::moe_bank(int layer, const float* xn, int64_t N, const int32_t* ids_dev, const float* wts_dev,
-                           const ExpertBank& bank, float* out, const AddNorm* then) {
+void GlmDsaModel::moe_bank(int layer, const float* xn, int64_t N, const int32_t* ids_dev, const float* wts_dev,
+                           const ExpertBank& bank, float* out) {
   const LayerWeights& L = weights_.layers[size_t(layer)];
   const int64_t D = config_.hidden_size;
-  const bool shared_apart = L.has_shared && bank.n_shared == 0;
-  if (then && !shared_apart) {  // (the CUDA decode step: the experts' sum inside the add's launch)
-    backend_.moe_experts_add_rms_norm(xn, N, ids_dev, wts_dev, config_.experts_per_token, bank, out, then->h, then->w,
-                                      then->eps, then->y);
-    return true;
-  }
   backend_.moe_experts(xn, N, ids_dev, wts_dev, config_.experts_per_token, bank, out);
-  if (shared_apart) {
+  if (L.has_shared && bank.n_shared == 0) {
     float* s = scratch(26, size_t(N * D));
     mlp(L.shared, xn, N, s, kMoeMlpSlot);
     backend_.add(out, s, N * D);
   }
-  return false;
 }
 
 void GlmDsaModel::moe_grouped(int layer, const float* xn, int64_t N, const int32_t* ids_dev, const float* wts_dev,

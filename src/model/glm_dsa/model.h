@@ -162,17 +162,7 @@ class GlmDsaModel {
   void grow_rope_table(int64_t end, int64_t cap);
   void attention(int layer, const float* xn, int64_t N, const std::vector<Segment>& segs, MlaCache& cache,
                  float* out);
-  // What follows a layer's feed-forward on the residual stream: h += out, y = rms_norm(h) * w (the
-  // next layer's input).
-  struct AddNorm {
-    float* h;
-    const float* w;
-    float eps;
-    float* y;
-  };
-  // True when it also did `then` (a backend's experts folded their sum into the add); else the
-  // caller does it.
-  bool moe(int layer, const float* xn, int64_t N, float* out, const AddNorm* then = nullptr);
+  void moe(int layer, const float* xn, int64_t N, float* out);
   // Routed experts grouped by expert (the union of the step's experts, one product each), then
   // the shared expert; with a streaming store, compute overlaps the experts' transfers.
   // `prepared`: the step's expert union (ascending), already asked of the store by the caller;
@@ -188,8 +178,8 @@ class GlmDsaModel {
   void moe_streamed(int layer, const float* xn, int64_t N, const int32_t* ids, const float* weights, float* out);
   bool streams_fused(int layer, int64_t N) const;  // moe() of `layer` takes moe_streamed
   void replay(RecordedStep& r, int64_t N);
-  bool moe_bank(int layer, const float* xn, int64_t N, const int32_t* ids, const float* weights,
-                const ExpertBank& bank, float* out, const AddNorm* then = nullptr);  // as moe()
+  void moe_bank(int layer, const float* xn, int64_t N, const int32_t* ids, const float* weights,
+                const ExpertBank& bank, float* out);
   RouterArgs router_args(const LayerWeights& L) const;
   void prefetch_next(int layer, const float* h, int64_t N);  // next layer's router -> experts_->prefetch
   // Scratch slots scratch_slot and scratch_slot + 1 hold the gate and up products. The MoE paths'
