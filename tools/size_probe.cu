@@ -100,15 +100,14 @@ int main() {
     size_t row_bytes;
   };
   const Form forms[] = {
-      {"flat 16w x1/SM  8 ld", 0, 16, 1, 8, 0},  {"flat 16w x2/SM  8 ld", 0, 16, 2, 8, 0},
-      {"flat 16w x4/SM  8 ld", 0, 16, 4, 8, 0},  {"flat 32w x1/SM  8 ld", 0, 32, 1, 8, 0},
-      {"flat 32w x2/SM  8 ld", 0, 32, 2, 8, 0},  {"flat 16w x4/SM  4 ld", 0, 16, 4, 4, 0},
-      {"rows 6 KB 32w x1/SM 8 ld", 1, 32, 1, 8, 6144}, {"rows 6 KB 16w x1/SM 8 ld", 1, 16, 1, 8, 6144},
-      {"rows 6 KB 16w x4/SM 8 ld", 1, 16, 4, 8, 6144}, {"rows 12 KB 16w x4/SM 8 ld", 1, 16, 4, 8, 12288},
+      {"flat 16w x1/SM  8 ld", 0, 16, 1, 8, 0},          {"flat 16w x2/SM  8 ld", 0, 16, 2, 8, 0},
+      {"flat 16w x4/SM  8 ld", 0, 16, 4, 8, 0},          {"flat 32w x1/SM  8 ld", 0, 32, 1, 8, 0},
+      {"flat 32w x2/SM  8 ld", 0, 32, 2, 8, 0},          {"flat 16w x4/SM  4 ld", 0, 16, 4, 4, 0},
+      {"rows 6 KB 32w x1/SM 8 ld", 1, 32, 1, 8, 6144},   {"rows 6 KB 16w x1/SM 8 ld", 1, 16, 1, 8, 6144},
+      {"rows 6 KB 16w x4/SM 8 ld", 1, 16, 4, 8, 6144},   {"rows 12 KB 16w x4/SM 8 ld", 1, 16, 4, 8, 12288},
       {"rows 16 KB 32w x1/SM 8 ld", 1, 32, 1, 8, 16384}, {"rows 16 KB 16w x4/SM 8 ld", 1, 16, 4, 8, 16384},
   };
-  const size_t sizes[] = {size_t(12582912), size_t(25165824), size_t(100663296), size_t(201326592),
-                          size_t(1903165440)};
+  const size_t sizes[] = {size_t(12582912), size_t(25165824), size_t(100663296), size_t(201326592), size_t(1903165440)};
   for (size_t bytes : sizes) {
     const int copies = int(std::max<size_t>(1, std::min<size_t>(pool_bytes / bytes, (size_t(400) << 20) / bytes + 1)));
     for (const Form& f : forms) {
