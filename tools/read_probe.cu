@@ -31,16 +31,6 @@ constexpr int64_t kRows = 2048, kRowBytes = 6144, kSlots = 8;
 constexpr int64_t kMatBytes = kRows * kRowBytes;
 constexpr double kBytes = double(2 * kSlots * kMatBytes);
 
-// As vireo's ldg_stream: 16 bytes, not kept in L1.
-__device__ __forceinline__ uint4 ld16(const uint4* p) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p));
-  return r;
-}
-__device__ __forceinline__ unsigned fold(const uint4& w) { return w.x ^ w.y ^ w.z ^ w.w; }
-
 // Flat: thread i of the grid reads uint4 i, i + stride, ... (stride = the grid's threads): at any
 // moment the whole GPU reads one narrow window of each buffer. NB buffers side by side.
 template <int DEPTH, int NB>

@@ -21,14 +21,6 @@
 
 constexpr const char* kProbeName = "vireo_size_probe";
 
-__device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
 // Grid-stride: LOADS 16-byte loads a lane in flight, then folded into one word (kept live by a
 // store that never happens unless the fold hits a magic value).
 template <int LOADS>
@@ -39,13 +31,13 @@ __global__ void flat_read(const uint4* __restrict__ p, size_t n16, unsigned* sin
   for (; i + (LOADS - 1) * stride < n16; i += LOADS * stride) {
     uint4 a[LOADS];
 #pragma unroll
-    for (int k = 0; k < LOADS; ++k) a[k] = ldg_stream(p + i + k * stride);
+    for (int k = 0; k < LOADS; ++k) a[k] = ld16(p + i + k * stride);
 #pragma unroll
-    for (int k = 0; k < LOADS; ++k) acc ^= a[k].x ^ a[k].y ^ a[k].z ^ a[k].w;
+    for (int k = 0; k < LOADS; ++k) acc ^= fold(a[k]);
   }
   for (; i < n16; i += stride) {
-    const uint4 a = ldg_stream(p + i);
-    acc ^= a.x ^ a.y ^ a.z ^ a.w;
+    const uint4 a = ld16(p + i);
+    acc ^= fold(a);
   }
   if (acc == 0x9e3779b9u) *sink = acc;
 }
@@ -63,13 +55,13 @@ __global__ void row_read(const uint4* __restrict__ p, size_t rows, size_t cols16
     for (; v + 32 * (LOADS - 1) < cols16; v += 32 * LOADS) {
       uint4 a[LOADS];
 #pragma unroll
-      for (int k = 0; k < LOADS; ++k) a[k] = ldg_stream(row + v + 32 * k);
+      for (int k = 0; k < LOADS; ++k) a[k] = ld16(row + v + 32 * k);
 #pragma unroll
-      for (int k = 0; k < LOADS; ++k) acc ^= a[k].x ^ a[k].y ^ a[k].z ^ a[k].w;
+      for (int k = 0; k < LOADS; ++k) acc ^= fold(a[k]);
     }
     for (; v < cols16; v += 32) {
-      const uint4 a = ldg_stream(row + v);
-      acc ^= a.x ^ a.y ^ a.z ^ a.w;
+      const uint4 a = ld16(row + v);
+      acc ^= fold(a);
     }
   }
   if (acc == 0x9e3779b9u) *sink = acc;
