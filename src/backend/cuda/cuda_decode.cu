@@ -569,19 +569,19 @@ bool moe_down_slots() {
   return on;
 }
 
-// Row pairs a warp of moe_down_slots2_kernel. FP8: two, so that the blocks' serial start (the
-// slot's expert id, its descriptor, h's copy, each a round trip) serves twice the rows of 2 KB,
-// and half as many blocks pass through each SM. H200, 8 layers, B = 1, decode at context 0 / 4096
-// against one pair a warp: fp8 +0.7 / +1.0 and +0.9 / +0.5 points (three pairs -0.2 / -0.6
-// against two, four +0.3 / +0.5 against one); bf16, whose rows are twice as long, -0.5 / -0.5: one
-// (BENCHMARKS "Session 43"). VIREO_MOE_DOWN_PAIRS=N: N pairs for every dtype (A/B runs; the sums
-// are the same).
-int down_pairs_a_warp(int dt) {
+// Row pairs a warp of moe_down_slots2_kernel. One token's FP8 rows: two, so that the blocks'
+// serial start (the slot's expert id, its descriptor, h's copy, each a round trip) serves twice
+// the rows of 2 KB, and half as many blocks pass through each SM. H200, 8 layers, B = 1, decode at
+// context 0 / 4096 against one pair a warp: fp8 +0.7 / +1.0 and +0.9 / +0.5 points (three pairs
+// -0.2 / -0.6 against two, four +0.3 / +0.5 against one); bf16, whose rows are twice as long,
+// -0.5 / -0.5: one (BENCHMARKS "Session 43"). Batched steps (N > 1) were not measured: one.
+// VIREO_MOE_DOWN_PAIRS=N: N pairs everywhere (A/B runs; the sums are the same).
+int down_pairs_a_warp(int dt, int64_t N) {
   static const int forced = [] {
     const char* e = std::getenv("VIREO_MOE_DOWN_PAIRS");
     return e && std::atoi(e) > 0 ? std::atoi(e) : 0;
   }();
-  return forced ? forced : dt == W_FP8 ? 2 : 1;
+  return forced ? forced : dt == W_FP8 && N == 1 ? 2 : 1;
 }
 
 // ready (may be null): the slot counts the gate | up launch just before bumped, need per slot
@@ -594,7 +594,7 @@ void launch_down_xs(float* h, int64_t N, int64_t D, int64_t I, int K, int S, int
     constexpr auto kernel = moe_down_slots2_kernel<DT, WARPS>;
     allow_xs<kernel>();
     float* y = h + N * (K + S) * I;  // the slots' down products, after their gate | up products
-    const int ppw = down_pairs_a_warp(DT);
+    const int ppw = down_pairs_a_warp(DT, N);
     const int64_t per_block = int64_t(WARPS) * ppw;
     launch(kernel, dim3(unsigned((D / 2 + per_block - 1) / per_block), unsigned(K + S), unsigned(N)), 32 * WARPS,
            size_t(I) * 4, st, h, D, I, K, S, n_routed, ids, bank, y, static_cast<const int*>(ready), need, k_wait, ppw);
