@@ -1023,8 +1023,9 @@ TEST(CudaOps, MatmulManyMatchesCpu) {
       // (Except a BF16 weight among FP8 ones: through L1 it runs alone, several warps a row.)
       bool mixed = false;
       for (DType dt : c.dts) mixed = mixed || dt != c.dts[0];
-      if (!(mixed && c.T == 1 && c.dts[i] == DType::BF16))
+      if (!(mixed && c.T == 1 && c.dts[i] == DType::BF16)) {
         EXPECT_EQ(p.g.down(gy_l1[i], want.size()), got) << "x via L1, weight " << i << " T " << c.T;
+      }
 #endif
     }
   }
