@@ -306,10 +306,11 @@ __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
 
 // y[s, row] = down_e[row] . h[s] for slot s = (t, k) (blockIdx.y = k, blockIdx.z = t), rows 2i and
 // 2i + 1 a warp (ppw such pairs, down_pairs_a_warp): every slot's down product side by side in one
-// launch, h[s] staged in shared memory (I floats). moe_down2_kernel walks a warp through the K + S slots one after
-// another, each a dependent round trip to DRAM for 4 KB (FP8), and took 50 us for GLM-5's 9 slots (113 MB, 2.3 TB/s;
-// ncu, H200) where one slot alone as a dense product took 3.8. The same lane sums and warp reductions as
-// moe_down2_kernel, so moe_down_combine_kernel's sum has the same bits.
+// launch, h[s] staged in shared memory (I floats). moe_down2_kernel walks a warp through the K + S
+// slots one after another, each a dependent round trip to DRAM for 4 KB (FP8), and took 50 us for
+// GLM-5's 9 slots (113 MB, 2.3 TB/s; ncu, H200) where one slot alone as a dense product took 3.8.
+// The same lane sums and warp reductions as moe_down2_kernel, so moe_down_combine_kernel's sum has
+// the same bits.
 //
 // ready (may be null: then the kernel waits for its predecessor, the gate | up, as every kernel
 // does): the gate | up blocks' counts per slot, need of them for each slot k < k_wait (the
