@@ -398,6 +398,30 @@ TEST(Cli, AbBenchToolReadsTheBenchOutput) {
   EXPECT_NE(out.find("ctx 0 80.5%  ctx 4096 65.7%  prefill 512 51.3%  prefill 4096 53.9%"), std::string::npos) << out;
   EXPECT_NE(out.find("ctx 0 80.5% (80.5-80.5)  ctx 4096 65.7% (65.7-65.7)"), std::string::npos) << out;
 
+  // Another binary with assignments of its own (bin=PATH among them); a second bin= or a missing
+  // binary is refused by name.
+  const std::string other = write_script(tmp / "other-vireo",
+                                         "echo \"decode ctx 0  greedy/device  1.0 tok/s  = ${D0:-70.0}% of copy "
+                                         "bandwidth\"\necho \"decode ctx 4096  greedy/device  1.0 tok/s  =  61.2% of "
+                                         "copy bandwidth\"\n");
+  const std::string oc = "VIREO=" + fake + " bash " + std::string(VIREO_SOURCE_DIR) + "/tools/ab-bench.sh -r 1 -o " +
+                         (tmp / "other") + " - bin=" + other + ",D0=77.7 bin=" + other + " >" + (tmp / "out") + " 2>" +
+                         (tmp / "err");
+  const int os = std::system(oc.c_str());
+  ASSERT_TRUE(WIFEXITED(os) && WEXITSTATUS(os) == 0) << read_file(tmp / "err");
+  const std::string oo = read_file(tmp / "out");
+  const std::string omed = oo.substr(std::min(oo.size(), oo.find("median of")));
+  EXPECT_NE(omed.find("ctx 0 75.1%  ctx 4096 65.7%"), std::string::npos) << oo;
+  EXPECT_NE(omed.find("ctx 0 77.7%  ctx 4096 61.2%"), std::string::npos) << oo;
+  EXPECT_NE(omed.find("ctx 0 70.0%  ctx 4096 61.2%"), std::string::npos) << oo;
+  for (const std::string& bad : {"bin=" + other + ",bin=" + other, "bin=" + (tmp / "missing") + ",D0=1"}) {
+    const std::string bc = "VIREO=" + fake + " bash " + std::string(VIREO_SOURCE_DIR) + "/tools/ab-bench.sh -r 1 -o " +
+                           (tmp / "bad") + " " + bad + " >" + (tmp / "out") + " 2>" + (tmp / "err");
+    const int bs = std::system(bc.c_str());
+    EXPECT_TRUE(WIFEXITED(bs) && WEXITSTATUS(bs) == 2) << bad;
+    EXPECT_NE(read_file(tmp / "err").find("variant '" + bad + "'"), std::string::npos) << read_file(tmp / "err");
+  }
+
   // Rounds that differ: each median is followed by the rounds' lowest and highest (a stand-in
   // whose prefill reads 41.1, 45.6, 42.8 in its three calls); one round prints no range.
   const std::string varying = write_script(

@@ -7,23 +7,36 @@
 #
 #   tools/ab-bench.sh [-r ROUNDS] [-o DIR] VARIANT... [-- BENCH ARGS]
 #
-# A variant is `-` (as it is), a comma-separated list of environment assignments
-# (`VIREO_SHORT_ATTENTION=0,VIREO_NORM_CLUSTER=0`), or `bin=PATH` (another vireo binary, e.g. the
-# parent commit's). BENCH ARGS default to the fp8 decode of BENCHMARKS.md's CUDA tables:
+# A variant is `-` (as it is) or a comma-separated list of environment assignments
+# (`VIREO_SHORT_ATTENTION=0,VIREO_NORM_CLUSTER=0`), one of which may be `bin=PATH` (another vireo
+# binary, e.g. the parent commit's, run with the other assignments: `bin=old/vireo,VIREO_X=1`; a
+# PATH with a comma is not supported). BENCH ARGS default to the fp8 decode of BENCHMARKS.md's CUDA tables:
 #   --device cuda --synthetic glm5 --layers 8 --experts 16 --dtype fp8 --decode 64 --math fast-fp8 --math-only
 # Each run's whole output goes to DIR (default ./ab-bench-out) as <variant index>_<round>.txt.
 ROUNDS=2 DIR=./ab-bench-out
 source "$(dirname "$0")/bench-args.sh"
 VARIANTS=(${POSITIONAL[@]+"${POSITIONAL[@]}"})
 if [ ${#VARIANTS[@]} -eq 0 ]; then echo "ab-bench: no variants given (e.g. - VIREO_SHORT_ATTENTION=0)" >&2; exit 2; fi
+# A variant's binary (bin=PATH among its items, else $VIREO) and its environment assignments.
+split_variant() {  # VARIANT -> sets vbin, venvs
+  vbin=$VIREO venvs=()
+  [ "$1" = - ] && return 0
+  local items a nbin=0
+  IFS=, read -r -a items <<<"$1"
+  for a in "${items[@]}"; do
+    if [[ $a == bin=* ]]; then vbin=${a#bin=} nbin=$((nbin + 1)); else venvs+=("$a"); fi
+  done
+  [ $nbin -le 1 ] || { echo "ab-bench: variant '$1': more than one bin=" >&2; return 2; }
+}
 for v in "${VARIANTS[@]}"; do
   case $v in
     -) ;;
-    bin=*) [ -x "${v#bin=}" ] || { echo "ab-bench: variant '$v': no executable at ${v#bin=}" >&2; exit 2; } ;;
-    *=*) for a in ${v//,/ }; do
+    *=*) split_variant "$v" || exit 2
+         for a in ${venvs[@]+"${venvs[@]}"}; do
            [[ $a =~ ^[A-Za-z_][A-Za-z0-9_]*=.*$ ]] || { echo "ab-bench: variant '$v': '$a' is not NAME=VALUE" >&2; exit 2; }
-         done ;;
-    *) echo "ab-bench: variant '$v': expected -, NAME=VALUE[,NAME=VALUE...] or bin=PATH" >&2; exit 2 ;;
+         done
+         [ "$vbin" = "$VIREO" ] || [ -x "$vbin" ] || { echo "ab-bench: variant '$v': no executable at $vbin" >&2; exit 2; } ;;
+    *) echo "ab-bench: variant '$v': expected -, or NAME=VALUE[,NAME=VALUE...] with at most one bin=PATH" >&2; exit 2 ;;
   esac
 done
 [ -x "$VIREO" ] || { echo "ab-bench: no vireo binary at $VIREO (build first, or set VIREO=path)" >&2; exit 2; }
@@ -45,14 +58,10 @@ decode_points() {
 status=0
 for ((r = 1; r <= ROUNDS; ++r)); do
   for i in "${!VARIANTS[@]}"; do
-    v=${VARIANTS[$i]} bin=$VIREO envs=()
-    case $v in
-      -) ;;
-      bin=*) bin=${v#bin=} ;;
-      *) IFS=, read -r -a envs <<<"$v" ;;
-    esac
+    v=${VARIANTS[$i]}
+    split_variant "$v"
     out=$DIR/${i}_$r.txt
-    if ! env ${envs[@]+"${envs[@]}"} "$bin" bench "${BENCH[@]}" >"$out" 2>&1; then
+    if ! env ${venvs[@]+"${venvs[@]}"} "$vbin" bench "${BENCH[@]}" >"$out" 2>&1; then
       echo "ab-bench: variant '$v' round $r failed: $(tail -1 "$out")" >&2
       status=1
       continue
