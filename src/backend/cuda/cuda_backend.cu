@@ -751,28 +751,17 @@ class CudaBackend final : public Backend {
     for (int i = 1; i < n; ++i) mixed = mixed || dw[i].dt != dw[0].dt;
     if (mixed) {
       ManyW m;
-      m.n = n;
-      m.row0[0] = 0;
-      for (int i = 0; i < n; ++i) {
-        m.w[i] = dw[i];
-        m.y[i] = ys[i];
-        m.row0[i + 1] = m.row0[i] + dw[i].out;
-      }
+      for (int i = 0; i < n; ++i) m.add(dw[i], ys[i]);
       if (gemv_many_mixed(x, m, gemv_x_shared_, stream_)) return;
     }
     bool done[kMaxMany] = {};
     for (int i = 0; i < n; ++i) {
       if (done[i]) continue;
       ManyW m;
-      m.n = 0;
-      m.row0[0] = 0;
       for (int j = i; j < n; ++j) {
         if (done[j] || dw[j].dt != dw[i].dt) continue;
         done[j] = true;
-        m.w[m.n] = dw[j];
-        m.y[m.n] = ys[j];
-        m.row0[m.n + 1] = m.row0[m.n] + dw[j].out;
-        ++m.n;
+        m.add(dw[j], ys[j]);
       }
       // A weight alone in its dtype takes the one-matrix GEMV (measured when gemv_many ran
       // blocks of 8 warps: 2 blocks for a 32-row matrix, 13.8 us against 3.9).

@@ -52,14 +52,20 @@ void index_key_append(const float* k, int64_t T, int64_t d, const float* w, cons
                       const float* cs, bool interleaved, float* keys, int64_t pos0, const int32_t* pos0_dev,
                       cudaStream_t st);
 
-// Up to kMaxMany weights of one dtype sharing one input row: y_i = W_i x, one launch, a warp per
-// output row. Rows must allow 16-byte loads.
+// Up to kMaxMany weights sharing one input row (of one dtype; FP8 and BF16 for gemv_many_mixed):
+// y_i = W_i x, one launch, a warp per output row. Rows must allow 16-byte loads.
 constexpr int kMaxMany = 6;
 struct ManyW {
   DevW w[kMaxMany];
   float* y[kMaxMany];
-  int64_t row0[kMaxMany + 1];  // first global row of each weight; row0[n] = total rows
+  int64_t row0[kMaxMany + 1] = {0};  // first global row of each weight; row0[n] = total rows
   int n = 0;
+  void add(const DevW& wi, float* yi) {  // (host; at most kMaxMany)
+    w[n] = wi;
+    y[n] = yi;
+    row0[n + 1] = row0[n] + wi.out;
+    ++n;
+  }
 };
 void gemv_many(const float* x, const ManyW& m, bool x_shared, cudaStream_t st);  // x_shared: as moe_experts
 // One launch for FP8 and BF16 weights together (an FP8 checkpoint's bf16 indexer head weights
