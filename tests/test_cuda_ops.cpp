@@ -518,6 +518,23 @@ TEST(CudaOps, LaunchFormsAndFusedRopeChangeNoBits) {
           EXPECT_NE(q_after[0], q) << what << ": the rope parts were not rotated";
           EXPECT_EQ(q_after[1], q_after[0]) << what;
           EXPECT_EQ(out[1], out[0]) << what;
+#ifdef VIREO_HAVE_CUDA
+          // FP8 W_UK staged before the wait (the default, checked taken) or read after it.
+          if (dt == DType::F8_E4M3 && sh.L == 512) {
+            EXPECT_GT(cuda_absorb_staged_launches(), 0) << what << ": the staged absorption never ran";
+            cuda_set_absorb_ahead(false);
+            const int64_t staged = cuda_absorb_staged_launches();
+            float* gq = p.g.up(q);
+            a.q = gq;
+            a.out = p.g.zeros(size_t(T * H * vd));
+            p.gpu->rope(gq, T, H, H * qw, qw, sh.nope, sh.rope, gcs, kind);
+            p.gpu->mla_absorb_queries(a);
+            p.gpu->mla_attention(a);
+            cuda_set_absorb_ahead(true);
+            EXPECT_EQ(cuda_absorb_staged_launches(), staged) << what << ": the switch did not turn it off";
+            EXPECT_EQ(p.g.down(a.out, size_t(T * H * vd)), out[0]) << what << " W_UK read after the wait";
+          }
+#endif
         }
 }
 

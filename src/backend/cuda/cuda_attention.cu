@@ -66,13 +66,37 @@ __global__ void absorb_q_kernel(const float* __restrict__ q, int64_t H, int64_t 
 // loads issued ahead (8 warps, one row at a time: 12.6 MB of W_UK in 8.8 us, ~1.4 TB/s). 8 rows
 // ahead instead of 4 measured slower (FP8, 6.3 MB: 6.6 -> 8.0 us; H200, ncu, session 9).
 constexpr int kAqW = 16;
-template <int DT>
+// AHEAD: the block's W_UK chunks (each thread's own: rows warp, warp + kAqW, .. at its columns)
+// staged in shared memory by cp.async before the wait. W_UK does not depend on the queries, and
+// the launch starts early (PDL) while q_b streams: its 6.3 MB (FP8, GLM-5) are read beside q_b
+// instead of after it, on the queries' chain (which is the step's critical path at context 0).
+// Shared memory rather than registers: 48 more registers a thread would keep the block off the
+// SMs that q_b's half-SM blocks hold. The same sums in the same order. H200, 8 layers fp8, four
+// A/B pairs (session 44): +0.3 to +0.5 points at context 0, -0.4 to 0.0 at 4096 cached (where
+// the indexer's branch, not the queries, ends last).
+template <int DT, bool AHEAD>
+__device__ __forceinline__ int absorb_stage(const DevW& kvb, int64_t hw, int64_t nope, int64_t L) {
+  if constexpr (AHEAD) {
+    extern __shared__ __align__(16) uint4 stage[];
+    constexpr int N = GemvVec<DT>::n;
+    const int warp = int(threadIdx.x >> 5), lane = int(threadIdx.x & 31);
+    const int64_t h = blockIdx.x, c0 = int64_t(blockIdx.y) * 32 * N + lane * N;
+    if (c0 < L)
+      for (int64_t i = warp, j = 0; i < nope; i += kAqW, ++j)
+        cp_async16_zfill(smem_u32(stage + (j * kAqW + warp) * 32 + lane),
+                         static_cast<const char*>(kvb.w) + ((h * hw + i) * L + c0) * elem_bytes<DT>(), true);
+    cp_async_commit();
+  }
+  return 0;
+}
+template <int DT, bool AHEAD = false>
 __global__ void __launch_bounds__(kAqW * 32)
     absorb_q_vec_kernel(const float* __restrict__ q, int64_t H, int64_t qw, int64_t nope, DevW kvb, int64_t hw,
                         int64_t L, float* __restrict__ qlat, AbsorbRope rope) {
-  pdl_begin();
+  pdl_begin_after(absorb_stage<DT, AHEAD>(kvb, hw, nope, L));
   constexpr int N = GemvVec<DT>::n;
-  __shared__ float red[kAqW][32 * N];
+  extern __shared__ __align__(16) uint4 stage[];                      // AHEAD: [rows][32 lanes], then red
+  __shared__ float red_static[AHEAD ? 1 : kAqW][AHEAD ? 1 : 32 * N];  // [kAqW][32 N]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t h = blockIdx.x, t = blockIdx.z, c0 = int64_t(blockIdx.y) * 32 * N + lane * N;
   if (blockIdx.y == 0) absorb_rotate(rope, t, h, H, qw, nope);
@@ -80,30 +104,42 @@ __global__ void __launch_bounds__(kAqW * 32)
   float acc[N];
 #pragma unroll
   for (int j = 0; j < N; ++j) acc[j] = 0.0f;
-  if (c0 < L) {
-    // Unrolled so that several rows' 16-byte loads are in flight per thread.
-#pragma unroll 4
-    for (int64_t i = warp; i < nope; i += kAqW) {
-      const int64_t row = h * hw + i;
-      const uint4 v = ldg_stream(reinterpret_cast<const uint4*>(static_cast<const char*>(kvb.w) +
-                                                                (row * L + c0) * elem_bytes<DT>()));
-      float wf[N];
-      unpack16<DT>(v, wf);
-      float qi = qp[i];
-      if constexpr (DT == W_FP8) qi *= kvb.s[(row >> 7) * kvb.s_cols + (c0 >> 7)];
+  auto row_in = [&](int64_t i, const uint4& v) {
+    const int64_t row = h * hw + i;
+    float wf[N];
+    unpack16<DT>(v, wf);
+    float qi = qp[i];
+    if constexpr (DT == W_FP8) qi *= kvb.s[(row >> 7) * kvb.s_cols + (c0 >> 7)];
 #pragma unroll
-      for (int j = 0; j < N; ++j) acc[j] += qi * wf[j];
+    for (int j = 0; j < N; ++j) acc[j] += qi * wf[j];
+  };
+  if (c0 < L) {
+    if constexpr (AHEAD) {
+      cp_async_wait_all();  // (this thread's own chunks: no barrier)
+#pragma unroll 4
+      for (int64_t i = warp, j = 0; i < nope; i += kAqW, ++j) row_in(i, stage[(j * kAqW + warp) * 32 + lane]);
+    } else {
+      // Unrolled so that several rows' 16-byte loads are in flight per thread.
+#pragma unroll 4
+      for (int64_t i = warp; i < nope; i += kAqW)
+        row_in(i, ldg_stream(reinterpret_cast<const uint4*>(static_cast<const char*>(kvb.w) +
+                                                            ((h * hw + i) * L + c0) * elem_bytes<DT>())));
     }
   }
+  float* red = &red_static[0][0];
+  if constexpr (AHEAD) {
+    red = reinterpret_cast<float*>(stage);
+    __syncthreads();  // every thread's staged rows read
+  }
 #pragma unroll
-  for (int j = 0; j < N; ++j) red[warp][lane * N + j] = acc[j];
+  for (int j = 0; j < N; ++j) red[warp * 32 * N + lane * N + j] = acc[j];
   __syncthreads();
   for (int x = threadIdx.x; x < 32 * N; x += blockDim.x) {
     const int64_t c = int64_t(blockIdx.y) * 32 * N + x;
     if (c >= L) continue;
     float sum = 0.0f;
 #pragma unroll
-    for (int w = 0; w < kAqW; ++w) sum += red[w][x];
+    for (int w = 0; w < kAqW; ++w) sum += red[w * 32 * N + x];
     qlat[(t * H + h) * L + c] = sum;
   }
 }
@@ -897,6 +933,13 @@ __global__ void moe_route_kernel(const float* __restrict__ logits, int E, int G,
 
 }  // namespace
 
+// Process-wide (tests switch it with cuda_set_absorb_ahead); VIREO_ABSORB_AHEAD=0: W_UK read after
+// the wait (A/B runs).
+bool g_absorb_ahead = env_switch("VIREO_ABSORB_AHEAD");
+int64_t g_absorb_staged = 0;  // launches of the staged form (tests check it is taken)
+void set_absorb_ahead(bool on) { g_absorb_ahead = on; }
+int64_t absorb_staged_launches() { return g_absorb_staged; }
+
 void absorb_q(const float* q, int64_t T, int64_t H, int64_t qw, int64_t nope, const DevW& kvb, int64_t hw, int64_t L,
               float* qlat, cudaStream_t st, AbsorbRope rope) {
   if (rope.q && (rope.q != q || !absorb_rope_fits(qw - nope)))
@@ -904,19 +947,27 @@ void absorb_q(const float* q, int64_t T, int64_t H, int64_t qw, int64_t nope, co
   if (kvb_rows_vectorizable(kvb, L)) {
     const int n = 16 / (kvb.dt == W_F32 ? 4 : kvb.dt == W_FP8 ? 1 : 2);
     const dim3 grid(unsigned(H), unsigned((L + 32 * n - 1) / (32 * n)), unsigned(T));
+    // The staged form (FP8 W_UK, the measured case): every row's chunk for each thread (96 KB at
+    // GLM-5 shapes, leaving room on the SM for q_b's blocks beside it), at least the partial
+    // sums' 32 KB (they reuse it).
+    constexpr size_t kStageMax = 128 * 1024;
+    const size_t stage = std::max<size_t>(size_t((nope + kAqW - 1) / kAqW) * kAqW * 32 * 16, size_t(kAqW) * 32 * 64);
+    const bool ahead = g_absorb_ahead && kvb.dt == W_FP8 && stage <= kStageMax;
+    auto go = [&](auto dt) {
+      constexpr int DT = decltype(dt)::value;
+      if (ahead) {
+        allow_dynamic_smem<absorb_q_vec_kernel<DT, true>, kStageMax>();
+        launch(absorb_q_vec_kernel<DT, true>, grid, kAqW * 32, stage, st, q, H, qw, nope, kvb, hw, L, qlat, rope);
+        ++g_absorb_staged;
+      } else {
+        launch(absorb_q_vec_kernel<DT>, grid, kAqW * 32, 0, st, q, H, qw, nope, kvb, hw, L, qlat, rope);
+      }
+    };
     switch (kvb.dt) {
-      case W_F32:
-        launch(absorb_q_vec_kernel<W_F32>, grid, kAqW * 32, 0, st, q, H, qw, nope, kvb, hw, L, qlat, rope);
-        break;
-      case W_BF16:
-        launch(absorb_q_vec_kernel<W_BF16>, grid, kAqW * 32, 0, st, q, H, qw, nope, kvb, hw, L, qlat, rope);
-        break;
-      case W_F16:
-        launch(absorb_q_vec_kernel<W_F16>, grid, kAqW * 32, 0, st, q, H, qw, nope, kvb, hw, L, qlat, rope);
-        break;
-      default:
-        launch(absorb_q_vec_kernel<W_FP8>, grid, kAqW * 32, 0, st, q, H, qw, nope, kvb, hw, L, qlat, rope);
-        break;
+      case W_F32: go(std::integral_constant<int, W_F32>{}); break;
+      case W_BF16: go(std::integral_constant<int, W_BF16>{}); break;
+      case W_F16: go(std::integral_constant<int, W_F16>{}); break;
+      default: go(std::integral_constant<int, W_FP8>{}); break;
     }
   } else {
     launch(absorb_q_kernel, dim3(unsigned(H), unsigned(T)), 256, size_t(nope) * 4, st, q, H, qw, nope, kvb, hw, L, qlat,

@@ -132,6 +132,11 @@ void cuda_set_moe_slot_counts(Backend& cuda, bool on);
 // every slot, the down products waiting for all of it (on, the default; VIREO_MOE_WALK=0 turns it
 // off), or a block per 16 rows of a slot, counted per slot (off). Process-wide. The same sums.
 void cuda_set_moe_walk(bool on);
+// The absorbed decode queries' FP8 W_UK staged in shared memory before the kernel's wait, while
+// q_b streams (on, the default; VIREO_ABSORB_AHEAD=0 turns it off), or read after it (off).
+// Process-wide. The same sums, so tests compare the two bit for bit.
+void cuda_set_absorb_ahead(bool on);
+int64_t cuda_absorb_staged_launches();  // the staged form's launches so far (tests check it is taken)
 // fast-fp8 products of 5-8 rows on FP8 weights of >= 8192 columns: x quantized once by act_quant
 // and copied into each block (on, the default; VIREO_Q8_PREQUANT=0 turns it off), or quantized by
 // every block itself (off). Process-wide. The same bits.
