@@ -72,8 +72,9 @@ constexpr int kAqW = 16;
 // instead of after it, on the queries' chain (which is the step's critical path at context 0).
 // Shared memory rather than registers: 48 more registers a thread would keep the block off the
 // SMs that q_b's half-SM blocks hold. The same sums in the same order. H200, 8 layers fp8, four
-// A/B pairs (session 44): +0.3 to +0.5 points at context 0, -0.4 to 0.0 at 4096 cached (where
-// the indexer's branch, not the queries, ends last).
+// A/B pairs (session 44): +0.2 to +0.5 points at context 0; -0.6 to 0.0 at 4096 cached, where
+// the indexer's branch beside the queries ends last and its kernels share the SMs with these
+// blocks: so only where the attention reads no selection (absorb_q's stage_ahead).
 template <int DT, bool AHEAD>
 __device__ __forceinline__ int absorb_stage(const DevW& kvb, int64_t hw, int64_t nope, int64_t L) {
   if constexpr (AHEAD) {
@@ -941,7 +942,7 @@ void set_absorb_ahead(bool on) { g_absorb_ahead = on; }
 int64_t absorb_staged_launches() { return g_absorb_staged; }
 
 void absorb_q(const float* q, int64_t T, int64_t H, int64_t qw, int64_t nope, const DevW& kvb, int64_t hw, int64_t L,
-              float* qlat, cudaStream_t st, AbsorbRope rope) {
+              float* qlat, cudaStream_t st, AbsorbRope rope, bool stage_ahead) {
   if (rope.q && (rope.q != q || !absorb_rope_fits(qw - nope)))
     fail("absorb_q: the fused RoPE takes q itself and a rope part of at most 64 (even), not ", qw - nope);
   if (kvb_rows_vectorizable(kvb, L)) {
@@ -952,7 +953,7 @@ void absorb_q(const float* q, int64_t T, int64_t H, int64_t qw, int64_t nope, co
     // sums' 32 KB (they reuse it).
     constexpr size_t kStageMax = 128 * 1024;
     const size_t stage = std::max<size_t>(size_t((nope + kAqW - 1) / kAqW) * kAqW * 32 * 16, size_t(kAqW) * 32 * 64);
-    const bool ahead = g_absorb_ahead && kvb.dt == W_FP8 && stage <= kStageMax;
+    const bool ahead = stage_ahead && g_absorb_ahead && kvb.dt == W_FP8 && stage <= kStageMax;
     auto go = [&](auto dt) {
       constexpr int DT = decltype(dt)::value;
       if (ahead) {

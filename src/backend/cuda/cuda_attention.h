@@ -20,12 +20,14 @@ struct AbsorbRope {
 // Whether absorb_q can rotate a rope part of this width (a warp a head: at most 64, even).
 inline bool absorb_rope_fits(int64_t rope) { return rope <= 64 && rope % 2 == 0; }
 // q_lat[t, h, :] = W_UK(h)^T q[t, h, :nope]                         q_lat [T, H, L]
-// FP8 W_UK staged in shared memory before the absorption's wait (on, the default) or read after
-// it (off): the same sums. Process-wide; cuda_set_absorb_ahead (cuda_backend.h).
+// stage_ahead: an FP8 W_UK may be staged in shared memory before the kernel's wait (read while
+// the launch before it still runs; the same sums), unless set_absorb_ahead(false).
+void absorb_q(const float* q, int64_t T, int64_t H, int64_t qw, int64_t nope, const DevW& kvb, int64_t hw, int64_t L,
+              float* qlat, cudaStream_t st, AbsorbRope rope = {}, bool stage_ahead = false);
+// The staged form allowed (on, the default; VIREO_ABSORB_AHEAD=0 turns it off). Process-wide;
+// cuda_set_absorb_ahead (cuda_backend.h).
 void set_absorb_ahead(bool on);
 int64_t absorb_staged_launches();  // launches of the staged form so far (tests)
-void absorb_q(const float* q, int64_t T, int64_t H, int64_t qw, int64_t nope, const DevW& kvb, int64_t hw, int64_t L,
-              float* qlat, cudaStream_t st, AbsorbRope rope = {});
 
 struct DecodeAttnArgs {
   const float* qlat = nullptr;  // [T, H, L]

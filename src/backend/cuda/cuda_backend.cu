@@ -913,8 +913,9 @@ class CudaBackend final : public Backend {
   float* absorb_into_qlat(const MlaAttentionArgs& a, cuda::AbsorbRope rope = {}) {
     VIREO_PROF("absorb_q");
     float* qlat = qlat_.get<float>(size_t(a.T * a.n_heads * a.kv_lora));
+    // W_UK staged ahead where no indexer selection is being made beside the queries (see absorb_q).
     absorb_q(a.q, a.T, a.n_heads, a.qk_nope + a.qk_rope, a.qk_nope, devw(*a.kv_b), a.qk_nope + a.v_dim, a.kv_lora, qlat,
-             stream_, rope);
+             stream_, rope, !a.selection.keys);
     return qlat;
   }
   // Branches on a second stream (forked and joined by events, so a recording captures them as a
