@@ -71,10 +71,11 @@ constexpr int kAqW = 16;
 // the launch starts early (PDL) while q_b streams: its 6.3 MB (FP8, GLM-5) are read beside q_b
 // instead of after it, on the queries' chain (which is the step's critical path at context 0).
 // Shared memory rather than registers: 48 more registers a thread would keep the block off the
-// SMs that q_b's half-SM blocks hold. The same sums in the same order. H200, 8 layers fp8, four
-// A/B pairs (session 44): +0.2 to +0.5 points at context 0; -0.6 to 0.0 at 4096 cached, where
-// the indexer's branch beside the queries ends last and its kernels share the SMs with these
-// blocks: so only where the attention reads no selection (absorb_q's stage_ahead).
+// SMs that q_b's half-SM blocks hold. The same sums in the same order. H200, 8 layers fp8: +0.2 to
+// +0.5 points at context 0 in five A/B pairs (session 44; session 42's form +0.6 and +0.2 in two);
+// at 4096 cached, where the indexer's branch beside the queries ends last and shares the SMs with
+// these blocks, -0.6 to 0.0 (session 42: -0.2, -0.5): so only where the attention reads no
+// selection (absorb_q's stage_ahead).
 template <int DT, bool AHEAD>
 __device__ __forceinline__ int absorb_stage(const DevW& kvb, int64_t hw, int64_t nope, int64_t L) {
   if constexpr (AHEAD) {
@@ -936,8 +937,8 @@ __global__ void moe_route_kernel(const float* __restrict__ logits, int E, int G,
 
 // Process-wide (tests switch it with cuda_set_absorb_ahead); VIREO_ABSORB_AHEAD=0: W_UK read after
 // the wait (A/B runs).
-bool g_absorb_ahead = env_switch("VIREO_ABSORB_AHEAD");
-int64_t g_absorb_staged = 0;  // launches of the staged form (tests check it is taken)
+static bool g_absorb_ahead = env_switch("VIREO_ABSORB_AHEAD");
+static int64_t g_absorb_staged = 0;  // launches of the staged form (tests check it is taken)
 void set_absorb_ahead(bool on) { g_absorb_ahead = on; }
 int64_t absorb_staged_launches() { return g_absorb_staged; }
 
@@ -956,13 +957,15 @@ void absorb_q(const float* q, int64_t T, int64_t H, int64_t qw, int64_t nope, co
     const bool ahead = stage_ahead && g_absorb_ahead && kvb.dt == W_FP8 && stage <= kStageMax;
     auto go = [&](auto dt) {
       constexpr int DT = decltype(dt)::value;
-      if (ahead) {
-        allow_dynamic_smem<absorb_q_vec_kernel<DT, true>, kStageMax>();
-        launch(absorb_q_vec_kernel<DT, true>, grid, kAqW * 32, stage, st, q, H, qw, nope, kvb, hw, L, qlat, rope);
-        ++g_absorb_staged;
-      } else {
-        launch(absorb_q_vec_kernel<DT>, grid, kAqW * 32, 0, st, q, H, qw, nope, kvb, hw, L, qlat, rope);
+      if constexpr (DT == W_FP8) {
+        if (ahead) {
+          allow_dynamic_smem<absorb_q_vec_kernel<DT, true>, kStageMax>();
+          launch(absorb_q_vec_kernel<DT, true>, grid, kAqW * 32, stage, st, q, H, qw, nope, kvb, hw, L, qlat, rope);
+          ++g_absorb_staged;
+          return;
+        }
       }
+      launch(absorb_q_vec_kernel<DT>, grid, kAqW * 32, 0, st, q, H, qw, nope, kvb, hw, L, qlat, rope);
     };
     switch (kvb.dt) {
       case W_F32: go(std::integral_constant<int, W_F32>{}); break;
