@@ -466,6 +466,9 @@ TEST(CudaOps, MlaAttentionBothPathsWithAndWithoutSelection) {
 TEST(CudaOps, LaunchFormsAndFusedRopeChangeNoBits) {
   REQUIRE_CUDA();
   Pair p;
+#ifdef VIREO_HAVE_CUDA
+  cuda_set_absorb_ahead(true);  // (whatever VIREO_ABSORB_AHEAD says: the staged form is compared below)
+#endif
   for (DType dt : {DType::F8_E4M3, DType::BF16}) {
     HostWeight w = make_weight(dt, 8192, 2048, 31);  // gemv_rows2's shape class (q_b, the indexer's queries)
     Weight gw = p.gpu->upload_weight(w.w);
