@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <chrono>
 #include <set>
 #include <sstream>
@@ -874,9 +875,17 @@ TEST(CudaOps, MoeSlotCountsKeepTheSums) {
           return got;
         };
         // The gate | up in 16-row blocks, counted per slot or not, or (one token, FP8) walking, where
-        // the down products wait for the whole launch whatever the counts' switch says.
-        const auto whole = run(false, false), per_slot = run(true, false), walked = run(true, true),
-                   walked_whole = run(false, true);
+        // the down products wait for the whole launch whatever the counts' switch says, and walk too
+        // (each of those calls launched moe_down_walk_kernel, unless VIREO_MOE_DOWN_WALK=0).
+        const auto whole = run(false, false), per_slot = run(true, false);
+        const int64_t down_walks = cuda_moe_down_walk_launches();
+        const auto walked = run(true, true), walked_whole = run(false, true);
+        const char* down_walk_env = std::getenv("VIREO_MOE_DOWN_WALK");
+        if (dt == DType::F8_E4M3 && N == 1 && !(down_walk_env && std::string(down_walk_env) == "0")) {
+          EXPECT_EQ(cuda_moe_down_walk_launches() - down_walks, 2 * kCalls) << "D " << D << ": the down walk not taken";
+        } else {
+          EXPECT_EQ(cuda_moe_down_walk_launches(), down_walks) << dt_name(dt) << " D " << D << " N " << N;
+        }
         for (int c = 0; c < kCalls; ++c) {
           EXPECT_EQ(per_slot[size_t(c)], whole[size_t(c)]) << dt_name(dt) << " D " << D << " N " << N << " call " << c;
           EXPECT_EQ(walked[size_t(c)], whole[size_t(c)])
@@ -1633,6 +1642,58 @@ TEST(CudaOps, DecodeAttentionFastModesOnTensorCores) {
         }
         std::printf("  decode attention %-16s NMSE exact %.3g, fast %.3g, fast-fp8 %.3g\n", what.c_str(), err[0],
                     err[1], err[2]);
+      }
+    }
+  }
+}
+
+// The fast modes' long-context attention with its scores, softmax and p x latent in one kernel and
+// split pairs reduced in clusters (cuda_set_fused_decode_attention). Against the CPU at the fast
+// modes' tolerance and near the two-kernel form (the same roundings over other splits), its bits
+// not theirs (so the fused kernel ran), every output written (poisoned first). GLM-5 shapes, FP8
+// W_UV, up to 2048 selected of 4200 keys (the third row a third of them: partial and empty splits
+// and pairs), 64 heads and 72 (a partial group of 16), 1 and 3 rows, host and run-time positions;
+// and a selection of at most 1950 (31 splits: a pair with no second block's keys at all).
+TEST(CudaOps, DecodeAttentionFusedTcNearTwoKernels) {
+  REQUIRE_CUDA();
+  Pair p;
+  const int64_t nope = 192, rope = 64, vd = 256, L = 512, N = 4200;
+  const int64_t kvw = L + rope, hw = nope + vd;
+  auto kv = randv(size_t(N * kvw), 590);
+  float* gkv = p.g.up(kv);
+  const std::pair<int64_t, int64_t> heads_keys[] = {{64, 2048}, {72, 2048}, {64, 1950}};
+  for (const auto& [H, stride] : heads_keys) {
+    HostWeight kvb = make_weight(DType::F8_E4M3, H * hw, L, uint32_t(591 + H));
+    Weight gkvb = p.gpu->upload_weight(kvb.w);
+    for (int64_t T : {int64_t(1), int64_t(3)}) {
+      const GlmDecodeCase c =
+          glm_decode_case(p, T, H, N, stride, false, uint32_t(592 + T), uint32_t(593 + T), kv, gkv, kvb, gkvb);
+      for (bool dev_pos : {false, true}) {
+        MlaAttentionArgs g = c.g;
+        if (dev_pos) {
+          g.pos0_dev = c.gpos;
+          g.pos0 = N + 100 - T;
+          g.n_keys = N + 100;
+        }
+        cuda_set_gemm_mode(*p.gpu, CudaGemmMode::Bf16);
+        std::vector<float> out[2];
+        double err[2] = {};
+        for (int fused = 0; fused < 2; ++fused) {
+          cuda_set_fused_decode_attention(fused == 1);
+          p.gpu->fill(g.out, NAN, int64_t(c.want.size()));
+          p.gpu->mla_attention(g);
+          out[fused] = p.g.down(g.out, c.want.size());
+          err[fused] = nmse(out[fused], c.want);
+        }
+        cuda_set_fused_decode_attention(true);
+        cuda_set_gemm_mode(*p.gpu, CudaGemmMode::Split);
+        const std::string what = "H " + std::to_string(H) + " keys " + std::to_string(stride) + " T " +
+                                 std::to_string(T) + (dev_pos ? " run-time" : " host");
+        EXPECT_LT(err[0], 1e-4) << what << " two kernels";
+        EXPECT_LT(err[1], 1e-4) << what << " fused";
+        EXPECT_LT(nmse(out[1], out[0]), 1e-4) << what;
+        EXPECT_NE(out[1], out[0]) << what << ": the same bits (the fused kernel did not run?)";
+        std::printf("  decode attention %-26s NMSE two kernels %.3g, fused %.3g\n", what.c_str(), err[0], err[1]);
       }
     }
   }

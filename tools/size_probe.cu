@@ -92,14 +92,27 @@ int main() {
     size_t row_bytes;
   };
   const Form forms[] = {
-      {"flat 16w x1/SM  8 ld", 0, 16, 1, 8, 0},          {"flat 16w x2/SM  8 ld", 0, 16, 2, 8, 0},
-      {"flat 16w x4/SM  8 ld", 0, 16, 4, 8, 0},          {"flat 32w x1/SM  8 ld", 0, 32, 1, 8, 0},
-      {"flat 32w x2/SM  8 ld", 0, 32, 2, 8, 0},          {"flat 16w x4/SM  4 ld", 0, 16, 4, 4, 0},
-      {"rows 6 KB 32w x1/SM 8 ld", 1, 32, 1, 8, 6144},   {"rows 6 KB 16w x1/SM 8 ld", 1, 16, 1, 8, 6144},
-      {"rows 6 KB 16w x4/SM 8 ld", 1, 16, 4, 8, 6144},   {"rows 12 KB 16w x4/SM 8 ld", 1, 16, 4, 8, 12288},
-      {"rows 16 KB 32w x1/SM 8 ld", 1, 32, 1, 8, 16384}, {"rows 16 KB 16w x4/SM 8 ld", 1, 16, 4, 8, 16384},
+      {"flat 16w x1/SM  8 ld", 0, 16, 1, 8, 0},
+      {"flat 16w x2/SM  8 ld", 0, 16, 2, 8, 0},
+      {"flat 16w x4/SM  8 ld", 0, 16, 4, 8, 0},
+      {"flat 32w x1/SM  8 ld", 0, 32, 1, 8, 0},
+      {"flat 32w x2/SM  8 ld", 0, 32, 2, 8, 0},
+      {"flat 16w x4/SM  4 ld", 0, 16, 4, 4, 0},
+      {"rows 6 KB 32w x1/SM 8 ld", 1, 32, 1, 8, 6144},
+      {"rows 6 KB 16w x1/SM 8 ld", 1, 16, 1, 8, 6144},
+      {"rows 6 KB 16w x4/SM 8 ld", 1, 16, 4, 8, 6144},
+      {"rows 12 KB 16w x4/SM 8 ld", 1, 16, 4, 8, 12288},
+      {"rows 16 KB 32w x1/SM 8 ld", 1, 32, 1, 8, 16384},
+      {"rows 16 KB 16w x4/SM 8 ld", 1, 16, 4, 8, 16384},
+      // The down products' shapes (session 45): 2 KB FP8 rows a warp (4 loads a lane), a pair of
+      // them (4 KB, 8 loads), 16 warps x 2 blocks an SM as moe_down_slots2_kernel.
+      {"rows 2 KB 16w x2/SM 4 ld", 1, 16, 2, 4, 2048},
+      {"rows 2 KB 16w x4/SM 4 ld", 1, 16, 4, 4, 2048},
+      {"rows 4 KB 16w x2/SM 8 ld", 1, 16, 2, 8, 4096},
+      {"rows 4 KB 16w x4/SM 8 ld", 1, 16, 4, 8, 4096},
   };
-  const size_t sizes[] = {size_t(12582912), size_t(25165824), size_t(100663296), size_t(201326592), size_t(1903165440)};
+  const size_t sizes[] = {size_t(12582912),  size_t(25165824),  size_t(100663296),
+                          size_t(113246208), size_t(201326592), size_t(1903165440)};
   for (size_t bytes : sizes) {
     const int copies = int(std::max<size_t>(1, std::min<size_t>(pool_bytes / bytes, (size_t(400) << 20) / bytes + 1)));
     for (const Form& f : forms) {
@@ -110,7 +123,8 @@ int main() {
           if (f.loads == 8) flat_read<8><<<grid, threads, 0, st>>>(p, bytes / 16, sink);
           else flat_read<4><<<grid, threads, 0, st>>>(p, bytes / 16, sink);
         } else {
-          row_read<8><<<grid, threads, 0, st>>>(p, bytes / f.row_bytes, f.row_bytes / 16, sink);
+          if (f.loads == 4) row_read<4><<<grid, threads, 0, st>>>(p, bytes / f.row_bytes, f.row_bytes / 16, sink);
+          else row_read<8><<<grid, threads, 0, st>>>(p, bytes / f.row_bytes, f.row_bytes / 16, sink);
         }
       };
       const int reps = std::max(copies, int((size_t(800) << 20) / bytes));

@@ -68,6 +68,9 @@ void mla_decode(const DecodeAttnArgs& a, cudaStream_t st);
 // keys, scores and o_lat partials in one kernel). False (nothing
 // launched) when the shapes or alignments do not fit those kernels.
 bool mla_decode_fast(const DecodeAttnArgs& a, cudaStream_t st);
+// Long key lists in mla_decode_fast: the fused kernel (on, the default) or the scores and p x
+// latent kernels (off). Process-wide.
+void set_fused_decode_attention(bool on);
 
 // mask[t, u / 32] bit u % 32 set for every selected key u of query t.
 void build_mask(const int32_t* sel, const int32_t* counts, int64_t T, int64_t stride, int64_t mwords, uint32_t* mask,

@@ -2298,8 +2298,10 @@ void cuda_set_grouped_fp8_form(Backend& b, int form) {
 void cuda_set_bank_grouped(Backend& b, bool on) { as_cuda(b).set_bank_grouped(on); }
 void cuda_set_moe_slot_counts(Backend& b, bool on) { as_cuda(b).set_moe_slot_counts(on); }
 void cuda_set_moe_walk(bool on) { set_moe_walk(on); }
+int64_t cuda_moe_down_walk_launches() { return cuda::moe_down_walk_launches(); }
 void cuda_set_absorb_ahead(bool on) { cuda::set_absorb_ahead(on); }
 int64_t cuda_absorb_staged_launches() { return cuda::absorb_staged_launches(); }
+void cuda_set_fused_decode_attention(bool on) { cuda::set_fused_decode_attention(on); }
 void cuda_set_q8_prequant(bool on) { cuda::set_q8_prequant(on); }
 void cuda_set_bf16_lt_decode_rows(Backend& b, int64_t rows) { as_cuda(b).set_bf16_lt_decode_rows(rows); }
 uint64_t cuda_bank_run_buffer_bytes(Backend& b) { return as_cuda(b).bank_run_buffer_bytes(); }

@@ -132,11 +132,18 @@ void cuda_set_moe_slot_counts(Backend& cuda, bool on);
 // every slot, the down products waiting for all of it (on, the default; VIREO_MOE_WALK=0 turns it
 // off), or a block per 16 rows of a slot, counted per slot (off). Process-wide. The same sums.
 void cuda_set_moe_walk(bool on);
+// The down products after it walk too (VIREO_MOE_DOWN_WALK=0: a block per 32 row pairs of a slot);
+// the same sums. moe_down_walk_kernel's launches so far (tests check that it is taken):
+int64_t cuda_moe_down_walk_launches();
 // The absorbed decode queries' FP8 W_UK staged in shared memory before the kernel's wait, while
 // q_b streams (on, the default; VIREO_ABSORB_AHEAD=0 turns it off), or read after it (off).
 // Process-wide. The same sums, so tests compare the two bit for bit.
 void cuda_set_absorb_ahead(bool on);
 int64_t cuda_absorb_staged_launches();  // the staged form's launches so far (tests check it is taken)
+// The fast modes' decode attention over long key lists: scores, softmax and p x latent in one
+// kernel, split pairs reduced in clusters (on, the default; VIREO_FUSED_ATTENTION=0 turns it off),
+// or the scores and p x latent kernels (off). Process-wide. Near, not equal: the splits differ.
+void cuda_set_fused_decode_attention(bool on);
 // fast-fp8 products of 5-8 rows on FP8 weights of >= 8192 columns: x quantized once by act_quant
 // and copied into each block (on, the default; VIREO_Q8_PREQUANT=0 turns it off), or quantized by
 // every block itself (off). Process-wide. The same bits.

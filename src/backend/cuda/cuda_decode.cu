@@ -318,6 +318,14 @@ __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
 // the blocks of the slots done first run while the gate | up's last blocks still stream (they
 // are dispatched slot by slot, so by its last wave most slots are done). The gate | up's blocks
 // have all begun by the time these are dispatched (PDL), so waiting on them cannot deadlock.
+// Slot k of token t's down weight descriptor, read through L2, as h: without griddepcontrol.wait
+// (the slot counts' path) nothing invalidates what this SM's L1 kept of the last layer's ids (the
+// same buffer), and a streaming store rewrites the table.
+__device__ __forceinline__ DevW slot_down(const int32_t* ids, const DevExpert* bank, int64_t t, int k, int K,
+                                          int n_routed) {
+  const int e = k < K ? __ldcg(ids + t * K + k) : n_routed + (k - K);
+  return load_cg(&bank[e].down);
+}
 template <int DT, int WARPS>
 __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<true, WARPS>)
     moe_down_slots2_kernel(const float* __restrict__ h, int64_t D, int64_t I, int K, int S, int n_routed,
@@ -332,11 +340,7 @@ __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<true, WARPS>)
   int64_t row = (int64_t(blockIdx.x) * WARPS * ppw + warp) * 2;
   if (threadIdx.x == 0) {
     if (ready && int(blockIdx.y) < k_wait) wait_count(ready + s, need);
-    // Through L2, as h below: without griddepcontrol.wait nothing invalidates what this SM's L1
-    // kept of the last layer's ids (the same buffer), and a streaming store rewrites the table.
-    const int k = int(blockIdx.y);
-    const int e = k < K ? __ldcg(ids + t * K + k) : n_routed + (k - K);
-    down = load_cg(&bank[e].down);
+    down = slot_down(ids, bank, t, int(blockIdx.y), K, n_routed);
   }
   // No thread reads h before the wait is over (stage_x's own barrier comes after its loads: the
   // first form, without this one, read unwritten rows in the tiny test models' decode).
@@ -350,6 +354,49 @@ __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<true, WARPS>)
     if (lane == 0) {
       y[s * D + row] = y0;
       y[s * D + row + 1] = y1;
+    }
+  }
+}
+
+// One token's down products in blocks that stay (as many as fit, two an SM at 16 warps), block b
+// taking the row pairs [b ppb, (b + 1) ppb) of the slots' pairs in slot order: at most two slots
+// a block (ppb <= D / 2), their h staged once (<= 16 KB: the slots' h are adjacent). The same lane
+// sums and warp reductions as moe_down_slots2_kernel, so the same y bits for
+// moe_down_combine_kernel. Why: slots2's 864 blocks (GLM-5, 9 slots) each pay a serial start (the
+// expert id, its descriptor, h's copy) before 128 KB of loads, over ~3.3 waves: 37 us a layer for
+// 113 MB (3.05 TB/s, H200) where the size probe reads 2 KB rows of that size in one wave of
+// staying blocks at ~4.1 TB/s (27.5 us). This form: 31 us, +1.4 points of fp8 decode at 8 layers
+// at both contexts (BENCHMARKS "Session 45"). Sessions 37 and 44 had walked with every slot's h
+// (73.7 KB) staged first: a serial prologue on every SM, no gain.
+template <int DT, int WARPS>
+__global__ void __launch_bounds__(32 * WARPS, kMinBlocks<true, WARPS>)
+    moe_down_walk_kernel(const float* __restrict__ h, int64_t D, int64_t I, int K, int S, int n_routed,
+                         const int32_t* __restrict__ ids, const DevExpert* __restrict__ bank, float* __restrict__ y,
+                         int64_t ppb) {
+  pdl_begin();
+  extern __shared__ float4 xs[];
+  __shared__ DevW down[2];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t P = D / 2, total = int64_t(K + S) * P;
+  const int64_t u0 = int64_t(blockIdx.x) * ppb, u1 = u0 + ppb < total ? u0 + ppb : total;
+  const int s0 = int(u0 / P), s1 = int((u1 > u0 ? u1 - 1 : u0) / P);
+  if (u0 >= total) return;
+  if (threadIdx.x < 2) down[threadIdx.x] = slot_down(ids, bank, 0, threadIdx.x == 0 ? s0 : s1, K, n_routed);
+  stage_x<true>(h + int64_t(s0) * I, int64_t(s1 - s0 + 1) * I, xs);  // its barrier also publishes down
+  // This block's pairs of slot s0 + j: [a, b).
+  for (int j = 0; j <= s1 - s0; ++j) {
+    const int64_t k = s0 + j, a = (u0 > k * P ? u0 : k * P) - k * P, b = (u1 < (k + 1) * P ? u1 : (k + 1) * P) - k * P;
+    const DevW w = down[j];
+    DevW next = w;
+    next.w = static_cast<const char*>(w.w) + size_t(w.in) * elem_bytes<DT>();
+    float* yk = y + k * D;
+    for (int64_t row = (a + warp) * 2; row < 2 * b; row += 2 * WARPS) {
+      const float2 v = lane_dot2<DT, true>(w, next, row, XShared{xs, int(j * I / 4)}, lane);
+      const float y0 = warp_sum(v.x), y1 = warp_sum(v.y);
+      if (lane == 0) {
+        yk[row] = y0;
+        yk[row + 1] = y1;
+      }
     }
   }
 }
@@ -585,12 +632,34 @@ int down_pairs_a_warp(int dt, int64_t N) {
   return forced ? forced : dt == W_FP8 && N == 1 ? 2 : 1;
 }
 
+int64_t g_down_walk_launches = 0;  // moe_down_walk_kernel's launches (tests check it is taken)
+
 // ready (may be null): the slot counts the gate | up launch just before bumped, need per slot
-// for its slots k < k_wait.
+// for its slots k < k_wait. after_walk: that launch was the walking gate | up.
 template <int DT, int WARPS>
 void launch_down_xs(float* h, int64_t N, int64_t D, int64_t I, int K, int S, int n_routed, const int32_t* ids,
                     const float* wts, const DevExpert* bank, float* out, int* ready, int need, int k_wait,
-                    cudaStream_t st) {
+                    bool after_walk, cudaStream_t st) {
+  // After the walking gate | up (one token's FP8 rows, no slot counts): the down products walk too.
+  static const bool down_walk = env_switch("VIREO_MOE_DOWN_WALK");  // 0: slots2 (A/B runs; the same bits)
+  if (down_walk && moe_down_slots() && after_walk && !ready && N == 1 && D % 2 == 0 &&
+      size_t(2 * I) * 4 <= kXsMaxBytes) {
+    constexpr auto kernel = moe_down_walk_kernel<DT, WARPS>;
+    allow_xs<kernel>();
+    float* y = h + N * (K + S) * I;
+    int fit = 0;  // (two an SM at 16 warps: kMinBlocks)
+    VIREO_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kernel, 32 * WARPS, size_t(2 * I) * 4));
+    ++g_down_walk_launches;
+    const int64_t total = int64_t(K + S) * (D / 2), blocks = int64_t(std::max(fit, 1)) * multiprocessors();
+    const int64_t ppb = std::min<int64_t>((total + blocks - 1) / blocks, D / 2);
+    launch(kernel, unsigned((total + ppb - 1) / ppb), 32 * WARPS, size_t(2 * I) * 4, st, h, D, I, K, S, n_routed, ids,
+           bank, y, ppb);
+    VIREO_CUDA_LAUNCHED();
+    launch(moe_down_combine_kernel, dim3(unsigned((D + 255) / 256), unsigned(N)), 256, 0, st, y, D, K, S, wts, out,
+           ready);
+    VIREO_CUDA_LAUNCHED();
+    return;
+  }
   if (moe_down_slots()) {
     constexpr auto kernel = moe_down_slots2_kernel<DT, WARPS>;
     allow_xs<kernel>();
@@ -648,7 +717,8 @@ void launch_moe(bool x_shared, MoePart part, const float* x, int64_t N, int64_t 
         VIREO_CUDA_LAUNCHED();
       }
       if (down)
-        launch_down_xs<DT, kXsWarps>(h, N, D, I, K, S, n_routed, ids, wts, bank, out, ready, int(row_blocks), nk, st);
+        launch_down_xs<DT, kXsWarps>(h, N, D, I, K, S, n_routed, ids, wts, bank, out, ready, int(row_blocks), nk, walk,
+                                     st);
       return;
     }
     if (DT == W_FP8 && I % kFp8GateUpRows == 0 && D % kFp8DownRows == 0 && K + S <= 16) {
@@ -986,6 +1056,7 @@ __global__ void argmax_final_kernel(const float* __restrict__ x, int64_t n, cons
 }  // namespace
 
 void set_moe_walk(bool on) { g_moe_walk = on; }
+int64_t moe_down_walk_launches() { return g_down_walk_launches; }
 
 void moe_experts(const float* x, int64_t N, int64_t D, int64_t I, int K, int S, int n_routed, const int32_t* ids,
                  const float* weights, const DevExpert* bank, int dtype, bool vec, bool x_shared, MoePart part,

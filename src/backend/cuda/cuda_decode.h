@@ -29,6 +29,7 @@ void moe_experts(const float* x, int64_t N, int64_t D, int64_t I, int K, int S, 
                  float* h, float* out, int* ready, cudaStream_t st);
 // cuda_set_moe_walk (cuda_backend.h).
 void set_moe_walk(bool on);
+int64_t moe_down_walk_launches();  // moe_down_walk_kernel's launches so far (tests check it is taken)
 
 // h += x; y = rms_norm(h) * w, row by row (bit-identical to add then rms_norm).   [T, n]
 void add_rms_norm(float* h, const float* x, int64_t T, int64_t n, const float* w, float eps, float* y,

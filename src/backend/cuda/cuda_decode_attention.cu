@@ -18,10 +18,15 @@
 // ~20 instructions; kernel 2 exponentiates each score once per 32-column slice (16 times at L =
 // 512), and the accurate expf made up a third of its instructions.
 // Splitting scores from the weighted sum keeps both GEMM-shaped with all heads sharing each loaded
-// row, and fills the chip (128 blocks each at 2048 keys) where one fused kernel would need either
-// 16-key splits (16 MB of partials) or a quarter of the SMs.
+// row, and fills the chip (128 blocks each at 2048 keys) where one fused kernel on f32 CUDA cores
+// would need either 16-key splits (16 MB of partials) or a quarter of the SMs. The fast modes'
+// long key lists (tensor cores, where the products take ~70 mma a warp) run 1 and 2 as one kernel,
+// mla_decode_fused_tc_kernel: 64-key splits of 16 heads (128 blocks at 2048 keys), split pairs
+// reduced in clusters, so 3 merges 128-key splits.
 #include <algorithm>
 #include <type_traits>
+
+#include <cooperative_groups.h>
 
 #include "backend/cuda/cuda_attention.h"
 #include "backend/cuda/cuda_internal.h"
@@ -246,6 +251,204 @@ __global__ void __launch_bounds__(kTcWarps * 32)
           if (h < H && j < cnt) scores[(t * H + h) * sstride + k0 + j] = sc[2 * r + e] * scale;
         }
     }
+  }
+}
+
+// The fast modes' long key lists (tensor cores): scores, softmax and p x latent of one (split of kFK
+// keys, group of kFH heads) in one block, both products on bf16 tensor cores as
+// mla_decode_scores_tc_kernel and mla_decode_pv_kernel<8, true> round them (q, the cache rows and
+// p rounded to bf16 at the fragment loads, f32 sums): it loads its 16 queries and 64 cache rows
+// once (~190 KB) and needs no [H, keys] round trip of scores. 16 warps: scores as the tc scores
+// kernel (warp: key tile 8 (w & 7).., k-half w >> 3); a warp a head for the softmax; p x latent a
+// warp per 8-column tiles w, w + 16, ... The blocks of two consecutive splits are a cluster: each
+// keeps its (max, sum, o) in shared memory, and rank r merges heads [8 r, 8 r + 8) of the pair
+// through distributed shared memory into one partial, so mla_decode_merge_wuv_kernel reads
+// 128-key splits (16 at 2048 keys). Grid (splits rounded up to even, head groups, T).
+// H200, GLM-5 shapes, 2048 of 4096 keys (BENCHMARKS "Session 45"): the two kernels took 6.8 + 7.8
+// us of advance a layer. Unpaired (32 64-key splits to merge) the fused kernel ran 9.3 and the
+// merge 11.1 (7.0 over 8 splits): even. Clusters of 4 and 8 fit 30 and 15 at once (120 of 128
+// blocks: two waves), 23 us, -3 points. Pairs fit 66 at once: 11.5 us, the merge 8.4 (19.9 against
+// 21.6 a layer), +0.6 and +0.1 points at 4096 cached in two A/Bs.
+constexpr int kFH = 16, kFK = 64, kFWarps = 16, kFCL = 2;
+constexpr int kFPS = kFK + 8;  // p row stride (words): 8 mod 32, as the tc tiles
+__host__ __device__ inline size_t fused_attn_smem(int kvw) {
+  return size_t((kFH + kFK) * tc_tile_stride(kvw) + kTcRed + kFH * kFPS + 2 * kFH) * 4 + kFK * 4;
+}
+__global__ void __cluster_dims__(kFCL, 1, 1) __launch_bounds__(kFWarps * 32, 1)
+    mla_decode_fused_tc_kernel(const float* __restrict__ qlat, const float* __restrict__ q, int H, int qw, int nope,
+                               int L, const float* __restrict__ kv, int kvw, int64_t pos0,
+                               const int32_t* __restrict__ pos0_dev, const int32_t* __restrict__ sel,
+                               const int32_t* __restrict__ counts, int64_t sel_stride, float scale2, int nks,
+                               float* __restrict__ opart, float* __restrict__ mpart, float* __restrict__ lpart) {
+  pdl_begin();
+  extern __shared__ __align__(16) float sm[];
+  const int P = tc_tile_stride(kvw);
+  float* qs = sm;                               // [kFH][P]: q_lat | q_rope
+  float* ks = qs + kFH * P;                     // [kFK][P]: the split's cache rows
+  float* red = ks + kFK * P;                    // [8][32][4]: the second k-half's sums
+  float* ps = red + kTcRed;                     // [kFH][kFPS]: scores, then p (bf16 values)
+  float* msm = ps + kFH * kFPS;                 // [kFH]: each head's max
+  float* lsm = msm + kFH;                       // [kFH]: and sum
+  int* us = reinterpret_cast<int*>(lsm + kFH);  // [kFK]
+  const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31, g = lane >> 2, qq = lane & 3;
+  const int64_t t = blockIdx.z;
+  const int s = int(blockIdx.x), hg0 = int(blockIdx.y) * kFH;
+  if (pos0_dev) pos0 = *pos0_dev;
+  const int64_t n = sel ? int64_t(counts[t]) : pos0 + t + 1;
+  const int64_t i0 = int64_t(s) * kFK;
+  const int cnt = int(n - i0 < 0 ? 0 : n - i0 > kFK ? kFK : n - i0);
+  if (cnt == 0 && tid < kFH) {  // an empty split: its pair's reduction skips it by its max
+    msm[tid] = -INFINITY;
+    lsm[tid] = 0.0f;
+  }
+  if (cnt > 0) {  // (uniform; an empty split still meets the cluster's barriers below)
+    if (tid < cnt) us[tid] = sel ? sel[t * sel_stride + i0 + tid] : int(i0 + tid);
+    // Rows past cnt: zero latent (p x latent sums over all kFK keys with p = 0 there; stale shared
+    // memory could hold NaN bits). Their scores are never used.
+    for (int x = tid; x < (kFK - cnt) * (L / 4); x += kFWarps * 32)
+      *reinterpret_cast<float4*>(ks + (cnt + x / (L / 4)) * P + 4 * (x % (L / 4))) = make_float4(0.f, 0.f, 0.f, 0.f);
+    __syncthreads();  // us
+    const int L4 = L / 4, KS = kvw / 16, KA = KS / 2;
+    auto load = [&](int c4a, int c4b) {  // columns [c4a, c4b) of both tiles, one cp.async group
+      for (int r = warp; r < kFH; r += kFWarps) {
+        const int h = hg0 + r;
+        for (int c4 = c4a + lane; c4 < c4b; c4 += 32) {
+          float* d = qs + r * P + 4 * c4;
+          if (h >= H) *reinterpret_cast<float4*>(d) = make_float4(0.f, 0.f, 0.f, 0.f);
+          else if (c4 < L4) cp_async16(d, qlat + ((t * H + h) * L + 4 * c4));
+          else cp_async16(d, q + ((t * H + h) * qw + nope + 4 * (c4 - L4)));
+        }
+      }
+      for (int r = warp; r < cnt; r += kFWarps) {
+        const float* src = kv + int64_t(us[r]) * kvw;
+        for (int c4 = c4a + lane; c4 < c4b; c4 += 32) cp_async16(ks + r * P + 4 * c4, src + 4 * c4);
+      }
+      cp_async_commit();
+    };
+    load(0, 4 * KA);
+    load(4 * KA, kvw / 4);
+    // Scores: warp (nt, kh) takes keys 8 nt.. over k-half kh; rows g, g + 8 of the 16 heads.
+    const int nt = warp & 7, kh = warp >> 3;
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const float* pa = qs + g * P + 2 * qq;
+    const float* pb = ks + (8 * nt + g) * P + 2 * qq;
+    auto run = [&](int ka, int kb) {
+      for (int k = ka; k < kb; ++k) {
+        const int c = 16 * k;
+        const float2 a0 = *reinterpret_cast<const float2*>(pa + c);
+        const float2 a1 = *reinterpret_cast<const float2*>(pa + 8 * P + c);
+        const float2 a2 = *reinterpret_cast<const float2*>(pa + c + 8);
+        const float2 a3 = *reinterpret_cast<const float2*>(pa + 8 * P + c + 8);
+        const float2 b0 = *reinterpret_cast<const float2*>(pb + c), b1 = *reinterpret_cast<const float2*>(pb + c + 8);
+        mma_bf16_16816(d, pack_bf16x2(a0.x, a0.y), pack_bf16x2(a1.x, a1.y), pack_bf16x2(a2.x, a2.y),
+                       pack_bf16x2(a3.x, a3.y), pack_bf16x2(b0.x, b0.y), pack_bf16x2(b1.x, b1.y));
+      }
+    };
+    cp_async_wait<1>();
+    __syncthreads();
+    if (kh == 0) run(0, KA);
+    cp_async_wait<0>();
+    __syncthreads();
+    if (kh == 1) {
+      run(KA, KS);
+      *reinterpret_cast<float4*>(red + ((warp - kFWarps / 2) * 32 + lane) * 4) = make_float4(d[0], d[1], d[2], d[3]);
+    }
+    __syncthreads();
+    if (kh == 0) {
+      const float4 o = *reinterpret_cast<const float4*>(red + (warp * 32 + lane) * 4);
+      const float sc[4] = {d[0] + o.x, d[1] + o.y, d[2] + o.z, d[3] + o.w};
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int j = 8 * nt + 2 * qq + e;
+          ps[(g + 8 * r) * kFPS + j] = j < cnt ? sc[2 * r + e] * scale2 : -INFINITY;
+        }
+    }
+    __syncthreads();
+    {  // softmax of head `warp` over the split's keys: 2 a lane; p rounded to bf16 as stored
+      static_assert(kFH == kFWarps && kFK == 64, "a warp a head, two keys a lane");
+      float* prow = ps + warp * kFPS;
+      const float s0 = prow[lane], s1 = prow[lane + 32];
+      const float m = warp_max(fmaxf(s0, s1));
+      float p0 = lane < cnt ? exp2f(s0 - m) : 0.0f, p1 = lane + 32 < cnt ? exp2f(s1 - m) : 0.0f;
+      p0 = __bfloat162float(__float2bfloat16_rn(p0));
+      p1 = __bfloat162float(__float2bfloat16_rn(p1));
+      prow[lane] = p0;
+      prow[lane + 32] = p1;
+      const float l = warp_sum(p0 + p1);
+      if (lane == 0) {
+        msm[warp] = m;
+        lsm[warp] = l;
+      }
+    }
+    __syncthreads();
+    // p x latent: 8-column tiles cn = 8 w, 8 (w + 16), ..; A p[head][key], B latent[key][column].
+    const float* pp = ps + g * kFPS + 2 * qq;
+    for (int cn = 8 * warp; cn < L; cn += 8 * kFWarps) {
+      float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      const float* vb = ks + 2 * qq * P + cn + g;
+#pragma unroll
+      for (int k0 = 0; k0 < kFK; k0 += 16) {
+        const float2 x0 = *reinterpret_cast<const float2*>(pp + k0);
+        const float2 x1 = *reinterpret_cast<const float2*>(pp + 8 * kFPS + k0);
+        const float2 x2 = *reinterpret_cast<const float2*>(pp + k0 + 8);
+        const float2 x3 = *reinterpret_cast<const float2*>(pp + 8 * kFPS + k0 + 8);
+        const float* v = vb + k0 * P;
+        mma_bf16_16816(o, pack_bf16x2(x0.x, x0.y), pack_bf16x2(x1.x, x1.y), pack_bf16x2(x2.x, x2.y),
+                       pack_bf16x2(x3.x, x3.y), pack_bf16x2(v[0], v[P]), pack_bf16x2(v[8 * P], v[9 * P]));
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r)  // o[2r], o[2r + 1]: head g + 8r, columns cn + 2qq, + 1, into the
+        // query tile's space (the scores read it last)
+        *reinterpret_cast<float2*>(qs + (g + 8 * r) * P + cn + 2 * qq) = make_float2(o[2 * r], o[2 * r + 1]);
+    }
+  }  // cnt > 0
+  {
+    namespace cg = cooperative_groups;
+    constexpr int CL = kFCL, HPR = kFH / CL;
+    const cg::cluster_group cl = cg::this_cluster();
+    cl.sync();  // every block's (max, sum, o) written
+    const int rank = int(cl.block_rank()), nko = nks / CL, so = s / CL;
+    const float* rm[CL];
+    const float* rl[CL];
+    const float* ro[CL];
+#pragma unroll
+    for (int i = 0; i < CL; ++i) {
+      rm[i] = cl.map_shared_rank(msm, i);
+      rl[i] = cl.map_shared_rank(lsm, i);
+      ro[i] = cl.map_shared_rank(qs, i);
+    }
+    for (int e = 4 * tid; e < HPR * L; e += 4 * kFWarps * 32) {
+      const int hh = rank * HPR + e / L, c = e % L, h = hg0 + hh;
+      float mi[CL], M = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < CL; ++i) {
+        mi[i] = rm[i][hh];
+        M = fmaxf(M, mi[i]);
+      }
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+      float lsum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < CL; ++i) {
+        if (mi[i] == -INFINITY) continue;
+        const float w = exp2f(mi[i] - M);
+        const float4 v = *reinterpret_cast<const float4*>(ro[i] + hh * P + c);
+        acc.x += w * v.x;
+        acc.y += w * v.y;
+        acc.z += w * v.z;
+        acc.w += w * v.w;
+        if (c == 0) lsum += w * rl[i][hh];
+      }
+      if (h < H) {
+        *reinterpret_cast<float4*>(opart + ((t * H + h) * nko + so) * L + c) = acc;
+        if (c == 0) {
+          mpart[(t * H + h) * nko + so] = M;
+          lpart[(t * H + h) * nko + so] = lsum;
+        }
+      }
+    }
+    cl.sync();  // no block leaves while another reads its shared memory
   }
 }
 
@@ -784,6 +987,11 @@ bool rows_vectorizable(const DevW& w, int64_t L) {
 
 static_assert(kQK == CudaBufferSizes::kDecodeShortSplitKeys, "the decode splits' rule (cuda_backend.h) counts these");
 
+// mla_decode_fused_tc_kernel for the fast modes' long key lists (on; VIREO_FUSED_ATTENTION=0 or
+// set_fused_decode_attention(false): the scores and p x latent kernels, for A/B runs and tests).
+static bool g_fused_attention = env_switch("VIREO_FUSED_ATTENTION");
+void set_fused_decode_attention(bool on) { g_fused_attention = on; }
+
 bool mla_decode_fast(const DecodeAttnArgs& a, cudaStream_t st) {
   const int64_t kvw = a.kvw, L = a.L;
   auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
@@ -816,6 +1024,8 @@ bool mla_decode_fast(const DecodeAttnArgs& a, cudaStream_t st) {
   const size_t smem_q = size_t((kQH + kQK) * P + kQH * kQK + kQK) * 4;
   static const bool short_on = env_switch("VIREO_SHORT_ATTENTION");  // 0: the long kernels always (A/B runs)
   int nks = 0;
+  // The fused kernel's splits, rounded up to whole pairs; the partials it writes: half as many.
+  const int64_t fused_splits = ((a.max_keys + kFK - 1) / kFK + kFCL - 1) / kFCL * kFCL;
   if (short_on && short_splits > 0 && short_splits <= a.nsplit && smem_q <= size_t(227) * 1024) {
     nks = int(short_splits);
     allow_dynamic_smem<mla_decode_short_kernel, 227 * 1024>();
@@ -823,6 +1033,14 @@ bool mla_decode_fast(const DecodeAttnArgs& a, cudaStream_t st) {
            st, a.qlat, a.q, H, int(a.qw), int(a.nope), int(L), a.kv, int(kvw), a.pos0, a.pos0_dev, a.sel, a.counts,
            a.sel_stride, scale2, nks, a.opart, a.mpart, a.lpart);
     VIREO_CUDA_LAUNCHED();
+  } else if (g_fused_attention && a.tc && kvw % 16 == 0 && L % 8 == 0 && L <= kvw && fused_splits / kFCL <= a.nsplit &&
+             fused_attn_smem(int(kvw)) <= size_t(227) * 1024) {
+    allow_dynamic_smem<mla_decode_fused_tc_kernel, 227 * 1024>();
+    launch(mla_decode_fused_tc_kernel, dim3(unsigned(fused_splits), unsigned((a.H + kFH - 1) / kFH), unsigned(a.T)),
+           kFWarps * 32, fused_attn_smem(int(kvw)), st, a.qlat, a.q, H, int(a.qw), int(a.nope), int(L), a.kv, int(kvw),
+           a.pos0, a.pos0_dev, a.sel, a.counts, a.sel_stride, scale2, int(fused_splits), a.opart, a.mpart, a.lpart);
+    VIREO_CUDA_LAUNCHED();
+    nks = int(fused_splits / kFCL);
   } else {
     const int64_t sstride = (a.max_keys + kSK - 1) / kSK * kSK;
     nks = int((a.max_keys + kPK - 1) / kPK);
