@@ -1528,6 +1528,17 @@ struct GlmDecodeCase {
   std::vector<float> want;
   MlaAttentionArgs g;
   int32_t* gpos = nullptr;
+  // g with host positions, or with run-time ones as a recorded step has them: the position read
+  // from the device, the launch bound 100 keys past the real count.
+  MlaAttentionArgs at(bool run_time) const {
+    MlaAttentionArgs a = g;
+    if (run_time) {
+      a.pos0_dev = gpos;
+      a.pos0 = g.n_keys + 100 - g.T;
+      a.n_keys = g.n_keys + 100;
+    }
+    return a;
+  }
 };
 GlmDecodeCase glm_decode_case(Pair& p, int64_t T, int64_t H, int64_t N, int64_t stride, bool dense, uint32_t q_seed,
                               uint32_t sel_seed, const std::vector<float>& kv, float* gkv, const HostWeight& kvb,
@@ -1574,17 +1585,10 @@ TEST(CudaOps, DecodeAttentionGlmShapesFastAndReference) {
           const GlmDecodeCase c =
               glm_decode_case(p, T, H, N, stride, dense, uint32_t(92 + T), uint32_t(93 + T), kv, gkv, kvb, gkvb);
           const std::vector<float>& want = c.want;
-          const MlaAttentionArgs& g = c.g;
-          int32_t* gpos = c.gpos;
           for (bool fast : {true, false})
             for (bool dev_pos : {false, true}) {
               cuda_set_fast_decode(*p.gpu, fast, true, true);
-              MlaAttentionArgs gg = g;
-              if (dev_pos) {  // as a recorded step: the bound is larger than the real position
-                gg.pos0_dev = gpos;
-                gg.pos0 = N + 100 - T;
-                gg.n_keys = N + 100;
-              }
+              MlaAttentionArgs gg = c.at(dev_pos);
               p.gpu->fill(gg.out, NAN, int64_t(want.size()));
               p.gpu->mla_attention(gg);
               const double e = nmse(p.g.down(gg.out, want.size()), want);
@@ -1618,12 +1622,7 @@ TEST(CudaOps, DecodeAttentionFastModesOnTensorCores) {
       const GlmDecodeCase c =
           glm_decode_case(p, T, H, N, stride, false, uint32_t(492 + T), uint32_t(493 + T), kv, gkv, kvb, gkvb);
       for (bool dev_pos : {false, true}) {
-        MlaAttentionArgs g = c.g;
-        if (dev_pos) {
-          g.pos0_dev = c.gpos;
-          g.pos0 = N + 100 - T;
-          g.n_keys = N + 100;
-        }
+        MlaAttentionArgs g = c.at(dev_pos);
         double err[3] = {};
         const CudaGemmMode modes[3] = {CudaGemmMode::Split, CudaGemmMode::Bf16, CudaGemmMode::Fp8};
         for (int m = 0; m < 3; ++m) {
@@ -1669,12 +1668,7 @@ TEST(CudaOps, DecodeAttentionFusedTcNearTwoKernels) {
       const GlmDecodeCase c =
           glm_decode_case(p, T, H, N, stride, false, uint32_t(592 + T), uint32_t(593 + T), kv, gkv, kvb, gkvb);
       for (bool dev_pos : {false, true}) {
-        MlaAttentionArgs g = c.g;
-        if (dev_pos) {
-          g.pos0_dev = c.gpos;
-          g.pos0 = N + 100 - T;
-          g.n_keys = N + 100;
-        }
+        MlaAttentionArgs g = c.at(dev_pos);
         cuda_set_gemm_mode(*p.gpu, CudaGemmMode::Bf16);
         std::vector<float> out[2];
         double err[2] = {};

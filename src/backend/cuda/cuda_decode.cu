@@ -379,8 +379,8 @@ __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<true, WARPS>)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t P = D / 2, total = int64_t(K + S) * P;
   const int64_t u0 = int64_t(blockIdx.x) * ppb, u1 = u0 + ppb < total ? u0 + ppb : total;
-  const int s0 = int(u0 / P), s1 = int((u1 > u0 ? u1 - 1 : u0) / P);
   if (u0 >= total) return;
+  const int s0 = int(u0 / P), s1 = int((u1 - 1) / P);
   if (threadIdx.x < 2) down[threadIdx.x] = slot_down(ids, bank, 0, threadIdx.x == 0 ? s0 : s1, K, n_routed);
   stage_x<true>(h + int64_t(s0) * I, int64_t(s1 - s0 + 1) * I, xs);  // its barrier also publishes down
   // This block's pairs of slot s0 + j: [a, b).

@@ -187,6 +187,59 @@ __host__ __device__ inline int tc_tile_stride(int kvw) { return (kvw + 31) / 32 
 constexpr int kTcWarps = 16;                   // 2 head tiles x 4 key tiles x 2 k-halves
 constexpr int kTcRed = kTcWarps / 2 * 32 * 4;  // the second k-half's warps' tiles, 4 floats a lane
 
+// d += p[16 heads][k0, k0 + 16) x latent[k0, k0 + 16)[8 columns] on the tensor cores (mma.sync
+// m16n8k16): this lane's A words from pa (rows g and g + 8, ps floats apart), B words from vb (key
+// rows vs floats apart), both rounded to bf16 here.
+__device__ __forceinline__ void mma_p_latent(float (&d)[4], const float* pa, int ps, const float* vb, int vs, int k0) {
+  const float2 x0 = *reinterpret_cast<const float2*>(pa + k0);
+  const float2 x1 = *reinterpret_cast<const float2*>(pa + 8 * ps + k0);
+  const float2 x2 = *reinterpret_cast<const float2*>(pa + k0 + 8);
+  const float2 x3 = *reinterpret_cast<const float2*>(pa + 8 * ps + k0 + 8);
+  const float* v = vb + k0 * vs;
+  mma_bf16_16816(d, pack_bf16x2(x0.x, x0.y), pack_bf16x2(x1.x, x1.y), pack_bf16x2(x2.x, x2.y), pack_bf16x2(x3.x, x3.y),
+                 pack_bf16x2(v[0], v[vs]), pack_bf16x2(v[8 * vs], v[9 * vs]));
+}
+
+// The tc scores' two k-halves of a block's tiles, whose columns land as two cp.async groups (the
+// first k-half's first): warps of half kh = 0 run the first half's 16-wide k-steps [0, KA) as soon
+// as its group lands, warps of half 1 the steps [KA, KS) after the last; the second half's sums
+// meet the first's in `red` ([warps / 2][32][4]), in that order. Returns true in the first half's
+// warps, with this lane's 4 sums of the 16 x 8 tile in sc. pa, pb: this lane's first A (query)
+// and B (cache row) fragment words, rows P floats apart; q and the rows rounded to bf16 here.
+__device__ __forceinline__ bool tc_score_halves(const float* pa, const float* pb, int P, int KA, int KS, int kh,
+                                                int warp, int lane, int warps, float* red, float (&sc)[4]) {
+  float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  auto run = [&](int ka, int kb) {
+    for (int k = ka; k < kb; ++k) {
+      const int c = 16 * k;
+      const float2 a0 = *reinterpret_cast<const float2*>(pa + c);
+      const float2 a1 = *reinterpret_cast<const float2*>(pa + 8 * P + c);
+      const float2 a2 = *reinterpret_cast<const float2*>(pa + c + 8);
+      const float2 a3 = *reinterpret_cast<const float2*>(pa + 8 * P + c + 8);
+      const float2 b0 = *reinterpret_cast<const float2*>(pb + c), b1 = *reinterpret_cast<const float2*>(pb + c + 8);
+      mma_bf16_16816(d, pack_bf16x2(a0.x, a0.y), pack_bf16x2(a1.x, a1.y), pack_bf16x2(a2.x, a2.y),
+                     pack_bf16x2(a3.x, a3.y), pack_bf16x2(b0.x, b0.y), pack_bf16x2(b1.x, b1.y));
+    }
+  };
+  cp_async_wait<1>();
+  __syncthreads();
+  if (kh == 0) run(0, KA);
+  cp_async_wait<0>();
+  __syncthreads();
+  if (kh == 1) {
+    run(KA, KS);
+    *reinterpret_cast<float4*>(red + ((warp - warps / 2) * 32 + lane) * 4) = make_float4(d[0], d[1], d[2], d[3]);
+  }
+  __syncthreads();
+  if (kh != 0) return false;
+  const float4 o = *reinterpret_cast<const float4*>(red + (warp * 32 + lane) * 4);
+  sc[0] = d[0] + o.x;
+  sc[1] = d[1] + o.y;
+  sc[2] = d[2] + o.z;
+  sc[3] = d[3] + o.w;
+  return true;
+}
+
 __global__ void __launch_bounds__(kTcWarps * 32)
     mla_decode_scores_tc_kernel(const float* __restrict__ qlat, const float* __restrict__ q, int H, int qw, int nope,
                                 int L, const float* __restrict__ kv, int kvw, int64_t pos0,
@@ -215,34 +268,10 @@ __global__ void __launch_bounds__(kTcWarps * 32)
     const ScoreTiles tiles{qs, ks, P, qlat, q, H, hg0, qw, nope, L, kv, kvw, us, cnt, t};
     load_score_tiles(tiles, 0, 4 * KA, warp, kTcWarps, lane);  // 16-byte columns of the first k-half
     load_score_tiles(tiles, 4 * KA, kvw / 4, warp, kTcWarps, lane);
-    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     const float* pa = qs + (16 * mt + g) * P + 2 * qq;  // A: q[head][dim], rows g and g + 8
     const float* pb = ks + (8 * nt + g) * P + 2 * qq;   // B: row[key][dim], column (key) g
-    auto run = [&](int ka, int kb) {
-      for (int k = ka; k < kb; ++k) {
-        const int c = 16 * k;
-        const float2 a0 = *reinterpret_cast<const float2*>(pa + c);
-        const float2 a1 = *reinterpret_cast<const float2*>(pa + 8 * P + c);
-        const float2 a2 = *reinterpret_cast<const float2*>(pa + c + 8);
-        const float2 a3 = *reinterpret_cast<const float2*>(pa + 8 * P + c + 8);
-        const float2 b0 = *reinterpret_cast<const float2*>(pb + c), b1 = *reinterpret_cast<const float2*>(pb + c + 8);
-        mma_bf16_16816(d, pack_bf16x2(a0.x, a0.y), pack_bf16x2(a1.x, a1.y), pack_bf16x2(a2.x, a2.y),
-                       pack_bf16x2(a3.x, a3.y), pack_bf16x2(b0.x, b0.y), pack_bf16x2(b1.x, b1.y));
-      }
-    };
-    cp_async_wait<1>();
-    __syncthreads();
-    if (kh == 0) run(0, KA);
-    cp_async_wait<0>();
-    __syncthreads();
-    if (kh == 1) {
-      run(KA, KS);
-      *reinterpret_cast<float4*>(red + ((warp - kTcWarps / 2) * 32 + lane) * 4) = make_float4(d[0], d[1], d[2], d[3]);
-    }
-    __syncthreads();
-    if (kh == 0) {
-      const float4 o = *reinterpret_cast<const float4*>(red + (warp * 32 + lane) * 4);
-      const float sc[4] = {d[0] + o.x, d[1] + o.y, d[2] + o.z, d[3] + o.w};
+    float sc[4];
+    if (tc_score_halves(pa, pb, P, KA, KS, kh, warp, lane, kTcWarps, red, sc)) {
 #pragma unroll
       for (int r = 0; r < 2; ++r)
 #pragma unroll
@@ -329,34 +358,10 @@ __global__ void __cluster_dims__(kFCL, 1, 1) __launch_bounds__(kFWarps * 32, 1)
     load(4 * KA, kvw / 4);
     // Scores: warp (nt, kh) takes keys 8 nt.. over k-half kh; rows g, g + 8 of the 16 heads.
     const int nt = warp & 7, kh = warp >> 3;
-    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     const float* pa = qs + g * P + 2 * qq;
     const float* pb = ks + (8 * nt + g) * P + 2 * qq;
-    auto run = [&](int ka, int kb) {
-      for (int k = ka; k < kb; ++k) {
-        const int c = 16 * k;
-        const float2 a0 = *reinterpret_cast<const float2*>(pa + c);
-        const float2 a1 = *reinterpret_cast<const float2*>(pa + 8 * P + c);
-        const float2 a2 = *reinterpret_cast<const float2*>(pa + c + 8);
-        const float2 a3 = *reinterpret_cast<const float2*>(pa + 8 * P + c + 8);
-        const float2 b0 = *reinterpret_cast<const float2*>(pb + c), b1 = *reinterpret_cast<const float2*>(pb + c + 8);
-        mma_bf16_16816(d, pack_bf16x2(a0.x, a0.y), pack_bf16x2(a1.x, a1.y), pack_bf16x2(a2.x, a2.y),
-                       pack_bf16x2(a3.x, a3.y), pack_bf16x2(b0.x, b0.y), pack_bf16x2(b1.x, b1.y));
-      }
-    };
-    cp_async_wait<1>();
-    __syncthreads();
-    if (kh == 0) run(0, KA);
-    cp_async_wait<0>();
-    __syncthreads();
-    if (kh == 1) {
-      run(KA, KS);
-      *reinterpret_cast<float4*>(red + ((warp - kFWarps / 2) * 32 + lane) * 4) = make_float4(d[0], d[1], d[2], d[3]);
-    }
-    __syncthreads();
-    if (kh == 0) {
-      const float4 o = *reinterpret_cast<const float4*>(red + (warp * 32 + lane) * 4);
-      const float sc[4] = {d[0] + o.x, d[1] + o.y, d[2] + o.z, d[3] + o.w};
+    float sc[4];
+    if (tc_score_halves(pa, pb, P, KA, KS, kh, warp, lane, kFWarps, red, sc)) {
 #pragma unroll
       for (int r = 0; r < 2; ++r)
 #pragma unroll
@@ -389,15 +394,7 @@ __global__ void __cluster_dims__(kFCL, 1, 1) __launch_bounds__(kFWarps * 32, 1)
       float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       const float* vb = ks + 2 * qq * P + cn + g;
 #pragma unroll
-      for (int k0 = 0; k0 < kFK; k0 += 16) {
-        const float2 x0 = *reinterpret_cast<const float2*>(pp + k0);
-        const float2 x1 = *reinterpret_cast<const float2*>(pp + 8 * kFPS + k0);
-        const float2 x2 = *reinterpret_cast<const float2*>(pp + k0 + 8);
-        const float2 x3 = *reinterpret_cast<const float2*>(pp + 8 * kFPS + k0 + 8);
-        const float* v = vb + k0 * P;
-        mma_bf16_16816(o, pack_bf16x2(x0.x, x0.y), pack_bf16x2(x1.x, x1.y), pack_bf16x2(x2.x, x2.y),
-                       pack_bf16x2(x3.x, x3.y), pack_bf16x2(v[0], v[P]), pack_bf16x2(v[8 * P], v[9 * P]));
-      }
+      for (int k0 = 0; k0 < kFK; k0 += 16) mma_p_latent(o, pp, kFPS, vb, P, k0);
 #pragma unroll
       for (int r = 0; r < 2; ++r)  // o[2r], o[2r + 1]: head g + 8r, columns cn + 2qq, + 1, into the
         // query tile's space (the scores read it last)
@@ -548,15 +545,7 @@ __global__ void __launch_bounds__(64 * KG)
     const float* pa = ps + (hm + g) * PS + 2 * q;  // A: p[head][key], rows g and g + 8
     const float* vb = vs + 2 * q * VS + cn + g;    // B: latent[key][column], column g
     float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int k0 = 0; k0 < cntr; k0 += 16) {
-      const float2 x0 = *reinterpret_cast<const float2*>(pa + k0);
-      const float2 x1 = *reinterpret_cast<const float2*>(pa + 8 * PS + k0);
-      const float2 x2 = *reinterpret_cast<const float2*>(pa + k0 + 8);
-      const float2 x3 = *reinterpret_cast<const float2*>(pa + 8 * PS + k0 + 8);
-      const float* v = vb + k0 * VS;
-      mma_bf16_16816(d, pack_bf16x2(x0.x, x0.y), pack_bf16x2(x1.x, x1.y), pack_bf16x2(x2.x, x2.y),
-                     pack_bf16x2(x3.x, x3.y), pack_bf16x2(v[0], v[VS]), pack_bf16x2(v[8 * VS], v[9 * VS]));
-    }
+    for (int k0 = 0; k0 < cntr; k0 += 16) mma_p_latent(d, pa, PS, vb, VS, k0);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {  // d[2r], d[2r + 1]: head hm + g + 8r, columns cn + 2q, + 1
       const int h = hg0 + hm + g + 8 * r;
