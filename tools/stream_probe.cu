@@ -1,0 +1,537 @@
+// vireo_stream_probe: what feeds the one-token FP8 GEMVs best, and what L2 keeps. Session 48
+// (BENCHMARKS.md "Session 48") asked three questions of the decode step's FP8 walks (gate | up 201
+// MB, down 113 MB, o_proj 100 MB a layer at 3.5-4.0 TB/s, where staying blocks of plain loads read
+// ~4.1-4.25 at those sizes):
+//  1. Is the gap the FP8 arithmetic? Forms, each one block of 16 warps an SM, a warp a unit (a
+//     pair of rows of R FP8 bytes, the walks' unit, dealt u = warp * grid + block), x (R floats)
+//     staged in shared memory as the walks stage it, each unit's two dots written out:
+//       reg      the walks' lane_dot2: four 16-byte chunks of each row in flight a lane;
+//       reg fold the same loads, no arithmetic (each chunk folded into a word);
+//       bulk D   each warp a ring of D stages in shared memory filled by cp.async.bulk (lane 0
+//                issues, an mbarrier a stage), consumed as reg consumes (checked: reg's bits);
+//       mma      x as e4m3 bytes (fast-fp8's act_quant), each lane's 16 weight bytes a column of
+//                B and its x bytes a row of A of two mma.sync m16n8k32 (the diagonal is the dot;
+//                checked against the host's sums).
+//  2. Does a bulk-copy ring beat the warps' own loads? (No: every ring form read slower.)
+//  3. Does L2 keep a weight's first bytes through other streaming reads ("L2 keep")? A prefix of
+//     P MB touched by plain loads, by loads with an evict_last policy or by prefetch.global.L2::
+//     evict_last, then 64 MB of other reads, then the prefix read as o_proj's rows, timed alone.
+// Each form row: the median of 9 timed replays of a round robin over enough copies of the weights
+// that none is in L2 when read again; GB/s counts each weight byte read once.
+//
+//   build-cuda/vireo_stream_probe        (built with the CUDA backend; needs an sm_90 GPU)
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "probe_check.h"
+
+constexpr const char* kProbeName = "vireo_stream_probe";
+constexpr int kWarps = 16;
+
+__device__ __forceinline__ float2 fp8x2_to_float2(uint32_t x) {
+  const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(x & 0xffffu), __NV_E4M3);
+  return __half22float2(__half2(r));
+}
+// vireo's dot_chunk<W_FP8>: 16 e4m3 weights against 16 floats, summed in the same order.
+__device__ __forceinline__ float dot16(const uint4& w, const float4* xv) {
+  const uint32_t u[4] = {w.x, w.y, w.z, w.w};
+  float wf[16];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 a = fp8x2_to_float2(u[i]), b = fp8x2_to_float2(u[i] >> 16);
+    wf[4 * i] = a.x;
+    wf[4 * i + 1] = a.y;
+    wf[4 * i + 2] = b.x;
+    wf[4 * i + 3] = b.y;
+  }
+  float p = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) p += wf[4 * i] * xv[i].x + wf[4 * i + 1] * xv[i].y + wf[4 * i + 2] * xv[i].z + wf[4 * i + 3] * xv[i].w;
+  return p;
+}
+__device__ __forceinline__ int xs_slot(int q) { return q ^ ((q >> 3) & 3); }
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred p;\nMBAR_WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra MBAR_WAIT_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+// bytes (a multiple of 16) from global src to shared dst, counted on bar; the L2 told to keep the
+// lines first in line for eviction (each weight byte is read once).
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar,
+                                          uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n" ::"r"(
+          dst),
+      "l"(src), "r"(bytes), "r"(bar), "l"(policy)
+      : "memory");
+}
+__device__ __forceinline__ uint64_t evict_first_policy() {
+  uint64_t p;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
+  return p;
+}
+
+__device__ __forceinline__ void stage_x(const float* x, int n, float4* xs) {
+  for (int q = int(threadIdx.x); q < n / 4; q += int(blockDim.x)) xs[xs_slot(q)] = reinterpret_cast<const float4*>(x)[q];
+  __syncthreads();
+}
+
+// The walks' form. FOLD: no arithmetic.
+template <bool FOLD>
+__global__ void __launch_bounds__(32 * kWarps, 1)
+    walk_reg(const uint8_t* __restrict__ w, int64_t units, int R, const float* __restrict__ x, float* __restrict__ out) {
+  extern __shared__ float4 xs[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  stage_x(x, R, xs);
+  const int nv = R / 16;
+  for (int64_t u = int64_t(warp) * gridDim.x + blockIdx.x; u < units; u += int64_t(gridDim.x) * kWarps) {
+    const uint4* ar = reinterpret_cast<const uint4*>(w + u * 2 * R);
+    const uint4* br = ar + nv;
+    float acc_a = 0.0f, acc_b = 0.0f;
+    unsigned f = 0;
+    for (int v = lane; v < nv; v += 128) {
+      uint4 wa[4], wb[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        wa[i] = ld16(ar + v + 32 * i);
+        wb[i] = ld16(br + v + 32 * i);
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        if constexpr (FOLD) {
+          f ^= fold(wa[i]) ^ fold(wb[i]);
+        } else {
+          float4 xv[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) xv[j] = xs[xs_slot((v + 32 * i) * 4 + j)];
+          acc_a += dot16(wa[i], xv);
+          acc_b += dot16(wb[i], xv);
+        }
+      }
+    }
+    if constexpr (FOLD) acc_a = float(f & 1u);
+    acc_a = warp_sum(acc_a);
+    acc_b = warp_sum(acc_b);
+    if (lane == 0) {
+      out[2 * u] = acc_a;
+      out[2 * u + 1] = acc_b;
+    }
+  }
+}
+
+// The bulk-copy ring: warp w's stages [w D, (w + 1) D) of 2 sb bytes each (row a's next sb bytes,
+// then row b's), an mbarrier a stage. Stage number j of the warp (over all its units) lives in ring
+// slot j % D and completes phase (j / D) & 1 of that slot's barrier.
+template <bool FOLD>
+__global__ void __launch_bounds__(32 * kWarps, 1)
+    walk_bulk(const uint8_t* __restrict__ w, int64_t units, int R, const float* __restrict__ x, float* __restrict__ out,
+              int D, int sb) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  float4* xs = reinterpret_cast<float4*>(smem);
+  unsigned char* ring = smem + size_t(R) * 4 + size_t(warp) * D * 2 * sb;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + size_t(R) * 4 + size_t(kWarps) * D * 2 * sb) + warp * D;
+  const uint64_t policy = evict_first_policy();
+  const int64_t stride = int64_t(gridDim.x) * kWarps, u0 = int64_t(warp) * gridDim.x + blockIdx.x;
+  const int per_unit = R / sb;
+  const int64_t my_units = u0 < units ? (units - u0 + stride - 1) / stride : 0, stages = my_units * per_unit;
+  // Stage j: unit u0 + (j / per_unit) stride, bytes [(j % per_unit) sb, + sb) of each row.
+  auto issue = [&](int64_t j) {
+    const int slot = int(j % D);
+    const int64_t u = u0 + (j / per_unit) * stride;
+    const uint8_t* a = w + u * 2 * R + (j % per_unit) * sb;
+    const uint32_t bar = smem_u32(bars + slot), dst = smem_u32(ring + size_t(slot) * 2 * sb);
+    mbar_expect_tx(bar, 2 * sb);
+    bulk_copy(dst, a, sb, bar, policy);
+    bulk_copy(dst + sb, a + R, sb, bar, policy);
+  };
+  if (lane == 0) {
+    for (int s = 0; s < D; ++s) mbar_init(smem_u32(bars + s), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    for (int64_t j = 0; j < D && j < stages; ++j) issue(j);
+  }
+  __syncwarp();
+  stage_x(x, R, xs);
+  float acc_a = 0.0f, acc_b = 0.0f;
+  unsigned f = 0;
+  const int cpl = sb / 512;  // chunks a lane a stage (of each row)
+  for (int64_t j = 0; j < stages; ++j) {
+    const int slot = int(j % D);
+    mbar_wait(smem_u32(bars + slot), uint32_t((j / D) & 1));
+    const uint4* sa = reinterpret_cast<const uint4*>(ring + size_t(slot) * 2 * sb);
+    const uint4* sbp = sa + sb / 16;
+    const int v0 = int(j % per_unit) * (sb / 16);
+    for (int i = 0; i < cpl; ++i) {
+      const uint4 wa = sa[lane + 32 * i], wb = sbp[lane + 32 * i];
+      if constexpr (FOLD) {
+        f ^= fold(wa) ^ fold(wb);
+      } else {
+        const int v = v0 + lane + 32 * i;
+        float4 xv[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) xv[q] = xs[xs_slot(v * 4 + q)];
+        acc_a += dot16(wa, xv);
+        acc_b += dot16(wb, xv);
+      }
+    }
+    __syncwarp();  // every lane's reads of this slot are done: refill it
+    if (lane == 0 && j + D < stages) issue(j + D);
+    if (j % per_unit == per_unit - 1) {
+      const int64_t u = u0 + (j / per_unit) * stride;
+      if constexpr (FOLD) acc_a = float(f & 1u);
+      const float a = warp_sum(acc_a), b = warp_sum(acc_b);
+      if (lane == 0) {
+        out[2 * u] = a;
+        out[2 * u + 1] = b;
+      }
+      acc_a = acc_b = 0.0f;
+    }
+  }
+}
+
+
+// --- Does L2 keep a prefetched prefix through other streaming reads? ---------------------------
+// mode 0: plain streaming loads (as ld16); 1: loads with an evict_first policy; 2: loads with an
+// evict_last policy; 3: prefetch.global.L2::evict_last a 128-byte line a thread (no loads);
+// 4: applypriority evict_normal (undo 2 and 3 on these lines).
+__device__ __forceinline__ uint4 ld16_policy(const uint4* p, uint64_t pol) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p), "l"(pol));
+  return r;
+}
+__global__ void __launch_bounds__(512, 1) touch(const uint8_t* __restrict__ buf, size_t bytes, int mode, unsigned* sink) {
+  const size_t tid = size_t(blockIdx.x) * blockDim.x + threadIdx.x, nt = size_t(gridDim.x) * blockDim.x;
+  uint64_t pol = 0;
+  if (mode == 1) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+  if (mode == 2) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(pol));
+  unsigned acc = 0;
+  if (mode <= 2) {
+    const uint4* p = reinterpret_cast<const uint4*>(buf);
+    const size_t n16 = bytes / 16;
+    size_t i = tid;
+    for (; i + 7 * nt < n16; i += 8 * nt) {
+      uint4 a[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) a[k] = mode == 0 ? ld16(p + i + k * nt) : ld16_policy(p + i + k * nt, pol);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) acc ^= fold(a[k]);
+    }
+    for (; i < n16; i += nt) acc ^= fold(mode == 0 ? ld16(p + i) : ld16_policy(p + i, pol));
+  } else {
+    for (size_t l = tid; l < bytes / 128; l += nt) {
+      const uint8_t* a = buf + l * 128;
+      if (mode == 3) asm volatile("prefetch.global.L2::evict_last [%0];\n" ::"l"(a));
+      else asm volatile("applypriority.global.L2::evict_normal [%0], 128;\n" ::"l"(a));
+    }
+  }
+  if (acc == 0x9e3779b9u) *sink = acc;
+}
+
+// e4m3 x e4m3 on the tensor cores for ONE token (fast-fp8's arithmetic: x quantized per 128
+// columns): lane l's 16 weight bytes of a row are B's column g = l / 4 (k = the lane's two 8-byte
+// halves, one mma each), x's matching 16 bytes A's row g; D[g][g] is then the dot of the 64 bytes
+// of lanes 4g..4g+3 (one 128-column block), held by lane (g, g / 2); the other D entries are
+// cross terms, dropped. Each chunk's diagonal is scaled by the weight's and x's block scales and
+// added in f32. Same loads as walk_reg (512 contiguous bytes a warp a row), ~6 instructions a
+// 16-byte chunk instead of ~45.
+__device__ __forceinline__ void mma_e4m3(float (&d)[4], uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ float chunk_diag(const uint4& w, const uint4& xq, bool odd) {
+  float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  mma_e4m3(d, xq.x, xq.y, w.x, w.y);
+  mma_e4m3(d, xq.z, xq.w, w.z, w.w);
+  return odd ? d[1] : d[0];
+}
+__global__ void __launch_bounds__(32 * kWarps, 1)
+    walk_mma(const uint8_t* __restrict__ w, int64_t units, int R, const uint8_t* __restrict__ xq_g,
+             const float* __restrict__ xs_g, const float* __restrict__ ws_g, float* __restrict__ out) {
+  extern __shared__ float4 sm4[];
+  uint4* xq = reinterpret_cast<uint4*>(sm4);                      // R e4m3 bytes
+  float* xsc = reinterpret_cast<float*>(sm4) + R / 4;             // R / 128 scales
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
+  for (int q = int(threadIdx.x); q < R / 16; q += int(blockDim.x)) xq[q] = reinterpret_cast<const uint4*>(xq_g)[q];
+  for (int q = int(threadIdx.x); q < R / 128; q += int(blockDim.x)) xsc[q] = xs_g[q];
+  __syncthreads();
+  const bool diag = tig == (g >> 1), odd = g & 1;
+  const int nv = R / 16, nb = R / 128;
+  for (int64_t u = int64_t(warp) * gridDim.x + blockIdx.x; u < units; u += int64_t(gridDim.x) * kWarps) {
+    const uint4* ar = reinterpret_cast<const uint4*>(w + u * 2 * R);
+    const uint4* br = ar + nv;
+    const float* sa = ws_g + ((2 * u) >> 7) * nb;  // the rows' block scales (one 128-row block)
+    float acc_a = 0.0f, acc_b = 0.0f;
+    for (int v = lane; v < nv; v += 128) {
+      uint4 wa[4], wb[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        wa[i] = ld16(ar + v + 32 * i);
+        wb[i] = ld16(br + v + 32 * i);
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int c = v + 32 * i;
+        const uint4 x = xq[c];
+        const float s = sa[c >> 3] * xsc[c >> 3];
+        acc_a += s * chunk_diag(wa[i], x, odd);
+        acc_b += s * chunk_diag(wb[i], x, odd);
+      }
+    }
+    acc_a = warp_sum(diag ? acc_a : 0.0f);
+    acc_b = warp_sum(diag ? acc_b : 0.0f);
+    if (lane == 0) {
+      out[2 * u] = acc_a;
+      out[2 * u + 1] = acc_b;
+    }
+  }
+}
+
+int main() {
+  int sms = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device %s, %d SMs, L2 %d MB, smem/block optin %zu KB\n", prop.name, sms, prop.l2CacheSize >> 20,
+              prop.sharedMemPerBlockOptin >> 10);
+  const size_t pool_bytes = size_t(2) << 30;
+  uint8_t* pool;
+  CHECK(cudaMalloc(&pool, pool_bytes));
+  {  // e4m3 bytes with varied finite values (no NaN: 0x7f / 0xff avoided)
+    std::vector<uint8_t> h(size_t(64) << 20);
+    uint32_t s = 12345;
+    for (auto& b : h) {
+      s = s * 1664525u + 1013904223u;
+      b = uint8_t((s >> 24) % 0x70);
+      if (s & 0x100) b |= 0x80;
+    }
+    for (size_t off = 0; off < pool_bytes; off += h.size())
+      CHECK(cudaMemcpy(pool + off, h.data(), std::min(h.size(), pool_bytes - off), cudaMemcpyHostToDevice));
+  }
+  float *x, *out_ref, *out;
+  CHECK(cudaMalloc(&x, 16384 * 4));
+  {
+    std::vector<float> hx(16384);
+    for (int i = 0; i < 16384; ++i) hx[size_t(i)] = float((i * 37) % 101 - 50) / 64.0f;
+    CHECK(cudaMemcpy(x, hx.data(), hx.size() * 4, cudaMemcpyHostToDevice));
+  }
+  // fast-fp8's one-token inputs: x's e4m3 bytes, its block scales, the weights' block scales.
+  uint8_t* xq8;
+  float *xsc, *wsc;
+  CHECK(cudaMalloc(&xq8, 16384));
+  CHECK(cudaMemcpy(xq8, pool + 12345 * 16, 16384, cudaMemcpyDeviceToDevice));
+  CHECK(cudaMalloc(&xsc, 128 * 4));
+  CHECK(cudaMalloc(&wsc, size_t(1) << 24));
+  {
+    std::vector<float> ones(size_t(1) << 22, 1.0f);
+    CHECK(cudaMemcpy(xsc, ones.data(), 128 * 4, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(wsc, ones.data(), size_t(1) << 24, cudaMemcpyHostToDevice));
+  }
+  const size_t max_units = size_t(1) << 20;
+  CHECK(cudaMalloc(&out_ref, max_units * 8));
+  CHECK(cudaMalloc(&out, max_units * 8));
+  cudaStream_t st;
+  CHECK(cudaStreamCreate(&st));
+  cudaEvent_t e0, e1;
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
+  const int smem_max = int(prop.sharedMemPerBlockOptin);
+  for (auto k : {walk_reg<false>, walk_reg<true>})
+    CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max));
+  for (auto k : {walk_bulk<false>, walk_bulk<true>})
+    CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max));
+  CHECK(cudaFuncSetAttribute(walk_mma, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max));
+
+  struct Shape {
+    const char* name;
+    int R;
+    size_t bytes;
+  };
+  const Shape shapes[] = {{"gate|up 6 KB rows", 6144, size_t(201326592)},
+                          {"down 2 KB rows", 2048, size_t(113246208)},
+                          {"o_proj 16 KB rows", 16384, size_t(100663296)}};
+  struct Form {
+    const char* name;
+    bool bulk, fold;
+    int D, sb;
+    bool mma = false;
+  };
+  const Form forms[] = {
+      {"reg", false, false, 0, 0},        {"reg fold", false, true, 0, 0},   {"bulk D2 sb2048", true, false, 2, 2048},
+      {"bulk D3 sb2048", true, false, 3, 2048}, {"bulk D2 sb3072", true, false, 2, 3072}, {"bulk D4 sb1024", true, false, 4, 1024},
+      {"bulk D6 sb1024", true, false, 6, 1024}, {"bulk D3 sb2048 fold", true, true, 3, 2048},
+      {"mma e4m3 (x e4m3)", false, false, 0, 0, true},
+  };
+  for (const Shape& sh : shapes) {
+    const int64_t units = int64_t(sh.bytes / (2 * size_t(sh.R)));
+    const int copies = int(std::max<size_t>(1, std::min<size_t>(pool_bytes / sh.bytes, (size_t(400) << 20) / sh.bytes + 1)));
+    for (const Form& f : forms) {
+      if (f.bulk && sh.R % f.sb != 0) continue;
+      const size_t smem = f.mma ? size_t(sh.R) + size_t(sh.R) / 32 : size_t(sh.R) * 4 + (f.bulk ? size_t(kWarps) * f.D * (2 * f.sb + 8) : 0);
+      if (smem > size_t(smem_max)) continue;
+      auto run = [&](int c, float* o) {
+        const uint8_t* p = pool + size_t(c % copies) * sh.bytes;
+        if (f.mma) {
+          walk_mma<<<sms, 32 * kWarps, smem, st>>>(p, units, sh.R, xq8, xsc, wsc, o);
+        } else if (!f.bulk) {
+          if (f.fold) walk_reg<true><<<sms, 32 * kWarps, smem, st>>>(p, units, sh.R, x, o);
+          else walk_reg<false><<<sms, 32 * kWarps, smem, st>>>(p, units, sh.R, x, o);
+        } else {
+          if (f.fold) walk_bulk<true><<<sms, 32 * kWarps, smem, st>>>(p, units, sh.R, x, o, f.D, f.sb);
+          else walk_bulk<false><<<sms, 32 * kWarps, smem, st>>>(p, units, sh.R, x, o, f.D, f.sb);
+        }
+      };
+      // The same sums as reg's, bit for bit (copy 0).
+      const char* same = "";
+      if (f.mma) {  // against the host's sum of the e4m3 products (scales 1), units 0..7
+        run(0, out);
+        CHECK(cudaStreamSynchronize(st));
+        std::vector<uint8_t> hw(size_t(16) * sh.R), hx(size_t(sh.R));
+        std::vector<float> got(16);
+        CHECK(cudaMemcpy(hw.data(), pool, hw.size(), cudaMemcpyDeviceToHost));
+        CHECK(cudaMemcpy(hx.data(), xq8, hx.size(), cudaMemcpyDeviceToHost));
+        CHECK(cudaMemcpy(got.data(), out, 64, cudaMemcpyDeviceToHost));
+        auto e4m3 = [](uint8_t b) {
+          const int e = (b >> 3) & 15, m = b & 7;
+          const double v = e ? std::ldexp(1.0 + m / 8.0, e - 7) : std::ldexp(m / 8.0, -6);
+          return b & 0x80 ? -v : v;
+        };
+        double worst = 0;
+        for (int r = 0; r < 16; ++r) {
+          double ref = 0, mag = 0;
+          for (int k = 0; k < sh.R; ++k) {
+            ref += e4m3(hw[size_t(r) * sh.R + k]) * e4m3(hx[size_t(k)]);
+            mag += std::fabs(e4m3(hw[size_t(r) * sh.R + k]) * e4m3(hx[size_t(k)]));
+          }
+          worst = std::max(worst, std::fabs(got[size_t(r)] - ref) / mag);
+        }
+        static char msg[64];
+        std::snprintf(msg, sizeof msg, "  (vs host: worst |err| / sum|p| %.1e)", worst);
+        same = msg;
+      }
+      if (!f.fold && !f.mma) {
+        if (!f.bulk) {
+          run(0, out_ref);
+        } else {
+          run(0, out);
+          CHECK(cudaStreamSynchronize(st));
+          std::vector<float> a(size_t(2 * units)), b(size_t(2 * units));
+          CHECK(cudaMemcpy(a.data(), out_ref, a.size() * 4, cudaMemcpyDeviceToHost));
+          CHECK(cudaMemcpy(b.data(), out, b.size() * 4, cudaMemcpyDeviceToHost));
+          same = std::memcmp(a.data(), b.data(), a.size() * 4) == 0 ? "  (reg's bits)" : "  (BITS DIFFER)";
+        }
+      }
+      const int reps = std::max(copies, int((size_t(800) << 20) / sh.bytes));
+      for (int i = 0; i < reps; ++i) run(i, out);
+      std::vector<float> us;
+      for (int t = 0; t < 9; ++t) {
+        CHECK(cudaEventRecord(e0, st));
+        for (int i = 0; i < reps; ++i) run(i, out);
+        CHECK(cudaEventRecord(e1, st));
+        CHECK(cudaEventSynchronize(e1));
+        float ms = 0;
+        CHECK(cudaEventElapsedTime(&ms, e0, e1));
+        us.push_back(ms * 1e3f / float(reps));
+      }
+      CHECK(cudaGetLastError());
+      std::sort(us.begin(), us.end());
+      const float m = us[us.size() / 2];
+      std::printf("%6.1f MB  %-18s %-22s %8.1f us  %6.0f GB/s%s\n", double(sh.bytes) / 1048576.0, sh.name, f.name, m,
+                  double(sh.bytes) / 1e3 / m, same);
+    }
+  }
+
+  // L2 keep: [demote + flush] [touch P bytes of a weight copy in mode a] [stream 64 MB in mode b]
+  // then the timed read of the P bytes as o_proj's rows (reg fold, 16 KB rows).
+  {
+    unsigned* sink;
+    CHECK(cudaMalloc(&sink, 4));
+    const size_t S = size_t(64) << 20, flush = size_t(256) << 20;
+    uint8_t* fbuf = pool + pool_bytes - flush;
+    uint8_t* sbuf = fbuf - S;
+    struct Mode {
+      const char* name;
+      int a, b;  // a < 0: no touch of the prefix (cold)
+    };
+    const Mode modes[] = {{"cold", -1, 0},
+                          {"touched, then 64 MB plain", 0, 0},
+                          {"evict_last loads, 64 MB plain", 2, 0},
+                          {"evict_last loads, 64 MB evict_first", 2, 1},
+                          {"evict_last prefetch, 64 MB evict_first", 3, 1},
+                          {"evict_last prefetch, 64 MB plain", 3, 0},
+                          {"touched, no stream", 0, -1},
+                          {"evict_last prefetch, no stream", 3, -1}};
+    for (size_t P : {size_t(16) << 20, size_t(32) << 20, size_t(48) << 20}) {
+      for (const Mode& m : modes) {
+        std::vector<float> us, tus;
+        for (int t = 0; t < 9; ++t) {
+          uint8_t* w = pool + size_t(t % 4) * (size_t(64) << 20);
+          touch<<<sms, 512, 0, st>>>(w, P, 4, sink);
+          touch<<<sms, 512, 0, st>>>(fbuf, flush, 0, sink);
+          cudaEvent_t t0, t1;
+          CHECK(cudaEventCreate(&t0));
+          CHECK(cudaEventCreate(&t1));
+          CHECK(cudaEventRecord(t0, st));
+          if (m.a >= 0) touch<<<sms, 512, 0, st>>>(w, P, m.a, sink);
+          CHECK(cudaEventRecord(t1, st));
+          if (m.b >= 0) touch<<<sms, 512, 0, st>>>(sbuf, S, m.b, sink);
+          CHECK(cudaEventRecord(e0, st));
+          walk_reg<true><<<sms, 32 * kWarps, 16384 * 4, st>>>(w, int64_t(P / 32768), 16384, x, out);
+          CHECK(cudaEventRecord(e1, st));
+          CHECK(cudaEventSynchronize(e1));
+          float ms = 0, tms = 0;
+          CHECK(cudaEventElapsedTime(&ms, e0, e1));
+          CHECK(cudaEventElapsedTime(&tms, t0, t1));
+          us.push_back(ms * 1e3f);
+          tus.push_back(tms * 1e3f);
+          CHECK(cudaEventDestroy(t0));
+          CHECK(cudaEventDestroy(t1));
+        }
+        CHECK(cudaGetLastError());
+        std::sort(us.begin(), us.end());
+        std::sort(tus.begin(), tus.end());
+        std::printf("L2 keep %4zu MB  %-42s read %7.1f us (%5.0f GB/s)  touch %7.1f us\n", P >> 20, m.name, us[4],
+                    double(P) / 1e3 / us[4], tus[4]);
+      }
+    }
+  }
+  {
+    const size_t half = pool_bytes / 2;
+    CHECK(cudaMemcpyAsync(pool + half, pool, half, cudaMemcpyDeviceToDevice, st));
+    CHECK(cudaEventRecord(e0, st));
+    for (int i = 0; i < 5; ++i) CHECK(cudaMemcpyAsync(pool + half, pool, half, cudaMemcpyDeviceToDevice, st));
+    CHECK(cudaEventRecord(e1, st));
+    CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    std::printf("copy 1 GiB d2d: %.0f GB/s (read + written)\n", 2.0 * double(half) * 5 / 1e6 / ms);
+  }
+  return 0;
+}
