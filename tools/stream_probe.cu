@@ -55,7 +55,8 @@ __device__ __forceinline__ float dot16(const uint4& w, const float4* xv) {
   }
   float p = 0.0f;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) p += wf[4 * i] * xv[i].x + wf[4 * i + 1] * xv[i].y + wf[4 * i + 2] * xv[i].z + wf[4 * i + 3] * xv[i].w;
+  for (int i = 0; i < 4; ++i)
+    p += wf[4 * i] * xv[i].x + wf[4 * i + 1] * xv[i].y + wf[4 * i + 2] * xv[i].z + wf[4 * i + 3] * xv[i].w;
   return p;
 }
 __device__ __forceinline__ int xs_slot(int q) { return q ^ ((q >> 3) & 3); }
@@ -84,8 +85,8 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar,
                                           uint64_t policy) {
   asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n" ::"r"(
-          dst),
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n" ::
+          "r"(dst),
       "l"(src), "r"(bytes), "r"(bar), "l"(policy)
       : "memory");
 }
@@ -96,14 +97,15 @@ __device__ __forceinline__ uint64_t evict_first_policy() {
 }
 
 __device__ __forceinline__ void stage_x(const float* x, int n, float4* xs) {
-  for (int q = int(threadIdx.x); q < n / 4; q += int(blockDim.x)) xs[xs_slot(q)] = reinterpret_cast<const float4*>(x)[q];
+  for (int q = int(threadIdx.x); q < n / 4; q += int(blockDim.x))
+    xs[xs_slot(q)] = reinterpret_cast<const float4*>(x)[q];
   __syncthreads();
 }
 
 // The walks' form. FOLD: no arithmetic.
 template <bool FOLD>
-__global__ void __launch_bounds__(32 * kWarps, 1)
-    walk_reg(const uint8_t* __restrict__ w, int64_t units, int R, const float* __restrict__ x, float* __restrict__ out) {
+__global__ void __launch_bounds__(32 * kWarps, 1) walk_reg(const uint8_t* __restrict__ w, int64_t units, int R,
+                                                           const float* __restrict__ x, float* __restrict__ out) {
   extern __shared__ float4 xs[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   stage_x(x, R, xs);
@@ -213,7 +215,6 @@ __global__ void __launch_bounds__(32 * kWarps, 1)
   }
 }
 
-
 // --- Does L2 keep a prefetched prefix through other streaming reads? ---------------------------
 // mode 0: plain streaming loads (as ld16); 1: loads with an evict_first policy; 2: loads with an
 // evict_last policy; 3: prefetch.global.L2::evict_last a 128-byte line a thread (no loads);
@@ -225,7 +226,8 @@ __device__ __forceinline__ uint4 ld16_policy(const uint4* p, uint64_t pol) {
                : "l"(p), "l"(pol));
   return r;
 }
-__global__ void __launch_bounds__(512, 1) touch(const uint8_t* __restrict__ buf, size_t bytes, int mode, unsigned* sink) {
+__global__ void __launch_bounds__(512, 1)
+    touch(const uint8_t* __restrict__ buf, size_t bytes, int mode, unsigned* sink) {
   const size_t tid = size_t(blockIdx.x) * blockDim.x + threadIdx.x, nt = size_t(gridDim.x) * blockDim.x;
   uint64_t pol = 0;
   if (mode == 1) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
@@ -276,8 +278,8 @@ __global__ void __launch_bounds__(32 * kWarps, 1)
     walk_mma(const uint8_t* __restrict__ w, int64_t units, int R, const uint8_t* __restrict__ xq_g,
              const float* __restrict__ xs_g, const float* __restrict__ ws_g, float* __restrict__ out) {
   extern __shared__ float4 sm4[];
-  uint4* xq = reinterpret_cast<uint4*>(sm4);                      // R e4m3 bytes
-  float* xsc = reinterpret_cast<float*>(sm4) + R / 4;             // R / 128 scales
+  uint4* xq = reinterpret_cast<uint4*>(sm4);           // R e4m3 bytes
+  float* xsc = reinterpret_cast<float*>(sm4) + R / 4;  // R / 128 scales
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
   for (int q = int(threadIdx.x); q < R / 16; q += int(blockDim.x)) xq[q] = reinterpret_cast<const uint4*>(xq_g)[q];
   for (int q = int(threadIdx.x); q < R / 128; q += int(blockDim.x)) xsc[q] = xs_g[q];
@@ -384,17 +386,24 @@ int main() {
     bool mma = false;
   };
   const Form forms[] = {
-      {"reg", false, false, 0, 0},        {"reg fold", false, true, 0, 0},   {"bulk D2 sb2048", true, false, 2, 2048},
-      {"bulk D3 sb2048", true, false, 3, 2048}, {"bulk D2 sb3072", true, false, 2, 3072}, {"bulk D4 sb1024", true, false, 4, 1024},
-      {"bulk D6 sb1024", true, false, 6, 1024}, {"bulk D3 sb2048 fold", true, true, 3, 2048},
+      {"reg", false, false, 0, 0},
+      {"reg fold", false, true, 0, 0},
+      {"bulk D2 sb2048", true, false, 2, 2048},
+      {"bulk D3 sb2048", true, false, 3, 2048},
+      {"bulk D2 sb3072", true, false, 2, 3072},
+      {"bulk D4 sb1024", true, false, 4, 1024},
+      {"bulk D6 sb1024", true, false, 6, 1024},
+      {"bulk D3 sb2048 fold", true, true, 3, 2048},
       {"mma e4m3 (x e4m3)", false, false, 0, 0, true},
   };
   for (const Shape& sh : shapes) {
     const int64_t units = int64_t(sh.bytes / (2 * size_t(sh.R)));
-    const int copies = int(std::max<size_t>(1, std::min<size_t>(pool_bytes / sh.bytes, (size_t(400) << 20) / sh.bytes + 1)));
+    const int copies =
+        int(std::max<size_t>(1, std::min<size_t>(pool_bytes / sh.bytes, (size_t(400) << 20) / sh.bytes + 1)));
     for (const Form& f : forms) {
       if (f.bulk && sh.R % f.sb != 0) continue;
-      const size_t smem = f.mma ? size_t(sh.R) + size_t(sh.R) / 32 : size_t(sh.R) * 4 + (f.bulk ? size_t(kWarps) * f.D * (2 * f.sb + 8) : 0);
+      const size_t smem = f.mma ? size_t(sh.R) + size_t(sh.R) / 32
+                                : size_t(sh.R) * 4 + (f.bulk ? size_t(kWarps) * f.D * (2 * f.sb + 8) : 0);
       if (smem > size_t(smem_max)) continue;
       auto run = [&](int c, float* o) {
         const uint8_t* p = pool + size_t(c % copies) * sh.bytes;
