@@ -128,35 +128,17 @@ int main() {
         }
       };
       const int reps = std::max(copies, int((size_t(800) << 20) / bytes));
-      for (int i = 0; i < reps; ++i) run(i);  // warm the clocks
-      std::vector<float> us;
-      for (int t = 0; t < 9; ++t) {
-        CHECK(cudaEventRecord(e0, st));
-        for (int i = 0; i < reps; ++i) run(i);
-        CHECK(cudaEventRecord(e1, st));
-        CHECK(cudaEventSynchronize(e1));
-        float ms = 0;
-        CHECK(cudaEventElapsedTime(&ms, e0, e1));
-        us.push_back(ms * 1e3f / float(reps));
-      }
-      CHECK(cudaGetLastError());
-      std::sort(us.begin(), us.end());
-      const float m = us[us.size() / 2];
+      float m = 0;
+      CHECK(median_replay_us(st, e0, e1, reps, run, &m));  // (its first replay warms the clocks)
       std::printf("%8.1f MB  %-28s %8.1f us  %6.0f GB/s  (copies %d)\n", double(bytes) / 1048576.0, f.name, m,
                   double(bytes) / 1e3 / m, copies);
     }
   }
   // The copy line (vireo bench copies 2 GiB each way): here 1 GiB each way, read + written.
   {
-    const size_t half = pool_bytes / 2;
-    CHECK(cudaMemcpyAsync(pool + half, pool, half, cudaMemcpyDeviceToDevice, st));
-    CHECK(cudaEventRecord(e0, st));
-    for (int i = 0; i < 5; ++i) CHECK(cudaMemcpyAsync(pool + half, pool, half, cudaMemcpyDeviceToDevice, st));
-    CHECK(cudaEventRecord(e1, st));
-    CHECK(cudaEventSynchronize(e1));
-    float ms = 0;
-    CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    std::printf("copy 1 GiB d2d: %.0f GB/s (read + written)\n", 2.0 * double(half) * 5 / 1e6 / ms);
+    double gbs = 0;
+    CHECK(copy_gbs(pool, pool_bytes, st, e0, e1, &gbs));
+    std::printf("copy 1 GiB d2d: %.0f GB/s (read + written)\n", gbs);
   }
   return 0;
 }

@@ -32,54 +32,15 @@
 #include <cstring>
 #include <vector>
 
+#include "backend/cuda/cuda_kernels.cuh"  // the engine's own FP8 dot, x swizzle and staging
+#include "backend/cuda/cuda_wgmma.cuh"    // its mbarrier helpers
 #include "probe_check.h"
+
+using namespace vireo::cuda;
 
 constexpr const char* kProbeName = "vireo_stream_probe";
 constexpr int kWarps = 16;
 
-__device__ __forceinline__ float2 fp8x2_to_float2(uint32_t x) {
-  const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(x & 0xffffu), __NV_E4M3);
-  return __half22float2(__half2(r));
-}
-// vireo's dot_chunk<W_FP8>: 16 e4m3 weights against 16 floats, summed in the same order.
-__device__ __forceinline__ float dot16(const uint4& w, const float4* xv) {
-  const uint32_t u[4] = {w.x, w.y, w.z, w.w};
-  float wf[16];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 a = fp8x2_to_float2(u[i]), b = fp8x2_to_float2(u[i] >> 16);
-    wf[4 * i] = a.x;
-    wf[4 * i + 1] = a.y;
-    wf[4 * i + 2] = b.x;
-    wf[4 * i + 3] = b.y;
-  }
-  float p = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-    p += wf[4 * i] * xv[i].x + wf[4 * i + 1] * xv[i].y + wf[4 * i + 2] * xv[i].z + wf[4 * i + 3] * xv[i].w;
-  return p;
-}
-__device__ __forceinline__ int xs_slot(int q) { return q ^ ((q >> 3) & 3); }
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred p;\nMBAR_WAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra MBAR_WAIT_%=;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
 // bytes (a multiple of 16) from global src to shared dst, counted on bar; the L2 told to keep the
 // lines first in line for eviction (each weight byte is read once).
 __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar,
@@ -96,10 +57,13 @@ __device__ __forceinline__ uint64_t evict_first_policy() {
   return p;
 }
 
-__device__ __forceinline__ void stage_x(const float* x, int n, float4* xs) {
-  for (int q = int(threadIdx.x); q < n / 4; q += int(blockDim.x))
-    xs[xs_slot(q)] = reinterpret_cast<const float4*>(x)[q];
-  __syncthreads();
+// Four 16-byte chunks of each of a unit's two rows, a lane's share of one trip (lane_dot2's).
+__device__ __forceinline__ void load_pair4(const uint4* ar, const uint4* br, int v, uint4 (&wa)[4], uint4 (&wb)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    wa[i] = ld16(ar + v + 32 * i);
+    wb[i] = ld16(br + v + 32 * i);
+  }
 }
 
 // The walks' form. FOLD: no arithmetic.
@@ -117,11 +81,7 @@ __global__ void __launch_bounds__(32 * kWarps, 1) walk_reg(const uint8_t* __rest
     unsigned f = 0;
     for (int v = lane; v < nv; v += 128) {
       uint4 wa[4], wb[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        wa[i] = ld16(ar + v + 32 * i);
-        wb[i] = ld16(br + v + 32 * i);
-      }
+      load_pair4(ar, br, v, wa, wb);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         if constexpr (FOLD) {
@@ -130,8 +90,8 @@ __global__ void __launch_bounds__(32 * kWarps, 1) walk_reg(const uint8_t* __rest
           float4 xv[4];
 #pragma unroll
           for (int j = 0; j < 4; ++j) xv[j] = xs[xs_slot((v + 32 * i) * 4 + j)];
-          acc_a += dot16(wa[i], xv);
-          acc_b += dot16(wb[i], xv);
+          acc_a += dot_chunk<W_FP8>(wa[i], xv);
+          acc_b += dot_chunk<W_FP8>(wb[i], xv);
         }
       }
     }
@@ -196,8 +156,8 @@ __global__ void __launch_bounds__(32 * kWarps, 1)
         float4 xv[4];
 #pragma unroll
         for (int q = 0; q < 4; ++q) xv[q] = xs[xs_slot(v * 4 + q)];
-        acc_a += dot16(wa, xv);
-        acc_b += dot16(wb, xv);
+        acc_a += dot_chunk<W_FP8>(wa, xv);
+        acc_b += dot_chunk<W_FP8>(wb, xv);
       }
     }
     __syncwarp();  // every lane's reads of this slot are done: refill it
@@ -293,11 +253,7 @@ __global__ void __launch_bounds__(32 * kWarps, 1)
     float acc_a = 0.0f, acc_b = 0.0f;
     for (int v = lane; v < nv; v += 128) {
       uint4 wa[4], wb[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        wa[i] = ld16(ar + v + 32 * i);
-        wb[i] = ld16(br + v + 32 * i);
-      }
+      load_pair4(ar, br, v, wa, wb);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int c = v + 32 * i;
@@ -458,20 +414,9 @@ int main() {
         }
       }
       const int reps = std::max(copies, int((size_t(800) << 20) / sh.bytes));
-      for (int i = 0; i < reps; ++i) run(i, out);
-      std::vector<float> us;
-      for (int t = 0; t < 9; ++t) {
-        CHECK(cudaEventRecord(e0, st));
-        for (int i = 0; i < reps; ++i) run(i, out);
-        CHECK(cudaEventRecord(e1, st));
-        CHECK(cudaEventSynchronize(e1));
-        float ms = 0;
-        CHECK(cudaEventElapsedTime(&ms, e0, e1));
-        us.push_back(ms * 1e3f / float(reps));
-      }
-      CHECK(cudaGetLastError());
-      std::sort(us.begin(), us.end());
-      const float m = us[us.size() / 2];
+      float m = 0;
+      CHECK(median_replay_us(
+          st, e0, e1, reps, [&](int i) { run(i, out); }, &m));
       std::printf("%6.1f MB  %-18s %-22s %8.1f us  %6.0f GB/s%s\n", double(sh.bytes) / 1048576.0, sh.name, f.name, m,
                   double(sh.bytes) / 1e3 / m, same);
     }
@@ -502,7 +447,10 @@ int main() {
         std::vector<float> us, tus;
         for (int t = 0; t < 9; ++t) {
           uint8_t* w = pool + size_t(t % 4) * (size_t(64) << 20);
-          touch<<<sms, 512, 0, st>>>(w, P, 4, sink);
+          // Every copy's lines demoted (an earlier trial's evict_last lines would otherwise hold
+          // part of L2 through the flush: the first form, demoting only this copy, read 9.6 to
+          // 12.2 us for the same 32 MB row on different runs), then L2 flushed by other reads.
+          touch<<<sms, 512, 0, st>>>(pool, size_t(4) * (size_t(64) << 20), 4, sink);
           touch<<<sms, 512, 0, st>>>(fbuf, flush, 0, sink);
           cudaEvent_t t0, t1;
           CHECK(cudaEventCreate(&t0));
@@ -532,15 +480,9 @@ int main() {
     }
   }
   {
-    const size_t half = pool_bytes / 2;
-    CHECK(cudaMemcpyAsync(pool + half, pool, half, cudaMemcpyDeviceToDevice, st));
-    CHECK(cudaEventRecord(e0, st));
-    for (int i = 0; i < 5; ++i) CHECK(cudaMemcpyAsync(pool + half, pool, half, cudaMemcpyDeviceToDevice, st));
-    CHECK(cudaEventRecord(e1, st));
-    CHECK(cudaEventSynchronize(e1));
-    float ms = 0;
-    CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    std::printf("copy 1 GiB d2d: %.0f GB/s (read + written)\n", 2.0 * double(half) * 5 / 1e6 / ms);
+    double gbs = 0;
+    CHECK(copy_gbs(reinterpret_cast<char*>(pool), pool_bytes, st, e0, e1, &gbs));
+    std::printf("copy 1 GiB d2d: %.0f GB/s (read + written)\n", gbs);
   }
   return 0;
 }
