@@ -488,3 +488,110 @@ TEST(CudaOps, Fp8FastPrefillAttentionKvbOnFp8) {
   EXPECT_LT(e, 1e-2);
 }
 #endif
+
+#ifdef VIREO_HAVE_CUDA
+// fast-fp8's one-token FP8 products on f16 x (cuda_set_one_token_f16_x; stage_x_f16 in
+// cuda_kernels.cuh): the large GEMV (>= 4096 rows: gemv_rows2 in its three launch forms, at the
+// layer input's and o_proj's row lengths) and the routed and shared experts' walks, against the
+// CPU's exact f32 products. x has blocks of different magnitudes, a zero block and an outlier
+// (activations), so a wrong block scale shows. Checked: the NMSE against exact (f16's 2^-12 on x
+// and on 8-term partial sums) stays under 1e-6, 500 times under fast-fp8's own e4m3 rounding of x
+// (~5e-4); the f32 form's bits differ (the f16 form ran); with the switch off, fast-fp8 gives exact
+// mode's bits (the same f32 kernels).
+TEST(CudaOps, Fp8FastOneTokenProductsOnF16X) {
+  REQUIRE_CUDA();
+  auto gpu = make_cuda_backend();
+  auto cpu = make_cpu_backend();
+  // One token's product in `mode` (f16 x on or off), y poisoned first; then an op that touches
+  // neither, which an Early product may start beside (its own wait covered the poisoning).
+  auto scratch = gpu->alloc_f32(64);
+  auto product = [&](const float* gx, const Weight& gw, float* gy, int64_t out, CudaGemmMode mode, bool f16,
+                     Backend::ProductLaunch form) {
+    gpu->fill(gy, NAN, out);
+    gpu->fill(scratch.get(), 0.0f, 64);
+    cuda_set_gemm_mode(*gpu, mode);
+    cuda_set_one_token_f16_x(f16);
+    gpu->matmul_launched(gx, 1, gw, gy, form);
+    cuda_set_one_token_f16_x(true);
+    cuda_set_gemm_mode(*gpu, CudaGemmMode::Split);
+    std::vector<float> y(static_cast<size_t>(out));
+    gpu->copy_to_host(y.data(), gy, y.size());
+    return y;
+  };
+  struct S { int64_t out, in; };
+  for (S s : {S{4096, 6144}, S{6144, 16384}}) {
+    Fp8Weight h = fp8_weight(s.out, s.in, uint32_t(s.in + 3));
+    const std::vector<float> x = activations(1, s.in, uint32_t(s.in + 4));
+    std::vector<float> want(static_cast<size_t>(s.out));
+    cpu_matmul(x.data(), 1, h.w, want.data(), ThreadPool::global());
+    const Weight gw = gpu->upload_weight(h.w);
+    auto xb = gpu->alloc_f32(x.size());
+    auto yb = gpu->alloc_f32(size_t(s.out));
+    gpu->copy_from_host(xb.get(), x.data(), x.size());
+    using PL = Backend::ProductLaunch;
+    for (PL form : {PL::InOrder, PL::HalfSm, PL::Early}) {
+      const std::string what = std::to_string(s.out) + "x" + std::to_string(s.in) + " form " + std::to_string(int(form));
+      const auto exact = product(xb.get(), gw, yb.get(), s.out, CudaGemmMode::Split, true, form);
+      const auto f32 = product(xb.get(), gw, yb.get(), s.out, CudaGemmMode::Fp8, false, form);
+      const auto f16 = product(xb.get(), gw, yb.get(), s.out, CudaGemmMode::Fp8, true, form);
+      const double e = nmse(f16, want);
+      std::printf("  one-token fp8 %s: f16 x NMSE vs exact %.3g (f32 x %.3g)\n", what.c_str(), e, nmse(f32, want));
+      EXPECT_LT(e, 1e-6) << what;
+      EXPECT_LT(nmse(exact, want), 1e-10) << what;
+      EXPECT_EQ(f32, exact) << what << ": fast-fp8 with f16 x off";
+      EXPECT_NE(f16, f32) << what << ": the f16 form did not run";
+    }
+  }
+  // The experts at one token: 8 routed of 16 and one shared, the walks' shapes (D, I % 128 == 0).
+  const int64_t D = 2048, I = 1024;
+  const int K = 8, E = 16;
+  ExpertBank cb, gb;
+  cb.n_shared = gb.n_shared = 1;
+  std::vector<vireo::test::HostWeight> hw;
+  hw.reserve(size_t(3 * (E + 1)));
+  for (int e = 0; e <= E; ++e)
+    for (int m = 0; m < 3; ++m) {
+      hw.push_back(m < 2 ? vireo::test::make_weight(DType::F8_E4M3, I, D, uint32_t(500 + 3 * e + m), 0.1f, true)
+                         : vireo::test::make_weight(DType::F8_E4M3, D, I, uint32_t(500 + 3 * e + m), 0.1f, true));
+      (m == 0 ? cb.gate : m == 1 ? cb.up : cb.down).push_back(hw.back().w);
+      (m == 0 ? gb.gate : m == 1 ? gb.up : gb.down).push_back(gpu->upload_weight(hw.back().w));
+    }
+  const std::vector<int32_t> ids = {1, 3, 4, 7, 9, 10, 12, 15};
+  const std::vector<float> x = activations(1, D, 77), wts = vireo::test::randv(size_t(K), 78);
+  std::vector<float> want(static_cast<size_t>(D));
+  cpu->moe_experts(x.data(), 1, ids.data(), wts.data(), K, cb, want.data());
+  auto xb = gpu->alloc_f32(size_t(D));
+  auto wb = gpu->alloc_f32(size_t(K));
+  auto ib = gpu->alloc_i32(size_t(K));
+  auto ob = gpu->alloc_f32(size_t(D));
+  gpu->copy_from_host(xb.get(), x.data(), x.size());
+  gpu->copy_from_host(wb.get(), wts.data(), wts.size());
+  gpu->copy_from_host_i32(ib.get(), ids.data(), ids.size());
+  auto experts = [&](CudaGemmMode mode, bool f16, bool shared_ahead) {
+    gpu->fill(ob.get(), NAN, D);
+    cuda_set_gemm_mode(*gpu, mode);
+    cuda_set_one_token_f16_x(f16);
+    if (shared_ahead) gpu->moe_shared_gate_up(xb.get(), 1, K, gb);  // the decode step's branch
+    gpu->moe_experts(xb.get(), 1, ib.get(), wb.get(), K, gb, ob.get());
+    cuda_set_one_token_f16_x(true);
+    cuda_set_gemm_mode(*gpu, CudaGemmMode::Split);
+    std::vector<float> y(static_cast<size_t>(D));
+    gpu->copy_to_host(y.data(), ob.get(), y.size());
+    return y;
+  };
+  const int64_t walks = cuda_moe_down_walk_launches();
+  const auto exact = experts(CudaGemmMode::Split, true, false), f32 = experts(CudaGemmMode::Fp8, false, false);
+  const auto f16 = experts(CudaGemmMode::Fp8, true, false), f16_ahead = experts(CudaGemmMode::Fp8, true, true);
+  const char* down_walk_env = std::getenv("VIREO_MOE_DOWN_WALK");
+  if (!(down_walk_env && std::string(down_walk_env) == "0"))
+    EXPECT_EQ(cuda_moe_down_walk_launches() - walks, 4) << "the down walk not taken";
+  const double e = nmse(f16, want);
+  std::printf("  one-token fp8 experts D %lld I %lld: f16 x NMSE vs exact %.3g (f32 x %.3g)\n", (long long)D,
+              (long long)I, e, nmse(f32, want));
+  EXPECT_LT(e, 1e-6);
+  EXPECT_LT(nmse(exact, want), 1e-10);
+  EXPECT_EQ(f32, exact) << "fast-fp8 experts with f16 x off";
+  EXPECT_NE(f16, f32) << "the f16 walks did not run";
+  EXPECT_EQ(f16_ahead, f16) << "the shared gate | up queued ahead";
+}
+#endif

@@ -36,6 +36,9 @@ using namespace vireo::cuda;
 
 namespace {
 
+// cuda_set_one_token_f16_x (cuda_backend.h): process-wide, as the other decode-form switches.
+bool g_one_token_f16_x = env_switch("VIREO_F16_X");
+
 // --- element-wise and row kernels -------------------------------------------------------------
 
 // A queued read's values stored straight into mapped pinned host memory (queue_read_i32): a
@@ -435,6 +438,14 @@ class CudaBackend final : public Backend {
   void set_gemm_mode(CudaGemmMode m) { mode_ = m; }
   // One rounding of the operands (bf16) in prefill products, attention and indexer scores.
   bool fast_math() const { return mode_ == CudaGemmMode::Bf16 || mode_ == CudaGemmMode::Fp8; }
+  // fast-fp8's one-token FP8 products (the large GEMVs and the expert walks) on x staged as f16
+  // with a power-of-two scale a 128-column block (cuda_kernels.cuh, stage_x_f16), each 16 weights
+  // summed by f16x2 FMAs. Why: the f32 form's ~40 instructions a 16-byte chunk a row cost the
+  // walks 6-9% of their time (vireo_stream_probe: gate | up 51.0 -> 48.9 us, down 31.9 -> 29.5,
+  // against 48.3 / 29.4 for the loads alone; BENCHMARKS "Session 49"). The error it adds (~2^-12
+  // relative on x and on 8-term partial sums) is far under fast-fp8's own e4m3 rounding of
+  // activations (2^-4). cuda_set_one_token_f16_x / VIREO_F16_X=0: f32 x (tests, A/B runs).
+  bool one_token_f16_x() const { return g_one_token_f16_x && mode_ == CudaGemmMode::Fp8; }
   const char* last_prefill_kernel() const { return last_prefill_; }
   void set_prefill_wgmma(bool on) { prefill_wgmma_ = on; }
   void set_absorbed_pass_bytes(size_t b) { absorbed_pass_bytes_ = b ? b : kAbsorbedPassBytes; }
@@ -711,7 +722,8 @@ class CudaBackend final : public Backend {
       // done: e4m3 x e4m3
     } else if (lt_decode && lt_bf16(x, T, w, y)) {
       // done: bf16 x bf16
-    } else if (T == 1 && w.out >= 4096 && gemv_rows2(x, w, y, gemv_x_shared_, stream_, rows2_launch(launch))) {
+    } else if (T == 1 && w.out >= 4096 && gemv_rows2(x, w, y, gemv_x_shared_, stream_, rows2_launch(launch),
+                                                     one_token_f16_x())) {
       // done: two rows per warp
     } else if (T <= kGemvRows) {
       matmul_small(x, T, w, y, stream_, sms_, gemv_x_shared_);
@@ -993,7 +1005,7 @@ class CudaBackend final : public Backend {
     float* h = moe_h_.get<float>(size_t(N * (top_k + bank.n_shared) * (b.I + b.D)));
     cuda::moe_experts(x, N, b.D, b.I, top_k, bank.n_shared, int(bank.gate.size()) - bank.n_shared, ids, weights,
                       b.table.get(), b.dtype, b.vec, gemv_x_shared_, part, h, out,
-                      moe_slot_counts(N * (top_k + bank.n_shared)), stream_);
+                      moe_slot_counts(N * (top_k + bank.n_shared)), stream_, one_token_f16_x());
   }
   // The zeroed counts moe_experts' down products wait on per slot (cuda_decode.h), or null: off
   // (VIREO_MOE_SLOT_COUNTS=0, a test, or VIREO_SKIP_KERNELS, where a dropped gate | up would
@@ -2282,6 +2294,7 @@ uint64_t cuda_weight_bytes(Backend& b) { return as_cuda(b).weight_bytes(); }
 void cuda_synchronize(Backend& b) { VIREO_CUDA_CHECK(cudaStreamSynchronize(as_cuda(b).stream())); }
 
 void cuda_set_gemm_mode(Backend& b, CudaGemmMode mode) { as_cuda(b).set_gemm_mode(mode); }
+void cuda_set_one_token_f16_x(bool on) { g_one_token_f16_x = on; }
 void cuda_set_prefill_wgmma(Backend& b, bool on) { as_cuda(b).set_prefill_wgmma(on); }
 void cuda_set_absorbed_pass_bytes(Backend& b, size_t bytes) { as_cuda(b).set_absorbed_pass_bytes(bytes); }
 void cuda_set_gemv_x_shared(Backend& b, bool on) { as_cuda(b).set_gemv_x_shared(on); }

@@ -81,12 +81,17 @@ uint64_t cuda_weight_bytes(Backend& cuda);
 // (fast-fp8) is Bf16 except that FP8 weights multiply e4m3 activations as DeepSeek's reference
 // inference does, where cuBLASLt takes the shape: x quantized per (token, 128 columns), an FP8 x
 // FP8 block-scaled GEMM (~2^-4 relative per element of x, output NMSE ~5e-4; cuda_fp8_gemm.h);
-// and in decode products of 2..8 rows on FP8 weights (cuda_q8_gemv.h). One-row products and the
-// decode experts keep f32 math. Both fast modes also run the absorbed decode attention's scores
+// and in decode products of 2..8 rows on FP8 weights (cuda_q8_gemv.h). One token's large FP8
+// products (>= 4096 rows: q_b, o_proj) and its expert walks take x as f16 with a power-of-two
+// scale a 128-column block, 16 products at a time summed in f16 (error ~2^-12, far under e4m3's
+// 2^-4; VIREO_F16_X=0 turns it off); the other one-row products keep f32 math. Both fast modes also run the absorbed decode attention's scores
 // over more than 256 keys on bf16 tensor cores (cuda_decode_attention.cu).
 // Simt: f32 CUDA-core tiles for GEMMs and attention (exact f32 math, slow).
 enum class CudaGemmMode { Split, Bf16, Fp8, Simt };
 void cuda_set_gemm_mode(Backend& cuda, CudaGemmMode mode);
+// Fp8's one-token products on f16 x (on, the default; VIREO_F16_X=0 turns it off) or on f32 x as
+// the other modes (off: the same kernels and sums as Split's). Process-wide.
+void cuda_set_one_token_f16_x(bool on);
 // Which kernel the last prefill (reconstructed-path) attention ran: "bf16 wgmma" or "bf16 one pass"
 // (the fast modes), "tensor cores" (the split kernel), "f32", or "" before any (tests check the
 // fast one is taken).

@@ -141,16 +141,25 @@ __device__ __forceinline__ float2 lane_dot2(const DevW& a, const DevW& b, int64_
     const float* sb = DT == W_FP8 ? b.s + (row >> 7) * b.s_cols : nullptr;
     const int64_t nv = a.in / N;
     auto consume = [&](const uint4& wa, const uint4& wb, int64_t v) {
-      float4 xv[N / 4];
-#pragma unroll
-      for (int j = 0; j < N / 4; ++j) xv[j] = xf(v * (N / 4) + j);
-      const float pa = dot_chunk<DT>(wa, xv), pb = dot_chunk<DT>(wb, xv);
-      if constexpr (DT == W_FP8) {
-        acc_a += sa[(v * N) >> 7] * pa;
-        acc_b += sb[(v * N) >> 7] * pb;
+      if constexpr (std::is_same_v<XF, XSharedH>) {  // f16 x (fast-fp8's one-token FP8 rows)
+        static_assert(DT == W_FP8, "f16 x: FP8 rows");
+        const int q = xf.q0 + 2 * int(v);
+        const uint4 x0 = xf.xh[xh_slot(q)], x1 = xf.xh[xh_slot(q + 1)];
+        const float sx = xf.xsc[q >> 4];
+        acc_a += sa[(v * N) >> 7] * sx * dot_chunk_h(wa, x0, x1);
+        acc_b += sb[(v * N) >> 7] * sx * dot_chunk_h(wb, x0, x1);
       } else {
-        acc_a += pa;
-        acc_b += pb;
+        float4 xv[N / 4];
+#pragma unroll
+        for (int j = 0; j < N / 4; ++j) xv[j] = xf(v * (N / 4) + j);
+        const float pa = dot_chunk<DT>(wa, xv), pb = dot_chunk<DT>(wb, xv);
+        if constexpr (DT == W_FP8) {
+          acc_a += sa[(v * N) >> 7] * pa;
+          acc_b += sb[(v * N) >> 7] * pb;
+        } else {
+          acc_a += pa;
+          acc_b += pb;
+        }
       }
     };
     int64_t v = lane;
@@ -228,7 +237,8 @@ __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
 // slower than waiting for the whole launch), and the down products' blocks could not start beside
 // these whole-SM blocks anyway.
 constexpr int kWalkWarps = 16;
-template <int DT>
+// XH: x staged as f16 (stage_x_f16, fast-fp8; D % 128 == 0), other sums.
+template <int DT, bool XH = false>
 __global__ void __launch_bounds__(32 * kWalkWarps, 1)
     moe_gate_up_walk_kernel(const float* __restrict__ x, int64_t D, int64_t I, int K, int n_routed, int k0, int nk,
                             const int32_t* __restrict__ ids, const DevExpert* __restrict__ bank,
@@ -236,13 +246,13 @@ __global__ void __launch_bounds__(32 * kWalkWarps, 1)
   pdl_begin();
   extern __shared__ float4 xs[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  stage_x(x, D, xs);
+  const auto xf = stage_x_as<XH>(x, D, xs);
   const int64_t units = int64_t(nk) * I, stride = int64_t(gridDim.x) * kWalkWarps;
   for (int64_t u = int64_t(warp) * gridDim.x + blockIdx.x; u < units; u += stride) {
     const int k = k0 + int(u / I);
     const int64_t row = u % I;
     const DevExpert& e = bank[slot_expert(ids, 0, k, K, n_routed)];
-    const float2 gu = lane_dot2<DT, true>(e.gate, e.up, row, XShared{xs, 0}, lane);
+    const float2 gu = lane_dot2<DT, true>(e.gate, e.up, row, xf, lane);
     const float g = warp_sum(gu.x), up = warp_sum(gu.y);
     if (lane == 0) h[k * I + row] = g / (1.0f + expf(-g)) * up;
   }
@@ -368,8 +378,9 @@ __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<true, WARPS>)
 // staying blocks at ~4.1 TB/s (27.5 us). This form: 31 us, +1.4 points of fp8 decode at 8 layers
 // at both contexts (BENCHMARKS "Session 45"). Sessions 37 and 44 had walked with every slot's h
 // (73.7 KB) staged first: a serial prologue on every SM, no gain.
-template <int DT, int WARPS>
-__global__ void __launch_bounds__(32 * WARPS, kMinBlocks<true, WARPS>)
+// XH: h staged as f16 (stage_x_f16, fast-fp8; I % 128 == 0), other sums.
+template <int DT, int WARPS, bool XH = false, int MINB = kMinBlocks<true, WARPS>>
+__global__ void __launch_bounds__(32 * WARPS, MINB)
     moe_down_walk_kernel(const float* __restrict__ h, int64_t D, int64_t I, int K, int S, int n_routed,
                          const int32_t* __restrict__ ids, const DevExpert* __restrict__ bank, float* __restrict__ y,
                          int64_t ppb) {
@@ -382,7 +393,8 @@ __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<true, WARPS>)
   if (u0 >= total) return;
   const int s0 = int(u0 / P), s1 = int((u1 - 1) / P);
   if (threadIdx.x < 2) down[threadIdx.x] = slot_down(ids, bank, 0, threadIdx.x == 0 ? s0 : s1, K, n_routed);
-  stage_x<true>(h + int64_t(s0) * I, int64_t(s1 - s0 + 1) * I, xs);  // its barrier also publishes down
+  // (its barrier also publishes down)
+  const auto xf = stage_x_as<XH, true>(h + int64_t(s0) * I, int64_t(s1 - s0 + 1) * I, xs);
   // This block's pairs of slot s0 + j: [a, b).
   for (int j = 0; j <= s1 - s0; ++j) {
     const int64_t k = s0 + j, a = (u0 > k * P ? u0 : k * P) - k * P, b = (u1 < (k + 1) * P ? u1 : (k + 1) * P) - k * P;
@@ -391,7 +403,7 @@ __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<true, WARPS>)
     next.w = static_cast<const char*>(w.w) + size_t(w.in) * elem_bytes<DT>();
     float* yk = y + k * D;
     for (int64_t row = (a + warp) * 2; row < 2 * b; row += 2 * WARPS) {
-      const float2 v = lane_dot2<DT, true>(w, next, row, XShared{xs, int(j * I / 4)}, lane);
+      const float2 v = lane_dot2<DT, true>(w, next, row, xf.at(j * I), lane);
       const float y0 = warp_sum(v.x), y1 = warp_sum(v.y);
       if (lane == 0) {
         yk[row] = y0;
@@ -634,27 +646,56 @@ int down_pairs_a_warp(int dt, int64_t N) {
 
 int64_t g_down_walk_launches = 0;  // moe_down_walk_kernel's launches (tests check it is taken)
 
+// moe_gate_up_walk_kernel's launch (Kernel: its form) with smem bytes of staged x.
+template <auto Kernel>
+void launch_gate_up_walk(size_t smem, const float* x, int64_t D, int64_t I, int K, int n_routed, int k0, int nk,
+                         const int32_t* ids, const DevExpert* bank, float* h, cudaStream_t st) {
+  allow_xs<Kernel>();
+  int fit = 0;
+  VIREO_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, Kernel, 32 * kWalkWarps, smem));
+  const int64_t most = (int64_t(nk) * I + kWalkWarps - 1) / kWalkWarps;
+  const unsigned blocks = unsigned(std::min<int64_t>(most, int64_t(std::max(fit, 1)) * multiprocessors()));
+  launch(Kernel, blocks, 32 * kWalkWarps, smem, st, x, D, I, K, n_routed, k0, nk, ids, bank, h);
+  VIREO_CUDA_LAUNCHED();
+}
+
+// moe_down_walk_kernel's launch (Kernel: its form) with smem bytes of staged h.
+template <auto Kernel, int WARPS>
+void launch_down_walk(size_t smem, float* h, int64_t D, int64_t I, int K, int S, int n_routed, const int32_t* ids,
+                      const DevExpert* bank, float* y, cudaStream_t st) {
+  allow_xs<Kernel>();
+  int fit = 0;  // (two an SM at 16 warps at kMinBlocks' bound, one at a bound of 1)
+  VIREO_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, Kernel, 32 * WARPS, smem));
+  ++g_down_walk_launches;
+  const int64_t total = int64_t(K + S) * (D / 2), blocks = int64_t(std::max(fit, 1)) * multiprocessors();
+  const int64_t ppb = std::min<int64_t>((total + blocks - 1) / blocks, D / 2);
+  launch(Kernel, unsigned((total + ppb - 1) / ppb), 32 * WARPS, smem, st, h, D, I, K, S, n_routed, ids, bank, y, ppb);
+  VIREO_CUDA_LAUNCHED();
+}
+
 // ready (may be null): the slot counts the gate | up launch just before bumped, need per slot
-// for its slots k < k_wait. after_walk: that launch was the walking gate | up.
+// for its slots k < k_wait. after_walk: that launch was the walking gate | up. f16_x: one token's
+// FP8 products on f16 x (fast-fp8; stage_x_f16).
 template <int DT, int WARPS>
 void launch_down_xs(float* h, int64_t N, int64_t D, int64_t I, int K, int S, int n_routed, const int32_t* ids,
                     const float* wts, const DevExpert* bank, float* out, int* ready, int need, int k_wait,
-                    bool after_walk, cudaStream_t st) {
+                    bool after_walk, bool f16_x, cudaStream_t st) {
   // After the walking gate | up (one token's FP8 rows, no slot counts): the down products walk too.
   static const bool down_walk = env_switch("VIREO_MOE_DOWN_WALK");  // 0: slots2 (A/B runs; the same bits)
   if (down_walk && moe_down_slots() && after_walk && !ready && N == 1 && D % 2 == 0 &&
       size_t(2 * I) * 4 <= kXsMaxBytes) {
-    constexpr auto kernel = moe_down_walk_kernel<DT, WARPS>;
-    allow_xs<kernel>();
     float* y = h + N * (K + S) * I;
-    int fit = 0;  // (two an SM at 16 warps: kMinBlocks)
-    VIREO_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kernel, 32 * WARPS, size_t(2 * I) * 4));
-    ++g_down_walk_launches;
-    const int64_t total = int64_t(K + S) * (D / 2), blocks = int64_t(std::max(fit, 1)) * multiprocessors();
-    const int64_t ppb = std::min<int64_t>((total + blocks - 1) / blocks, D / 2);
-    launch(kernel, unsigned((total + ppb - 1) / ppb), 32 * WARPS, size_t(2 * I) * 4, st, h, D, I, K, S, n_routed, ids,
-           bank, y, ppb);
-    VIREO_CUDA_LAUNCHED();
+    bool f16 = false;  // f16 h (fast-fp8) where h's rows are whole 128-column blocks
+    if constexpr (DT == W_FP8) f16 = f16_x && I % 128 == 0;
+    // The f16 form in one block an SM (128 registers: 106 used, no spills, eight loads in flight
+    // a lane) where two blocks at 64 registers spilled 16 bytes and kept four in flight: H200, 8
+    // layers fp8, +0.9 / +0.9 points at context 0 / 4096 (BENCHMARKS "Session 49").
+    if (f16)
+      launch_down_walk<moe_down_walk_kernel<W_FP8, WARPS, true, 1>, WARPS>(staged_f16_bytes(2 * I), h, D, I, K, S,
+                                                                            n_routed, ids, bank, y, st);
+    else
+      launch_down_walk<moe_down_walk_kernel<DT, WARPS>, WARPS>(size_t(2 * I) * 4, h, D, I, K, S, n_routed, ids, bank,
+                                                               y, st);
     launch(moe_down_combine_kernel, dim3(unsigned((D + 255) / 256), unsigned(N)), 256, 0, st, y, D, K, S, wts, out,
            ready);
     VIREO_CUDA_LAUNCHED();
@@ -684,7 +725,7 @@ void launch_down_xs(float* h, int64_t N, int64_t D, int64_t I, int K, int S, int
 template <int DT, bool VEC>
 void launch_moe(bool x_shared, MoePart part, const float* x, int64_t N, int64_t D, int64_t I, int K, int S,
                 int n_routed, const int32_t* ids, const float* wts, const DevExpert* bank, float* h, float* out,
-                int* ready, cudaStream_t st) {
+                int* ready, bool f16_x, cudaStream_t st) {
   // The gate | up launch's slots of each token: [k0, k0 + nk).
   const int k0 = part == MoePart::SharedGateUp ? K : 0;
   const int nk = part == MoePart::All ? K + S : part == MoePart::SharedGateUp ? S : K;
@@ -701,15 +742,9 @@ void launch_moe(bool x_shared, MoePart part, const float* x, int64_t N, int64_t 
       const bool walk = DT == W_FP8 && N == 1 && g_moe_walk && nk > 0;
       if (!down || !moe_down_slots() || nk == 0 || walk) ready = nullptr;
       const unsigned row_blocks = unsigned((I + kXsWarps - 1) / kXsWarps);
-      if (walk) {
-        constexpr auto kernel = moe_gate_up_walk_kernel<W_FP8>;
-        allow_xs<kernel>();
-        int fit = 0;
-        VIREO_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kernel, 32 * kWalkWarps, x_bytes));
-        const int64_t most = (int64_t(nk) * I + kWalkWarps - 1) / kWalkWarps;
-        const unsigned blocks = unsigned(std::min<int64_t>(most, int64_t(std::max(fit, 1)) * multiprocessors()));
-        launch(kernel, blocks, 32 * kWalkWarps, x_bytes, st, x, D, I, K, n_routed, k0, nk, ids, bank, h);
-        VIREO_CUDA_LAUNCHED();
+      if (walk) {  // x in f16 (fast-fp8) where its rows are whole 128-column blocks
+        if (f16_x && D % 128 == 0) launch_gate_up_walk<moe_gate_up_walk_kernel<W_FP8, true>>(staged_f16_bytes(D), x, D, I, K, n_routed, k0, nk, ids, bank, h, st);
+        else launch_gate_up_walk<moe_gate_up_walk_kernel<W_FP8>>(x_bytes, x, D, I, K, n_routed, k0, nk, ids, bank, h, st);
       } else if (nk > 0) {
         allow_xs<moe_gate_up_kernel<DT, true, true, kXsWarps>>();
         launch(moe_gate_up_kernel<DT, true, true, kXsWarps>, dim3(row_blocks, unsigned(N * nk)), 32 * kXsWarps, x_bytes,
@@ -718,7 +753,7 @@ void launch_moe(bool x_shared, MoePart part, const float* x, int64_t N, int64_t 
       }
       if (down)
         launch_down_xs<DT, kXsWarps>(h, N, D, I, K, S, n_routed, ids, wts, bank, out, ready, int(row_blocks), nk, walk,
-                                     st);
+                                     f16_x, st);
       return;
     }
     if (DT == W_FP8 && I % kFp8GateUpRows == 0 && D % kFp8DownRows == 0 && K + S <= 16) {
@@ -754,9 +789,9 @@ void launch_moe(bool x_shared, MoePart part, const float* x, int64_t N, int64_t 
 template <int DT>
 void launch_moe_dt(bool vec, bool x_shared, MoePart part, const float* x, int64_t N, int64_t D, int64_t I, int K, int S,
                    int n_routed, const int32_t* ids, const float* wts, const DevExpert* bank, float* h, float* out,
-                   int* ready, cudaStream_t st) {
-  if (vec) launch_moe<DT, true>(x_shared, part, x, N, D, I, K, S, n_routed, ids, wts, bank, h, out, ready, st);
-  else launch_moe<DT, false>(x_shared, part, x, N, D, I, K, S, n_routed, ids, wts, bank, h, out, ready, st);
+                   int* ready, bool f16_x, cudaStream_t st) {
+  if (vec) launch_moe<DT, true>(x_shared, part, x, N, D, I, K, S, n_routed, ids, wts, bank, h, out, ready, f16_x, st);
+  else launch_moe<DT, false>(x_shared, part, x, N, D, I, K, S, n_routed, ids, wts, bank, h, out, ready, f16_x, st);
 }
 
 // y[row] for rows 2i and 2i + 1 by one warp, x read once for both (T = 1, rows 16-byte aligned).
@@ -764,7 +799,8 @@ void launch_moe_dt(bool vec, bool x_shared, MoePart part, const float* x, int64_
 // loads before the wait (weights_ahead); kRows2Early skips the wait (Rows2Launch::Early: x was
 // complete before the kernel queued before this one passed its own wait) and reads x through L2.
 constexpr int kRows2Early = 2;
-template <int DT, bool XS = false, int WARPS = 8, bool WALK = false>
+// XH (with XS, FP8, w.in % 128 == 0): x staged as f16 (stage_x_f16, fast-fp8), other sums.
+template <int DT, bool XS = false, int WARPS = 8, bool WALK = false, bool XH = false>
 __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
     gemv_rows2_kernel(const float* __restrict__ x, DevW w, float* __restrict__ y, int spread, int ahead_on) {
   const PairAhead ahead =
@@ -776,16 +812,16 @@ __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<XS, WARPS>)
   // WALK: each warp walks the row pairs gridDim.x * WARPS apart (a grid smaller than the pairs,
   // leaving room on the SMs to other kernels); else one pair a warp.
   int64_t row = warp_unit(spread, warp, WARPS) * 2;
-  if constexpr (XS) {
-    if (early) stage_x<true>(x, w.in, xs);  // (not through L1, which the wait would have invalidated)
-    else stage_x(x, w.in, xs);
-  }
+  static_assert(!XH || (XS && DT == W_FP8), "f16 x: the shared-x FP8 form");
+  // x staged (not through L1 when early: the wait would have invalidated it), or read through L1.
+  const auto xf = [&] {
+    if constexpr (XS) return early ? stage_x_as<XH, true>(x, w.in, xs) : stage_x_as<XH>(x, w.in, xs);
+    else return XGlobal{x};
+  }();
   DevW next = w;  // the same matrix one row on: FP8 rows 2i, 2i + 1 share a 128-row scale block
   next.w = static_cast<const char*>(w.w) + size_t(w.in) * elem_bytes<DT>();
   auto pair = [&](int64_t r, const PairAhead* first) {
-    float2 v;
-    if constexpr (XS) v = lane_dot2<DT, true>(w, next, r, XShared{xs, 0}, lane, first);
-    else v = lane_dot2<DT, true>(w, next, r, XGlobal{x}, lane, first);
+    const float2 v = lane_dot2<DT, true>(w, next, r, xf, lane, first);
     const float a = warp_sum(v.x), b = warp_sum(v.y);
     if (lane == 0) {
       y[r] = a;
@@ -1060,10 +1096,10 @@ int64_t moe_down_walk_launches() { return g_down_walk_launches; }
 
 void moe_experts(const float* x, int64_t N, int64_t D, int64_t I, int K, int S, int n_routed, const int32_t* ids,
                  const float* weights, const DevExpert* bank, int dtype, bool vec, bool x_shared, MoePart part,
-                 float* h, float* out, int* ready, cudaStream_t st) {
+                 float* h, float* out, int* ready, cudaStream_t st, bool f16_x) {
   if (N <= 0) return;
   auto run = [&](auto launch_dt) {
-    launch_dt(vec, x_shared, part, x, N, D, I, K, S, n_routed, ids, weights, bank, h, out, ready, st);
+    launch_dt(vec, x_shared, part, x, N, D, I, K, S, n_routed, ids, weights, bank, h, out, ready, f16_x, st);
   };
   switch (dtype) {
     case W_F32: run(launch_moe_dt<W_F32>); break;
@@ -1131,9 +1167,9 @@ void index_key_append(const float* k, int64_t T, int64_t d, const float* w, cons
 }
 
 namespace {
-template <int DT, int WARPS>
+template <int DT, int WARPS, bool XH = false>
 void launch_rows2_xs(const float* x, const DevW& w, float* y, cudaStream_t st, Rows2Launch form) {
-  const size_t x_bytes = size_t(w.in) * 4;
+  const size_t x_bytes = XH ? staged_f16_bytes(w.in) : size_t(w.in) * 4;
   if (form != Rows2Launch::InOrder) {  // blocks of 16 warps (two fill an SM's registers), one an SM at most
     // More FP8 pairs than that: a block an SM, each warp walking its pairs (q_b's 8192 pairs at
     // GLM-5 shapes: one pair a warp in 512 blocks took every SM's registers and starved the
@@ -1144,11 +1180,11 @@ void launch_rows2_xs(const float* x, const DevW& w, float* y, cudaStream_t st, R
     const bool walk = DT == W_FP8 && blocks > walk_blocks;
     const int ahead = form == Rows2Launch::Early ? kRows2Early : weights_ahead(DT);
     if (walk) {
-      constexpr auto kernel = gemv_rows2_kernel<DT, true, 16, true>;
+      constexpr auto kernel = gemv_rows2_kernel<DT, true, 16, true, XH>;
       allow_xs<kernel>();
       launch(kernel, unsigned(walk_blocks), 32 * 16, x_bytes, st, x, w, y, 0, ahead);
     } else {
-      constexpr auto kernel = gemv_rows2_kernel<DT, true, 16>;
+      constexpr auto kernel = gemv_rows2_kernel<DT, true, 16, false, XH>;
       allow_xs<kernel>();
       launch(kernel, unsigned(blocks), 32 * 16, x_bytes, st, x, w, y, 0, ahead);
     }
@@ -1156,7 +1192,7 @@ void launch_rows2_xs(const float* x, const DevW& w, float* y, cudaStream_t st, R
     return;
   }
   {  // one block an SM where that holds every row pair
-    constexpr auto kernel = gemv_rows2_kernel<DT, true, kWideWarps>;
+    constexpr auto kernel = gemv_rows2_kernel<DT, true, kWideWarps, false, XH>;
     allow_xs<kernel>();
     if (const unsigned blocks = wide_blocks<kernel>(w.out / 2, x_bytes)) {
       launch(kernel, blocks, 32 * kWideWarps, x_bytes, st, x, w, y, 1, weights_ahead(DT));
@@ -1164,7 +1200,7 @@ void launch_rows2_xs(const float* x, const DevW& w, float* y, cudaStream_t st, R
       return;
     }
   }
-  constexpr auto kernel = gemv_rows2_kernel<DT, true, WARPS>;
+  constexpr auto kernel = gemv_rows2_kernel<DT, true, WARPS, false, XH>;
   allow_xs<kernel>();
   const unsigned spread = spread_blocks<kernel>(w.out / 2, WARPS, x_bytes);
   launch(kernel, spread ? spread : unsigned((w.out / 2 + WARPS - 1) / WARPS), 32 * WARPS, x_bytes, st, x, w, y,
@@ -1182,10 +1218,12 @@ bool rows2_xs_fits(const DevW& w, bool x_shared) {
 }
 }  // namespace
 
-bool gemv_rows2(const float* x, const DevW& w, float* y, bool x_shared, cudaStream_t st, Rows2Launch form) {
+bool gemv_rows2(const float* x, const DevW& w, float* y, bool x_shared, cudaStream_t st, Rows2Launch form,
+                bool f16_x) {
   if (!rows2_fits(x, w)) return false;
   if (rows2_xs_fits(w, x_shared)) {
-    if (w.dt == W_FP8) launch_rows2_xs<W_FP8, kXsWarps>(x, w, y, st, form);
+    if (w.dt == W_FP8 && f16_x && w.in % 128 == 0) launch_rows2_xs<W_FP8, kXsWarps, true>(x, w, y, st, form);
+    else if (w.dt == W_FP8) launch_rows2_xs<W_FP8, kXsWarps>(x, w, y, st, form);
     else launch_rows2_xs<W_BF16, kXsWarps>(x, w, y, st, form);
     return true;
   }

@@ -24,9 +24,11 @@ enum class MoePart { All, SharedGateUp, Rest };
 // x_shared: BF16/FP8 kernels read x from a copy in shared memory (else through L1; same sums).
 // ready (may be null): N * (K + S) ints, zero, that the shared-memory kernels use to let each slot's
 // down products begin once that slot's gate | up is written (and zero again after); the same sums.
+// f16_x: one token's FP8 gate | up and down products (the walks) on x and h staged as f16 with
+// a scale a 128-column block (stage_x_f16: fast-fp8's arithmetic; other sums).
 void moe_experts(const float* x, int64_t N, int64_t D, int64_t I, int K, int S, int n_routed, const int32_t* ids,
                  const float* weights, const DevExpert* bank, int dtype, bool vec, bool x_shared, MoePart part,
-                 float* h, float* out, int* ready, cudaStream_t st);
+                 float* h, float* out, int* ready, cudaStream_t st, bool f16_x = false);
 // cuda_set_moe_walk (cuda_backend.h).
 void set_moe_walk(bool on);
 int64_t moe_down_walk_launches();  // moe_down_walk_kernel's launches so far (tests check it is taken)
@@ -80,10 +82,11 @@ bool gemv_many_mixed(const float* x, const ManyW& m, bool x_shared, cudaStream_t
 // shape or alignment does not allow it (nothing launched). x_shared: as moe_experts.
 // form (Backend::ProductLaunch, with x shared): HalfSm launches blocks of 16 warps (half of an SM's
 // registers), Early the same without waiting for the kernel before; otherwise the form that
-// fills the SMs. The other paths (x not shared) always launch in order.
+// fills the SMs. The other paths (x not shared) always launch in order. f16_x (FP8 rows, x shared,
+// w.in % 128 == 0): x staged as f16 with a scale a 128-column block (as moe_experts').
 enum class Rows2Launch { InOrder, HalfSm, Early };
 bool gemv_rows2(const float* x, const DevW& w, float* y, bool x_shared, cudaStream_t st,
-                Rows2Launch form = Rows2Launch::InOrder);
+                Rows2Launch form = Rows2Launch::InOrder, bool f16_x = false);
 
 // out[r] = the index of row r's largest value (the lowest on ties), as the CPU reference. Two
 // launches: blocks over parts of each row, then one warp per row; parts_buf holds

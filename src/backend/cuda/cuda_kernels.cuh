@@ -386,6 +386,7 @@ struct XShared {
   const float4* xs;
   int q0;  // first float4 of this input within the staged rows
   __device__ __forceinline__ float4 operator()(int64_t q) const { return xs[xs_slot(q0 + int(q))]; }
+  __device__ __forceinline__ XShared at(int64_t elems) const { return {xs, q0 + int(elems / 4)}; }
 };
 // The block copies n floats (n % 4 == 0, 16-byte aligned) into xs, swizzled; then a barrier.
 // COHERENT: loads through L2 only (x may have been written by a kernel still running, see
@@ -409,6 +410,96 @@ __device__ __forceinline__ float dot_chunk(const uint4& w, const float4* xv) {
 #pragma unroll
   for (int i = 0; i < N / 4; ++i) p += wf[4 * i] * xv[i].x + wf[4 * i + 1] * xv[i].y + wf[4 * i + 2] * xv[i].z + wf[4 * i + 3] * xv[i].w;
   return p;
+}
+
+// --- One token's FP8 products on f16 x (fast-fp8) ---------------------------------------------
+// x staged as f16 of x / 2^e per 128-column block, 2^e the least power of two above the block's
+// amax (exact: a power of two), so |x / 2^e| < 1. A 16-byte FP8 chunk's 16 products are summed by
+// 8 f16x2 FMAs (each half adds 8 products, |sum| <= 8 * 448: no overflow), then its two halves in
+// f32. Why: the f32 form takes ~40 instructions a chunk a row (8 conversions to f16x2, 16 to f32,
+// 16 FMAs); this one ~20, and half the shared-memory reads of x. The error (f16's 2^-11 on x and on
+// the partial sums) stays far under fast-fp8's own e4m3 rounding of x (2^-4).
+// Swizzle: lane l reads uint4s 2l and 2l + 1 of its 32-byte chunk; flipping bit 0 of every second
+// group of 8 puts a quarter-warp's 8 reads on 8 different bank groups.
+__device__ __forceinline__ int xh_slot(int q) { return q ^ ((q >> 3) & 1); }
+__device__ __forceinline__ __half2 u32_as_half2(uint32_t u) {
+  __half2 h;
+  memcpy(&h, &u, 4);
+  return h;
+}
+__device__ __forceinline__ __half2 e4m3x2_to_half2(uint32_t u) {
+  return __half2(__nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(u & 0xffffu), __NV_E4M3));
+}
+// The block stages n floats of x (n % 128 == 0) as f16 into xh (n / 8 uint4s, swizzled) and the
+// blocks' scales 2^e into xsc (n / 128 floats); then a barrier. A warp a 128-column block.
+template <bool COHERENT = false>
+__device__ __forceinline__ void stage_x_f16(const float* __restrict__ x, int64_t n, uint4* xh, float* xsc) {
+  const int lane = threadIdx.x & 31, warps = int(blockDim.x >> 5), nb = int(n / 128);
+  const float4* x4 = reinterpret_cast<const float4*>(x);
+  constexpr int kBatch = 4;  // a warp's blocks loaded together: o_proj's x is 4 blocks a warp at 32 warps
+  for (int b0 = int(threadIdx.x >> 5); b0 < nb; b0 += kBatch * warps) {
+    float4 v[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int b = b0 + i * warps;
+      if (b < nb) v[i] = COHERENT ? __ldcg(x4 + b * 32 + lane) : __ldg(x4 + b * 32 + lane);
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int b = b0 + i * warps;
+      if (b >= nb) break;  // (the same for the whole warp)
+      const float a = warp_max(fmaxf(fmaxf(fabsf(v[i].x), fabsf(v[i].y)), fmaxf(fabsf(v[i].z), fabsf(v[i].w))));
+      // e with a = m 2^e, m in [0.5, 1) (frexp's, from the exponent field), held to [-126, 126] so
+      // that 2^e and 2^-e are normal floats (a zero or subnormal block: 2^-126, its values stay
+      // below 1; a block past 2^126: values below 4, still far inside f16 after the products).
+      const int e = max(-126, min(126, int((__float_as_uint(a) >> 23) & 0xffu) - 126));
+      const float inv = __uint_as_float(uint32_t(127 - e) << 23);
+      const __half2 h0 = __floats2half2_rn(v[i].x * inv, v[i].y * inv), h1 = __floats2half2_rn(v[i].z * inv, v[i].w * inv);
+      uint2 pk;
+      memcpy(&pk.x, &h0, 4);
+      memcpy(&pk.y, &h1, 4);
+      reinterpret_cast<uint2*>(xh + xh_slot(b * 16 + (lane >> 1)))[lane & 1] = pk;
+      if (lane == 0) xsc[b] = __uint_as_float(uint32_t(127 + e) << 23);
+    }
+  }
+  __syncthreads();
+}
+// Where a GEMV lane's x comes from in the f16 form: the block's staged halves and scales.
+struct XSharedH {
+  const uint4* xh;   // stage_x_f16's halves, swizzled (xh_slot)
+  const float* xsc;  // their 128-column blocks' scales
+  int q0;            // first uint4 (8 halves) of this input within the staged rows (a multiple of 16)
+  __device__ __forceinline__ XSharedH at(int64_t elems) const { return {xh, xsc, q0 + int(elems / 8)}; }
+};
+// x staged for the shared-x GEMVs, in f32 (H false: XShared) or f16 with block scales (XSharedH),
+// in the block's dynamic shared memory smem (n * 4 bytes, or staged_f16_bytes(n)).
+__host__ __device__ constexpr size_t staged_f16_bytes(int64_t n) { return size_t(n) * 2 + size_t(n) / 32; }
+template <bool H, bool COHERENT = false>
+__device__ __forceinline__ auto stage_x_as(const float* __restrict__ x, int64_t n, float4* smem) {
+  if constexpr (H) {
+    uint4* xh = reinterpret_cast<uint4*>(smem);
+    float* xsc = reinterpret_cast<float*>(xh + n / 8);
+    stage_x_f16<COHERENT>(x, n, xh, xsc);
+    return XSharedH{xh, xsc, 0};
+  } else {
+    stage_x<COHERENT>(x, n, smem);
+    return XShared{smem, 0};
+  }
+}
+
+// One 16-byte FP8 chunk against its 16 staged f16 inputs (x0: the first 8, x1: the next 8),
+// unscaled (the caller applies the weight's and x's block scales).
+__device__ __forceinline__ float dot_chunk_h(const uint4& w, const uint4& x0, const uint4& x1) {
+  const uint32_t u[4] = {w.x, w.y, w.z, w.w}, xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+  __half2 acc = __hmul2(e4m3x2_to_half2(u[0]), u32_as_half2(xv[0]));
+  acc = __hfma2(e4m3x2_to_half2(u[0] >> 16), u32_as_half2(xv[1]), acc);
+#pragma unroll
+  for (int i = 1; i < 4; ++i) {
+    acc = __hfma2(e4m3x2_to_half2(u[i]), u32_as_half2(xv[2 * i]), acc);
+    acc = __hfma2(e4m3x2_to_half2(u[i] >> 16), u32_as_half2(xv[2 * i + 1]), acc);
+  }
+  const float2 f = __half22float2(acc);
+  return f.x + f.y;
 }
 
 // DeepSeek's act_quant for one (token, 128-column) block held by a warp, 4 values a lane: the
