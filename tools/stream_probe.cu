@@ -11,7 +11,10 @@
 //                issues, an mbarrier a stage), consumed as reg consumes (checked: reg's bits);
 //       mma      x as e4m3 bytes (fast-fp8's act_quant), each lane's 16 weight bytes a column of
 //                B and its x bytes a row of A of two mma.sync m16n8k32 (the diagonal is the dot;
-//                checked against the host's sums).
+//                checked against the host's sums);
+//       f16 x    x staged as f16 with a power-of-two scale a 128-column block (the backend's
+//                stage_x_f16), each chunk summed by 8 f16x2 FMAs (dot_chunk_h; session 49,
+//                which took it into fast-fp8's one-token products; checked against reg's sums).
 //  2. Does a bulk-copy ring beat the warps' own loads? (No: every ring form read slower.)
 //  3. Does L2 keep a weight's first bytes through other streaming reads ("L2 keep")? A prefix of
 //     P MB touched by plain loads, by loads with an evict_last policy or by prefetch.global.L2::
@@ -19,7 +22,8 @@
 // Each form row: the median of 9 timed replays of a round robin over enough copies of the weights
 // that none is in L2 when read again; GB/s counts each weight byte read once.
 //
-//   build-cuda/vireo_stream_probe        (built with the CUDA backend; needs an sm_90 GPU)
+//   build-cuda/vireo_stream_probe [FORM]  (built with the CUDA backend; needs an sm_90 GPU)
+// FORM: only the forms whose name holds it (and reg, their reference), no L2-keep section.
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
