@@ -518,7 +518,9 @@ TEST(CudaOps, Fp8FastOneTokenProductsOnF16X) {
     gpu->copy_to_host(y.data(), gy, y.size());
     return y;
   };
-  struct S { int64_t out, in; };
+  struct S {
+    int64_t out, in;
+  };
   for (S s : {S{4096, 6144}, S{6144, 16384}}) {
     Fp8Weight h = fp8_weight(s.out, s.in, uint32_t(s.in + 3));
     const std::vector<float> x = activations(1, s.in, uint32_t(s.in + 4));
@@ -530,7 +532,8 @@ TEST(CudaOps, Fp8FastOneTokenProductsOnF16X) {
     gpu->copy_from_host(xb.get(), x.data(), x.size());
     using PL = Backend::ProductLaunch;
     for (PL form : {PL::InOrder, PL::HalfSm, PL::Early}) {
-      const std::string what = std::to_string(s.out) + "x" + std::to_string(s.in) + " form " + std::to_string(int(form));
+      const std::string what =
+          std::to_string(s.out) + "x" + std::to_string(s.in) + " form " + std::to_string(int(form));
       const auto exact = product(xb.get(), gw, yb.get(), s.out, CudaGemmMode::Split, true, form);
       const auto f32 = product(xb.get(), gw, yb.get(), s.out, CudaGemmMode::Fp8, false, form);
       const auto f16 = product(xb.get(), gw, yb.get(), s.out, CudaGemmMode::Fp8, true, form);

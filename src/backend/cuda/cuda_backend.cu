@@ -722,8 +722,8 @@ class CudaBackend final : public Backend {
       // done: e4m3 x e4m3
     } else if (lt_decode && lt_bf16(x, T, w, y)) {
       // done: bf16 x bf16
-    } else if (T == 1 && w.out >= 4096 && gemv_rows2(x, w, y, gemv_x_shared_, stream_, rows2_launch(launch),
-                                                     one_token_f16_x())) {
+    } else if (T == 1 && w.out >= 4096 &&
+               gemv_rows2(x, w, y, gemv_x_shared_, stream_, rows2_launch(launch), one_token_f16_x())) {
       // done: two rows per warp
     } else if (T <= kGemvRows) {
       matmul_small(x, T, w, y, stream_, sms_, gemv_x_shared_);

@@ -84,8 +84,9 @@ uint64_t cuda_weight_bytes(Backend& cuda);
 // and in decode products of 2..8 rows on FP8 weights (cuda_q8_gemv.h). One token's large FP8
 // products (>= 4096 rows: q_b, o_proj) and its expert walks take x as f16 with a power-of-two
 // scale a 128-column block, 16 products at a time summed in f16 (error ~2^-12, far under e4m3's
-// 2^-4; VIREO_F16_X=0 turns it off); the other one-row products keep f32 math. Both fast modes also run the absorbed decode attention's scores
-// over more than 256 keys on bf16 tensor cores (cuda_decode_attention.cu).
+// 2^-4; VIREO_F16_X=0 turns it off); the other one-row products keep f32 math. Both fast modes
+// also run the absorbed decode attention's scores over more than 256 keys on bf16 tensor cores
+// (cuda_decode_attention.cu).
 // Simt: f32 CUDA-core tiles for GEMMs and attention (exact f32 math, slow).
 enum class CudaGemmMode { Split, Bf16, Fp8, Simt };
 void cuda_set_gemm_mode(Backend& cuda, CudaGemmMode mode);

@@ -692,10 +692,10 @@ void launch_down_xs(float* h, int64_t N, int64_t D, int64_t I, int K, int S, int
     // layers fp8, +0.9 / +0.9 points at context 0 / 4096 (BENCHMARKS "Session 49").
     if (f16)
       launch_down_walk<moe_down_walk_kernel<W_FP8, WARPS, true, 1>, WARPS>(staged_f16_bytes(2 * I), h, D, I, K, S,
-                                                                            n_routed, ids, bank, y, st);
+                                                                           n_routed, ids, bank, y, st);
     else
-      launch_down_walk<moe_down_walk_kernel<DT, WARPS>, WARPS>(size_t(2 * I) * 4, h, D, I, K, S, n_routed, ids, bank,
-                                                               y, st);
+      launch_down_walk<moe_down_walk_kernel<DT, WARPS>, WARPS>(size_t(2 * I) * 4, h, D, I, K, S, n_routed, ids, bank, y,
+                                                               st);
     launch(moe_down_combine_kernel, dim3(unsigned((D + 255) / 256), unsigned(N)), 256, 0, st, y, D, K, S, wts, out,
            ready);
     VIREO_CUDA_LAUNCHED();
@@ -743,8 +743,11 @@ void launch_moe(bool x_shared, MoePart part, const float* x, int64_t N, int64_t 
       if (!down || !moe_down_slots() || nk == 0 || walk) ready = nullptr;
       const unsigned row_blocks = unsigned((I + kXsWarps - 1) / kXsWarps);
       if (walk) {  // x in f16 (fast-fp8) where its rows are whole 128-column blocks
-        if (f16_x && D % 128 == 0) launch_gate_up_walk<moe_gate_up_walk_kernel<W_FP8, true>>(staged_f16_bytes(D), x, D, I, K, n_routed, k0, nk, ids, bank, h, st);
-        else launch_gate_up_walk<moe_gate_up_walk_kernel<W_FP8>>(x_bytes, x, D, I, K, n_routed, k0, nk, ids, bank, h, st);
+        if (f16_x && D % 128 == 0)
+          launch_gate_up_walk<moe_gate_up_walk_kernel<W_FP8, true>>(staged_f16_bytes(D), x, D, I, K, n_routed, k0, nk,
+                                                                    ids, bank, h, st);
+        else
+          launch_gate_up_walk<moe_gate_up_walk_kernel<W_FP8>>(x_bytes, x, D, I, K, n_routed, k0, nk, ids, bank, h, st);
       } else if (nk > 0) {
         allow_xs<moe_gate_up_kernel<DT, true, true, kXsWarps>>();
         launch(moe_gate_up_kernel<DT, true, true, kXsWarps>, dim3(row_blocks, unsigned(N * nk)), 32 * kXsWarps, x_bytes,
@@ -1218,8 +1221,7 @@ bool rows2_xs_fits(const DevW& w, bool x_shared) {
 }
 }  // namespace
 
-bool gemv_rows2(const float* x, const DevW& w, float* y, bool x_shared, cudaStream_t st, Rows2Launch form,
-                bool f16_x) {
+bool gemv_rows2(const float* x, const DevW& w, float* y, bool x_shared, cudaStream_t st, Rows2Launch form, bool f16_x) {
   if (!rows2_fits(x, w)) return false;
   if (rows2_xs_fits(w, x_shared)) {
     if (w.dt == W_FP8 && f16_x && w.in % 128 == 0) launch_rows2_xs<W_FP8, kXsWarps, true>(x, w, y, st, form);

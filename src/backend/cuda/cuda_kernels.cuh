@@ -454,7 +454,8 @@ __device__ __forceinline__ void stage_x_f16(const float* __restrict__ x, int64_t
       // below 1; a block past 2^126: values below 4, still far inside f16 after the products).
       const int e = max(-126, min(126, int((__float_as_uint(a) >> 23) & 0xffu) - 126));
       const float inv = __uint_as_float(uint32_t(127 - e) << 23);
-      const __half2 h0 = __floats2half2_rn(v[i].x * inv, v[i].y * inv), h1 = __floats2half2_rn(v[i].z * inv, v[i].w * inv);
+      const __half2 h0 = __floats2half2_rn(v[i].x * inv, v[i].y * inv),
+                    h1 = __floats2half2_rn(v[i].z * inv, v[i].w * inv);
       uint2 pk;
       memcpy(&pk.x, &h0, 4);
       memcpy(&pk.y, &h1, 4);
