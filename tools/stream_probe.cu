@@ -219,6 +219,32 @@ __global__ void __launch_bounds__(512, 1)
   if (acc == 0x9e3779b9u) *sink = acc;
 }
 
+// The unit loop of the forms below: each warp's units u = warp * grid + block, ... (a pair of
+// rows of R bytes, row b after row a), four 16-byte chunks of each row a lane a trip (load_pair4);
+// chunk(wa, wb, c, acc_a, acc_b) adds chunk c of both rows, keep(lane) says whose sums the warp adds.
+template <class Chunk, class Keep>
+__device__ __forceinline__ void walk_pairs(const uint8_t* __restrict__ w, int64_t units, int R, float* __restrict__ out,
+                                           Chunk chunk, Keep keep) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nv = R / 16;
+  for (int64_t u = int64_t(warp) * gridDim.x + blockIdx.x; u < units; u += int64_t(gridDim.x) * kWarps) {
+    const uint4* ar = reinterpret_cast<const uint4*>(w + u * 2 * R);
+    const uint4* br = ar + nv;
+    float acc_a = 0.0f, acc_b = 0.0f;
+    for (int v = lane; v < nv; v += 128) {
+      uint4 wa[4], wb[4];
+      load_pair4(ar, br, v, wa, wb);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) chunk(u, wa[i], wb[i], v + 32 * i, acc_a, acc_b);
+    }
+    acc_a = warp_sum(keep(lane) ? acc_a : 0.0f);
+    acc_b = warp_sum(keep(lane) ? acc_b : 0.0f);
+    if (lane == 0) {
+      out[2 * u] = acc_a;
+      out[2 * u + 1] = acc_b;
+    }
+  }
+}
+
 // e4m3 x e4m3 on the tensor cores for ONE token (fast-fp8's arithmetic: x quantized per 128
 // columns): lane l's 16 weight bytes of a row are B's column g = l / 4 (k = the lane's two 8-byte
 // halves, one mma each), x's matching 16 bytes A's row g; D[g][g] is then the dot of the 64 bytes
@@ -244,36 +270,22 @@ __global__ void __launch_bounds__(32 * kWarps, 1)
   extern __shared__ float4 sm4[];
   uint4* xq = reinterpret_cast<uint4*>(sm4);           // R e4m3 bytes
   float* xsc = reinterpret_cast<float*>(sm4) + R / 4;  // R / 128 scales
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
+  const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
   for (int q = int(threadIdx.x); q < R / 16; q += int(blockDim.x)) xq[q] = reinterpret_cast<const uint4*>(xq_g)[q];
   for (int q = int(threadIdx.x); q < R / 128; q += int(blockDim.x)) xsc[q] = xs_g[q];
   __syncthreads();
   const bool diag = tig == (g >> 1), odd = g & 1;
-  const int nv = R / 16, nb = R / 128;
-  for (int64_t u = int64_t(warp) * gridDim.x + blockIdx.x; u < units; u += int64_t(gridDim.x) * kWarps) {
-    const uint4* ar = reinterpret_cast<const uint4*>(w + u * 2 * R);
-    const uint4* br = ar + nv;
-    const float* sa = ws_g + ((2 * u) >> 7) * nb;  // the rows' block scales (one 128-row block)
-    float acc_a = 0.0f, acc_b = 0.0f;
-    for (int v = lane; v < nv; v += 128) {
-      uint4 wa[4], wb[4];
-      load_pair4(ar, br, v, wa, wb);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int c = v + 32 * i;
+  const int nb = R / 128;
+  walk_pairs(
+      w, units, R, out,
+      [&](int64_t u, const uint4& wa, const uint4& wb, int c, float& acc_a, float& acc_b) {
+        const float* sa = ws_g + ((2 * u) >> 7) * nb;  // the rows' block scales (one 128-row block)
         const uint4 x = xq[c];
         const float s = sa[c >> 3] * xsc[c >> 3];
-        acc_a += s * chunk_diag(wa[i], x, odd);
-        acc_b += s * chunk_diag(wb[i], x, odd);
-      }
-    }
-    acc_a = warp_sum(diag ? acc_a : 0.0f);
-    acc_b = warp_sum(diag ? acc_b : 0.0f);
-    if (lane == 0) {
-      out[2 * u] = acc_a;
-      out[2 * u + 1] = acc_b;
-    }
-  }
+        acc_a += s * chunk_diag(wa, x, odd);
+        acc_b += s * chunk_diag(wb, x, odd);
+      },
+      [&](int) { return diag; });
 }
 
 // fast-fp8 candidate: x staged as f16 per 128-column block (stage_x_f16), each chunk summed by 8
@@ -284,32 +296,16 @@ __global__ void __launch_bounds__(32 * kWarps, 1)
   extern __shared__ float4 sm4[];
   uint4* xh = reinterpret_cast<uint4*>(sm4);           // R halves
   float* xsc = reinterpret_cast<float*>(sm4) + R / 2;  // R / 128 scales
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   stage_x_f16(x, R, xh, xsc);
-  const int nv = R / 16;
-  for (int64_t u = int64_t(warp) * gridDim.x + blockIdx.x; u < units; u += int64_t(gridDim.x) * kWarps) {
-    const uint4* ar = reinterpret_cast<const uint4*>(w + u * 2 * R);
-    const uint4* br = ar + nv;
-    float acc_a = 0.0f, acc_b = 0.0f;
-    for (int v = lane; v < nv; v += 128) {
-      uint4 wa[4], wb[4];
-      load_pair4(ar, br, v, wa, wb);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int c = v + 32 * i;
+  walk_pairs(
+      w, units, R, out,
+      [&](int64_t, const uint4& wa, const uint4& wb, int c, float& acc_a, float& acc_b) {
         const uint4 x0 = xh[xh_slot(2 * c)], x1 = xh[xh_slot(2 * c + 1)];
         const float s = xsc[c >> 3];
-        acc_a += s * dot_chunk_h(wa[i], x0, x1);
-        acc_b += s * dot_chunk_h(wb[i], x0, x1);
-      }
-    }
-    acc_a = warp_sum(acc_a);
-    acc_b = warp_sum(acc_b);
-    if (lane == 0) {
-      out[2 * u] = acc_a;
-      out[2 * u + 1] = acc_b;
-    }
-  }
+        acc_a += s * dot_chunk_h(wa, x0, x1);
+        acc_b += s * dot_chunk_h(wb, x0, x1);
+      },
+      [](int) { return true; });
 }
 
 int main(int argc, char** argv) {
