@@ -442,7 +442,7 @@ class CudaBackend final : public Backend {
   // with a power-of-two scale a 128-column block (cuda_kernels.cuh, stage_x_f16), each 16 weights
   // summed by f16x2 FMAs. Why: the f32 form's ~40 instructions a 16-byte chunk a row cost the
   // walks 6-9% of their time (vireo_stream_probe: gate | up 51.0 -> 48.9 us, down 31.9 -> 29.5,
-  // against 48.3 / 29.4 for the loads alone; BENCHMARKS "Session 49"). The error it adds (~2^-12
+  // against 48.3 / 29.4 for the loads alone; BENCHMARKS "Session 49"). The error it adds (at most 2^-11
   // relative on x and on 8-term partial sums) is far under fast-fp8's own e4m3 rounding of
   // activations (2^-4). cuda_set_one_token_f16_x / VIREO_F16_X=0: f32 x (tests, A/B runs).
   bool one_token_f16_x() const { return g_one_token_f16_x && mode_ == CudaGemmMode::Fp8; }

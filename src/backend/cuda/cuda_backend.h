@@ -83,7 +83,7 @@ uint64_t cuda_weight_bytes(Backend& cuda);
 // FP8 block-scaled GEMM (~2^-4 relative per element of x, output NMSE ~5e-4; cuda_fp8_gemm.h);
 // and in decode products of 2..8 rows on FP8 weights (cuda_q8_gemv.h). One token's large FP8
 // products (>= 4096 rows: q_b, o_proj) and its expert walks take x as f16 with a power-of-two
-// scale a 128-column block, 16 products at a time summed in f16 (error ~2^-12, far under e4m3's
+// scale a 128-column block, 16 products at a time summed in f16 (rounding at most 2^-11, far under e4m3's
 // 2^-4; VIREO_F16_X=0 turns it off); the other one-row products keep f32 math. Both fast modes
 // also run the absorbed decode attention's scores over more than 256 keys on bf16 tensor cores
 // (cuda_decode_attention.cu).
