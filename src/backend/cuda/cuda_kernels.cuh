@@ -295,10 +295,10 @@ template <int DT> struct GemvVec { static constexpr int n = 16 / elem_bytes<DT>(
 
 // Two e4m3 bytes (bits 0-15) -> their values, exactly, by the hardware's e4m3x2 -> f16x2
 // conversion (one instruction; sm_89+).
-__device__ __forceinline__ float2 fp8x2_to_float2(uint32_t x) {
-  const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(x & 0xffffu), __NV_E4M3);
-  return __half22float2(__half2(r));
+__device__ __forceinline__ __half2 e4m3x2_to_half2(uint32_t u) {
+  return __half2(__nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(u & 0xffffu), __NV_E4M3));
 }
+__device__ __forceinline__ float2 fp8x2_to_float2(uint32_t x) { return __half22float2(e4m3x2_to_half2(x)); }
 
 // The N weights of one 16-byte load, as f32 (FP8: the e4m3 values; the block scale comes after).
 template <int DT>
@@ -426,9 +426,6 @@ __device__ __forceinline__ __half2 u32_as_half2(uint32_t u) {
   __half2 h;
   memcpy(&h, &u, 4);
   return h;
-}
-__device__ __forceinline__ __half2 e4m3x2_to_half2(uint32_t u) {
-  return __half2(__nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(u & 0xffffu), __NV_E4M3));
 }
 // The block stages n floats of x (n % 128 == 0) as f16 into xh (n / 8 uint4s, swizzled) and the
 // blocks' scales 2^e into xsc (n / 128 floats); then a barrier. A warp a 128-column block.
