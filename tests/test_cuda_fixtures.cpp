@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "backend/backend.h"
 #include "backend/cuda/cuda_backend.h"
@@ -217,6 +218,51 @@ TEST(CudaFixtures, QueuedStepsEqualOneStepAtATime) {
     }
     EXPECT_GE(m->recorded_steps_run(), 40) << name;  // the queued steps replayed recorded steps
   }
+#endif
+}
+
+// A recorded one-token step ends with its argmax inside the recording (set_argmax_in_step, on by
+// default), and one recording serves every kind of step: greedy picks, sampled ones (which must
+// replace the recorded argmax) and logits-only steps, mixed over one sequence, give the same tokens
+// and the same logits bits with it on and off, and ran from recordings. A third run, greedy where
+// the others sample, differs: the draws are not the argmax, so a sample lost to it would show.
+TEST(CudaFixtures, ArgmaxInTheRecordedStepKeepsEveryPick) {
+  REQUIRE_CUDA();
+#ifdef VIREO_HAVE_CUDA
+  const std::string dir = kFixtures + "/glm_dsa_fp8";
+  auto ids = read_json_file(dir + "/expected.json")["tokens"].get<std::vector<int32_t>>();
+  auto be = make_cuda_backend();
+  auto m = GlmDsaModel::load(dir, *be);
+  const int64_t V = m->config().vocab_size, n = 30;
+  std::vector<int32_t> picks[3];
+  std::vector<float> logits[3];
+  for (int run = 0; run < 3; ++run) {  // argmax after the step; in it; in it, never sampling
+    m->set_argmax_in_step(run >= 1);
+    const int64_t before = m->recorded_steps_run();
+    MlaCache cache(*be, m->cache_shape(), 1, 64);
+    int32_t tok = ids[0];
+    for (int64_t t = 0; t < n; ++t) {
+      if (t % 3 == 2) {  // logits only, then a token of the fixture's
+        std::vector<float> lg(static_cast<size_t>(V));
+        m->forward(&tok, 1, cache, 0, lg.data(), false, AttentionPath::Absorbed);
+        logits[run].insert(logits[run].end(), lg.begin(), lg.end());
+        tok = ids[size_t(t) % ids.size()];
+      } else {
+        SampleRowArgs a;
+        a.temperature = 4.0f;
+        a.uniform = double((t * 37) % 100) / 100.0;
+        const bool sample = t % 3 == 1 && run < 2;
+        tok = m->forward_next(&tok, 1, cache, 0, sample ? &a : nullptr, AttentionPath::Absorbed);
+      }
+      picks[run].push_back(tok);
+    }
+    EXPECT_GE(m->recorded_steps_run() - before, n - 6) << "run " << run;  // an eager and a recording step a bound
+  }
+  m->set_argmax_in_step(true);
+  EXPECT_EQ(picks[1], picks[0]);
+  ASSERT_EQ(logits[1].size(), logits[0].size());
+  EXPECT_TRUE(std::memcmp(logits[1].data(), logits[0].data(), logits[0].size() * sizeof(float)) == 0);
+  EXPECT_NE(picks[2], picks[1]) << "every draw was the argmax: the test shows nothing";
 #endif
 }
 

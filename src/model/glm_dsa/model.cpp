@@ -5,9 +5,21 @@
 #include <cmath>
 #include <cstring>
 
+#include "core/env.h"
+
 namespace vireo {
 
 namespace {
+
+// A recorded one-token step of one sequence ends with the argmax of its logits row inside the
+// recording (after lm_head, as programmatic launches), written where a following step reads its
+// token (scratch_i32(8)); the host then launches no argmax of its own for a greedy pick. Every such
+// recording has it, whatever the step asked for (a greedy pick, a sample that then overwrites it,
+// or logits only), so one recording serves them all. H200, fp8 8 layers: the GPU's idle between
+// two queued steps 12.5 -> 8.0 us (the pick's two kernels ran after the graph, with no overlap);
+// +0.3 to +1.0 points at context 0 in three calls, even at 4096 (BENCHMARKS "Session 51").
+// VIREO_ARGMAX_IN_STEP=0 (or GlmDsaModel::set_argmax_in_step(false)): the argmax after the step.
+bool argmax_in_step_default() { return env_switch("VIREO_ARGMAX_IN_STEP"); }
 
 RopeKind rope_kind(RopeStyle s) { return s == RopeStyle::Interleaved ? RopeKind::Interleaved : RopeKind::HalfSplit; }
 
@@ -58,7 +70,10 @@ ExpertStoreParams expert_store_params(const GlmDsaConfig& c) {
 }
 
 GlmDsaModel::GlmDsaModel(GlmDsaConfig config, std::unique_ptr<Checkpoint> ck, Backend& backend)
-    : config_(std::move(config)), checkpoint_(std::move(ck)), backend_(backend) {}
+    : config_(std::move(config)),
+      checkpoint_(std::move(ck)),
+      backend_(backend),
+      argmax_in_step_on_(argmax_in_step_default()) {}
 
 std::unique_ptr<GlmDsaModel> GlmDsaModel::load(const std::string& dir, Backend& backend,
                                                std::unique_ptr<ExpertStore> experts) {
@@ -402,10 +417,13 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
   int32_t* chosen = any_token ? scratch_i32(8, size_t(n_out)) : nullptr;  // before a recording is checked
   for (const Segment& s : segs) cache.set_length(s.row, s.pos0 + s.T);  // entries written layer by layer
 
+  argmax_in_step_ = argmax_in_step_on_ && recorded && N == 1;
   const auto t_launch = clock::now();
   if (recorded) run_recorded(segs, N, cache, ids, lg);
   else run_step(segs, N, cache, ids, lg);
   const auto t_launched = clock::now();
+  const bool picked = argmax_in_step_;
+  argmax_in_step_ = false;
 
   int64_t r = 0;
   for (const BatchItem& it : items) {
@@ -413,7 +431,7 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
     if (it.logits) backend_.copy_to_host(it.logits, lg + r * V, size_t(n * V));
     if (it.token || it.queue_pick) {
       if (it.sample) backend_.sample_rows(lg + r * V, n, V, it.sample, chosen + r);
-      else backend_.argmax_rows(lg + r * V, n, V, chosen + r);
+      else if (!picked) backend_.argmax_rows(lg + r * V, n, V, chosen + r);
       if (it.queue_pick) backend_.queue_read_i32(chosen + r, size_t(n));
       else backend_.copy_to_host_i32(it.token, chosen + r, size_t(n));
     }
@@ -486,7 +504,7 @@ bool GlmDsaModel::replay_latest(int n) {
   int32_t* chosen = scratch_i32(8, size_t(rows));
   for (int i = 0; i < n; ++i) {
     replay(*latest, rows);
-    backend_.argmax_rows(lg, rows, V, chosen);
+    if (!(argmax_in_step_on_ && rows == 1)) backend_.argmax_rows(lg, rows, V, chosen);  // (else recorded in it)
   }
   int32_t first = 0;
   backend_.copy_to_host_i32(&first, chosen, 1);  // waits for the replays
@@ -592,6 +610,7 @@ void GlmDsaModel::run_step(const std::vector<Segment>& segs, int64_t N, MlaCache
     r += n;
   }
   backend_.matmul(xn, r, weights_.lm_head, lg);
+  if (argmax_in_step_) backend_.argmax_rows(lg, 1, c.vocab_size, scratch_i32(8, 1));
 }
 
 void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::vector<Segment>& segs,

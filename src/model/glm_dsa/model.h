@@ -99,6 +99,13 @@ class GlmDsaModel {
   // (a CUDA graph) made once per batch of cache rows: one launch per step instead of hundreds.
   // On by default; off runs every op eagerly (same results: tests compare the two).
   void set_recording(bool on) { recording_enabled_ = on; }
+  // A recorded one-token step of one sequence ends with its argmax inside the recording (on, the
+  // default; VIREO_ARGMAX_IN_STEP=0 turns it off) or the host launches it after the step (off).
+  // The same picks either way; switching drops every recording (they are made with one or the other).
+  void set_argmax_in_step(bool on) {
+    if (on != argmax_in_step_on_) recorded_.clear();
+    argmax_in_step_on_ = on;
+  }
   // Steps run from a recording since construction (for tests and bench).
   int64_t recorded_steps_run() const { return recorded_runs_; }
   // Host seconds spent in forward_batch since reset_host_times (bench): before the step's ops are
@@ -213,6 +220,8 @@ class GlmDsaModel {
   const int32_t* last_pick_ = nullptr;
   uint64_t last_pick_cache_ = 0;
   int last_pick_row_ = -1;
+  bool argmax_in_step_on_;        // set_argmax_in_step (model.cpp: the default)
+  bool argmax_in_step_ = false;  // this step's run_step ends with its pick
   int queued_steps_ = 0;  // queue_step's picks not yet taken
   std::vector<std::shared_ptr<float>> scratch_;
   std::vector<size_t> scratch_size_;
