@@ -6,8 +6,9 @@
 //   indexer: sum over 32 heads of w_h relu(z), w_h and z N(0, 1) (the indexer's own form);
 //   spread:  random finite bit patterns (every bin of the first pass about equally full).
 // Each: a graph of 200 dependent launches (PDL, as in the step), replayed; us a launch, the median
-// of 7 replays. The switches the kernel reads (VIREO_SPEC_LOADS, VIREO_EXP_TOPK_LANES, ...) are
-// read from the environment, so a run per setting.
+// of 7 replays. The top-k's own switch (VIREO_TOPK_EARLY=0: every radix pass) is read from the
+// environment, so a run per setting. Session 51 ran it against two forms since dropped
+// (docs/notes/patches/s51-experiments.patch; BENCHMARKS "Session 51").
 //
 //   build-cuda/vireo_topk_probe [n_keys (4097)]
 #include <cuda_runtime.h>
@@ -23,18 +24,11 @@
 #include <vector>
 
 #include "backend/cuda/cuda_attention.h"
+#include "probe_check.h"
 
 namespace {
 
 constexpr const char* kProbeName = "vireo_topk_probe";
-#define CHECK(x)                                                                    \
-  do {                                                                              \
-    const cudaError_t e_ = (x);                                                     \
-    if (e_ != cudaSuccess) {                                                        \
-      std::fprintf(stderr, "%s: %s: %s\n", kProbeName, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                 \
-    }                                                                               \
-  } while (0)
 
 constexpr int kTopk = 2048, kLaunches = 200, kTimed = 7;
 
@@ -61,7 +55,7 @@ int main(int argc, char** argv) {
   std::normal_distribution<float> nd(0.0f, 1.0f);
   std::uniform_real_distribution<float> ud(1.0f, 4.0f);
   const char* names[] = {"narrow", "normal", "indexer", "spread"};
-  float *scores = nullptr;
+  float* scores = nullptr;
   int32_t *sel = nullptr, *counts = nullptr, *pos = nullptr;
   CHECK(cudaMalloc(&scores, size_t(bound) * 4));
   CHECK(cudaMalloc(&sel, size_t(kTopk) * 4));
@@ -84,7 +78,8 @@ int main(int argc, char** argv) {
         for (int h = 0; h < 32; ++h) v += w[size_t(h)] * std::max(0.0f, nd(rng));
       else {
         uint32_t b;
-        do b = uint32_t(rng()); while (((b >> 23) & 255u) == 255u);  // no inf / NaN
+        do b = uint32_t(rng());
+        while (((b >> 23) & 255u) == 255u);  // no inf / NaN
         std::memcpy(&v, &b, 4);
       }
       s[size_t(i)] = v;
@@ -104,7 +99,8 @@ int main(int argc, char** argv) {
     const bool same = cnt == kTopk && got == want;
     cudaGraph_t g;
     CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-    for (int i = 0; i < kLaunches; ++i) vireo::cuda::indexer_topk_fast(scores, 1, bound, 0, pos, kTopk, sel, counts, st);
+    for (int i = 0; i < kLaunches; ++i)
+      vireo::cuda::indexer_topk_fast(scores, 1, bound, 0, pos, kTopk, sel, counts, st);
     CHECK(cudaStreamEndCapture(st, &g));
     cudaGraphExec_t ge;
     CHECK(cudaGraphInstantiate(&ge, g, 0));

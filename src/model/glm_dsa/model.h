@@ -220,7 +220,7 @@ class GlmDsaModel {
   const int32_t* last_pick_ = nullptr;
   uint64_t last_pick_cache_ = 0;
   int last_pick_row_ = -1;
-  bool argmax_in_step_on_;        // set_argmax_in_step (model.cpp: the default)
+  bool argmax_in_step_on_;       // set_argmax_in_step (model.cpp: the default)
   bool argmax_in_step_ = false;  // this step's run_step ends with its pick
   int queued_steps_ = 0;  // queue_step's picks not yet taken
   std::vector<std::shared_ptr<float>> scratch_;
