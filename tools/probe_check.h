@@ -1,7 +1,8 @@
 // What the standalone CUDA probes (tools/*_probe.cu: no vireo library, but vireo_stream_probe takes
-// the backend's header-only device helpers and vireo_topk_probe calls the library's top-k) share: CHECK(x), with which a failed CUDA call prints
-// "<kProbeName>: <call>: <error>" and exits 1 (each probe defines kProbeName first), the 16-byte
-// streaming load they read with, and the copy line they print.
+// the backend's header-only device helpers and vireo_topk_probe calls the library's top-k) share:
+// CHECK(x), with which a failed CUDA call prints "<kProbeName>: <call>: <error>" and exits 1 (each
+// probe defines kProbeName first), the 16-byte streaming load they read with, and the copy line
+// they print.
 #pragma once
 #include <cuda_runtime.h>
 
