@@ -6,7 +6,7 @@
 //   indexer: sum over 32 heads of w_h relu(z), w_h and z N(0, 1) (the indexer's own form);
 //   spread:  random finite bit patterns (every bin of the first pass about equally full).
 // Each: a graph of 200 dependent launches (PDL, as in the step), replayed; us a launch, the median
-// of 7 replays. The top-k's own switch (VIREO_TOPK_EARLY=0: every radix pass) is read from the
+// of 9 replays. The top-k's own switch (VIREO_TOPK_EARLY=0: every radix pass) is read from the
 // environment, so a run per setting. Session 51 ran it against two forms since dropped
 // (docs/notes/patches/s51-experiments.patch; BENCHMARKS "Session 51").
 //
@@ -30,7 +30,7 @@ namespace {
 
 constexpr const char* kProbeName = "vireo_topk_probe";
 
-constexpr int kTopk = 2048, kLaunches = 200, kTimed = 7;
+constexpr int kTopk = 2048, kLaunches = 200;
 
 // The host's choice: higher score first, equal scores by lower position; ascending positions.
 std::vector<int32_t> host_topk(const std::vector<float>& s, int n, int k) {
@@ -65,7 +65,7 @@ int main(int argc, char** argv) {
   CHECK(cudaMemcpy(pos, &pos0, 4, cudaMemcpyHostToDevice));
   cudaStream_t st;
   CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  std::printf("%-8s %8s %8s  %s\n", "scores", "us", "min", "selection");
+  std::printf("%-8s %8s  %s\n", "scores", "us", "selection");
   for (int d = 0; d < 4; ++d) {
     std::vector<float> s(size_t(bound), 0.0f);
     std::vector<float> w(32);
@@ -104,23 +104,14 @@ int main(int argc, char** argv) {
     CHECK(cudaStreamEndCapture(st, &g));
     cudaGraphExec_t ge;
     CHECK(cudaGraphInstantiate(&ge, g, 0));
-    CHECK(cudaGraphLaunch(ge, st));  // warm
-    CHECK(cudaStreamSynchronize(st));
     cudaEvent_t e0, e1;
     CHECK(cudaEventCreate(&e0));
     CHECK(cudaEventCreate(&e1));
-    std::vector<float> us;
-    for (int r = 0; r < kTimed; ++r) {
-      CHECK(cudaEventRecord(e0, st));
-      CHECK(cudaGraphLaunch(ge, st));
-      CHECK(cudaEventRecord(e1, st));
-      CHECK(cudaEventSynchronize(e1));
-      float ms = 0;
-      CHECK(cudaEventElapsedTime(&ms, e0, e1));
-      us.push_back(ms * 1000.0f / kLaunches);
-    }
-    std::sort(us.begin(), us.end());
-    std::printf("%-8s %8.2f %8.2f  %s\n", names[d], us[kTimed / 2], us[0], same ? "= host" : "DIFFERS from host");
+    float us = 0;
+    CHECK(median_replay_us(st, e0, e1, 1, [&](int) { CHECK(cudaGraphLaunch(ge, st)); }, &us));
+    std::printf("%-8s %8.2f  %s\n", names[d], us / kLaunches, same ? "= host" : "DIFFERS from host");
+    CHECK(cudaEventDestroy(e0));
+    CHECK(cudaEventDestroy(e1));
     CHECK(cudaGraphExecDestroy(ge));
     CHECK(cudaGraphDestroy(g));
     if (!same) return 1;
