@@ -108,7 +108,8 @@ int main(int argc, char** argv) {
     CHECK(cudaEventCreate(&e0));
     CHECK(cudaEventCreate(&e1));
     float us = 0;
-    CHECK(median_replay_us(st, e0, e1, 1, [&](int) { CHECK(cudaGraphLaunch(ge, st)); }, &us));
+    CHECK(median_replay_us(
+        st, e0, e1, 1, [&](int) { CHECK(cudaGraphLaunch(ge, st)); }, &us));
     std::printf("%-8s %8.2f  %s\n", names[d], us / kLaunches, same ? "= host" : "DIFFERS from host");
     CHECK(cudaEventDestroy(e0));
     CHECK(cudaEventDestroy(e1));
