@@ -17,7 +17,7 @@ namespace {
 // recording has it, whatever the step asked for (a greedy pick, a sample that then overwrites it,
 // or logits only), so one recording serves them all. H200, fp8 8 layers: the GPU's idle between
 // two queued steps 12.5 -> 8.0 us (the pick's two kernels ran after the graph, with no overlap);
-// +0.3 to +1.0 points at context 0 in three calls, even at 4096 (BENCHMARKS "Session 51").
+// +0.3 to +1.0 points at context 0 in four calls, even at 4096 (BENCHMARKS "Session 51").
 // VIREO_ARGMAX_IN_STEP=0 (or GlmDsaModel::set_argmax_in_step(false)): the argmax after the step.
 bool argmax_in_step_default() { return env_switch("VIREO_ARGMAX_IN_STEP"); }
 
