@@ -586,8 +586,9 @@ TEST(CudaOps, Fp8FastOneTokenProductsOnF16X) {
   const auto exact = experts(CudaGemmMode::Split, true, false), f32 = experts(CudaGemmMode::Fp8, false, false);
   const auto f16 = experts(CudaGemmMode::Fp8, true, false), f16_ahead = experts(CudaGemmMode::Fp8, true, true);
   const char* down_walk_env = std::getenv("VIREO_MOE_DOWN_WALK");
-  if (!(down_walk_env && std::string(down_walk_env) == "0"))
+  if (!(down_walk_env && std::string(down_walk_env) == "0")) {
     EXPECT_EQ(cuda_moe_down_walk_launches() - walks, 4) << "the down walk not taken";
+  }
   const double e = nmse(f16, want);
   std::printf("  one-token fp8 experts D %lld I %lld: f16 x NMSE vs exact %.3g (f32 x %.3g)\n", (long long)D,
               (long long)I, e, nmse(f32, want));
