@@ -56,15 +56,15 @@ inline std::vector<float> run_logits(GlmDsaModel& m, Backend& be, const std::vec
 }
 
 // Pipelined decoding against one step at a time: a sequence decoded by queue_step, `depth`
-// steps queued ahead (each fed the pick of the one before, on the backend), against forward_next
-// on another cache row, `n` steps from the same prompt. Returns the two pick sequences; the
-// caller compares them. Both rows end at the same length.
+// queue_steps ahead (each fed the pick of the one before, on the backend), each a chunk of up to
+// `chunk` steps, against forward_next on another cache row, `n` steps from the same prompt.
+// Returns the two pick sequences; the caller compares them. Both rows end at the same length.
 struct QueuedAndSingle {
   std::vector<int32_t> queued, single;
   int64_t queued_length = 0, single_length = 0;
 };
 inline QueuedAndSingle queued_and_single_steps(GlmDsaModel& m, Backend& be, const std::vector<int32_t>& prompt,
-                                               int depth, int n) {
+                                               int depth, int n, int chunk = 1) {
   const int64_t P = int64_t(prompt.size());
   MlaCache cache(be, m.cache_shape(), 2, P + n + 1);
   QueuedAndSingle r;
@@ -75,14 +75,14 @@ inline QueuedAndSingle queued_and_single_steps(GlmDsaModel& m, Backend& be, cons
   }
   const int32_t first = m.forward_next(prompt.data(), P, cache, 1, nullptr);
   r.queued.push_back(first);
-  int queued = 0;
-  for (; queued < std::min(depth, n - 1); ++queued) m.queue_step(queued == 0 ? &first : nullptr, cache, 1);
+  int queued = 0;  // steps
+  auto queue = [&](const int32_t* token) {
+    queued += m.queue_step(token, cache, 1, nullptr, std::min(chunk, n - 1 - queued));
+  };
+  for (int d = 0; d < depth && queued < n - 1; ++d) queue(queued == 0 ? &first : nullptr);
   while (int(r.queued.size()) < n) {
     r.queued.push_back(m.take_step());
-    if (queued < n - 1) {
-      m.queue_step(nullptr, cache, 1);
-      ++queued;
-    }
+    if (queued < n - 1 && m.queued_steps() <= (depth - 1) * chunk) queue(nullptr);
   }
   r.single_length = cache.length(0) - 1;  // the single row also ran a step on its last pick
   r.queued_length = cache.length(1);

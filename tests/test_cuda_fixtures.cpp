@@ -217,15 +217,53 @@ TEST(CudaFixtures, QueuedStepsEqualOneStepAtATime) {
       EXPECT_EQ(r.queued_length, r.single_length) << name << ", depth " << depth;
     }
     EXPECT_GE(m->recorded_steps_run(), 40) << name;  // the queued steps replayed recorded steps
+    // Chunks of steps, one recording (one graph launch) each: the same picks.
+    const int64_t before = m->recorded_steps_run();
+    for (int chunk : {4, 8})
+      for (int depth : {1, 2}) {
+        const vireo::test::QueuedAndSingle r = vireo::test::queued_and_single_steps(*m, *be, prompt, depth, 24, chunk);
+        EXPECT_EQ(r.queued, r.single) << name << ", chunk " << chunk << ", depth " << depth;
+        EXPECT_EQ(r.queued_length, r.single_length) << name << ", chunk " << chunk << ", depth " << depth;
+      }
+    // Each run's 23 queued steps and 24 single ones, less the eager ones: a recording's first
+    // use runs eagerly (its buffers), here the first single step and the first chunk of each size
+    // (4 and 3, 8 and 7): 140 recorded; the single steps alone would be 4 x 23.
+    EXPECT_GE(m->recorded_steps_run() - before, 140) << name;
   }
 #endif
 }
 
-// A recorded one-token step ends with its argmax inside the recording (set_argmax_in_step, on by
-// default), and one recording serves every kind of step: greedy picks, sampled ones (which must
-// replace the recorded argmax) and logits-only steps, mixed over one sequence, give the same tokens
-// and the same logits bits with it on and off, and ran from recordings. A third run, greedy where
-// the others sample, differs: the draws are not the argmax, so a sample lost to it would show.
+// A recorded chunk of steps stops at a context bound (the indexer's top-k, 256 keys, where one
+// step at a time changes recordings), so each of its steps runs the launches its own one-step
+// recording would: 300 greedy steps through all three bounds in chunks of 8 pick what single
+// steps pick, and a chunk asked for 8 steps 3 keys short of the top-k takes 3.
+TEST(CudaFixtures, ChunksOfStepsStopAtContextBounds) {
+  REQUIRE_CUDA();
+#ifdef VIREO_HAVE_CUDA
+  const std::string dir = kFixtures + "/glm_dsa_full_f32";
+  auto ids = read_json_file(dir + "/expected.json")["tokens"].get<std::vector<int32_t>>();
+  auto be = make_cuda_backend();
+  auto m = GlmDsaModel::load(dir, *be);
+  const int64_t topk = m->config().index_topk;
+  ASSERT_LT(topk, 200);
+  const std::vector<int32_t> prompt(ids.begin(), ids.begin() + 4);
+  const vireo::test::QueuedAndSingle r = vireo::test::queued_and_single_steps(*m, *be, prompt, 2, 300, 8);
+  EXPECT_EQ(r.queued, r.single);
+  EXPECT_EQ(r.queued_length, r.single_length);
+  MlaCache cache(*be, m->cache_shape(), 1, 320);
+  m->forward(ids.data(), topk - 3, cache, 0, nullptr);
+  EXPECT_EQ(m->queue_step(&ids[0], cache, 0, nullptr, 8), 3);
+  EXPECT_EQ(m->queue_step(nullptr, cache, 0, nullptr, 8), 8);
+  EXPECT_EQ(cache.length(0), topk + 8);
+  while (m->queued_steps() > 0) m->take_step();
+#endif
+}
+
+// A recorded greedy one-token step ends with its argmax inside the recording (set_argmax_in_step,
+// on by default; sampled and logits-only steps replay a recording without it): greedy picks,
+// sampled ones and logits-only steps, mixed over one sequence, give the same tokens and the same
+// logits bits with it on and off, and ran from recordings. A third run, greedy where the others
+// sample, differs: the draws are not the argmax, so a sample lost to it would show.
 TEST(CudaFixtures, ArgmaxInTheRecordedStepKeepsEveryPick) {
   REQUIRE_CUDA();
 #ifdef VIREO_HAVE_CUDA
@@ -256,7 +294,8 @@ TEST(CudaFixtures, ArgmaxInTheRecordedStepKeepsEveryPick) {
       }
       picks[run].push_back(tok);
     }
-    EXPECT_GE(m->recorded_steps_run() - before, n - 6) << "run " << run;  // an eager and a recording step a bound
+    // An eager step a bound for each of the two recordings (with and without the argmax).
+    EXPECT_GE(m->recorded_steps_run() - before, n - 6) << "run " << run;
   }
   m->set_argmax_in_step(true);
   EXPECT_EQ(picks[1], picks[0]);

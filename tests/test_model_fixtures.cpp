@@ -173,17 +173,21 @@ TEST(ModelFixtures, GenerationStopsAtEos) {
   GlmDsaConfig c = load_glm_dsa_config(f.dir);
   c.eos_ids.insert(want[5]);  // the 6th greedy token becomes an end-of-sequence id
   auto m = GlmDsaModel::create(c, Checkpoint::open(f.dir), *be);
-  MlaCache cache(*be, m->cache_shape(), 1, int64_t(prompt.size() + want.size()));
-  GenerateOptions opt;
-  opt.max_new_tokens = int64_t(want.size());
-  GenerateResult r = generate(*m, cache, 0, prompt, opt);
-  EXPECT_TRUE(r.stopped_at_eos);
-  size_t first = size_t(std::find(want.begin(), want.end(), want[5]) - want.begin());
-  EXPECT_EQ(r.tokens, std::vector<int32_t>(want.begin(), want.begin() + long(first) + 1));
-  // The step queued past the stop is dropped: the cache holds the prompt and every token but
-  // the last, as one step at a time leaves it.
-  EXPECT_EQ(cache.length(0), int64_t(prompt.size() + r.tokens.size()) - 1);
-  EXPECT_EQ(m->queued_steps(), 0);
+  // One step at a time, and greedy chunks of 3 and 8 steps (the stop falls inside a chunk).
+  for (int chunk : {1, 3, 8}) {
+    MlaCache cache(*be, m->cache_shape(), 1, int64_t(prompt.size() + want.size()));
+    GenerateOptions opt;
+    opt.max_new_tokens = int64_t(want.size());
+    opt.decode_steps = chunk;
+    GenerateResult r = generate(*m, cache, 0, prompt, opt);
+    EXPECT_TRUE(r.stopped_at_eos) << "chunk " << chunk;
+    size_t first = size_t(std::find(want.begin(), want.end(), want[5]) - want.begin());
+    EXPECT_EQ(r.tokens, std::vector<int32_t>(want.begin(), want.begin() + long(first) + 1)) << "chunk " << chunk;
+    // The steps queued past the stop are dropped: the cache holds the prompt and every token but
+    // the last, as one step at a time leaves it.
+    EXPECT_EQ(cache.length(0), int64_t(prompt.size() + r.tokens.size()) - 1) << "chunk " << chunk;
+    EXPECT_EQ(m->queued_steps(), 0);
+  }
 }
 
 TEST(ModelFixtures, GenerationStoppedByTheCallerLeavesTheCacheAsOneStepAtATime) {
@@ -192,10 +196,12 @@ TEST(ModelFixtures, GenerationStoppedByTheCallerLeavesTheCacheAsOneStepAtATime) 
   auto want = ids_of(f.expected["greedy_new"]);
   auto be = make_cpu_backend();
   auto m = GlmDsaModel::load(f.dir, *be);
-  for (int64_t stop : {1, 2, 7}) {
+  for (int64_t stop : {1, 2, 7})
+    for (int chunk : {1, 4}) {
     MlaCache cache(*be, m->cache_shape(), 1, int64_t(prompt.size() + want.size()));
     GenerateOptions opt;
     opt.max_new_tokens = int64_t(want.size());
+    opt.decode_steps = chunk;
     int64_t seen = 0;
     GenerateResult r = generate(*m, cache, 0, prompt, opt, [&](int32_t) { return ++seen < stop; });
     EXPECT_EQ(r.tokens, std::vector<int32_t>(want.begin(), want.begin() + stop));
@@ -218,12 +224,31 @@ TEST(ModelFixtures, QueuedStepsEqualOneStepAtATime) {
     EXPECT_EQ(r.queued, r.single) << "depth " << depth;
     EXPECT_EQ(r.queued_length, r.single_length) << "depth " << depth;
   }
+  // Chunks of steps (each step on the pick of the one before, the picks read back together):
+  // the same picks, the last chunk shorter where 19 steps do not divide.
+  for (int chunk : {2, 3, 8})
+    for (int depth : {1, 2}) {
+      const vireo::test::QueuedAndSingle r = vireo::test::queued_and_single_steps(*m, *be, prompt, depth, 20, chunk);
+      EXPECT_EQ(r.queued, r.single) << "chunk " << chunk << " depth " << depth;
+      EXPECT_EQ(r.queued_length, r.single_length) << "chunk " << chunk << " depth " << depth;
+    }
   // Misuse fails with a message, not a wrong token.
   MlaCache cache(*be, m->cache_shape(), 2, 64);
   EXPECT_THROW(m->take_step(), Error);
   const int32_t t = m->forward_next(prompt.data(), 4, cache, 0, nullptr);
   EXPECT_THROW(m->queue_step(nullptr, cache, 1), Error);  // row 1 has no pick to feed
-  for (int i = 0; i < Backend::kMaxQueuedReads; ++i) m->queue_step(i == 0 ? &t : nullptr, cache, 0);
+  // A chunk: greedy only, 1 to kMaxQueuedRead steps, within the cache's capacity; a refused
+  // chunk leaves the row as it was.
+  const SampleRowArgs sampled{};
+  const int64_t len = cache.length(0);
+  EXPECT_THROW(m->queue_step(&t, cache, 0, &sampled, 2), Error);
+  EXPECT_THROW(m->queue_step(&t, cache, 0, nullptr, 0), Error);
+  EXPECT_THROW(m->queue_step(&t, cache, 0, nullptr, int(Backend::kMaxQueuedRead) + 1), Error);
+  EXPECT_THROW(m->queue_step(&t, cache, 0, nullptr, int(64 - len) + 1), Error);  // context full
+  EXPECT_EQ(cache.length(0), len);
+  EXPECT_EQ(m->queued_steps(), 0);
+  for (int i = 0; i < Backend::kMaxQueuedReads; ++i) m->queue_step(i == 0 ? &t : nullptr, cache, 0, nullptr, 1 + i % 2);
+  EXPECT_EQ(m->queued_steps(), Backend::kMaxQueuedReads * 3 / 2);
   EXPECT_THROW(m->queue_step(nullptr, cache, 0), Error);
   while (m->queued_steps() > 0) m->take_step();
 }

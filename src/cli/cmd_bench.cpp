@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -14,6 +15,7 @@
 #include "core/thread_pool.h"
 #include "model/glm_dsa/model.h"
 #include "model/glm_dsa/synthetic.h"
+#include "runtime/generate.h"
 #include "runtime/sampler.h"
 
 namespace vireo::cli {
@@ -74,6 +76,19 @@ namespace {
 // read back, as generate() does; VIREO_QUEUED_DECODE=0 runs it one step at a time (A/B runs).
 [[maybe_unused]] bool queued_decode() { return env_switch("VIREO_QUEUED_DECODE"); }
 
+// --decode-steps as given, else VIREO_DECODE_STEPS (same-call A/B runs of tools/ab-bench.sh, whose
+// variants are environments), else `given` (vireo run's default).
+int decode_steps_flag(const CLI::Option* flag, int given) {
+  if (flag->count() > 0) return given;
+  const char* e = std::getenv("VIREO_DECODE_STEPS");
+  if (!e || !*e) return given;
+  char* end = nullptr;
+  const long v = std::strtol(e, &end, 10);
+  if (*end || v < 1 || v > long(Backend::kMaxQueuedRead))
+    fail("VIREO_DECODE_STEPS=", e, ": expected decode steps a chunk, 1 to ", Backend::kMaxQueuedRead);
+  return int(v);
+}
+
 // (The bench's FLOP and byte counts below are used by the CUDA bench only.)
 
 // Matrix-product FLOPs of one token through one layer (2 per weight), excluding kv_b, which the
@@ -126,7 +141,7 @@ namespace {
 int bench_cuda(const std::string& dir, const std::string& synthetic, const std::string& dtype, int layers, int experts,
                int64_t n_decode, bool record, bool profile, const SamplingParams& sampling, const std::string& math,
                bool math_only, int batch, int64_t capacity, const std::string& profiler_range,
-               const std::string& profile_mode) {
+               const std::string& profile_mode, int decode_steps) {
 #ifndef VIREO_HAVE_CUDA
   fail("--device cuda: this vireo was built without CUDA (no nvcc at build time)");
 #else
@@ -196,7 +211,9 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
   std::vector<Decode> dec;
   std::vector<Prefill> pre;
   // Decode steps as `vireo run` takes them. The first two steps of a cache are untimed: the
-  // first runs eagerly, the second records the graph.
+  // first runs eagerly, the second records the graph. Greedy steps queued in chunks of
+  // decode_steps (one graph a chunk) warm their chunks' recordings untimed too (each chunk size
+  // twice: eager, then recorded), then the cache is trimmed back to the two steps.
   auto decode_from = [&](MlaCache& cache, int64_t ctx, Pick pick) {
     Sampler sampler(sampling);
     auto step = [&](const int32_t* token) {
@@ -209,6 +226,16 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
     };
     for (int64_t i = 0; i < 2; ++i) step(&ids[size_t(ctx + i)]);
     ctx += 2;
+    const bool queued = pick != Pick::SampleHost && queued_decode();
+    const int K = queued && pick == Pick::Greedy ? decode_steps : 1;
+    if (K > 1) {
+      for (int64_t k : {int64_t(K), n_decode % K})
+        for (int rep = 0; k > 0 && rep < 2; ++rep) {
+          const int ran = model->queue_step(&ids[size_t(ctx)], cache, 0, nullptr, int(k));
+          for (int j = 0; j < ran; ++j) model->take_step();
+          cache.trim(0, ctx);
+        }
+    }
     // `ncu --profile-from-start off` sees the timed steps only (or, --profiler-range prefill, the
     // timed prefill runs only; a profiler started on its own stops at the first range's end).
     const bool in_range = profiler_range == "decode";
@@ -216,18 +243,21 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
     auto a = clock::now();
     uint64_t picks = 0;
     // Picks on the device run as `vireo run` runs them (generate()): each step fed the pick of the
-    // one before on the device, queued before that pick is read back. (VIREO_QUEUED_DECODE=0: one
-    // step at a time on the prompt's next ids, as before session 30, for A/B runs.)
-    if (pick != Pick::SampleHost && queued_decode()) {
+    // one before on the device, queued before that pick is read back; greedy steps in chunks of K,
+    // one chunk queued ahead. (VIREO_QUEUED_DECODE=0: one step at a time on the prompt's next ids,
+    // as before session 30, for A/B runs.)
+    if (queued) {
       std::vector<SampleRowArgs> args;
       for (int64_t i = 0; i < n_decode; ++i) args.push_back(sampler.next_row_args());
-      auto queue = [&](int64_t i, const int32_t* token) {
-        model->queue_step(token, cache, 0, pick == Pick::Greedy ? nullptr : &args[size_t(i)]);
+      int64_t n_queued = 0;
+      auto queue = [&](const int32_t* token) {
+        const int k = int(std::min<int64_t>(K, n_decode - n_queued));
+        n_queued += model->queue_step(token, cache, 0, pick == Pick::Greedy ? nullptr : &args[size_t(n_queued)], k);
       };
-      queue(0, &ids[size_t(ctx)]);
+      queue(&ids[size_t(ctx)]);
       picks = 1469598103934665603ull;
       for (int64_t i = 0; i < n_decode; ++i) {
-        if (i + 1 < n_decode) queue(i + 1, nullptr);
+        if (n_queued < n_decode && model->queued_steps() <= K) queue(nullptr);
         picks = (picks ^ uint64_t(uint32_t(model->take_step()))) * 1099511628211ull;
       }
     } else {
@@ -240,7 +270,8 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
     double gpu_us = 0;
     if (pick == Pick::Greedy && record) {
       auto b = clock::now();
-      if (model->replay_latest(int(n_decode))) gpu_us = 1e6 * secs(b, clock::now()) / double(n_decode);
+      const int64_t steps = model->replay_latest(int((n_decode + K - 1) / K));
+      if (steps) gpu_us = 1e6 * secs(b, clock::now()) / double(steps);
     }
     dec.push_back({ctx - 2, double(n_decode) / s, bytes, pick, gpu_us, picks});
   };
@@ -281,7 +312,7 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
     const GlmDsaModel::HostTimes ht = model->host_times();
     double gpu_us = 0;
     auto b = clock::now();
-    if (model->replay_latest(int(n_decode))) gpu_us = 1e6 * secs(b, clock::now()) / double(n_decode);
+    if (const int64_t steps = model->replay_latest(int(n_decode))) gpu_us = 1e6 * secs(b, clock::now()) / double(steps);
     const double per = 1e6 / double(std::max<int64_t>(ht.steps, 1));
     batched.push_back({double(n_decode * batch) / s, 1e3 * s / double(n_decode), gpu_us, ht.before_launch_s * per,
                        ht.launch_s * per});
@@ -384,6 +415,8 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
                                           "this one's token is read back (as vireo run)"
                                         : "replayed from a recorded CUDA graph (token chosen after the replay)")
                      : "launched op by op (--no-graph)");
+  if (queued_decode())
+    std::printf("greedy chunks      %d decode steps a launch (--decode-steps)\n", decode_steps);
   if (sampled)
     std::printf("sampling           temperature %g, top-k %d, top-p %g, min-p %g, seed %llu\n", sampling.temperature,
                 sampling.top_k, sampling.top_p, sampling.min_p, (unsigned long long)sampling.seed);
@@ -538,6 +571,7 @@ Action add_bench(CLI::App& app) {
     int layers = 2, experts = 16;
     int64_t prompt = 64, decode = 16, context = 0, capacity = 0;
     int batch = 1;
+    int decode_steps = GenerateOptions{}.decode_steps;
     bool no_graph = false;
     std::string attention = "auto";
     StreamingFlags sf;
@@ -563,6 +597,10 @@ Action add_bench(CLI::App& app) {
       ->check(CLI::Range(int64_t(0), int64_t(1) << 22));
   app.add_option("--attention", o->attention, "CPU: attention path of the timed prefill chunk")
       ->check(CLI::IsMember({"auto", "reconstructed", "absorbed"}));
+  auto* steps_flag = app.add_option("--decode-steps", o->decode_steps,
+                 "CUDA: greedy decode steps queued as one chunk, one graph launch each (as vireo run's "
+                 "--decode-steps; default: VIREO_DECODE_STEPS if set, else vireo run's default)")
+      ->check(CLI::Range(1, int(Backend::kMaxQueuedRead)));
   app.add_flag("--no-graph", o->no_graph, "CUDA: launch decode steps op by op instead of replaying a recorded graph");
   app.add_option("--batch", o->batch,
                  "CUDA: also time decode steps of this many sequences at once (as vireo serve batches them), "
@@ -594,7 +632,7 @@ Action add_bench(CLI::App& app) {
   app.add_option("--top-p", o->s.top_p, "Sampled decode: nucleus mass (1: off)");
   app.add_option("--min-p", o->s.min_p, "Sampled decode: drop tokens below min_p x the top probability (0: off)");
   app.add_option("--seed", o->s.seed, "Sampled decode: seed");
-  return [o]() {
+  return [o, steps_flag]() {
     using clock = std::chrono::steady_clock;
     if (o->model.empty() && o->synthetic.empty()) fail("bench needs --model DIR or --synthetic glm5");
     validate_sampling(o->s);
@@ -617,7 +655,8 @@ Action add_bench(CLI::App& app) {
                                   o->math);
     if (o->device == "cuda")
       return bench_cuda(o->model, o->synthetic, o->dtype, o->layers, o->experts, o->decode, !o->no_graph, o->profile,
-                        o->s, o->math, o->math_only, o->batch, o->capacity, o->profiler_range, o->profile_mode);
+                        o->s, o->math, o->math_only, o->batch, o->capacity, o->profiler_range, o->profile_mode,
+                        decode_steps_flag(steps_flag, o->decode_steps));
     ThreadPool& pool = ThreadPool::global();
     auto backend = make_cpu_backend();
     std::unique_ptr<GlmDsaModel> model;

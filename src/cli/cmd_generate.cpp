@@ -62,6 +62,7 @@ Action add_run(CLI::App& app) {
   struct Opts {
     std::string model, prompt_ids, prompt, prompt_file;
     int64_t n = 64;
+    int decode_steps = GenerateOptions{}.decode_steps;
     SamplingParams s;
     bool ignore_eos = false, chat = false;
     StreamingFlags sf;
@@ -80,6 +81,10 @@ Action add_run(CLI::App& app) {
   app.add_option("-n,--max-tokens", o->n, "Tokens to generate at most")->check(CLI::Range(int64_t(1), int64_t(1) << 30));
   add_sampling_flags(app, o->s);
   app.add_flag("--ignore-eos", o->ignore_eos, "Do not stop at end-of-sequence tokens");
+  app.add_option("--decode-steps", o->decode_steps,
+                 "Greedy decode steps run as one chunk (on CUDA one graph launch; the same tokens at any size, "
+                 "handed over in bursts of this many)")
+      ->check(CLI::Range(1, int(Backend::kMaxQueuedRead)));
   add_streaming_flags(app, o->sf);
   add_prefill_chunk_flag(app, o->chunk);
   add_device_flag(app, o->device, o->math);
@@ -123,6 +128,8 @@ Action add_run(CLI::App& app) {
     opt.sampling = o->s;
     opt.stop_at_eos = !o->ignore_eos;
     opt.prefill_chunk = chunk;
+    // --stats reports each token's own step: one step a chunk.
+    opt.decode_steps = o->sf.stats ? 1 : o->decode_steps;
     bool first = true;
     std::optional<DecodeStream> stream;
     if (text) stream.emplace(text->tokenizer, true);

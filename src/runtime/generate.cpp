@@ -11,6 +11,8 @@ GenerateResult generate(GlmDsaModel& model, MlaCache& cache, int row, const std:
     fail("prompt (", prompt.size(), " tokens) + max new tokens (", opt.max_new_tokens,
          ") exceed the context of ", cache.capacity() - cache.length(row), " tokens");
   if (opt.prefill_chunk < 0) fail("prefill chunk must be 0 (the whole prompt) or positive, got ", opt.prefill_chunk);
+  if (opt.decode_steps < 1 || opt.decode_steps > int(Backend::kMaxQueuedRead))
+    fail("decode steps a chunk must be 1 to ", Backend::kMaxQueuedRead, ", got ", opt.decode_steps);
   GenerateResult r;
   r.prompt_tokens = int64_t(prompt.size());
   Sampler sampler(opt.sampling);
@@ -31,18 +33,21 @@ GenerateResult generate(GlmDsaModel& model, MlaCache& cache, int row, const std:
   step(prompt.data() + at, P - at, AttentionPath::Auto);
   auto t1 = clock::now();
   r.prefill_seconds = std::chrono::duration<double>(t1 - t0).count();
-  // Decoding runs one step ahead of the host: the step on token i + 1 (the pick of the step on
-  // token i, which never leaves the device) is queued before token i + 1 is read back, so the
-  // host's work on a token and a step's launch overlap the step before. Where generation stops
-  // with a step queued past the stop, that step's pick is dropped and the cache trimmed back to
-  // what one step at a time would have left: the prompt and every token but the last.
+  // Decoding runs ahead of the host: the step on token i + 1 (the pick of the step on token i,
+  // which never leaves the device) is queued before token i + 1 is read back, so the host's work
+  // on a token and a step's launch overlap the step before. Greedy decoding queues chunks of
+  // decode_steps steps (one launch each), one chunk ahead of the one whose picks the host is
+  // handing over. Where generation stops with steps queued past the stop, their picks are
+  // dropped and the cache trimmed back to what one step at a time would have left: the prompt
+  // and every token but the last.
   const int64_t start = cache.length(row) - P;
   const int64_t steps = opt.max_new_tokens - 1;  // decode steps one at a time would run, at most
+  const int chunk_steps = greedy ? opt.decode_steps : 1;
   int64_t queued = 0;
   auto queue = [&](const int32_t* token) {
+    const int k = int(std::min<int64_t>(chunk_steps, steps - queued));
     const SampleRowArgs args = sampler.next_row_args();
-    model.queue_step(token, cache, row, greedy ? nullptr : &args);
-    ++queued;
+    queued += model.queue_step(token, cache, row, greedy ? nullptr : &args, k);
   };
   if (steps > 0) queue(&next);
   for (int64_t i = 0; i < opt.max_new_tokens; ++i) {
@@ -53,7 +58,7 @@ GenerateResult generate(GlmDsaModel& model, MlaCache& cache, int row, const std:
       break;
     }
     if (!keep_going || i + 1 == opt.max_new_tokens) break;
-    if (queued < steps) queue(nullptr);
+    if (queued < steps && model.queued_steps() <= chunk_steps) queue(nullptr);
     next = model.take_step();
   }
   while (model.queued_steps() > 0) model.take_step();

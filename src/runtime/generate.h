@@ -20,6 +20,10 @@ struct GenerateOptions {
   // for one step, so under a budget the prompt is fed in chunks of the planned size; the tokens
   // chosen are the same (each chunk appends to the cache what one step would have).
   int64_t prefill_chunk = 0;
+  // Greedy decode steps queued as one chunk (GlmDsaModel::queue_step's `steps`: on a backend
+  // that records, one CUDA graph launch a chunk). The tokens are the same at any size; a larger
+  // chunk hands tokens over in bursts of this many. Sampling decodes a step at a time.
+  int decode_steps = 8;
 };
 
 struct GenerateResult {

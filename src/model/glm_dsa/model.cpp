@@ -11,11 +11,11 @@ namespace vireo {
 
 namespace {
 
-// A recorded one-token step of one sequence ends with the argmax of its logits row inside the
+// A recorded greedy one-token step of one sequence ends with the argmax of its logits row inside the
 // recording (after lm_head, as programmatic launches), written where a following step reads its
-// token (scratch_i32(8)); the host then launches no argmax of its own for a greedy pick. Every such
-// recording has it, whatever the step asked for (a greedy pick, a sample that then overwrites it,
-// or logits only), so one recording serves them all. H200, fp8 8 layers: the GPU's idle between
+// token (scratch_i32(8)); the host then launches no argmax of its own. The recordings are keyed by
+// it: a sampled or logits-only step replays one without the argmax (none is computed only to be
+// overwritten or left unread). H200, fp8 8 layers: the GPU's idle between
 // two queued steps 12.5 -> 8.0 us (the pick's two kernels ran after the graph, with no overlap);
 // +0.3 to +1.0 points at context 0 in four calls, even at 4096 (BENCHMARKS "Session 51").
 // VIREO_ARGMAX_IN_STEP=0 (or GlmDsaModel::set_argmax_in_step(false)): the argmax after the step.
@@ -296,8 +296,10 @@ void GlmDsaModel::forward(const int32_t* tokens, int64_t T, MlaCache& cache, int
   forward_batch({item}, cache, path);
 }
 
-void GlmDsaModel::queue_step(const int32_t* token, MlaCache& cache, int row, const SampleRowArgs* sample) {
-  if (queued_steps_ >= Backend::kMaxQueuedReads) fail("queue_step: ", queued_steps_, " steps already queued");
+int GlmDsaModel::queue_step(const int32_t* token, MlaCache& cache, int row, const SampleRowArgs* sample,
+                            int steps) {
+  if (int(queued_chunks_.size()) >= Backend::kMaxQueuedReads)
+    fail("queue_step: ", queued_chunks_.size(), " steps (or chunks of steps) already queued");
   BatchItem item;
   item.row = row;
   item.tokens = token;
@@ -305,15 +307,24 @@ void GlmDsaModel::queue_step(const int32_t* token, MlaCache& cache, int row, con
   item.token_from_pick = token == nullptr;
   item.queue_pick = true;
   item.sample = sample;
+  item.steps = steps;
   forward_batch({item}, cache, AttentionPath::Absorbed);
-  ++queued_steps_;
+  queued_chunks_.push_back(chunk_steps_run_);
+  return chunk_steps_run_;
 }
 
 int32_t GlmDsaModel::take_step() {
-  if (queued_steps_ == 0) fail("take_step: no step is queued");
-  int32_t token = -1;
-  backend_.take_read_i32(&token, 1);
-  --queued_steps_;
+  if (taken_picks_.empty()) {
+    if (queued_chunks_.empty()) fail("take_step: no step is queued");
+    const int k = queued_chunks_.front();
+    // A chunk's step j picked into slot (j + 1) % k of the pick buffer (run_steps).
+    std::vector<int32_t> slots(static_cast<size_t>(k));
+    backend_.take_read_i32(slots.data(), size_t(k));
+    queued_chunks_.pop_front();
+    for (int j = 0; j < k; ++j) taken_picks_.push_back(slots[size_t((j + 1) % k)]);
+  }
+  const int32_t token = taken_picks_.front();
+  taken_picks_.pop_front();
   return token;
 }
 
@@ -336,6 +347,14 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
   const GlmDsaConfig& c = config_;
   const int64_t V = c.vocab_size, half = c.qk_rope_dim / 2;
   if (items.empty()) fail("forward: empty batch");
+  // A chunk of steps (BatchItem::steps): K one-token steps of one sequence in one launch.
+  int K = items[0].steps;
+  for (const BatchItem& it : items)
+    if (it.steps < 1 || it.steps > int(Backend::kMaxQueuedRead))
+      fail("forward: steps must be 1 to ", Backend::kMaxQueuedRead, ", got ", it.steps);
+  if (K > 1 && (items.size() != 1 || items[0].T != 1 || !items[0].queue_pick || items[0].sample ||
+                items[0].logits || items[0].token))
+    fail("forward: a chunk of ", K, " steps runs one greedy token of one sequence, queued (queue_step, no sampling)");
   // Validate everything before touching the cache, so a bad request leaves no trace.
   std::vector<Segment> segs;
   int64_t N = 0, n_out = 0;
@@ -345,12 +364,12 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
       if (s.row == it.row) fail("forward: cache row ", it.row, " appears twice in one batch");
     if (it.T <= 0) fail("forward: no tokens");
     const int64_t pos0 = cache.length(it.row);
-    if (pos0 + it.T > cache.capacity())
-      fail("context full: ", pos0 + it.T, " tokens exceed the context capacity of ", cache.capacity());
+    if (pos0 + it.T + it.steps - 1 > cache.capacity())
+      fail("context full: ", pos0 + it.T + it.steps - 1, " tokens exceed the context capacity of ", cache.capacity());
     if (it.token_from_pick) {
       if (items.size() != 1 || it.T != 1)
         fail("forward: a step fed the previous step's pick runs one token of one sequence");
-      if (!last_pick_ || last_pick_ != scratch_i32(8, 1) || last_pick_cache_ != cache.id() || last_pick_row_ != it.row)
+      if (!last_pick_ || last_pick_ != pick_slots(1) || last_pick_cache_ != cache.id() || last_pick_row_ != it.row)
         fail("forward: no pick of the previous step of cache row ", it.row, " to feed (queue_step needs a token)");
     } else {
       for (int64_t t = 0; t < it.T; ++t)
@@ -377,29 +396,44 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
   for (size_t i = 0; i < items.size(); ++i) {
     if (!items[i].token_from_pick)
       std::copy(items[i].tokens, items[i].tokens + items[i].T, ids_host.begin() + segs[i].offset);
-    end = std::max(end, segs[i].pos0 + segs[i].T);
+    end = std::max(end, segs[i].pos0 + segs[i].T + K - 1);
   }
   // A one-token step of one sequence reads its id from the pick buffer (slot 8), where the step
   // before it left its pick: a step fed that pick needs no copy at all (this and the one upload
   // below took the idle GPU between two queued steps from 26.1 to 21.8 us, H200), and a step recorded
   // with host tokens reads the same address, so one recording serves both. Its own pick
   // overwrites the id only after the embedding lookup has read it (stream order).
-  int32_t* ids = N == 1 ? scratch_i32(8, size_t(n_out)) : scratch_i32(6, size_t(N));
+  // (A chunk's K steps each pick into a slot of their own: the buffer holds K picks.)
+  const size_t n_picks = size_t(std::max<int64_t>(n_out, K));
+  int32_t* ids = N == 1 ? pick_slots(n_picks) : scratch_i32(6, size_t(N));
   if (!items[0].token_from_pick) backend_.copy_from_host_i32(ids, ids_host.data(), ids_host.size());
   grow_rope_table(end, cache.capacity());
   const bool recorded = can_record_step(segs, N);
+  if (recorded && K > 1) {
+    // A recorded chunk stops where one step at a time would change recordings (a context bound:
+    // the short-context kernels' keys, or DSA's top-k, dense up to it): every step of it then
+    // runs the launches its own one-step recording would, and queue_step reports the steps it took.
+    K = int(std::min<int64_t>(K, one_step_bound(segs[0].pos0, cache) - segs[0].pos0));
+    // A step with streamed MoE layers is recorded in pieces around their host round trips: there
+    // a chunk is one step (a graph launch a piece either way).
+    for (int l = 0; l < c.num_layers; ++l)
+      if (!c.layer_dense[size_t(l)] && !experts_->bank(l)) K = 1;
+  }
+  chunk_steps_run_ = K;
   if (segs.size() == 1 && !recorded) {
     cos_sin_ = rope_dev_.get() + segs[0].pos0 * half * 2;
   } else if (recorded) {
     // A recorded step's positions (pos0 of each sequence, which its launches read at run time)
     // and rope rows travel in one host-to-device copy: [positions, padded to 16 bytes | rows].
-    // (Two small copies were two idle gaps of 1-3 us each between steps at B = 1, H200.)
-    const size_t npos = (segs.size() + 3) / 4 * 4, ncs = size_t(N * half * 2);
+    // (Two small copies were two idle gaps of 1-3 us each between steps at B = 1, H200.) A
+    // chunk's K steps of one sequence: K positions and K rows, step j reading the j-th of each.
+    const size_t n_at = K > 1 ? size_t(K) : segs.size();
+    const size_t npos = (n_at + 3) / 4 * 4, ncs = size_t((N + K - 1) * half * 2);
     std::vector<int32_t> in_host(npos + ncs, 0);
-    for (size_t i = 0; i < segs.size(); ++i) in_host[i] = int32_t(segs[i].pos0);
+    for (size_t i = 0; i < n_at; ++i) in_host[i] = int32_t(K > 1 ? segs[0].pos0 + int64_t(i) : segs[i].pos0);
     for (const Segment& s : segs)
       std::memcpy(in_host.data() + npos + size_t(s.offset * half * 2), rope_host_.data() + s.pos0 * half * 2,
-                  size_t(s.T * half * 2) * sizeof(float));
+                  size_t((s.T + K - 1) * half * 2) * sizeof(float));
     int32_t* in_dev = scratch_i32(7, in_host.size());
     backend_.copy_from_host_i32(in_dev, in_host.data(), in_host.size());
     step_pos_ = in_dev;
@@ -414,13 +448,16 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
   float* lg = scratch(3, size_t(n_out * V));
   bool any_token = false;
   for (const BatchItem& it : items) any_token = any_token || it.token || it.queue_pick;
-  int32_t* chosen = any_token ? scratch_i32(8, size_t(n_out)) : nullptr;  // before a recording is checked
-  for (const Segment& s : segs) cache.set_length(s.row, s.pos0 + s.T);  // entries written layer by layer
+  int32_t* chosen = any_token ? pick_slots(n_picks) : nullptr;  // before a recording is checked
+  // Entries are written layer by layer (a chunk's eager steps set each step's length as they go).
+  for (const Segment& s : segs) cache.set_length(s.row, s.pos0 + s.T + K - 1);
 
-  argmax_in_step_ = argmax_in_step_on_ && recorded && N == 1;
+  // A chunk's steps each end with their argmax (the next step's token), recorded or not.
+  argmax_in_step_ =
+      K > 1 || (argmax_in_step_on_ && recorded && N == 1 && (items[0].token || items[0].queue_pick) && !items[0].sample);
   const auto t_launch = clock::now();
-  if (recorded) run_recorded(segs, N, cache, ids, lg);
-  else run_step(segs, N, cache, ids, lg);
+  if (recorded) run_recorded(segs, N, cache, ids, lg, K);
+  else run_steps(segs, N, cache, ids, lg, K);
   const auto t_launched = clock::now();
   const bool picked = argmax_in_step_;
   argmax_in_step_ = false;
@@ -432,7 +469,7 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
     if (it.token || it.queue_pick) {
       if (it.sample) backend_.sample_rows(lg + r * V, n, V, it.sample, chosen + r);
       else if (!picked) backend_.argmax_rows(lg + r * V, n, V, chosen + r);
-      if (it.queue_pick) backend_.queue_read_i32(chosen + r, size_t(n));
+      if (it.queue_pick) backend_.queue_read_i32(chosen + r, size_t(n * K));
       else backend_.copy_to_host_i32(it.token, chosen + r, size_t(n));
     }
     r += n;
@@ -449,6 +486,13 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
   host_times_.launch_s += secs(t_launch, t_launched);
   host_times_.after_launch_s += secs(t_launched, clock::now());
   ++host_times_.steps;
+}
+
+int64_t GlmDsaModel::keys_bound(int64_t longest, const MlaCache& cache) const {
+  int64_t bound = cache.capacity();
+  for (int64_t b : {backend_.short_context_keys(), config_.has_indexer ? config_.index_topk : int64_t(0)})
+    if (b > 0 && longest <= b) bound = std::min(bound, b);
+  return bound;
 }
 
 int64_t GlmDsaModel::step_bound(const MlaCache& cache) const {
@@ -487,28 +531,30 @@ void GlmDsaModel::replay(RecordedStep& r, int64_t N) {
       moe_streamed(st.layer, st.xn, N, st.ids, st.weights, st.out);
     }
   }
-  ++recorded_runs_;
+  recorded_runs_ += r.steps;
 }
 
-bool GlmDsaModel::replay_latest(int n) {
+int64_t GlmDsaModel::replay_latest(int n) {
   RecordedStep* latest = nullptr;
   int64_t rows = 0;
+  bool picks = false;  // the recording ends with its argmax
   for (auto& [key, r] : recorded_)
     if (!r.pieces.empty() && r.stages.empty() && (!latest || r.last_use > latest->last_use)) {
       latest = &r;
       rows = int64_t(std::get<1>(key).size());
+      picks = std::get<3>(key);
     }
-  if (!latest) return false;
+  if (!latest) return 0;
   const int64_t V = config_.vocab_size;
   float* lg = scratch(3, size_t(rows * V));  // as forward_batch: one logits row and pick a sequence
-  int32_t* chosen = scratch_i32(8, size_t(rows));
+  int32_t* chosen = pick_slots(size_t(rows));
   for (int i = 0; i < n; ++i) {
     replay(*latest, rows);
-    if (!(argmax_in_step_on_ && rows == 1)) backend_.argmax_rows(lg, rows, V, chosen);  // (else recorded in it)
+    if (!picks) backend_.argmax_rows(lg, rows, V, chosen);
   }
   int32_t first = 0;
   backend_.copy_to_host_i32(&first, chosen, 1);  // waits for the replays
-  return true;
+  return int64_t(n) * latest->steps;
 }
 
 // Recorded steps read their positions from backend memory (pos0 of each sequence); everything
@@ -516,7 +562,7 @@ bool GlmDsaModel::replay_latest(int n) {
 // The first step of a batch shape runs eagerly (it allocates the buffers), the second records,
 // later ones replay. Reallocated scratch (a longer prefill in between, say) invalidates.
 void GlmDsaModel::run_recorded(std::vector<Segment>& segs, int64_t N, MlaCache& cache, const int32_t* ids,
-                               float* logits) {
+                               float* logits, int steps) {
   std::vector<int> rows;
   for (const Segment& s : segs) rows.push_back(s.row);
   const int32_t* pos = step_pos_;  // uploaded by forward_batch with the rope rows
@@ -524,13 +570,11 @@ void GlmDsaModel::run_recorded(std::vector<Segment>& segs, int64_t N, MlaCache& 
   int64_t longest = 0;
   for (size_t i = 0; i < segs.size(); ++i) {
     segs[i].pos0_dev = pos + i;
-    longest = std::max(longest, segs[i].pos0 + segs[i].T);
+    longest = std::max(longest, segs[i].pos0 + segs[i].T + steps - 1);
   }
-  step_bound_ = cache.capacity();
-  for (int64_t b : {backend_.short_context_keys(), config_.has_indexer ? config_.index_topk : int64_t(0)})
-    if (b > 0 && longest <= b) step_bound_ = std::min(step_bound_, b);
+  step_bound_ = keys_bound(longest, cache);
 
-  RecordedStep& r = recorded_[{cache.id(), rows, step_bound_}];
+  RecordedStep& r = recorded_[{cache.id(), rows, step_bound_, argmax_in_step_, steps}];
   r.last_use = ++step_clock_;
   const bool same_buffers = r.model_gen == scratch_gen_ && r.backend_gen == backend_.scratch_generation();
   if (!r.pieces.empty() && same_buffers) {
@@ -540,7 +584,7 @@ void GlmDsaModel::run_recorded(std::vector<Segment>& segs, int64_t N, MlaCache& 
   if (!r.warmed || !same_buffers) {
     r.pieces.clear();
     r.stages.clear();
-    run_step(segs, N, cache, ids, logits);
+    run_steps(segs, N, cache, ids, logits, steps);
     r.warmed = true;
     r.model_gen = scratch_gen_;
     r.backend_gen = backend_.scratch_generation();
@@ -557,12 +601,13 @@ void GlmDsaModel::run_recorded(std::vector<Segment>& segs, int64_t N, MlaCache& 
         oldest = it;
     if (oldest != recorded_.end()) recorded_.erase(oldest);
   }
-  RecordedStep& rec = recorded_[{cache.id(), rows, step_bound_}];
+  RecordedStep& rec = recorded_[{cache.id(), rows, step_bound_, argmax_in_step_, steps}];
+  rec.steps = steps;
   recording_ = true;
   recording_into_ = &rec;
   backend_.begin_recording();
   try {
-    run_step(segs, N, cache, ids, logits);
+    run_steps(segs, N, cache, ids, logits, steps);
   } catch (...) {
     recording_ = false;
     recording_into_ = nullptr;
@@ -576,6 +621,39 @@ void GlmDsaModel::run_recorded(std::vector<Segment>& segs, int64_t N, MlaCache& 
   rec.pieces.push_back(backend_.end_recording());
   VIREO_ASSERT(rec.model_gen == scratch_gen_ && rec.backend_gen == backend_.scratch_generation());
   replay(rec, N);
+}
+
+void GlmDsaModel::run_steps(std::vector<Segment>& segs, int64_t N, MlaCache& cache, const int32_t* ids,
+                            float* lg, int steps) {
+  if (steps == 1) {
+    step_pick_ = argmax_in_step_ ? pick_slots(1) : nullptr;  // (one sequence: forward_batch made it)
+    run_step(segs, N, cache, ids, lg);
+    return;
+  }
+  int32_t* picks = pick_slots(size_t(steps));
+  // One sequence, one token a step. Recorded (positions in backend memory) step j reads the j-th
+  // of the chunk's positions and rope rows that forward_batch uploaded; eager, its host position.
+  // Step j reads its token from pick slot j and picks into slot (j + 1) % steps: the chunk's last
+  // pick lands in slot 0, where a following chunk's first step reads it (take_step reorders).
+  Segment& s = segs[0];
+  const Segment at = s;
+  float* cs = cos_sin_;
+  const int64_t half = config_.qk_rope_dim / 2;
+  for (int j = 0; j < steps; ++j) {
+    s.pos0 = at.pos0 + j;
+    if (at.pos0_dev) {
+      s.pos0_dev = at.pos0_dev + j;
+      cos_sin_ = cs + j * half * 2;
+    } else {
+      cos_sin_ = rope_dev_.get() + s.pos0 * half * 2;
+      cache.set_length(s.row, s.pos0 + 1);
+    }
+    step_pick_ = picks + (j + 1) % steps;
+    run_step(segs, N, cache, picks + j, lg);
+  }
+  s = at;
+  cos_sin_ = cs;
+  cache.set_length(s.row, at.pos0 + steps);
 }
 
 void GlmDsaModel::run_step(const std::vector<Segment>& segs, int64_t N, MlaCache& cache, const int32_t* ids,
@@ -610,7 +688,7 @@ void GlmDsaModel::run_step(const std::vector<Segment>& segs, int64_t N, MlaCache
     r += n;
   }
   backend_.matmul(xn, r, weights_.lm_head, lg);
-  if (argmax_in_step_) backend_.argmax_rows(lg, 1, c.vocab_size, scratch_i32(8, 1));
+  if (argmax_in_step_) backend_.argmax_rows(lg, 1, c.vocab_size, step_pick_);
 }
 
 void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::vector<Segment>& segs,

@@ -1,5 +1,7 @@
 #pragma once
 // GlmDsaModel: the forward pass of the GLM-DSA family (spec §3), written once against Backend.
+#include <algorithm>
+#include <deque>
 #include <map>
 #include <memory>
 #include <string>
@@ -40,6 +42,10 @@ struct BatchItem {
   // pick is queued for reading back (Backend::queue_read_i32) instead of waited for in `token`.
   bool token_from_pick = false;
   bool queue_pick = false;
+  // With queue_pick, greedy (no sample, no logits), one token of one sequence: this many decode
+  // steps back to back (a chunk), each on the pick of the one before, their picks read back in
+  // one queued read (GlmDsaModel::queue_step's `steps`).
+  int steps = 1;
 };
 
 class GlmDsaModel {
@@ -77,11 +83,24 @@ class GlmDsaModel {
   // Backend::sample_rows with *sample) and returns without waiting. take_step waits for the
   // oldest queued step and returns its pick. With the next step queued before this one's pick is
   // read, the host's work between steps (a recorded step's launch included: 67-92 us of an
-  // 8-layer FP8 step on an H200) overlaps the step before. At most Backend::kMaxQueuedReads
-  // steps are queued at a time.
-  void queue_step(const int32_t* token, MlaCache& cache, int row, const SampleRowArgs* sample = nullptr);
+  // 8-layer FP8 step on an H200) overlaps the step before.
+  // With steps > 1 (greedy only: sample must be null) it queues a chunk of that many steps, each
+  // on the pick of the one before: on a backend that records, one recording (one CUDA graph
+  // launch) runs the whole chunk, so the GPU's idle between steps (the graph's start, the read of
+  // the pick and the positions' copy: ~16 us of an H200 step) comes once a chunk; take_step then
+  // returns the chunk's picks one by one. At most Backend::kMaxQueuedReads chunks (or single
+  // steps) are queued at a time, each of at most Backend::kMaxQueuedRead steps.
+  // Returns the steps queued: `steps`, or fewer where a recorded chunk would cross a context bound
+  // at which one step at a time changes recordings (the caller queues the rest next).
+  int queue_step(const int32_t* token, MlaCache& cache, int row, const SampleRowArgs* sample = nullptr,
+                 int steps = 1);
   int32_t take_step();
-  int queued_steps() const { return queued_steps_; }
+  // Picks queued and not yet taken (every step of every queued chunk).
+  int queued_steps() const {
+    int n = int(taken_picks_.size());
+    for (int k : queued_chunks_) n += k;
+    return n;
+  }
   // Positions the rope table kept across steps holds (at most the largest cache capacity seen, or
   // the furthest position asked for where that is larger).
   int64_t rope_table_positions() const { return rope_rows_; }
@@ -99,13 +118,10 @@ class GlmDsaModel {
   // (a CUDA graph) made once per batch of cache rows: one launch per step instead of hundreds.
   // On by default; off runs every op eagerly (same results: tests compare the two).
   void set_recording(bool on) { recording_enabled_ = on; }
-  // A recorded one-token step of one sequence ends with its argmax inside the recording (on, the
-  // default; VIREO_ARGMAX_IN_STEP=0 turns it off) or the host launches it after the step (off).
-  // The same picks either way; switching drops every recording (they are made with one or the other).
-  void set_argmax_in_step(bool on) {
-    if (on != argmax_in_step_on_) recorded_.clear();
-    argmax_in_step_on_ = on;
-  }
+  // A recorded greedy one-token step of one sequence ends with its argmax inside the recording
+  // (on, the default; VIREO_ARGMAX_IN_STEP=0 turns it off) or the host launches it after the step
+  // (off). The same picks either way.
+  void set_argmax_in_step(bool on) { argmax_in_step_on_ = on; }
   // Steps run from a recording since construction (for tests and bench).
   int64_t recorded_steps_run() const { return recorded_runs_; }
   // Host seconds spent in forward_batch since reset_host_times (bench): before the step's ops are
@@ -121,8 +137,9 @@ class GlmDsaModel {
   // Bench: the most recently used recorded step (not a streaming store's, which reads ids back),
   // replayed `n` times back to back with its inputs as they are (the same tokens and positions),
   // each followed by its greedy pick, then waited for: a step's GPU time without the host's work
-  // between steps. False when no such step has been recorded.
-  bool replay_latest(int n);
+  // between steps. Returns the decode steps run (n times the recording's chunk of steps), 0 when
+  // no such step has been recorded.
+  int64_t replay_latest(int n);
 
   // The path AttentionPath::Auto takes for T new tokens after pos0 cached ones.
   AttentionPath choose_path(int64_t T, int64_t pos0) const;
@@ -157,11 +174,17 @@ class GlmDsaModel {
     std::vector<std::unique_ptr<RecordedOps>> pieces;
     std::vector<StreamStage> stages;
     uint64_t model_gen = 0, backend_gen = 0;
+    int steps = 1;        // decode steps a replay runs (a chunk: queue_step's `steps`)
     bool warmed = false;  // an eager run at these sizes has allocated every buffer
     uint64_t last_use = 0;
   };
   bool can_record_step(const std::vector<Segment>& segs, int64_t N) const;
-  void run_recorded(std::vector<Segment>& segs, int64_t N, MlaCache& cache, const int32_t* ids, float* logits);
+  void run_recorded(std::vector<Segment>& segs, int64_t N, MlaCache& cache, const int32_t* ids, float* logits,
+                    int steps);
+  // run_step, or with steps > 1 (one token of one sequence) that many steps back to back, step j
+  // on pick slot j and picking into slot (j + 1) % steps (picks: scratch_i32(8)).
+  void run_steps(std::vector<Segment>& segs, int64_t N, MlaCache& cache, const int32_t* ids, float* logits,
+                 int steps);
   // Embedding, layers, final norm and lm_head for one step: logits [rows asked for, vocab].
   void run_step(const std::vector<Segment>& segs, int64_t N, MlaCache& cache, const int32_t* ids, float* logits);
   void rope_table(int64_t pos0, int64_t T, float* cos_sin) const;  // host [T, rope/2, 2]
@@ -196,6 +219,10 @@ class GlmDsaModel {
   void mlp(const MlpWeights& w, const float* x, int64_t T, float* out, int scratch_slot = 20);
   float* scratch(int slot, size_t n);
   int32_t* scratch_i32(int slot, size_t n);
+  // The pick buffer (scratch_i32 slot 8): one sequence's step reads its token here and picks
+  // into it; a chunk's steps use one slot each. Never smaller than Backend::kMaxQueuedRead, so a
+  // chunk does not reallocate it under the pick a following step reads.
+  int32_t* pick_slots(size_t n) { return scratch_i32(8, std::max(n, Backend::kMaxQueuedRead)); }
   void upload_weights();
   void make_fused_banks();
   const float* vec(const std::vector<float>& host) const;  // backend copy of a norm vector
@@ -221,8 +248,10 @@ class GlmDsaModel {
   uint64_t last_pick_cache_ = 0;
   int last_pick_row_ = -1;
   bool argmax_in_step_on_;       // set_argmax_in_step (model.cpp: the default)
-  bool argmax_in_step_ = false;  // this step's run_step ends with its pick
-  int queued_steps_ = 0;  // queue_step's picks not yet taken
+  bool argmax_in_step_ = false;  // this step's run_step (and its recording) ends with its pick
+  int32_t* step_pick_ = nullptr;  // where run_step's argmax goes (argmax_in_step_)
+  std::deque<int> queued_chunks_;    // queue_step's reads not yet taken: steps in each
+  std::deque<int32_t> taken_picks_;  // picks of a chunk read back and not yet returned by take_step
   std::vector<std::shared_ptr<float>> scratch_;
   std::vector<size_t> scratch_size_;
   std::vector<std::shared_ptr<int32_t>> scratch_i32_;
@@ -232,14 +261,19 @@ class GlmDsaModel {
   bool recording_ = false;     // ops are being recorded: scratch must not grow
   RecordedStep* recording_into_ = nullptr;  // where moe() puts the pieces while recording
   bool recording_enabled_ = true;
-  // (cache id, rows, bound on every row's length) -> its recording
-  std::map<std::tuple<uint64_t, std::vector<int>, int64_t>, RecordedStep> recorded_;
+  // (cache id, rows, bound on every row's length, whether it ends with the argmax, steps) -> its recording
+  std::map<std::tuple<uint64_t, std::vector<int>, int64_t, bool, int>, RecordedStep> recorded_;
   // A recorded step's launches are sized for rows of up to this many keys (their lengths come at
   // run time): the smallest of the backend's short-context bound, the indexer's top-k and the
   // cache's capacity that holds the step, so that short contexts get launches sized for them
   // (short-context kernels; at most index_topk keys DSA is dense).
   int64_t step_bound_ = 0;  // 0: the cache's capacity
   int64_t step_bound(const MlaCache& cache) const;
+  // The smallest of the bounds above that holds rows of `longest` keys.
+  int64_t keys_bound(int64_t longest, const MlaCache& cache) const;
+  // The bound a one-token step after pos0 cached keys is recorded for.
+  int64_t one_step_bound(int64_t pos0, const MlaCache& cache) const { return keys_bound(pos0 + 1, cache); }
+  int chunk_steps_run_ = 1;  // the steps forward_batch's last chunk ran (queue_step's result)
   uint64_t step_clock_ = 0;
   int64_t recorded_runs_ = 0;
   HostTimes host_times_;
