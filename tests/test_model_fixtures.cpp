@@ -198,20 +198,20 @@ TEST(ModelFixtures, GenerationStoppedByTheCallerLeavesTheCacheAsOneStepAtATime) 
   auto m = GlmDsaModel::load(f.dir, *be);
   for (int64_t stop : {1, 2, 7})
     for (int chunk : {1, 4}) {
-    MlaCache cache(*be, m->cache_shape(), 1, int64_t(prompt.size() + want.size()));
-    GenerateOptions opt;
-    opt.max_new_tokens = int64_t(want.size());
-    opt.decode_steps = chunk;
-    int64_t seen = 0;
-    GenerateResult r = generate(*m, cache, 0, prompt, opt, [&](int32_t) { return ++seen < stop; });
-    EXPECT_EQ(r.tokens, std::vector<int32_t>(want.begin(), want.begin() + stop));
-    EXPECT_EQ(cache.length(0), int64_t(prompt.size()) + stop - 1) << "stopped after " << stop;
-    // The cache goes on from there as if it had never run ahead: the next step's logits.
-    std::vector<float> lg(static_cast<size_t>(m->config().vocab_size));
-    m->forward(&r.tokens.back(), 1, cache, 0, lg.data());
-    const int32_t next = int32_t(std::max_element(lg.begin(), lg.end()) - lg.begin());
-    EXPECT_EQ(next, want[size_t(stop)]) << "stopped after " << stop;
-  }
+      MlaCache cache(*be, m->cache_shape(), 1, int64_t(prompt.size() + want.size()));
+      GenerateOptions opt;
+      opt.max_new_tokens = int64_t(want.size());
+      opt.decode_steps = chunk;
+      int64_t seen = 0;
+      GenerateResult r = generate(*m, cache, 0, prompt, opt, [&](int32_t) { return ++seen < stop; });
+      EXPECT_EQ(r.tokens, std::vector<int32_t>(want.begin(), want.begin() + stop));
+      EXPECT_EQ(cache.length(0), int64_t(prompt.size()) + stop - 1) << "stopped after " << stop;
+      // The cache goes on from there as if it had never run ahead: the next step's logits.
+      std::vector<float> lg(static_cast<size_t>(m->config().vocab_size));
+      m->forward(&r.tokens.back(), 1, cache, 0, lg.data());
+      const int32_t next = int32_t(std::max_element(lg.begin(), lg.end()) - lg.begin());
+      EXPECT_EQ(next, want[size_t(stop)]) << "stopped after " << stop;
+    }
 }
 
 TEST(ModelFixtures, QueuedStepsEqualOneStepAtATime) {

@@ -415,8 +415,7 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
                                           "this one's token is read back (as vireo run)"
                                         : "replayed from a recorded CUDA graph (token chosen after the replay)")
                      : "launched op by op (--no-graph)");
-  if (queued_decode())
-    std::printf("greedy chunks      %d decode steps a launch (--decode-steps)\n", decode_steps);
+  if (queued_decode()) std::printf("greedy chunks      %d decode steps a launch (--decode-steps)\n", decode_steps);
   if (sampled)
     std::printf("sampling           temperature %g, top-k %d, top-p %g, min-p %g, seed %llu\n", sampling.temperature,
                 sampling.top_k, sampling.top_p, sampling.min_p, (unsigned long long)sampling.seed);
@@ -597,10 +596,11 @@ Action add_bench(CLI::App& app) {
       ->check(CLI::Range(int64_t(0), int64_t(1) << 22));
   app.add_option("--attention", o->attention, "CPU: attention path of the timed prefill chunk")
       ->check(CLI::IsMember({"auto", "reconstructed", "absorbed"}));
-  auto* steps_flag = app.add_option("--decode-steps", o->decode_steps,
-                 "CUDA: greedy decode steps queued as one chunk, one graph launch each (as vireo run's "
-                 "--decode-steps; default: VIREO_DECODE_STEPS if set, else vireo run's default)")
-      ->check(CLI::Range(1, int(Backend::kMaxQueuedRead)));
+  auto* steps_flag =
+      app.add_option("--decode-steps", o->decode_steps,
+                     "CUDA: greedy decode steps queued as one chunk, one graph launch each (as vireo run's "
+                     "--decode-steps; default: VIREO_DECODE_STEPS if set, else vireo run's default)")
+          ->check(CLI::Range(1, int(Backend::kMaxQueuedRead)));
   app.add_flag("--no-graph", o->no_graph, "CUDA: launch decode steps op by op instead of replaying a recorded graph");
   app.add_option("--batch", o->batch,
                  "CUDA: also time decode steps of this many sequences at once (as vireo serve batches them), "

@@ -296,8 +296,7 @@ void GlmDsaModel::forward(const int32_t* tokens, int64_t T, MlaCache& cache, int
   forward_batch({item}, cache, path);
 }
 
-int GlmDsaModel::queue_step(const int32_t* token, MlaCache& cache, int row, const SampleRowArgs* sample,
-                            int steps) {
+int GlmDsaModel::queue_step(const int32_t* token, MlaCache& cache, int row, const SampleRowArgs* sample, int steps) {
   if (int(queued_chunks_.size()) >= Backend::kMaxQueuedReads)
     fail("queue_step: ", queued_chunks_.size(), " steps (or chunks of steps) already queued");
   BatchItem item;
@@ -352,8 +351,8 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
   for (const BatchItem& it : items)
     if (it.steps < 1 || it.steps > int(Backend::kMaxQueuedRead))
       fail("forward: steps must be 1 to ", Backend::kMaxQueuedRead, ", got ", it.steps);
-  if (K > 1 && (items.size() != 1 || items[0].T != 1 || !items[0].queue_pick || items[0].sample ||
-                items[0].logits || items[0].token))
+  if (K > 1 && (items.size() != 1 || items[0].T != 1 || !items[0].queue_pick || items[0].sample || items[0].logits ||
+                items[0].token))
     fail("forward: a chunk of ", K, " steps runs one greedy token of one sequence, queued (queue_step, no sampling)");
   // Validate everything before touching the cache, so a bad request leaves no trace.
   std::vector<Segment> segs;
@@ -453,8 +452,8 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
   for (const Segment& s : segs) cache.set_length(s.row, s.pos0 + s.T + K - 1);
 
   // A chunk's steps each end with their argmax (the next step's token), recorded or not.
-  argmax_in_step_ =
-      K > 1 || (argmax_in_step_on_ && recorded && N == 1 && (items[0].token || items[0].queue_pick) && !items[0].sample);
+  argmax_in_step_ = K > 1 || (argmax_in_step_on_ && recorded && N == 1 && (items[0].token || items[0].queue_pick) &&
+                              !items[0].sample);
   const auto t_launch = clock::now();
   if (recorded) run_recorded(segs, N, cache, ids, lg, K);
   else run_steps(segs, N, cache, ids, lg, K);
@@ -623,8 +622,8 @@ void GlmDsaModel::run_recorded(std::vector<Segment>& segs, int64_t N, MlaCache& 
   replay(rec, N);
 }
 
-void GlmDsaModel::run_steps(std::vector<Segment>& segs, int64_t N, MlaCache& cache, const int32_t* ids,
-                            float* lg, int steps) {
+void GlmDsaModel::run_steps(std::vector<Segment>& segs, int64_t N, MlaCache& cache, const int32_t* ids, float* lg,
+                            int steps) {
   if (steps == 1) {
     step_pick_ = argmax_in_step_ ? pick_slots(1) : nullptr;  // (one sequence: forward_batch made it)
     run_step(segs, N, cache, ids, lg);

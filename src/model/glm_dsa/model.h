@@ -92,8 +92,7 @@ class GlmDsaModel {
   // steps) are queued at a time, each of at most Backend::kMaxQueuedRead steps.
   // Returns the steps queued: `steps`, or fewer where a recorded chunk would cross a context bound
   // at which one step at a time changes recordings (the caller queues the rest next).
-  int queue_step(const int32_t* token, MlaCache& cache, int row, const SampleRowArgs* sample = nullptr,
-                 int steps = 1);
+  int queue_step(const int32_t* token, MlaCache& cache, int row, const SampleRowArgs* sample = nullptr, int steps = 1);
   int32_t take_step();
   // Picks queued and not yet taken (every step of every queued chunk).
   int queued_steps() const {
@@ -183,8 +182,7 @@ class GlmDsaModel {
                     int steps);
   // run_step, or with steps > 1 (one token of one sequence) that many steps back to back, step j
   // on pick slot j and picking into slot (j + 1) % steps (picks: scratch_i32(8)).
-  void run_steps(std::vector<Segment>& segs, int64_t N, MlaCache& cache, const int32_t* ids, float* logits,
-                 int steps);
+  void run_steps(std::vector<Segment>& segs, int64_t N, MlaCache& cache, const int32_t* ids, float* logits, int steps);
   // Embedding, layers, final norm and lm_head for one step: logits [rows asked for, vocab].
   void run_step(const std::vector<Segment>& segs, int64_t N, MlaCache& cache, const int32_t* ids, float* logits);
   void rope_table(int64_t pos0, int64_t T, float* cos_sin) const;  // host [T, rope/2, 2]
@@ -249,7 +247,7 @@ class GlmDsaModel {
   int last_pick_row_ = -1;
   bool argmax_in_step_on_;       // set_argmax_in_step (model.cpp: the default)
   bool argmax_in_step_ = false;  // this step's run_step (and its recording) ends with its pick
-  int32_t* step_pick_ = nullptr;  // where run_step's argmax goes (argmax_in_step_)
+  int32_t* step_pick_ = nullptr;     // where run_step's argmax goes (argmax_in_step_)
   std::deque<int> queued_chunks_;    // queue_step's reads not yet taken: steps in each
   std::deque<int32_t> taken_picks_;  // picks of a chunk read back and not yet returned by take_step
   std::vector<std::shared_ptr<float>> scratch_;
