@@ -81,10 +81,7 @@ Action add_run(CLI::App& app) {
   app.add_option("-n,--max-tokens", o->n, "Tokens to generate at most")->check(CLI::Range(int64_t(1), int64_t(1) << 30));
   add_sampling_flags(app, o->s);
   app.add_flag("--ignore-eos", o->ignore_eos, "Do not stop at end-of-sequence tokens");
-  app.add_option("--decode-steps", o->decode_steps,
-                 "Greedy decode steps run as one chunk (on CUDA one graph launch; the same tokens at any size, "
-                 "handed over in bursts of this many)")
-      ->check(CLI::Range(1, int(Backend::kMaxQueuedRead)));
+  add_decode_steps_flag(app, o->decode_steps);
   add_streaming_flags(app, o->sf);
   add_prefill_chunk_flag(app, o->chunk);
   add_device_flag(app, o->device, o->math);

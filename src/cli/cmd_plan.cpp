@@ -257,6 +257,13 @@ void add_prefill_chunk_flag(CLI::App& app, PrefillChunkFlag& f) {
                          "--memory-budget or --gpu-budget, whose plan sizes scratch for such steps, else 0)");
 }
 
+void add_decode_steps_flag(CLI::App& app, int& steps) {
+  app.add_option("--decode-steps", steps,
+                 "Greedy decode steps run as one chunk (on CUDA one graph launch; the same tokens at any size, "
+                 "handed over in bursts of this many; 1: a token a step)")
+      ->check(CLI::Range(1, int(Backend::kMaxQueuedRead)));
+}
+
 int64_t resolve_prefill_chunk(const PrefillChunkFlag& f, const StreamingFlags& sf) {
   const bool budget = !sf.budget.empty() || !sf.gpu_budget.empty();
   if (!f.opt || f.opt->count() == 0) return budget ? 512 : 0;

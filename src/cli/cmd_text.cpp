@@ -84,6 +84,7 @@ Action add_chat(CLI::App& app) {
   struct Opts {
     std::string model, system;
     int64_t n = 512, context = 4096;
+    int decode_steps = GenerateOptions{}.decode_steps;
     SamplingParams s;
     StreamingFlags sf;
     std::string device = "cpu";
@@ -98,6 +99,7 @@ Action add_chat(CLI::App& app) {
   add_sampling_flags(app, o->s);
   add_streaming_flags(app, o->sf);
   add_prefill_chunk_flag(app, o->chunk);
+  add_decode_steps_flag(app, o->decode_steps);
   add_device_flag(app, o->device, o->math);
   return [o]() {
     validate_sampling(o->s);
@@ -151,6 +153,7 @@ Action add_chat(CLI::App& app) {
       opt.max_new_tokens = std::min(o->n, room);
       opt.sampling = o->s;
       opt.prefill_chunk = chunk;
+      opt.decode_steps = o->decode_steps;
       DecodeStream stream(tm.tokenizer, true);
       std::string reply;
       GenerateResult r = generate(*model, cache, 0, fresh, opt, [&](int32_t id) {

@@ -80,6 +80,8 @@ struct PrefillChunkFlag {
   CLI::Option* opt = nullptr;
 };
 void add_prefill_chunk_flag(CLI::App& app, PrefillChunkFlag& f);
+// --decode-steps of run and chat: greedy decode steps a chunk (GenerateOptions::decode_steps).
+void add_decode_steps_flag(CLI::App& app, int& steps);
 // The chunk to use (0: whole prompt); fails with one line naming the flag for a negative value,
 // or 0 under a budget.
 int64_t resolve_prefill_chunk(const PrefillChunkFlag& f, const StreamingFlags& sf);
