@@ -445,4 +445,26 @@ TEST(Cli, AbBenchToolReadsTheBenchOutput) {
                   medians.find("(41.1") == std::string::npos)
           << vo;
   }
+  // With the CUDA bench's copy bandwidth line: each variant's median us a greedy step, and its
+  // percentage of the call's median copy bandwidth (not of each run's own). Six runs, interleaved:
+  // '-' at 500, 400, 500 tok/s, SLOW=1 at 400 each; copies 4000, 3000, 4000, 4000, 5000, 5000 GB/s
+  // (median 4000): '-' 2000 us a step (2000-2500), 6.022 GB x 500 / 4000 = 75.3%; SLOW 2500 us, 60.2%.
+  const std::string copying = write_script(
+      tmp / "copying-vireo",
+      "n=$(cat " + (tmp / "ccalls") + " 2>/dev/null || echo 0); echo $((n + 1)) >" + (tmp / "ccalls") +
+          "\n"
+          "case $n in 0) t=500 c=4000 ;; 1) t=400 c=3000 ;; 2|3) t=400 c=4000 ;; *) t=500 c=5000 ;; esac\n"
+          "[ -n \"$SLOW\" ] && t=400\n"
+          "echo \"copy bandwidth     $c GB/s (device-to-device, read + write, measured now)\"\n"
+          "echo \"decode ctx 0       greedy/device     $t.00 tok/s  6.022 GB/token (weights + cache)     3000 GB/s  =  "
+          "75.0% of copy bandwidth\"\n");
+  const std::string cc = "VIREO=" + copying + " bash " + std::string(VIREO_SOURCE_DIR) + "/tools/ab-bench.sh -r 3 -o " +
+                         (tmp / "copying") + " - SLOW=1 >" + (tmp / "out") + " 2>" + (tmp / "err");
+  const int cs = std::system(cc.c_str());
+  ASSERT_TRUE(WIFEXITED(cs) && WEXITSTATUS(cs) == 0) << read_file(tmp / "err");
+  const std::string co = read_file(tmp / "out");
+  const std::string steps = co.substr(std::min(co.size(), co.find("median us a greedy step")));
+  EXPECT_NE(steps.find("copy bandwidth (4000 GB/s, every run's median)"), std::string::npos) << co;
+  EXPECT_NE(steps.find("ctx 0 2000.0 us (2000.0-2500.0) 75.3%"), std::string::npos) << co;
+  EXPECT_NE(steps.find("ctx 0 2500.0 us (2500.0-2500.0) 60.2%"), std::string::npos) << co;
 }

@@ -2,7 +2,9 @@
 # Same-call A/B runs of `vireo bench`: each variant runs ROUNDS times, interleaved (A B C A B C ..),
 # so that the machine's drift over the call falls on every variant alike; then one line a variant
 # with the median of each decode (and CUDA prefill) line's percentage and, with 2+ rounds, the
-# rounds' range. H200s differ by 1.5-3
+# rounds' range; and for the CUDA bench one line a variant with its median us a greedy step and
+# that step's percentage of the call's median copy bandwidth (each run's own percentage divides by
+# the copy it measured itself, which moves ~0.5% from run to run). H200s differ by 1.5-3
 # points of decode from machine to machine (BENCHMARKS.md), so compare only variants of one call.
 #
 #   tools/ab-bench.sh [-r ROUNDS] [-o DIR] VARIANT... [-- BENCH ARGS]
@@ -55,6 +57,14 @@ decode_points() {
          print "prefill " $2 "\t" pct }' "$1"
 }
 
+# A run's greedy decode lines as "ctx N<TAB>us a step<TAB>GB a token" ("decode ctx 0  greedy/device
+# 586.18 tok/s  6.022 GB/token ..."), and its copy bandwidth in GB/s.
+decode_steps() {
+  awk '$1 == "decode" && $2 == "ctx" && $4 == "greedy/device" && $6 == "tok/s" && $8 == "GB/token" {
+         printf "ctx %s\t%.1f\t%s\n", $3, 1e6 / $5, $7 }' "$1"
+}
+copy_gbs() { awk '/^copy bandwidth/ { print $3; exit }' "$1"; }
+
 status=0
 for ((r = 1; r <= ROUNDS; ++r)); do
   for i in "${!VARIANTS[@]}"; do
@@ -79,4 +89,22 @@ for i in "${!VARIANTS[@]}"; do
            if (range) printf "%s %.1f%% (%.1f-%.1f)  ", $1, $2, $3, $4; else printf "%s %.1f%%  ", $1, $2 }')
   echo "  $(printf '%-40s' "${VARIANTS[$i]}")  ${line:-no decode lines (see $DIR/${i}_*.txt)}"
 done
+# Each run divides by the copy bandwidth it measured itself, which moves ~0.5% from run to run: a
+# smaller difference between variants shows in their step times, not always in their percentages
+# (session 52). So also: us a greedy step, and its percentage of one copy bandwidth for the whole
+# call (the median of every run's).
+call_copy=$(for f in "$DIR"/*_*.txt; do copy_gbs "$f"; done | awk 'NF { print "copy\t" $1 }' | medians_by_label | cut -f2)
+if [ -n "$call_copy" ]; then
+  echo "median us a greedy step$([ "$ROUNDS" -gt 1 ] && echo ' (lowest-highest)'), and its % of the call's copy bandwidth ($call_copy GB/s, every run's median):"
+  for i in "${!VARIANTS[@]}"; do
+    rows=$(for ((r = 1; r <= ROUNDS; ++r)); do [ -f "$DIR/${i}_$r.txt" ] && decode_steps "$DIR/${i}_$r.txt"; done)
+    line=$(printf '%s\n' "$rows" | awk -F'\t' 'NF == 3 { print $1 "\t" $2 }' | medians_by_label |
+           awk -F'\t' -v range=$((ROUNDS > 1)) -v copy="$call_copy" -v gbs="$(printf '%s\n' "$rows" | cut -f1,3 | tr '\n' ';')" '
+             BEGIN { n = split(gbs, g, ";"); for (k = 1; k <= n; ++k) if (split(g[k], f, "\t") == 2) gb[f[1]] = f[2] }
+             { pct = copy > 0 && ($1 in gb) ? 100 * gb[$1] * 1e6 / $2 / copy : 0
+               if (range) printf "%s %.1f us (%.1f-%.1f) %.1f%%  ", $1, $2, $3, $4, pct
+               else printf "%s %.1f us %.1f%%  ", $1, $2, pct }')
+    echo "  $(printf '%-40s' "${VARIANTS[$i]}")  ${line:-no greedy decode lines}"
+  done
+fi
 exit $status
