@@ -288,10 +288,10 @@ TEST(Scheduler, EosStopsAndLogprobsAreLogSoftmax) {
   }
 }
 
-// A lone decoding request runs one step ahead of the host (SchedulerOptions::pipeline): the same
-// events as step by step, greedy and sampled, ending at max_tokens, at an EOS id with a step
-// queued past it, and cancelled between steps; the cache left empty and the row serving the next
-// request. The f32 fixture with its EOS set to the 4th greedy token (108, first at index 3).
+// A lone decoding request runs one step ahead of the host (SchedulerOptions::pipeline), or a chunk
+// of steps ahead (decode_steps): the same events as step by step, greedy and sampled, ending at
+// max_tokens, at an EOS id with steps queued past it, and cancelled between steps; the cache left
+// empty and the row serving the next request. The f32 fixture with its EOS set to the 4th greedy token (108, first at index 3).
 void lone_request_pipelined_equals_step_by_step(bool cuda) {
   namespace fs = std::filesystem;
   const std::string src = kFixtures + "/glm_dsa_shared_f32";
@@ -307,9 +307,10 @@ void lone_request_pipelined_equals_step_by_step(bool cuda) {
   write_file(dir / "config.json", cfg.dump());
   write_file(dir / "generation_config.json", "{\"eos_token_id\": [108]}");
   Loaded m(dir.str(), cuda);
-  auto run = [&](const SchedRequest& r, bool pipeline, int cancel_after) {
+  auto run = [&](const SchedRequest& r, bool pipeline, int cancel_after, int chunk = 1) {
     SchedulerOptions o = manual(1, 128, 64);
     o.pipeline = pipeline;
+    o.decode_steps = chunk;
     Scheduler s(*m.model, *m.backend, o);
     auto h = s.submit(r);
     for (int i = 1; s.step(); ++i)
@@ -347,6 +348,14 @@ void lone_request_pipelined_equals_step_by_step(bool cuda) {
     EXPECT_EQ(stepped.reason, c.reason) << c.name;
     if (c.req.sampling.temperature == 0.0f) {
       EXPECT_EQ(piped.ids, std::vector<int32_t>(gn.begin(), gn.begin() + int64_t(c.n))) << c.name;
+    }
+    // Greedy steps in chunks (SchedulerOptions::decode_steps; sampled ones stay a step a launch):
+    // the same events, the EOS and max_tokens inside a chunk, the cache again left empty.
+    for (int chunk : {3, 5}) {
+      const Outcome chunked = run(c.req, true, c.cancel_after, chunk);
+      EXPECT_TRUE(chunked.finished && !chunked.error) << c.name << " chunk " << chunk;
+      EXPECT_EQ(chunked.reason, c.reason) << c.name << " chunk " << chunk;
+      EXPECT_EQ(chunked.ids, stepped.ids) << c.name << " chunk " << chunk << (cuda ? " cuda" : " cpu");
     }
   }
 }

@@ -49,6 +49,7 @@ Action add_serve(CLI::App& app) {
     server::ServerOptions srv;
     int max_batch = 8;
     int64_t context = 0, prefill_chunk = 256;
+    int decode_steps = 1;
     StreamingFlags sf;
   };
   auto o = std::make_shared<Opts>();
@@ -73,6 +74,10 @@ Action add_serve(CLI::App& app) {
                  "max_position_embeddings, at most 4096)")->check(CLI::Range(int64_t(2), int64_t(1) << 24));
   app.add_option("--prefill-chunk", o->prefill_chunk, "Prompt tokens run per step, interleaved with decodes")
       ->check(CLI::Range(int64_t(1), int64_t(1) << 20))->capture_default_str();
+  app.add_option("--decode-steps", o->decode_steps,
+                 "A lone greedy request's decode steps run as one chunk (on CUDA one graph launch), one chunk "
+                 "ahead; a request arriving meanwhile waits for up to 2 x this - 1 queued steps")
+      ->check(CLI::Range(1, int(Backend::kMaxQueuedRead)))->capture_default_str();
   app.add_option("--cache-budget", o->cache_budget,
                  "Admission budget in cache bytes (e.g. 2G) for prompt + max_tokens of running requests "
                  "(default: the whole cache, max-batch x context)");
@@ -128,6 +133,7 @@ Action add_serve(CLI::App& app) {
     so.context = context;
     so.prefill_chunk = o->prefill_chunk;
     so.pipeline = env_switch("VIREO_SERVE_PIPELINE");  // 0: every step waits for its pick (A/B runs)
+    so.decode_steps = o->decode_steps;
     if (!o->cache_budget.empty()) so.cache_budget_bytes = parse_byte_size(o->cache_budget, "--cache-budget");
     Scheduler scheduler(*lm.model, *backend, so);
     http.ready(sm, scheduler);

@@ -210,17 +210,19 @@ void Scheduler::settle_queued(Running& r) {
 }
 
 void Scheduler::pipelined_step(Running& r) {
+  const bool sampled = r.req.sampling.temperature != 0.0f;
+  const int chunk = sampled ? 1 : opt_.decode_steps;  // sampled steps: one a launch
   auto queue = [&](const int32_t* token) {
-    const bool sampled = r.req.sampling.temperature != 0.0f;
+    // At most a chunk of the steps that would still emit a token (max_tokens); at least one.
+    const int k = int(std::clamp<int64_t>(r.req.max_tokens - r.generated - queued_, 1, chunk));
     SampleRowArgs args;
     if (sampled) args = r.sampler->next_row_args();  // drawn in token order, as request_output does
-    model_.queue_step(token, cache_, r.row, sampled ? &args : nullptr);
-    ++queued_;
+    queued_ += model_.queue_step(token, cache_, r.row, sampled ? &args : nullptr, k);
   };
   try {
     if (queued_ == 0) queue(&r.last);
-    // One step past the one read below, while that step would still emit a token (max_tokens).
-    if (queued_ < 2 && r.generated + queued_ < r.req.max_tokens) queue(nullptr);
+    // A chunk past the one being read, while its steps would still emit a token (max_tokens).
+    if (queued_ <= chunk && r.generated + queued_ < r.req.max_tokens) queue(nullptr);
     take_queued(r);
   } catch (const std::exception& e) {  // as a failed batched step: this request ends, serving goes on
     fail_queued(r, e.what());

@@ -91,6 +91,10 @@ struct SchedulerOptions {
   size_t cache_budget_bytes = 0;
   bool start_thread = true;     // false: the caller drives step() (tests)
   bool pipeline = true;         // a lone decoding request one step ahead (Scheduler::pipelined_step)
+  // With pipeline, a lone greedy request's steps in chunks of this many (GlmDsaModel::queue_step's
+  // `steps`: on CUDA one graph launch a chunk), one chunk ahead. The same tokens; a request that
+  // arrives meanwhile waits for the queued chunks (up to 2 * decode_steps - 1 steps) to be read.
+  int decode_steps = 1;
 };
 
 struct SchedulerStats {
@@ -189,7 +193,7 @@ class Scheduler {
   std::vector<Running> running_;
   std::vector<bool> row_free_;
   size_t reserved_ = 0;
-  int queued_ = 0;  // steps queued by pipelined_step for running_[0], picks not yet read
+  int queued_ = 0;  // steps queued by pipelined_step for running_[0] (every step of its chunks), picks not yet read
   std::thread thread_;
 };
 
