@@ -291,7 +291,8 @@ TEST(Scheduler, EosStopsAndLogprobsAreLogSoftmax) {
 // A lone decoding request runs one step ahead of the host (SchedulerOptions::pipeline), or a chunk
 // of steps ahead (decode_steps): the same events as step by step, greedy and sampled, ending at
 // max_tokens, at an EOS id with steps queued past it, and cancelled between steps; the cache left
-// empty and the row serving the next request. The f32 fixture with its EOS set to the 4th greedy token (108, first at index 3).
+// empty and the row serving the next request. The f32 fixture with its EOS set to the 4th greedy
+// token (108, first at index 3).
 void lone_request_pipelined_equals_step_by_step(bool cuda) {
   namespace fs = std::filesystem;
   const std::string src = kFixtures + "/glm_dsa_shared_f32";

@@ -77,7 +77,8 @@ Action add_serve(CLI::App& app) {
   app.add_option("--decode-steps", o->decode_steps,
                  "A lone greedy request's decode steps run as one chunk (on CUDA one graph launch), one chunk "
                  "ahead; a request arriving meanwhile waits for up to 2 x this - 1 queued steps")
-      ->check(CLI::Range(1, int(Backend::kMaxQueuedRead)))->capture_default_str();
+      ->check(CLI::Range(1, int(Backend::kMaxQueuedRead)))
+      ->capture_default_str();
   app.add_option("--cache-budget", o->cache_budget,
                  "Admission budget in cache bytes (e.g. 2G) for prompt + max_tokens of running requests "
                  "(default: the whole cache, max-batch x context)");
