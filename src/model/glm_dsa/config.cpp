@@ -124,8 +124,21 @@ double GlmDsaConfig::attention_scale() const {
   return s;
 }
 
-int GlmDsaConfig::n_full_indexer_layers() const {
-  return has_indexer ? int(std::count(indexer_full.begin(), indexer_full.end(), true)) : 0;
+int GlmDsaConfig::n_full_indexer_layers() const {  // of the main stack
+  return has_indexer ? int(std::count(indexer_full.begin(), indexer_full.begin() + num_layers, true)) : 0;
+}
+
+void enable_mtp(GlmDsaConfig& c, const std::string& source) {
+  if (c.mtp_layers > 0) return;
+  if (c.num_nextn_predict_layers < 1)
+    fail(source, ": the model has no MTP layer (num_nextn_predict_layers is 0), so it cannot draft tokens");
+  c.mtp_layers = 1;
+  c.indexer_full.resize(size_t(c.num_layers), true);
+  c.layer_dense.resize(size_t(c.num_layers), true);
+  // DeepSeek-V3 / GLM-5's next-token-prediction layer: a full decoder layer with its own indexer
+  // and the routed experts of a MoE layer.
+  c.indexer_full.push_back(c.has_indexer);
+  c.layer_dense.push_back(c.n_routed_experts == 0);
 }
 
 GlmDsaConfig parse_glm_dsa_config(const std::string& config_text, const std::string& generation_text,

@@ -32,6 +32,9 @@ struct GlmDsaConfig {
   int64_t moe_intermediate_size = 0;  // each routed expert's width
   int num_layers = 0;                 // main stack (the MTP layer is layer num_layers)
   int num_nextn_predict_layers = 0;
+  // MTP layers bound (enable_mtp): 0, or 1 = the checkpoint's first next-token-prediction layer,
+  // bound as layer num_layers (its own full indexer; MoE where the model has routed experts).
+  int mtp_layers = 0;
   int n_heads = 0;
   int64_t q_lora_rank = 0;  // 0: plain q_proj (config value null)
   int64_t kv_lora_rank = 0;
@@ -47,8 +50,9 @@ struct GlmDsaConfig {
   bool has_indexer = false;
   int index_topk = 0, index_n_heads = 0;
   int64_t index_head_dim = 0;
-  std::vector<bool> indexer_full;  // [num_layers]: true = own indexer, false = reuse previous full
-  std::vector<bool> layer_dense;   // [num_layers]: true = dense SwiGLU, false = MoE
+  // [num_layers + mtp_layers]: true = own indexer, false = reuse previous full
+  std::vector<bool> indexer_full;
+  std::vector<bool> layer_dense;  // [num_layers + mtp_layers]: true = dense SwiGLU, false = MoE
   RopeConfig rope;
   RopeStyle mla_rope_style = RopeStyle::Interleaved;
   RopeStyle indexer_rope_style = RopeStyle::Interleaved;
@@ -58,7 +62,13 @@ struct GlmDsaConfig {
   int64_t kv_cache_dim() const { return kv_lora_rank + qk_rope_dim; }  // [latent | k_rope]
   double attention_scale() const;  // sigma: qk_head_dim^-1/2, times mscale^2 under YaRN
   int n_full_indexer_layers() const;
+  int bound_layers() const { return num_layers + mtp_layers; }  // the main stack and the MTP layer
 };
+
+// Binds the model's MTP layer too (speculative decoding's drafter; spec: the demo model card): fails,
+// naming `source`, when the config declares none (num_nextn_predict_layers 0). Call before the
+// expert store and the model are built from `c`. Idempotent.
+void enable_mtp(GlmDsaConfig& c, const std::string& source);
 
 // Parses <dir>/config.json and, if present, <dir>/generation_config.json.
 GlmDsaConfig load_glm_dsa_config(const std::string& dir);

@@ -59,8 +59,8 @@ std::vector<float> compute_inv_freq(const GlmDsaConfig& c) {
 
 ExpertStoreParams expert_store_params(const GlmDsaConfig& c) {
   ExpertStoreParams p;
-  p.n_layers = c.num_layers;
-  for (int l = 0; l < c.num_layers; ++l)
+  p.n_layers = c.bound_layers();  // the MTP layer's experts, where it is bound, come from the same store
+  for (int l = 0; l < c.bound_layers(); ++l)
     if (!c.layer_dense[size_t(l)]) p.moe_layers.push_back(l);
   p.n_experts = c.n_routed_experts;
   p.top_k = c.experts_per_token;
@@ -116,8 +116,8 @@ static void add_shared_expert(const LayerWeights& L, ExpertBank& bank) {
 
 // A resident store's bank of a layer plus the layer's shared expert (add_shared_expert).
 void GlmDsaModel::make_fused_banks() {
-  fused_banks_.assign(size_t(config_.num_layers), ExpertBank{});
-  for (int l = 0; l < config_.num_layers; ++l) {
+  fused_banks_.assign(size_t(config_.bound_layers()), ExpertBank{});
+  for (int l = 0; l < config_.bound_layers(); ++l) {
     const ExpertBank* bank = experts_->bank(l);
     if (!bank) continue;
     fused_banks_[size_t(l)] = *bank;
@@ -127,10 +127,10 @@ void GlmDsaModel::make_fused_banks() {
 
 MlaCacheShape GlmDsaModel::cache_shape() const {
   MlaCacheShape s;
-  s.n_layers = config_.num_layers;
+  s.n_layers = config_.bound_layers();  // the MTP layer keeps its own entries beside the main stack's
   s.kv_dim = config_.kv_cache_dim();
   s.index_dim = config_.has_indexer ? config_.index_head_dim : 0;
-  for (int l = 0; l < config_.num_layers; ++l)
+  for (int l = 0; l < config_.bound_layers(); ++l)
     s.has_index.push_back(config_.has_indexer && config_.indexer_full[size_t(l)]);
   return s;
 }
@@ -203,6 +203,10 @@ void GlmDsaModel::upload_weights() {
   if (tied) weights_.lm_head = weights_.embed;
   else up(weights_.lm_head);
   v(weights_.final_norm);
+  if (config_.mtp_layers > 0) {
+    up(weights_.mtp.eh_proj);
+    for (const std::vector<float>* x : {&weights_.mtp.enorm, &weights_.mtp.hnorm, &weights_.mtp.head_norm}) v(*x);
+  }
   for (LayerWeights& L : weights_.layers) {
     v(L.attn_norm);
     v(L.ffn_norm);
@@ -354,6 +358,10 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
   if (K > 1 && (items.size() != 1 || items[0].T != 1 || !items[0].queue_pick || items[0].sample || items[0].logits ||
                 items[0].token))
     fail("forward: a chunk of ", K, " steps runs one greedy token of one sequence, queued (queue_step, no sampling)");
+  const bool keep_hidden = items[0].keep_hidden;
+  for (const BatchItem& it : items)
+    if (it.keep_hidden && (items.size() != 1 || K != 1 || it.queue_pick))
+      fail("forward: keep_hidden runs one sequence's tokens, not queued and not in a chunk");
   // Validate everything before touching the cache, so a bad request leaves no trace.
   std::vector<Segment> segs;
   int64_t N = 0, n_out = 0;
@@ -407,7 +415,8 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
   int32_t* ids = N == 1 ? pick_slots(n_picks) : scratch_i32(6, size_t(N));
   if (!items[0].token_from_pick) backend_.copy_from_host_i32(ids, ids_host.data(), ids_host.size());
   grow_rope_table(end, cache.capacity());
-  const bool recorded = can_record_step(segs, N);
+  // (A step keeping its hidden rows runs eagerly: its recording would be another step's.)
+  const bool recorded = !keep_hidden && can_record_step(segs, N);
   if (recorded && K > 1) {
     // A recorded chunk stops where one step at a time would change recordings (a context bound:
     // the short-context kernels' keys, or DSA's top-k, dense up to it): every step of it then
@@ -455,8 +464,17 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
   argmax_in_step_ = K > 1 || (argmax_in_step_on_ && recorded && N == 1 && (items[0].token || items[0].queue_pick) &&
                               !items[0].sample);
   const auto t_launch = clock::now();
+  hidden_rows_ = 0;  // the rows a step kept are valid until the next step
+  keep_hidden_ = keep_hidden;
   if (recorded) run_recorded(segs, N, cache, ids, lg, K);
   else run_steps(segs, N, cache, ids, lg, K);
+  keep_hidden_ = false;
+  if (keep_hidden) {
+    hidden_rows_ = N;
+    hidden_cache_ = cache.id();
+    hidden_row_ = items[0].row;
+    hidden_pos0_ = segs[0].pos0;
+  }
   const auto t_launched = clock::now();
   const bool picked = argmax_in_step_;
   argmax_in_step_ = false;
@@ -679,6 +697,13 @@ void GlmDsaModel::run_step(const std::vector<Segment>& segs, int64_t N, MlaCache
   // The last layer's residual add, the final norm and lm_head only for the rows whose logits
   // were asked for (a prompt's last row: the add over every row was 11 us of a 512-token prefill
   // on an H200, 73 us at 4096).
+  if (keep_hidden_) {  // one sequence: every row's final-norm state kept for mtp_forward
+    const int64_t first = segs[0].all_logits ? 0 : N - 1;
+    float* hidden = scratch(kHiddenSlot, size_t(N * D));
+    backend_.add_rms_norm(h, out, N, D, vec(weights_.final_norm), eps, hidden);
+    backend_.matmul(hidden + first * D, N - first, weights_.lm_head, lg);
+    return;
+  }
   int64_t r = 0;
   for (const Segment& s : segs) {
     const int64_t first = s.all_logits ? 0 : s.T - 1, n = s.T - first;
@@ -688,6 +713,62 @@ void GlmDsaModel::run_step(const std::vector<Segment>& segs, int64_t N, MlaCache
   }
   backend_.matmul(xn, r, weights_.lm_head, lg);
   if (argmax_in_step_) backend_.argmax_rows(lg, 1, c.vocab_size, step_pick_);
+}
+
+void GlmDsaModel::mtp_forward(int64_t first, int64_t T, const int32_t* next, MlaCache& cache, int row, int64_t pos0,
+                              float* logits, bool all_logits, int32_t* draft) {
+  const GlmDsaConfig& c = config_;
+  const int64_t D = c.hidden_size, V = c.vocab_size, half = c.qk_rope_dim / 2;
+  const float eps = float(c.rms_norm_eps);
+  if (c.mtp_layers < 1) fail("mtp_forward: the model was loaded without its MTP layer (enable_mtp)");
+  if (T <= 0) fail("mtp_forward: no tokens");
+  if (hidden_rows_ == 0 || hidden_cache_ != cache.id() || hidden_row_ != row)
+    fail("mtp_forward: the last forward of cache row ", row, " kept no hidden states (BatchItem::keep_hidden)");
+  if (first < 0 || first + T > hidden_rows_)
+    fail("mtp_forward: hidden rows [", first, ", ", first + T, ") asked of the ", hidden_rows_, " the last forward kept");
+  // The MTP entry at position t reads h_t: the main model must have run position t already.
+  if (pos0 < 0 || pos0 + T > cache.length(row))
+    fail("mtp_forward: MTP positions [", pos0, ", ", pos0 + T, ") past the ", cache.length(row),
+         " the main model has run in cache row ", row);
+  for (int64_t t = 0; t < T; ++t)
+    if (next[t] < 0 || next[t] >= V) fail("token id ", next[t], " is out of range (vocab size ", V, ")");
+  const MtpWeights& m = weights_.mtp;
+  const int l = c.num_layers;
+  const LayerWeights& L = weights_.layers[size_t(l)];
+
+  // [enorm(embed(next)) ; hnorm(h)], h read before any buffer of a step is reused.
+  float* cat = scratch(kMtpInputSlot, size_t(T * 2 * D));
+  backend_.rms_norm(scratch_[size_t(kHiddenSlot)].get() + first * D, D, T, D, vec(m.hnorm), eps, cat + D,
+                    2 * D);
+  int32_t* ids = scratch_i32(kMtpIdsSlot, size_t(T));
+  backend_.copy_from_host_i32(ids, next, size_t(T));
+  float* h = scratch(0, size_t(T * D));    // residual stream [T, D]
+  float* xn = scratch(1, size_t(T * D));   // normed input    [T, D]
+  float* out = scratch(2, size_t(T * D));  // sublayer output [T, D]
+  backend_.embed(weights_.embed, ids, T, h);
+  backend_.rms_norm(h, D, T, D, vec(m.enorm), eps, cat, 2 * D);
+  backend_.matmul(cat, T, m.eh_proj, h);
+
+  // One decoder layer at the positions of h, its own entries of the cache row.
+  grow_rope_table(pos0 + T, cache.capacity());
+  cos_sin_ = rope_dev_.get() + pos0 * half * 2;
+  const std::vector<Segment> segs{Segment{row, 0, T, pos0, choose_path(T, pos0)}};
+  backend_.rms_norm(h, D, T, D, vec(L.attn_norm), eps, xn, D);
+  attention(l, xn, T, segs, cache, out);
+  backend_.add_rms_norm(h, out, T, D, vec(L.ffn_norm), eps, xn);
+  if (L.dense) mlp(L.mlp, xn, T, out);
+  else moe(l, xn, T, out);
+
+  const int64_t r0 = all_logits ? 0 : T - 1, n = T - r0;
+  backend_.add_rms_norm(h + r0 * D, out + r0 * D, n, D, vec(m.head_norm), eps, xn);
+  float* lg = scratch(3, size_t(n * V));
+  backend_.matmul(xn, n, weights_.lm_head, lg);
+  if (logits) backend_.copy_to_host(logits, lg, size_t(n * V));
+  if (draft) {
+    int32_t* pick = scratch_i32(kMtpPickSlot, 1);
+    backend_.argmax_rows(lg + (n - 1) * V, 1, V, pick);
+    backend_.copy_to_host_i32(draft, pick, 1);
+  }
 }
 
 void GlmDsaModel::attention(int layer, const float* xn, int64_t N, const std::vector<Segment>& segs,

@@ -46,6 +46,10 @@ struct BatchItem {
   // steps back to back (a chunk), each on the pick of the one before, their picks read back in
   // one queued read (GlmDsaModel::queue_step's `steps`).
   int steps = 1;
+  // One sequence, not queued: keep every row's final-norm hidden state (the main model's h_t) in
+  // backend memory for GlmDsaModel::mtp_forward, until the next forward. Such a step runs eagerly
+  // (never from a recording).
+  bool keep_hidden = false;
 };
 
 class GlmDsaModel {
@@ -140,6 +144,19 @@ class GlmDsaModel {
   // no such step has been recorded.
   int64_t replay_latest(int n);
 
+  // The MTP layer (bound where enable_mtp(config) ran before the model was built): for the hidden
+  // rows [first, first + T) kept by the last forward (BatchItem::keep_hidden: the main model's
+  // final-norm states h_t of cache row `row`) and the tokens that followed them (next, host [T]),
+  // runs u = eh_proj([enorm(embed(next)) ; hnorm(h)]) through the MTP decoder layer at positions
+  // pos0 .. pos0 + T - 1 (those of the h rows: at most the main model's length), writing the MTP
+  // layer's own entries of the cache row (its length is the caller's to keep: the entries past it
+  // are overwritten as it goes), then shared_head.norm and the main lm_head. Writes the logits
+  // (host: [T, vocab] if all_logits, else the last row's) and/or `draft` (host: the last row's
+  // argmax, the MTP's guess for the token after next). The hidden rows stay valid.
+  void mtp_forward(int64_t first, int64_t T, const int32_t* next, MlaCache& cache, int row, int64_t pos0,
+                   float* logits, bool all_logits, int32_t* draft);
+  bool has_mtp() const { return config_.mtp_layers > 0; }
+
   // The path AttentionPath::Auto takes for T new tokens after pos0 cached ones.
   AttentionPath choose_path(int64_t T, int64_t pos0) const;
 
@@ -213,6 +230,8 @@ class GlmDsaModel {
   // Scratch slots scratch_slot and scratch_slot + 1 hold the gate and up products. The MoE paths'
   // shared expert uses its own pair (kMoeMlpSlot), apart from the dense layers' (see replay()).
   static constexpr int kMoeMlpSlot = 41;
+  // The kept final-norm hidden rows (BatchItem::keep_hidden) and mtp_forward's own buffers.
+  static constexpr int kHiddenSlot = 70, kMtpInputSlot = 71, kMtpIdsSlot = 70, kMtpPickSlot = 71;
   void gate_up(const float* x, int64_t T, const Weight& gate, const Weight& up, float* g, float* u);
   void mlp(const MlpWeights& w, const float* x, int64_t T, float* out, int scratch_slot = 20);
   float* scratch(int slot, size_t n);
@@ -248,6 +267,11 @@ class GlmDsaModel {
   bool argmax_in_step_on_;       // set_argmax_in_step (model.cpp: the default)
   bool argmax_in_step_ = false;  // this step's run_step (and its recording) ends with its pick
   int32_t* step_pick_ = nullptr;     // where run_step's argmax goes (argmax_in_step_)
+  bool keep_hidden_ = false;     // this step's run_step keeps its hidden rows (kHiddenSlot)
+  int64_t hidden_rows_ = 0;      // rows the last forward kept (0: none)
+  uint64_t hidden_cache_ = 0;    // ... of this cache and row, from position hidden_pos0_
+  int hidden_row_ = -1;
+  int64_t hidden_pos0_ = 0;
   std::deque<int> queued_chunks_;    // queue_step's reads not yet taken: steps in each
   std::deque<int32_t> taken_picks_;  // picks of a chunk read back and not yet returned by take_step
   std::vector<std::shared_ptr<float>> scratch_;

@@ -45,14 +45,14 @@ MlpWeights bind_mlp(const Checkpoint& ck, const std::string& p, int64_t hidden, 
 GlmDsaWeights bind_glm_dsa_weights(const Checkpoint& ck, const GlmDsaConfig& c) {
   GlmDsaWeights w;
   const int64_t D = c.hidden_size, H = c.n_heads;
-  size_t& bytes = w.dense_bytes;
+  size_t* counted = &w.dense_bytes;  // where bound bytes are counted: the main model's, then the MTP layer's
   auto bind = [&](const std::string& name, int64_t out, int64_t in) {
     Weight x = bind_weight(ck, name, out, in);
-    bytes += x.nbytes();
+    *counted += x.nbytes();
     return x;
   };
   auto vec = [&](const std::string& name, int64_t n) {
-    bytes += ck.find(name) ? ck.find(name)->nbytes : 0;
+    *counted += ck.find(name) ? ck.find(name)->nbytes : 0;
     return load_vector(ck, name, n);
   };
   w.embed = bind("model.embed_tokens", c.vocab_size, D);
@@ -61,8 +61,15 @@ GlmDsaWeights bind_glm_dsa_weights(const Checkpoint& ck, const GlmDsaConfig& c) 
   else if (c.tie_word_embeddings) w.lm_head = w.embed;
   else fail(ck.dir(), ": missing tensor lm_head.weight (expected shape [", c.vocab_size, ", ", D, "])");
 
-  for (int l = 0; l < c.num_layers; ++l) {
+  for (int l = 0; l < c.bound_layers(); ++l) {
     const std::string p = "model.layers." + std::to_string(l) + ".";
+    if (l == c.num_layers) {
+      counted = &w.mtp_bytes;
+      w.mtp.enorm = vec(p + "enorm.weight", D);
+      w.mtp.hnorm = vec(p + "hnorm.weight", D);
+      w.mtp.eh_proj = bind(p + "eh_proj", D, 2 * D);
+      w.mtp.head_norm = vec(p + "shared_head.norm.weight", D);
+    }
     LayerWeights L;
     L.attn_norm = vec(p + "input_layernorm.weight", D);
     L.ffn_norm = vec(p + "post_attention_layernorm.weight", D);
@@ -90,13 +97,13 @@ GlmDsaWeights bind_glm_dsa_weights(const Checkpoint& ck, const GlmDsaConfig& c) 
     }
     L.dense = c.layer_dense[size_t(l)];
     if (L.dense) {
-      L.mlp = bind_mlp(ck, p + "mlp.", D, c.intermediate_size, bytes);
+      L.mlp = bind_mlp(ck, p + "mlp.", D, c.intermediate_size, *counted);
     } else {
       L.router = bind(p + "mlp.gate", c.n_routed_experts, D);
       L.router_bias = vec(p + "mlp.gate.e_score_correction_bias", c.n_routed_experts);
       if (c.n_shared_experts > 0) {
         L.has_shared = true;
-        L.shared = bind_mlp(ck, p + "mlp.shared_experts.", D, c.moe_intermediate_size * c.n_shared_experts, bytes);
+        L.shared = bind_mlp(ck, p + "mlp.shared_experts.", D, c.moe_intermediate_size * c.n_shared_experts, *counted);
       }
     }
     w.layers.push_back(std::move(L));

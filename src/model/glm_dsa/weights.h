@@ -45,16 +45,27 @@ struct LayerWeights {
   MlpWeights shared;            // [n_shared * moe_inter, hidden]   (MoE layers)
 };
 
+// The MTP layer's own tensors around its decoder layer (layers[num_layers]): it reads the main
+// model's embedding and lm_head.
+struct MtpWeights {
+  std::vector<float> enorm, hnorm;  // [hidden]: the next token's embedding, the main model's hidden state
+  Weight eh_proj;                   // [hidden, 2 hidden]: [enorm(embed) ; hnorm(h)] -> hidden
+  std::vector<float> head_norm;     // [hidden] shared_head.norm, before the main lm_head
+};
+
 struct GlmDsaWeights {
   Weight embed;                  // [vocab, hidden]
   std::vector<float> final_norm; // [hidden]
   Weight lm_head;                // [vocab, hidden]
-  std::vector<LayerWeights> layers;
-  size_t dense_bytes = 0;        // every bound tensor except routed experts
+  std::vector<LayerWeights> layers;  // [num_layers + mtp_layers]
+  MtpWeights mtp;                // bound where c.mtp_layers > 0
+  size_t dense_bytes = 0;        // every bound tensor of the main model except routed experts
+  size_t mtp_bytes = 0;          // the MTP layer's, except its routed experts
 };
 
-// Binds the main stack (layers 0 .. num_layers-1). Tensors the graph does not use (the MTP
-// layer, rotary caches) are ignored.
+// Binds the main stack (layers 0 .. num_layers-1) and, where c.mtp_layers > 0, the MTP layer
+// (model.layers.{num_layers}.*). Tensors the graph does not use (an unbound MTP layer, rotary
+// caches) are ignored.
 GlmDsaWeights bind_glm_dsa_weights(const Checkpoint& ck, const GlmDsaConfig& c);
 
 // A 1-D tensor of length n as f32 (F32, BF16 or F16 storage).
