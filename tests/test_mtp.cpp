@@ -13,6 +13,7 @@
 #include "io/json_file.h"
 #include "io/npy.h"
 #include "model/glm_dsa/model.h"
+#include "runtime/generate.h"
 #include "text/tokenizer.h"
 #include "backend_test_util.h"
 #include "test_helpers.h"
@@ -29,8 +30,6 @@ std::unique_ptr<GlmDsaModel> load_with_mtp(Backend& be) {
   enable_mtp(c, kModel);
   return GlmDsaModel::create(std::move(c), Checkpoint::open(kModel), be);
 }
-
-int32_t argmax(const float* row, int64_t V) { return int32_t(std::max_element(row, row + V) - row); }
 
 double rel_l2(const float* got, const float* want, int64_t n) {
   double num = 0, den = 0;
@@ -110,4 +109,55 @@ TEST(Mtp, HeldOutAcceptanceMatchesTheReference) {
   // The file has 11 positions where the indexer's top-k boundary is a tie (expected.json), which
   // the reference's tie order may resolve otherwise: a draft or two either way.
   EXPECT_NEAR(double(accepted), double(ref), 3.0);
+}
+
+namespace {
+GenerateResult generate_on(GlmDsaModel& m, Backend& be, const std::vector<int32_t>& prompt, int64_t n, bool drafts,
+                           int64_t prefill_chunk = 0, MlaCache* keep = nullptr) {
+  MlaCache cache(be, m.cache_shape(), 1, int64_t(prompt.size()) + n);
+  GenerateOptions opt;
+  opt.max_new_tokens = n;
+  opt.stop_at_eos = false;
+  opt.mtp_drafts = drafts;
+  opt.prefill_chunk = prefill_chunk;
+  GenerateResult r = generate(m, keep ? *keep : cache, 0, prompt, opt);
+  return r;
+}
+}  // namespace
+
+// Speculative decoding keeps exactly the tokens plain greedy decoding picks: the oracle's greedy
+// continuations, and a long one past the indexer's top-k (64 keys: DSA selects from then on).
+TEST(Mtp, DraftedDecodingPicksThePlainGreedyTokens) {
+  auto be = make_cpu_backend();
+  auto m = load_with_mtp(*be);
+  Json e = read_json_file(kExpected + "/expected.json");
+  int64_t drafted = 0, accepted = 0;
+  for (const Json& c : e["greedy"]["cases"]) {
+    auto prompt = c["prompt_ids"].get<std::vector<int32_t>>();
+    auto want = c["continuation_ids"].get<std::vector<int32_t>>();
+    GenerateResult r = generate_on(*m, *be, prompt, int64_t(want.size()), true);
+    EXPECT_EQ(r.tokens, want) << "prompt: " << c["prompt"].get<std::string>();
+    drafted += r.drafted;
+    accepted += r.accepted;
+  }
+  auto prompt = e["greedy"]["cases"][0]["prompt_ids"].get<std::vector<int32_t>>();
+  const int64_t n = 300, cap = int64_t(prompt.size()) + n;
+  MlaCache plain_cache(*be, m->cache_shape(), 1, cap), drafted_cache(*be, m->cache_shape(), 1, cap);
+  GenerateResult plain = generate_on(*m, *be, prompt, n, false, 0, &plain_cache);
+  GenerateResult drafted_run = generate_on(*m, *be, prompt, n, true, 0, &drafted_cache);
+  EXPECT_EQ(drafted_run.tokens, plain.tokens);
+  // The cache as plain decoding leaves it: the prompt and every token but the last.
+  EXPECT_EQ(drafted_cache.length(0), plain_cache.length(0));
+  drafted += drafted_run.drafted;
+  accepted += drafted_run.accepted;
+  std::printf("  drafts kept: %lld of %lld\n", (long long)accepted, (long long)drafted);
+  // Every round emits the main model's pick, plus the draft when kept (the last round's second
+  // token may fall past max_new_tokens).
+  EXPECT_GE(drafted_run.drafted + drafted_run.accepted + 1, n);
+  EXPECT_LE(drafted_run.drafted + drafted_run.accepted + 1, n + 1);
+  // The prompt in chunks: the same tokens and the same drafts.
+  GenerateResult chunked = generate_on(*m, *be, prompt, n, true, 5);
+  EXPECT_EQ(chunked.tokens, plain.tokens);
+  EXPECT_EQ(chunked.accepted, drafted_run.accepted);
+  EXPECT_GT(accepted, drafted / 5);  // the trained MTP layer drafts well (0.4-0.5 in the model card)
 }

@@ -2,6 +2,97 @@
 
 namespace vireo {
 
+namespace {
+
+// GenerateOptions::mtp_drafts. The main model's cache holds the prompt and every emitted token but
+// the last (`next`, not yet run); the MTP layer's entries run one position behind the main model's
+// (the entry at t needs the token after t), at the same positions.
+GenerateResult generate_with_drafts(GlmDsaModel& model, MlaCache& cache, int row, const std::vector<int32_t>& prompt,
+                                    const GenerateOptions& opt, const std::function<bool(int32_t)>& on_token) {
+  using clock = std::chrono::steady_clock;
+  const GlmDsaConfig& c = model.config();
+  if (!model.has_mtp()) fail("speculative decoding: the model was loaded without its MTP layer");
+  if (opt.sampling.temperature != 0.0f)
+    fail("speculative decoding with the MTP layer needs greedy decoding (temperature 0), got temperature ",
+         opt.sampling.temperature);
+  GenerateResult r;
+  const int64_t P = int64_t(prompt.size()), chunk = opt.prefill_chunk > 0 ? opt.prefill_chunk : P;
+  r.prompt_tokens = P;
+  const int64_t start = cache.length(row);
+  auto t0 = clock::now();
+  // The prompt in chunks, each keeping its hidden rows for the MTP layer's entries at its
+  // positions (the entry of a chunk's last position takes the next chunk's first token, or the
+  // main model's pick after the prompt).
+  int32_t next = -1, draft = -1;
+  for (int64_t at = 0; at < P; at += chunk) {
+    const int64_t n = std::min(chunk, P - at);
+    const bool last = at + n == P;
+    BatchItem item;
+    item.row = row;
+    item.tokens = prompt.data() + at;
+    item.T = n;
+    item.keep_hidden = true;
+    if (last) item.token = &next;
+    model.forward_batch({item}, cache);
+    std::vector<int32_t> following(prompt.begin() + at + 1, prompt.begin() + at + n);
+    following.push_back(last ? next : prompt[size_t(at + n)]);
+    model.mtp_forward(0, n, following.data(), cache, row, start + at, nullptr, false, last ? &draft : nullptr);
+  }
+  auto t1 = clock::now();
+  r.prefill_seconds = std::chrono::duration<double>(t1 - t0).count();
+  // Each round verifies [next, draft] at positions m, m + 1 with the attention path a one-token
+  // step at m takes (so position m's logits are a decode step's, bit for bit).
+  std::vector<int32_t> fresh{next};
+  while (true) {
+    bool stop = false;
+    for (int32_t t : fresh) {
+      if (int64_t(r.tokens.size()) == opt.max_new_tokens) {
+        stop = true;
+        break;
+      }
+      r.tokens.push_back(t);
+      const bool keep_going = on_token ? on_token(t) : true;
+      if (opt.stop_at_eos && c.eos_ids.count(t)) {
+        r.stopped_at_eos = true;
+        stop = true;
+        break;
+      }
+      if (!keep_going || int64_t(r.tokens.size()) == opt.max_new_tokens) {
+        stop = true;
+        break;
+      }
+    }
+    if (stop) break;
+    const int64_t m = cache.length(row);
+    const int32_t pair[2] = {next, draft};
+    int32_t picks[2];
+    BatchItem item;
+    item.row = row;
+    item.tokens = pair;
+    item.T = 2;
+    item.all_logits = true;
+    item.token = picks;
+    item.keep_hidden = true;
+    model.forward_batch({item}, cache, model.choose_path(1, m));
+    ++r.drafted;
+    if (picks[0] == draft) {
+      ++r.accepted;
+      fresh = {draft, picks[1]};
+    } else {
+      cache.trim(row, m + 1);
+      fresh = {picks[0]};
+    }
+    // The MTP entries at m (and m + 1): the next draft, for the position after the last fresh token.
+    model.mtp_forward(0, int64_t(fresh.size()), fresh.data(), cache, row, m, nullptr, false, &draft);
+    next = fresh.back();
+  }
+  if (!r.tokens.empty()) cache.trim(row, start + P + int64_t(r.tokens.size()) - 1);
+  r.decode_seconds = std::chrono::duration<double>(clock::now() - t1).count();
+  return r;
+}
+
+}  // namespace
+
 GenerateResult generate(GlmDsaModel& model, MlaCache& cache, int row, const std::vector<int32_t>& prompt,
                         const GenerateOptions& opt, const std::function<bool(int32_t)>& on_token) {
   using clock = std::chrono::steady_clock;
@@ -13,6 +104,7 @@ GenerateResult generate(GlmDsaModel& model, MlaCache& cache, int row, const std:
   if (opt.prefill_chunk < 0) fail("prefill chunk must be 0 (the whole prompt) or positive, got ", opt.prefill_chunk);
   if (opt.decode_steps < 1 || opt.decode_steps > int(Backend::kMaxQueuedRead))
     fail("decode steps a chunk must be 1 to ", Backend::kMaxQueuedRead, ", got ", opt.decode_steps);
+  if (opt.mtp_drafts) return generate_with_drafts(model, cache, row, prompt, opt, on_token);
   GenerateResult r;
   r.prompt_tokens = int64_t(prompt.size());
   Sampler sampler(opt.sampling);

@@ -26,6 +26,12 @@ struct GenerateOptions {
   // generation stops up to 2 * decode_steps - 1 steps past the stop run and are dropped (one chunk
   // runs ahead of the one being read). Sampling decodes a step at a time.
   int decode_steps = 8;
+  // Speculative decoding with the model's MTP layer (greedy only; GlmDsaModel::has_mtp): each
+  // step the main model runs the next token and the MTP layer's draft of the one after as one
+  // two-token forward, and keeps the draft where its own pick agrees: the same tokens as plain
+  // greedy decoding (each position's logits are computed as one decode step computes them), up to
+  // two a forward.
+  bool mtp_drafts = false;
 };
 
 struct GenerateResult {
@@ -33,6 +39,7 @@ struct GenerateResult {
   bool stopped_at_eos = false;
   int64_t prompt_tokens = 0;
   double prefill_seconds = 0, decode_seconds = 0;
+  int64_t drafted = 0, accepted = 0;  // mtp_drafts: drafts verified, and kept
 };
 
 // on_token(id) is called as each token is chosen; returning false stops generation.
