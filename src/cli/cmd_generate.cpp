@@ -64,7 +64,7 @@ Action add_run(CLI::App& app) {
     int64_t n = 64;
     int decode_steps = GenerateOptions{}.decode_steps;
     SamplingParams s;
-    bool ignore_eos = false, chat = false;
+    bool ignore_eos = false, chat = false, mtp = false;
     StreamingFlags sf;
     std::string device = "cpu";
     std::string math = "exact";  // --math: CUDA prefill products
@@ -82,11 +82,13 @@ Action add_run(CLI::App& app) {
   add_sampling_flags(app, o->s);
   app.add_flag("--ignore-eos", o->ignore_eos, "Do not stop at end-of-sequence tokens");
   add_decode_steps_flag(app, o->decode_steps);
+  add_mtp_flag(app, o->mtp);
   add_streaming_flags(app, o->sf);
   add_prefill_chunk_flag(app, o->chunk);
   add_device_flag(app, o->device, o->math);
   return [o]() {
     validate_sampling(o->s);
+    check_mtp_flag(o->mtp, o->s, o->device);
     const int64_t chunk = resolve_prefill_chunk(o->chunk, o->sf);
     const bool text_mode = o->prompt_ids.empty();
     if (text_mode && o->prompt.empty() && o->prompt_file.empty())
@@ -113,7 +115,9 @@ Action add_run(CLI::App& app) {
     const uint64_t rss_before_load = current_rss_bytes();
     auto backend = make_cli_backend(o->device, o->math);
     const int64_t P = int64_t(prompt.size());
-    LoadedModel lm = load_model(o->model, *backend, o->sf, P + o->n, 1, chunk > 0 ? std::min(chunk, P) : P);
+    // --mtp: each decode step verifies two tokens (two rows of logits).
+    const int64_t step = std::max<int64_t>(chunk > 0 ? std::min(chunk, P) : P, o->mtp ? 2 : 1);
+    LoadedModel lm = load_model(o->model, *backend, o->sf, P + o->n, 1, step, o->mtp ? 2 : 0, o->mtp);
     auto& model = lm.model;
     ExpertStoreStats last = model->experts().stats();
     for (int32_t id : prompt)
@@ -127,6 +131,7 @@ Action add_run(CLI::App& app) {
     opt.prefill_chunk = chunk;
     // --stats reports each token's own step: one step a chunk.
     opt.decode_steps = o->sf.stats ? 1 : o->decode_steps;
+    opt.mtp_drafts = o->mtp;
     bool first = true;
     std::optional<DecodeStream> stream;
     if (text) stream.emplace(text->tokenizer, true);
@@ -150,6 +155,10 @@ Action add_run(CLI::App& app) {
                  (long long)r.prompt_tokens, r.prefill_seconds, double(r.prompt_tokens) / r.prefill_seconds,
                  r.tokens.size(), decoded > 0 ? double(decoded) / r.decode_seconds : 0.0,
                  r.stopped_at_eos ? " (stopped at EOS)" : "");
+    if (o->mtp)
+      std::fprintf(stderr, "MTP drafts: %lld of %lld kept (%.1f%%), %.2f tokens a decode step\n", (long long)r.accepted,
+                   (long long)r.drafted, r.drafted ? 100.0 * double(r.accepted) / double(r.drafted) : 0.0,
+                   r.drafted ? double(decoded) / double(r.drafted) : 0.0);
     if (o->sf.stats)
       std::fprintf(stderr, "experts total: %s\npeak RSS: %llu bytes (%llu before loading the model)\n",
                    stats_line(model->experts().stats()).c_str(), (unsigned long long)peak_rss_bytes(),

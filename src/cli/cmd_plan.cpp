@@ -156,7 +156,10 @@ MemoryPlan plan_for(const Checkpoint& ck, const GlmDsaConfig& c, uint64_t budget
   MemoryPlanInputs in;
   in.budget = budget;
   in.gpu_budget = gpu_budget;
-  in.dense_bytes = bind_glm_dsa_weights(ck, c).dense_bytes;
+  {
+    const GlmDsaWeights w = bind_glm_dsa_weights(ck, c);
+    in.dense_bytes = w.dense_bytes + w.mtp_bytes;  // the MTP layer's, where it is bound (enable_mtp)
+  }
   const ExpertStoreParams p = expert_store_params(c);
   in.n_moe_layers = int(p.moe_layers.size());
   in.n_experts = p.n_experts;
@@ -176,10 +179,10 @@ MemoryPlan plan_for(const Checkpoint& ck, const GlmDsaConfig& c, uint64_t budget
   in.in_memory = ck.files().empty();
   if (gpu_budget) in.host_available = mem_available_bytes();
   MlaCacheShape cs;
-  cs.n_layers = c.num_layers;
+  cs.n_layers = c.bound_layers();
   cs.kv_dim = c.kv_cache_dim();
   cs.index_dim = c.has_indexer ? c.index_head_dim : 0;
-  for (int l = 0; l < c.num_layers; ++l) cs.has_index.push_back(c.has_indexer && c.indexer_full[size_t(l)]);
+  for (int l = 0; l < c.bound_layers(); ++l) cs.has_index.push_back(c.has_indexer && c.indexer_full[size_t(l)]);
   in.context = context;
   in.batch = batch;
   in.cache_bytes = uint64_t(MlaCache::bytes_per_token(cs)) * uint64_t(context) * uint64_t(batch);
@@ -196,9 +199,10 @@ MemoryPlan plan_for(const Checkpoint& ck, const GlmDsaConfig& c, uint64_t budget
 }
 
 LoadedModel load_model(const std::string& dir, Backend& backend, const StreamingFlags& f, int64_t context,
-                       int64_t batch, int64_t step_tokens, int64_t logit_rows) {
-  return load_checkpoint(load_glm_dsa_config(dir), Checkpoint::open(dir), dir, backend, f, context, batch, step_tokens,
-                         logit_rows);
+                       int64_t batch, int64_t step_tokens, int64_t logit_rows, bool mtp) {
+  GlmDsaConfig c = load_glm_dsa_config(dir);
+  if (mtp) enable_mtp(c, dir + "/config.json");
+  return load_checkpoint(std::move(c), Checkpoint::open(dir), dir, backend, f, context, batch, step_tokens, logit_rows);
 }
 
 LoadedModel load_checkpoint(GlmDsaConfig c, std::unique_ptr<Checkpoint> ck, const std::string& what, Backend& backend,
@@ -262,6 +266,20 @@ void add_decode_steps_flag(CLI::App& app, int& steps) {
                  "Greedy decode steps run as one chunk (on CUDA one graph launch; the same tokens at any size, "
                  "handed over in bursts of this many; 1: a token a step)")
       ->check(CLI::Range(1, int(Backend::kMaxQueuedRead)));
+}
+
+void add_mtp_flag(CLI::App& app, bool& mtp) {
+  app.add_flag("--mtp", mtp,
+               "Speculative decoding: the model's MTP layer drafts the token after next, the main model keeps it "
+               "where its own pick agrees (greedy only; the same tokens, up to two a step)");
+}
+
+void check_mtp_flag(bool mtp, const SamplingParams& s, const std::string& device) {
+  if (!mtp) return;
+  if (s.temperature != 0.0f)
+    fail("--mtp needs greedy decoding (--temp 0): drafts are kept only where they equal the main model's argmax");
+  if (device != "cpu")
+    fail("--mtp runs on --device cpu for now (its two-token verification steps are not yet checked on a GPU)");
 }
 
 int64_t resolve_prefill_chunk(const PrefillChunkFlag& f, const StreamingFlags& sf) {

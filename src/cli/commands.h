@@ -53,8 +53,9 @@ struct LoadedModel {
 // sized by the plan. `step_tokens`: the most tokens the caller runs in one forward step (its
 // prompt chunk plus decode rows), `logit_rows`: the most rows of logits a step produces (0: one
 // per sequence); the plan's scratch is sized for that step, so the caller must not exceed it.
+// `mtp`: bind the model's MTP layer too (enable_mtp), for speculative decoding.
 LoadedModel load_model(const std::string& dir, Backend& backend, const StreamingFlags& f, int64_t context,
-                       int64_t batch, int64_t step_tokens, int64_t logit_rows = 0);
+                       int64_t batch, int64_t step_tokens, int64_t logit_rows = 0, bool mtp = false);
 // As load_model, for a checkpoint already open (`what` names it in errors; in-memory synthetic
 // checkpoints stream to the GPU from a pinned host copy).
 LoadedModel load_checkpoint(GlmDsaConfig c, std::unique_ptr<Checkpoint> ck, const std::string& what, Backend& backend,
@@ -82,6 +83,10 @@ struct PrefillChunkFlag {
 void add_prefill_chunk_flag(CLI::App& app, PrefillChunkFlag& f);
 // --decode-steps of run and chat: greedy decode steps a chunk (GenerateOptions::decode_steps).
 void add_decode_steps_flag(CLI::App& app, int& steps);
+// --mtp (run, chat): speculative greedy decoding with the model's MTP layer; check_mtp_flag
+// refuses it where it cannot run (sampling, a GPU: not yet checked there).
+void add_mtp_flag(CLI::App& app, bool& mtp);
+void check_mtp_flag(bool mtp, const SamplingParams& s, const std::string& device);
 // The chunk to use (0: whole prompt); fails with one line naming the flag for a negative value,
 // or 0 under a budget.
 int64_t resolve_prefill_chunk(const PrefillChunkFlag& f, const StreamingFlags& sf);
