@@ -37,14 +37,6 @@ struct MutableModel {
   }
 };
 
-void expect_clean_error(const RunResult& r, const std::string& needle) {
-  EXPECT_EQ(r.signal, 0) << "crashed with signal " << r.signal;
-  EXPECT_EQ(r.exit_code, 1);
-  EXPECT_EQ(count_lines(r.err), 1) << r.err;
-  EXPECT_EQ(r.err.rfind("vireo: error: ", 0), 0u) << r.err;
-  EXPECT_NE(r.err.find(needle), std::string::npos) << "expected '" << needle << "' in: " << r.err;
-}
-
 std::string logits_cmd(const std::string& dir, const std::string& tokens = "1,2,3") {
   return "logits --model " + dir + " --tokens " + tokens + " --out " + dir + "/out.npy";
 }

@@ -2,6 +2,7 @@
 // Shared test utilities: temporary directories, file I/O, running the vireo binary.
 #include <sys/wait.h>
 #include <unistd.h>
+#include <gtest/gtest.h>
 #include <zlib.h>
 
 #include <cstdint>
@@ -92,6 +93,15 @@ inline int count_lines(const std::string& s) {
   for (char c : s) n += c == '\n';
   if (!s.empty() && s.back() != '\n') ++n;
   return n;
+}
+
+// A command that fails as bad input must: exit code 1, one line on stderr naming the problem.
+inline void expect_clean_error(const RunResult& r, const std::string& needle) {
+  EXPECT_EQ(r.signal, 0) << "crashed with signal " << r.signal;
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(count_lines(r.err), 1) << r.err;
+  EXPECT_EQ(r.err.rfind("vireo: error: ", 0), 0u) << r.err;
+  EXPECT_NE(r.err.find(needle), std::string::npos) << "expected '" << needle << "' in: " << r.err;
 }
 
 }  // namespace vireo::test

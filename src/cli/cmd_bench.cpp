@@ -576,7 +576,7 @@ Action add_bench(CLI::App& app) {
     StreamingFlags sf;
     std::string device = "cpu";
     std::string math = "exact";  // --math: CUDA prefill products
-    bool profile = false, math_only = false;
+    bool profile = false, math_only = false, mtp = false;
     std::string profiler_range = "decode";
     std::string profile_mode = "synced";
     SamplingParams s;
@@ -601,6 +601,9 @@ Action add_bench(CLI::App& app) {
                      "CUDA: greedy decode steps queued as one chunk, one graph launch each (as vireo run's "
                      "--decode-steps; default: VIREO_DECODE_STEPS if set, else vireo run's default)")
           ->check(CLI::Range(1, int(Backend::kMaxQueuedRead)));
+  app.add_flag("--mtp", o->mtp,
+               "CPU, --model: also time greedy generation of --decode tokens from the prompt with and without the "
+               "MTP layer's drafts (vireo run --mtp), 3 rounds each, and check that both give the same tokens");
   app.add_flag("--no-graph", o->no_graph, "CUDA: launch decode steps op by op instead of replaying a recorded graph");
   app.add_option("--batch", o->batch,
                  "CUDA: also time decode steps of this many sequences at once (as vireo serve batches them), "
@@ -643,6 +646,8 @@ Action add_bench(CLI::App& app) {
     if (o->capacity > 0 && o->capacity < o->decode + 8)
       fail("--capacity ", o->capacity, ": the context-0 decode needs at least --decode + 8 = ", o->decode + 8, " rows");
     check_device_flags(o->device, o->math, o->sf);
+    if (o->mtp && (o->model.empty() || o->device != "cpu" || o->s.temperature != 0.0f))
+      fail("--mtp needs --model DIR (a checkpoint with an MTP layer), --device cpu and greedy decoding");
     if (o->profile && o->device != "cuda") fail("--profile needs --device cuda");
     if (o->profile_mode != "synced" && !o->profile) fail("--profile-mode needs --profile");
     if (o->math_only && o->device != "cuda") fail("--math-only needs --device cuda");
@@ -670,8 +675,9 @@ Action add_bench(CLI::App& app) {
       model = GlmDsaModel::create(std::move(c), std::move(ck), *backend);
     } else {
       // Steps: the cache filled in 512-token chunks, then the prompt in one.
-      lm = load_model(o->model, *backend, o->sf, o->context + o->prompt + o->decode, 1,
-                      std::max(o->prompt, std::min<int64_t>(o->context, 512)));
+      // (--mtp: the cache also holds the two-token steps' entries.)
+      lm = load_model(o->model, *backend, o->sf, o->context + o->prompt + 2 * o->decode, 1,
+                      std::max(o->prompt, std::min<int64_t>(o->context, 512)), o->mtp ? 2 : 0, o->mtp);
       model = std::move(lm.model);
     }
     std::fprintf(stderr, "loaded in %.1f s; measuring memory bandwidth...\n",
@@ -686,10 +692,13 @@ Action add_bench(CLI::App& app) {
     const bool rss_after_probes = reset_peak_rss();
     const GlmDsaConfig& c = model->config();
     const int64_t C = o->context, total = C + o->prompt + o->decode;
-    std::vector<int32_t> ids(static_cast<size_t>(total));
+    // After the one-token steps, --decode / 2 steps of two tokens (the form of speculative
+    // decoding's verification steps, `vireo run --mtp`) continue the same cache.
+    const int64_t pairs = o->decode / 2;
+    std::vector<int32_t> ids(static_cast<size_t>(total + 2 * pairs));
     for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t((i * 7919 + 13) % size_t(c.vocab_size));
-    MlaCache cache(*backend, model->cache_shape(), 1, total);
-    std::vector<float> logits(size_t(c.vocab_size));
+    MlaCache cache(*backend, model->cache_shape(), 1, total + 2 * pairs);
+    std::vector<float> logits(size_t(2 * c.vocab_size));
     const double active = double(model->active_weight_bytes_per_token());
     for (int64_t done = 0; done < C;) {  // untimed: fill the cache to --context
       const int64_t n = std::min<int64_t>(512, C - done);
@@ -713,6 +722,16 @@ Action add_bench(CLI::App& app) {
                           AttentionPath::Absorbed);
     }
     auto t3 = clock::now();
+    int32_t picks[2];
+    for (int64_t i = 0; i < pairs; ++i) {
+      BatchItem two;
+      two.tokens = &ids[size_t(total + 2 * i)];
+      two.T = 2;
+      two.all_logits = true;
+      two.token = picks;
+      model->forward_batch({two}, cache, AttentionPath::Absorbed);
+    }
+    const double pair_s = std::chrono::duration<double>(clock::now() - t3).count();
     const double prefill_s = std::chrono::duration<double>(t2 - t1).count();
     const double decode_s = std::chrono::duration<double>(t3 - t2).count();
     const double dec_tps = double(o->decode) / decode_s;
@@ -730,6 +749,39 @@ Action add_bench(CLI::App& app) {
     std::printf("decode             %lld tokens in %.3f s: %.2f tok/s, %.1f GB/s of weights = %.0f%% of bandwidth (%s)\n",
                 (long long)o->decode, decode_s, dec_tps, dec_gbs, 100.0 * dec_gbs / bw,
                 o->s.temperature != 0.0f ? "tokens sampled" : "greedy tokens");
+    if (pairs > 0)
+      std::printf("decode, 2 a step   %lld steps of two tokens (a --mtp verification step): %.2f ms a step = %.2fx a "
+                  "one-token step's %.2f ms\n",
+                  (long long)pairs, 1e3 * pair_s / double(pairs), pair_s / double(pairs) * dec_tps, 1e3 / dec_tps);
+    if (o->mtp) {
+      // Greedy continuations of the bench's prompt in a fresh cache, plain and drafted in turn.
+      const std::vector<int32_t> prompt(ids.begin() + C, ids.begin() + C + o->prompt);
+      std::vector<double> tps[2];
+      std::vector<int32_t> tokens[2];
+      GenerateResult drafted;
+      for (int round = 0; round < 3; ++round)
+        for (int d = 0; d < 2; ++d) {
+          MlaCache fresh(*backend, model->cache_shape(), 1, o->prompt + o->decode);
+          GenerateOptions g;
+          g.max_new_tokens = o->decode;
+          g.stop_at_eos = false;
+          g.mtp_drafts = d == 1;
+          GenerateResult r = generate(*model, fresh, 0, prompt, g);
+          tps[d].push_back(double(o->decode - 1) / r.decode_seconds);
+          tokens[d] = r.tokens;
+          if (d == 1) drafted = r;
+        }
+      if (tokens[0] != tokens[1]) fail("bench --mtp: the drafted tokens differ from plain greedy decoding's");
+      auto median = [](std::vector<double> v) {
+        std::sort(v.begin(), v.end());
+        return v[v.size() / 2];
+      };
+      std::printf("greedy generate    %lld tokens: %.2f tok/s plain, %.2f tok/s with MTP drafts (%.2fx; medians of 3, "
+                  "the same tokens); drafts kept %lld of %lld (%.1f%%)\n",
+                  (long long)o->decode, median(tps[0]), median(tps[1]), median(tps[1]) / median(tps[0]),
+                  (long long)drafted.accepted, (long long)drafted.drafted,
+                  drafted.drafted ? 100.0 * double(drafted.accepted) / double(drafted.drafted) : 0.0);
+    }
     if (lm.streaming) {
       const ExpertStoreStats d = model->experts().stats() - after_prefill;
       const double hit = d.hit_rate();
