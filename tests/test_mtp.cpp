@@ -236,6 +236,12 @@ TEST(Mtp, RunFlagKeepsTheTokensAndRefusesWhatItCannotRun) {
   EXPECT_EQ(drafted.out, plain.out);
   EXPECT_NE(drafted.err.find("MTP drafts: "), std::string::npos) << drafted.err;
   expect_clean_error(run_vireo(run + " --mtp --temp 0.7"), "--mtp needs greedy decoding (--temp 0)");
+  // chat: the second turn reuses the cache (its last kept position runs again for the MTP layer).
+  const std::string turns = "What is Python?\nAnd a list?\n";
+  RunResult chat_plain = run_vireo("chat --model " + kModel + " -n 40", turns);
+  RunResult chat_drafted = run_vireo("chat --model " + kModel + " -n 40 --mtp", turns);
+  ASSERT_EQ(chat_drafted.exit_code, 0) << chat_drafted.err;
+  EXPECT_EQ(chat_drafted.out, chat_plain.out);
   expect_clean_error(run_vireo("run --model " + std::string(VIREO_FIXTURES_DIR) + "/glm_dsa_full_f32 --prompt-ids 1,2 "
                                "-n 2 --mtp"),
                      "has no MTP layer");

@@ -90,6 +90,7 @@ Action add_chat(CLI::App& app) {
     std::string device = "cpu";
     std::string math = "exact";  // --math: CUDA prefill products
     PrefillChunkFlag chunk;
+    bool mtp = false;
   };
   auto o = std::make_shared<Opts>();
   app.add_option("--model,-m", o->model, "Model directory")->required();
@@ -100,17 +101,20 @@ Action add_chat(CLI::App& app) {
   add_streaming_flags(app, o->sf);
   add_prefill_chunk_flag(app, o->chunk);
   add_decode_steps_flag(app, o->decode_steps);
+  add_mtp_flag(app, o->mtp);
   add_device_flag(app, o->device, o->math);
   return [o]() {
     validate_sampling(o->s);
+    check_mtp_flag(o->mtp, o->s, o->device);
     const int64_t chunk = resolve_prefill_chunk(o->chunk, o->sf);
     check_device_flags(o->device, o->math, o->sf);
     TextModel tm = TextModel::load(o->model, true);
     auto backend = make_cli_backend(o->device, o->math);
     // A turn's new tokens are prefilled in chunks (or at once: up to the whole context).
-    auto model =
-        load_model(o->model, *backend, o->sf, o->context, 1, chunk > 0 ? std::min(chunk, o->context) : o->context)
-            .model;
+    auto model = load_model(o->model, *backend, o->sf, o->context, 1,
+                            std::max<int64_t>(chunk > 0 ? std::min(chunk, o->context) : o->context, o->mtp ? 2 : 1),
+                            o->mtp ? 2 : 0, o->mtp)
+                     .model;
     MlaCache cache(*backend, model->cache_shape(), 1, o->context);
     const bool tty = ::isatty(0);
     nlohmann::ordered_json messages = nlohmann::ordered_json::array();
@@ -140,6 +144,9 @@ Action add_chat(CLI::App& app) {
       size_t common = 0;
       while (common < cached.size() && common < prompt.size() && cached[common] == prompt[common]) ++common;
       if (common == prompt.size()) --common;  // at least one token must be fed to get logits
+      // --mtp: the MTP layer's entry at the last kept position took the token that followed it in
+      // the last turn, which may differ now: that position runs again (its main entry is the same).
+      if (o->mtp && common > 0) --common;
       cache.trim(0, int64_t(common));
       cached.resize(common);
       std::vector<int32_t> fresh(prompt.begin() + long(common), prompt.end());
@@ -154,6 +161,7 @@ Action add_chat(CLI::App& app) {
       opt.sampling = o->s;
       opt.prefill_chunk = chunk;
       opt.decode_steps = o->decode_steps;
+      opt.mtp_drafts = o->mtp;
       DecodeStream stream(tm.tokenizer, true);
       std::string reply;
       GenerateResult r = generate(*model, cache, 0, fresh, opt, [&](int32_t id) {
