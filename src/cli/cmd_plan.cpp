@@ -351,9 +351,11 @@ Action add_plan(CLI::App& app) {
   struct Opts {
     std::string model, budget, gpu_budget;
     int64_t context = 4096, batch = 1, prefill_chunk = 512;
+    bool mtp = false;
   };
   auto o = std::make_shared<Opts>();
   app.add_option("--model,-m", o->model, "Model directory")->required();
+  app.add_flag("--mtp", o->mtp, "Plan for run/chat --mtp: the MTP layer's weights, experts and cache entries too");
   app.add_option("--memory-budget", o->budget, "RAM budget (e.g. 8G); without it every expert is resident");
   app.add_option("--gpu-budget", o->gpu_budget, "GPU memory budget (e.g. 24G): plan a device pool of expert slots");
   app.add_option("--context", o->context, "Context length per sequence")->check(CLI::Range(int64_t(1), int64_t(1) << 24));
@@ -365,6 +367,7 @@ Action add_plan(CLI::App& app) {
       ->capture_default_str();
   return [o]() {
     GlmDsaConfig c = load_glm_dsa_config(o->model);
+    if (o->mtp) enable_mtp(c, o->model + "/config.json");
     auto ck = Checkpoint::open(o->model);
     const uint64_t budget = o->budget.empty() ? 0 : parse_byte_size(o->budget, "--memory-budget");
     const uint64_t gpu = o->gpu_budget.empty() ? 0 : parse_byte_size(o->gpu_budget, "--gpu-budget");

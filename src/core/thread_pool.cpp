@@ -1,8 +1,13 @@
 #include "core/thread_pool.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <memory>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 namespace vireo {
 
@@ -18,6 +23,26 @@ void chunk(int64_t n, int64_t grain, int parts, int index, int64_t* b, int64_t* 
   *b = std::min(n, start * grain);
   *e = std::min(n, (start + count) * grain);
 }
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+// Spins until done() or kSpinMicros have passed; returns done().
+template <class Done>
+bool spin_until(Done done) {
+  using clock = std::chrono::steady_clock;
+  const auto until = clock::now() + std::chrono::microseconds(ThreadPool::kSpinMicros);
+  for (int i = 1;; ++i) {
+    if (done()) return true;
+    cpu_relax();
+    if (i % 64 == 0 && clock::now() > until) return done();
+  }
+}
 }  // namespace
 
 ThreadPool::ThreadPool(int n_threads) : n_threads_(std::max(1, n_threads)) {
@@ -28,6 +53,7 @@ ThreadPool::~ThreadPool() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
+    generation_.fetch_add(1, std::memory_order_release);
   }
   cv_start_.notify_all();
   for (auto& t : threads_) t.join();
@@ -36,13 +62,16 @@ ThreadPool::~ThreadPool() {
 void ThreadPool::worker(int index) {
   uint64_t seen = 0;
   for (;;) {
+    if (!spin_until([&] { return generation_.load(std::memory_order_acquire) != seen; })) {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_start_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
+    }
+    seen = generation_.load(std::memory_order_acquire);
     const std::function<void(int64_t, int64_t, int)>* job;
     int64_t n, grain;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_start_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      std::lock_guard<std::mutex> lock(mu_);  // the fields of the generation just seen (or stop_)
       if (stop_) return;
-      seen = generation_;
       job = job_;
       n = job_n_;
       grain = job_grain_;
@@ -50,9 +79,9 @@ void ThreadPool::worker(int index) {
     int64_t b, e;
     chunk(n, grain, n_threads_, index, &b, &e);
     if (b < e) (*job)(b, e, index);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (--pending_ == 0) cv_done_.notify_one();
+    if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      std::lock_guard<std::mutex> lock(mu_);  // the caller may be between its check and its sleep
+      cv_done_.notify_one();
     }
   }
 }
@@ -70,15 +99,16 @@ void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int64
     job_ = &fn;
     job_n_ = n;
     job_grain_ = grain;
-    pending_ = n_threads_ - 1;
-    ++generation_;
+    pending_.store(n_threads_ - 1, std::memory_order_relaxed);
+    generation_.fetch_add(1, std::memory_order_release);
   }
   cv_start_.notify_all();
   int64_t b, e;
   chunk(n, grain, n_threads_, 0, &b, &e);
   if (b < e) fn(b, e, 0);
+  if (spin_until([&] { return pending_.load(std::memory_order_acquire) == 0; })) return;
   std::unique_lock<std::mutex> lock(mu_);
-  cv_done_.wait(lock, [&] { return pending_ == 0; });
+  cv_done_.wait(lock, [&] { return pending_.load(std::memory_order_acquire) == 0; });
 }
 
 ThreadPool& ThreadPool::global() {
