@@ -242,7 +242,8 @@ TEST(Mtp, RunFlagKeepsTheTokensAndRefusesWhatItCannotRun) {
   RunResult chat_drafted = run_vireo("chat --model " + kModel + " -n 40 --mtp", turns);
   ASSERT_EQ(chat_drafted.exit_code, 0) << chat_drafted.err;
   EXPECT_EQ(chat_drafted.out, chat_plain.out);
-  expect_clean_error(run_vireo("run --model " + std::string(VIREO_FIXTURES_DIR) + "/glm_dsa_full_f32 --prompt-ids 1,2 "
+  expect_clean_error(run_vireo("run --model " + std::string(VIREO_FIXTURES_DIR) +
+                               "/glm_dsa_full_f32 --prompt-ids 1,2 "
                                "-n 2 --mtp"),
                      "has no MTP layer");
 }

@@ -750,9 +750,10 @@ Action add_bench(CLI::App& app) {
                 (long long)o->decode, decode_s, dec_tps, dec_gbs, 100.0 * dec_gbs / bw,
                 o->s.temperature != 0.0f ? "tokens sampled" : "greedy tokens");
     if (pairs > 0)
-      std::printf("decode, 2 a step   %lld steps of two tokens (a --mtp verification step): %.2f ms a step = %.2fx a "
-                  "one-token step's %.2f ms\n",
-                  (long long)pairs, 1e3 * pair_s / double(pairs), pair_s / double(pairs) * dec_tps, 1e3 / dec_tps);
+      std::printf(
+          "decode, 2 a step   %lld steps of two tokens (a --mtp verification step): %.2f ms a step = %.2fx a "
+          "one-token step's %.2f ms\n",
+          (long long)pairs, 1e3 * pair_s / double(pairs), pair_s / double(pairs) * dec_tps, 1e3 / dec_tps);
     if (o->mtp) {
       // Greedy continuations of the bench's prompt in a fresh cache, plain and drafted in turn.
       const std::vector<int32_t> prompt(ids.begin() + C, ids.begin() + C + o->prompt);
@@ -776,11 +777,12 @@ Action add_bench(CLI::App& app) {
         std::sort(v.begin(), v.end());
         return v[v.size() / 2];
       };
-      std::printf("greedy generate    %lld tokens: %.2f tok/s plain, %.2f tok/s with MTP drafts (%.2fx; medians of 3, "
-                  "the same tokens); drafts kept %lld of %lld (%.1f%%)\n",
-                  (long long)o->decode, median(tps[0]), median(tps[1]), median(tps[1]) / median(tps[0]),
-                  (long long)drafted.accepted, (long long)drafted.drafted,
-                  drafted.drafted ? 100.0 * double(drafted.accepted) / double(drafted.drafted) : 0.0);
+      std::printf(
+          "greedy generate    %lld tokens: %.2f tok/s plain, %.2f tok/s with MTP drafts (%.2fx; medians of 3, "
+          "the same tokens); drafts kept %lld of %lld (%.1f%%)\n",
+          (long long)o->decode, median(tps[0]), median(tps[1]), median(tps[1]) / median(tps[0]),
+          (long long)drafted.accepted, (long long)drafted.drafted,
+          drafted.drafted ? 100.0 * double(drafted.accepted) / double(drafted.drafted) : 0.0);
     }
     if (lm.streaming) {
       const ExpertStoreStats d = model->experts().stats() - after_prefill;

@@ -725,7 +725,8 @@ void GlmDsaModel::mtp_forward(int64_t first, int64_t T, const int32_t* next, Mla
   if (hidden_rows_ == 0 || hidden_cache_ != cache.id() || hidden_row_ != row)
     fail("mtp_forward: the last forward of cache row ", row, " kept no hidden states (BatchItem::keep_hidden)");
   if (first < 0 || first + T > hidden_rows_)
-    fail("mtp_forward: hidden rows [", first, ", ", first + T, ") asked of the ", hidden_rows_, " the last forward kept");
+    fail("mtp_forward: hidden rows [", first, ", ", first + T, ") asked of the ", hidden_rows_,
+         " the last forward kept");
   // The MTP entry at position t reads h_t: the main model must have run position t already.
   if (pos0 < 0 || pos0 + T > cache.length(row))
     fail("mtp_forward: MTP positions [", pos0, ", ", pos0 + T, ") past the ", cache.length(row),
@@ -738,8 +739,7 @@ void GlmDsaModel::mtp_forward(int64_t first, int64_t T, const int32_t* next, Mla
 
   // [enorm(embed(next)) ; hnorm(h)], h read before any buffer of a step is reused.
   float* cat = scratch(kMtpInputSlot, size_t(T * 2 * D));
-  backend_.rms_norm(scratch_[size_t(kHiddenSlot)].get() + first * D, D, T, D, vec(m.hnorm), eps, cat + D,
-                    2 * D);
+  backend_.rms_norm(scratch_[size_t(kHiddenSlot)].get() + first * D, D, T, D, vec(m.hnorm), eps, cat + D, 2 * D);
   int32_t* ids = scratch_i32(kMtpIdsSlot, size_t(T));
   backend_.copy_from_host_i32(ids, next, size_t(T));
   float* h = scratch(0, size_t(T * D));    // residual stream [T, D]

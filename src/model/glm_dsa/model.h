@@ -153,8 +153,8 @@ class GlmDsaModel {
   // are overwritten as it goes), then shared_head.norm and the main lm_head. Writes the logits
   // (host: [T, vocab] if all_logits, else the last row's) and/or `draft` (host: the last row's
   // argmax, the MTP's guess for the token after next). The hidden rows stay valid.
-  void mtp_forward(int64_t first, int64_t T, const int32_t* next, MlaCache& cache, int row, int64_t pos0,
-                   float* logits, bool all_logits, int32_t* draft);
+  void mtp_forward(int64_t first, int64_t T, const int32_t* next, MlaCache& cache, int row, int64_t pos0, float* logits,
+                   bool all_logits, int32_t* draft);
   bool has_mtp() const { return config_.mtp_layers > 0; }
 
   // The path AttentionPath::Auto takes for T new tokens after pos0 cached ones.
@@ -267,9 +267,9 @@ class GlmDsaModel {
   bool argmax_in_step_on_;       // set_argmax_in_step (model.cpp: the default)
   bool argmax_in_step_ = false;  // this step's run_step (and its recording) ends with its pick
   int32_t* step_pick_ = nullptr;     // where run_step's argmax goes (argmax_in_step_)
-  bool keep_hidden_ = false;     // this step's run_step keeps its hidden rows (kHiddenSlot)
-  int64_t hidden_rows_ = 0;      // rows the last forward kept (0: none)
-  uint64_t hidden_cache_ = 0;    // ... of this cache and row, from position hidden_pos0_
+  bool keep_hidden_ = false;         // this step's run_step keeps its hidden rows (kHiddenSlot)
+  int64_t hidden_rows_ = 0;          // rows the last forward kept (0: none)
+  uint64_t hidden_cache_ = 0;        // ... of this cache and row, from position hidden_pos0_
   int hidden_row_ = -1;
   int64_t hidden_pos0_ = 0;
   std::deque<int> queued_chunks_;    // queue_step's reads not yet taken: steps in each

@@ -58,9 +58,9 @@ struct GlmDsaWeights {
   std::vector<float> final_norm; // [hidden]
   Weight lm_head;                // [vocab, hidden]
   std::vector<LayerWeights> layers;  // [num_layers + mtp_layers]
-  MtpWeights mtp;                // bound where c.mtp_layers > 0
-  size_t dense_bytes = 0;        // every bound tensor of the main model except routed experts
-  size_t mtp_bytes = 0;          // the MTP layer's, except its routed experts
+  MtpWeights mtp;                    // bound where c.mtp_layers > 0
+  size_t dense_bytes = 0;            // every bound tensor of the main model except routed experts
+  size_t mtp_bytes = 0;              // the MTP layer's, except its routed experts
 };
 
 // Binds the main stack (layers 0 .. num_layers-1) and, where c.mtp_layers > 0, the MTP layer
