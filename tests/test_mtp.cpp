@@ -212,6 +212,8 @@ TEST(Mtp, MisuseFailsWithAMessage) {
               "hidden rows [3, 5) asked of the 4 the last forward kept");
   expect_fail([&] { m->mtp_forward(2, 2, ids.data(), cache, 0, 3, nullptr, false, &draft); },
               "MTP positions [3, 5) past the 4 the main model has run in cache row 0");
+  expect_fail([&] { m->mtp_forward(0, 1, ids.data(), cache, 0, 1, nullptr, false, &draft); },
+              "hidden row 0 is position 0, not 1");
   const int32_t bad[1] = {99999};
   expect_fail([&] { m->mtp_forward(0, 1, bad, cache, 0, 0, nullptr, false, &draft); },
               "token id 99999 is out of range (vocab size 8192)");

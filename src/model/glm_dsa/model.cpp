@@ -731,6 +731,9 @@ void GlmDsaModel::mtp_forward(int64_t first, int64_t T, const int32_t* next, Mla
   if (pos0 < 0 || pos0 + T > cache.length(row))
     fail("mtp_forward: MTP positions [", pos0, ", ", pos0 + T, ") past the ", cache.length(row),
          " the main model has run in cache row ", row);
+  if (pos0 != hidden_pos0_ + first)
+    fail("mtp_forward: hidden row ", first, " is position ", hidden_pos0_ + first, ", not ", pos0,
+         " (the MTP entry at a position reads that position's hidden state)");
   for (int64_t t = 0; t < T; ++t)
     if (next[t] < 0 || next[t] >= V) fail("token id ", next[t], " is out of range (vocab size ", V, ")");
   const MtpWeights& m = weights_.mtp;
