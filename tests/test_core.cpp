@@ -1,6 +1,9 @@
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <thread>
 #include <vector>
 
 #include "core/dtype.h"
@@ -75,5 +78,26 @@ TEST(ThreadPool, PartitionCoversEveryIndexOnce) {
       for (int64_t i = b; i < e; ++i) hits[i]++;
     }, 4);
     for (int64_t i = 0; i < n; ++i) ASSERT_EQ(hits[i], 1) << "n=" << n << " i=" << i;
+  }
+}
+
+// The hand-over between the caller and the workers, spinning or asleep: many short jobs back to
+// back (the workers spin between them), jobs after the workers fell asleep (a pause longer than
+// the spin), and a pool destroyed while its workers sleep. A lost wake-up hangs the test.
+TEST(ThreadPool, JobsBackToBackAndAfterSleepingAllComplete) {
+  for (int threads : {2, 4}) {
+    ThreadPool pool(threads);
+    std::vector<int64_t> sums(64, 0);
+    for (int round = 0; round < 2000; ++round) {
+      std::atomic<int64_t> total{0};
+      pool.parallel_for(64, [&](int64_t b, int64_t e, int) {
+        for (int64_t i = b; i < e; ++i) sums[size_t(i)] += i;
+        total += e - b;
+      });
+      ASSERT_EQ(total.load(), 64) << "round " << round;
+      if (round % 500 == 499) std::this_thread::sleep_for(std::chrono::microseconds(3 * ThreadPool::kSpinMicros));
+    }
+    for (int64_t i = 0; i < 64; ++i) EXPECT_EQ(sums[size_t(i)], 2000 * i);
+    std::this_thread::sleep_for(std::chrono::microseconds(3 * ThreadPool::kSpinMicros));  // asleep when destroyed
   }
 }

@@ -218,19 +218,6 @@ TinyCheckpoint& tiny() {
   return ck;
 }
 
-// "  expert pool      12.82 MiB  ..." -> bytes.
-double table_bytes(const std::string& table, const std::string& row) {
-  std::smatch m;
-  std::regex re("  " + row + " +([0-9.]+) (B|KiB|MiB|GiB)");
-  if (!std::regex_search(table, m, re)) {
-    ADD_FAILURE() << "no row " << row << " in\n" << table;
-    return 0;
-  }
-  const std::string u = m[2];
-  const double mult = u == "B" ? 1 : u == "KiB" ? 1024.0 : u == "MiB" ? 1048576.0 : 1073741824.0;
-  return std::stod(m[1]) * mult;
-}
-
 }  // namespace
 
 // The minimum budget is tight: it runs a pool of top_k slots, and 1 MiB less (far under a slot)
@@ -269,9 +256,9 @@ TEST(MemoryPlan, MatchesRealAllocationWithin5Percent) {
   auto model = load(dir, *be, slots);
   MlaCache cache(*be, model->cache_shape(), 1, context);
   auto near = [](double plan, double real) { return std::abs(plan - real) <= 0.05 * real; };
-  EXPECT_TRUE(near(table_bytes(r.out, "resident weights"), double(model->weights().dense_bytes)));
-  EXPECT_TRUE(near(table_bytes(r.out, "expert pool"), double(model->experts().resident_bytes())));
-  EXPECT_TRUE(near(table_bytes(r.out, "MLA cache"), double(cache.bytes_allocated())));
+  EXPECT_TRUE(near(test::table_bytes(r.out, "resident weights"), double(model->weights().dense_bytes)));
+  EXPECT_TRUE(near(test::table_bytes(r.out, "expert pool"), double(model->experts().resident_bytes())));
+  EXPECT_TRUE(near(test::table_bytes(r.out, "MLA cache"), double(cache.bytes_allocated())));
   // The pool really is a fraction of the experts.
   const double all_experts = 4.0 * 64 * double(payload_bytes(model->checkpoint(), 0, 0));
   EXPECT_LT(double(model->experts().resident_bytes()), 0.5 * all_experts);
@@ -322,7 +309,7 @@ TEST(MemoryPlan, ScratchGrowsWithContextAndStep) {
   auto scratch = [&](const std::string& flags) {
     auto r = test::run_vireo("plan --model " + dir + " --memory-budget 100M " + flags);
     EXPECT_EQ(r.exit_code, 0) << r.err;
-    return table_bytes(r.out, "scratch");
+    return test::table_bytes(r.out, "scratch");
   };
   const double base = scratch("--context 1024 --prefill-chunk 128");
   EXPECT_GT(scratch("--context 4096 --prefill-chunk 128"), base);

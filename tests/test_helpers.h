@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 #include <sstream>
 #include <string>
 
@@ -102,6 +103,19 @@ inline void expect_clean_error(const RunResult& r, const std::string& needle) {
   EXPECT_EQ(count_lines(r.err), 1) << r.err;
   EXPECT_EQ(r.err.rfind("vireo: error: ", 0), 0u) << r.err;
   EXPECT_NE(r.err.find(needle), std::string::npos) << "expected '" << needle << "' in: " << r.err;
+}
+
+// The bytes of a row of `vireo plan`'s table ("  resident weights   10.75 MiB ...").
+inline double table_bytes(const std::string& table, const std::string& row) {
+  std::smatch m;
+  std::regex re("  " + row + " +([0-9.]+) (B|KiB|MiB|GiB)");
+  if (!std::regex_search(table, m, re)) {
+    ADD_FAILURE() << "no row " << row << " in\n" << table;
+    return 0;
+  }
+  const std::string u = m[2];
+  const double mult = u == "B" ? 1 : u == "KiB" ? 1024.0 : u == "MiB" ? 1048576.0 : 1073741824.0;
+  return std::stod(m[1]) * mult;
 }
 
 }  // namespace vireo::test

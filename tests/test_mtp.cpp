@@ -318,3 +318,20 @@ TEST(Mtp, OnCudaDraftsKeepTheTokens) {
   EXPECT_LE(worst, 1e-4);
 #endif
 }
+
+// `plan --mtp` counts what binding the MTP layer allocates: its weights, its cache entries and
+// its routed experts.
+TEST(Mtp, PlanCountsTheMtpLayer) {
+  auto r = run_vireo("plan --model " + kModel + " --memory-budget 128M --context 512 --mtp");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto be = make_cpu_backend();
+  auto m = load_with_mtp(*be);
+  MlaCache cache(*be, m->cache_shape(), 1, 512);
+  auto near = [](double plan, double real) { return std::abs(plan - real) <= 0.05 * real; };
+  const double weights = double(m->weights().dense_bytes + m->weights().mtp_bytes);
+  EXPECT_TRUE(near(table_bytes(r.out, "resident weights"), weights)) << r.out;
+  EXPECT_TRUE(near(table_bytes(r.out, "MLA cache"), double(cache.bytes_allocated()))) << r.out;
+  EXPECT_NE(r.out.find("of 96 routed experts"), std::string::npos) << r.out;  // 6 MoE layers x 16
+  auto plain = run_vireo("plan --model " + kModel + " --memory-budget 128M --context 512");
+  EXPECT_LT(table_bytes(plain.out, "MLA cache"), table_bytes(r.out, "MLA cache"));
+}

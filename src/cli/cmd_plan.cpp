@@ -190,6 +190,8 @@ MemoryPlan plan_for(const Checkpoint& ck, const GlmDsaConfig& c, uint64_t budget
   in.step_tokens = std::max(step_tokens, batch);
   in.scratch_bytes = estimate_scratch_bytes(c, in.step_tokens, logit_rows > 0 ? logit_rows : batch, context,
                                             gpu_budget > 0);
+  // --mtp: a step's hidden rows kept for the MTP layer ([T, hidden]) and its input ([T, 2 hidden]).
+  if (c.mtp_layers > 0) in.scratch_bytes += 3 * uint64_t(in.step_tokens) * uint64_t(c.hidden_size) * 4;
   if (gpu_budget) {
     bool fp8 = false;
     for (const auto& [name, t] : ck.tensors()) fp8 = fp8 || t->dtype == DType::F8_E4M3;

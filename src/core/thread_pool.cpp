@@ -32,7 +32,8 @@ inline void cpu_relax() {
 #endif
 }
 
-// Spins until done() or kSpinMicros have passed; returns done().
+// Spins until done() or kSpinMicros have passed; returns done(). Every 64 tries it also yields,
+// so that where threads outnumber cores the thread being waited for gets one.
 template <class Done>
 bool spin_until(Done done) {
   using clock = std::chrono::steady_clock;
@@ -40,7 +41,10 @@ bool spin_until(Done done) {
   for (int i = 1;; ++i) {
     if (done()) return true;
     cpu_relax();
-    if (i % 64 == 0 && clock::now() > until) return done();
+    if (i % 64 == 0) {
+      if (clock::now() > until) return done();
+      std::this_thread::yield();
+    }
   }
 }
 }  // namespace
