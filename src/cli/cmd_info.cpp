@@ -74,7 +74,8 @@ Action add_info(CLI::App& app) {
     std::printf("parameters       %s in %s (main stack)", human_count(main_total.params).c_str(),
                 human_bytes(main_total.bytes).c_str());
     if (mtp_total.params > 0)
-      std::printf("; MTP layer %s in %s", human_count(mtp_total.params).c_str(), human_bytes(mtp_total.bytes).c_str());
+      std::printf("; MTP layer %s in %s (run --mtp drafts with it)", human_count(mtp_total.params).c_str(),
+                  human_bytes(mtp_total.bytes).c_str());
     std::printf("\n");
     for (const auto& [dt, t] : main_by_dtype)
       std::printf("  %-8s       %s params, %s\n", dt.c_str(), human_count(t.params).c_str(), human_bytes(t.bytes).c_str());
