@@ -8,6 +8,7 @@
 #include <cstring>
 #include <cmath>
 #include <fstream>
+#include <regex>
 #include <sstream>
 
 #include "backend/backend.h"
@@ -334,4 +335,21 @@ TEST(Mtp, PlanCountsTheMtpLayer) {
   EXPECT_NE(r.out.find("of 96 routed experts"), std::string::npos) << r.out;  // 6 MoE layers x 16
   auto plain = run_vireo("plan --model " + kModel + " --memory-budget 128M --context 512");
   EXPECT_LT(table_bytes(plain.out, "MLA cache"), table_bytes(r.out, "MLA cache"));
+}
+
+// `perplexity --mtp` scores the drafts teacher-forced, by the model card's definition: on the
+// held-out file 463 of 1149 as the reference (the ties at the indexer's boundary allowing a
+// draft or two), the perplexity unchanged, and per window (t + 2 inside the window).
+TEST(Mtp, PerplexityScoresTheDrafts) {
+  const std::string cmd = "perplexity --model " + kModel + " --file " + kExpected + "/heldout.txt";
+  RunResult plain = run_vireo(cmd), drafted = run_vireo(cmd + " --mtp");
+  ASSERT_EQ(drafted.exit_code, 0) << drafted.err;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(drafted.out, m, std::regex("MTP drafts kept ([0-9]+) of ([0-9]+)"))) << drafted.out;
+  EXPECT_NEAR(std::stod(m[1]), 463.0, 3.0);
+  EXPECT_EQ(m[2], "1149");
+  EXPECT_EQ(drafted.out.substr(0, drafted.out.find("MTP")), plain.out);  // the same perplexity lines
+  RunResult windows = run_vireo(cmd + " --mtp --context 300 --chunk 64");
+  ASSERT_TRUE(std::regex_search(windows.out, m, std::regex("MTP drafts kept ([0-9]+) of ([0-9]+)"))) << windows.out;
+  EXPECT_EQ(m[2], std::to_string(3 * 298 + 249));  // windows of 300, 300, 300 and 251 tokens
 }

@@ -13,6 +13,7 @@
 #include "io/json_file.h"
 #include "model/glm_dsa/model.h"
 #include "runtime/generate.h"
+#include "runtime/sampler.h"
 
 namespace vireo::cli {
 
@@ -192,10 +193,14 @@ Action add_perplexity(CLI::App& app) {
     StreamingFlags sf;
     std::string device = "cpu";
     std::string math = "exact";  // --math: CUDA prefill products
+    bool mtp = false;
   };
   auto o = std::make_shared<Opts>();
   app.add_option("--model,-m", o->model, "Model directory")->required();
   app.add_option("--file,-f", o->file, "Text file to score")->required();
+  app.add_flag("--mtp", o->mtp,
+               "Also score the MTP layer's drafts: how often its guess for token t+2 (from t's hidden state and "
+               "token t+1) equals the main model's greedy token there (what run --mtp would keep)");
   app.add_option("--context", o->context, "Window length in tokens (default: max_position_embeddings, at most 4096)")
       ->check(CLI::Range(int64_t(2), int64_t(1) << 22));
   app.add_option("--chunk", o->chunk, "Tokens per forward step (a window is scored in chunks of this many)")
@@ -215,7 +220,8 @@ Action add_perplexity(CLI::App& app) {
     // Steps of `chunk` tokens with logits for all of them: the backend's [chunk, vocab] and, on the
     // CPU (where a --memory-budget counts it), the host copy scored below.
     const int64_t step = std::min(o->chunk, window);
-    auto model = load_model(o->model, *backend, o->sf, window, 1, step, step + (o->device == "cpu" ? step : 0)).model;
+    auto model =
+        load_model(o->model, *backend, o->sf, window, 1, step, step + (o->device == "cpu" ? step : 0), o->mtp).model;
     const int64_t V = model->config().vocab_size;
     // Non-overlapping windows, each scored from its own start: token t of a window is predicted
     // from tokens before it in that window.
@@ -223,13 +229,31 @@ Action add_perplexity(CLI::App& app) {
     MlaCache cache(*backend, model->cache_shape(), 1, window);
     std::vector<float> logits(static_cast<size_t>(o->chunk * V));
     double nll = 0;
-    int64_t scored = 0;
+    int64_t scored = 0, drafts = 0, kept = 0;
+    std::vector<int32_t> main_pick, mtp_pick;  // --mtp: a window's greedy tokens and drafts by position
     for (int64_t w = 0; w < n_windows; ++w) {
       const int64_t begin = w * window, end = std::min(n, begin + window);
       cache.reset(0);
+      main_pick.assign(size_t(end - begin), -1);
+      mtp_pick.assign(size_t(end - begin), -1);
       for (int64_t c = begin; c < end; c += o->chunk) {
         const int64_t T = std::min(o->chunk, end - c);
-        model->forward(&ids[size_t(c)], T, cache, 0, logits.data(), true);
+        BatchItem item;
+        item.tokens = &ids[size_t(c)];
+        item.T = T;
+        item.logits = logits.data();
+        item.all_logits = true;
+        item.keep_hidden = o->mtp;
+        model->forward_batch({item}, cache);
+        if (o->mtp) {
+          // The MTP entry at each position that has a next token in the window: its draft for
+          // the position after that.
+          const int64_t rows = std::min(T, end - 1 - c);
+          for (int64_t t = 0; t < T; ++t) main_pick[size_t(c - begin + t)] = argmax(&logits[size_t(t * V)], V);
+          if (rows > 0)
+            model->mtp_forward(0, rows, &ids[size_t(c + 1)], cache, 0, c - begin, nullptr, true,
+                               &mtp_pick[size_t(c - begin)]);
+        }
         for (int64_t t = 0; t < T; ++t) {
           const int64_t target = c + t + 1;
           if (target >= end) break;
@@ -245,11 +269,20 @@ Action add_perplexity(CLI::App& app) {
                      std::exp(nll / double(std::max<int64_t>(scored, 1))));
         std::fflush(stderr);
       }
+      // The draft at t (for t + 2) against the main model's greedy token for t + 2 (its pick at t + 1).
+      for (int64_t t = 0; t + 2 < end - begin && o->mtp; ++t) {
+        ++drafts;
+        kept += mtp_pick[size_t(t)] == main_pick[size_t(t + 1)];
+      }
     }
     std::fprintf(stderr, "\n");
     std::printf("tokens %lld, scored %lld, windows %lld of %lld tokens\nmean NLL %.6f\nperplexity %.6f\n",
                 (long long)n, (long long)scored, (long long)n_windows, (long long)window, nll / double(scored),
                 std::exp(nll / double(scored)));
+    if (o->mtp)
+      std::printf("MTP drafts kept %lld of %lld (%.2f%%): the MTP layer's guess for t + 2 equals the main model's "
+                  "greedy token there\n",
+                  (long long)kept, (long long)drafts, drafts ? 100.0 * double(kept) / double(drafts) : 0.0);
     return 0;
   };
 }

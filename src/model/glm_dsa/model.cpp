@@ -767,10 +767,10 @@ void GlmDsaModel::mtp_forward(int64_t first, int64_t T, const int32_t* next, Mla
   float* lg = scratch(3, size_t(n * V));
   backend_.matmul(xn, n, weights_.lm_head, lg);
   if (logits) backend_.copy_to_host(logits, lg, size_t(n * V));
-  if (draft) {
-    int32_t* pick = scratch_i32(kMtpPickSlot, 1);
-    backend_.argmax_rows(lg + (n - 1) * V, 1, V, pick);
-    backend_.copy_to_host_i32(draft, pick, 1);
+  if (draft) {  // every row's argmax with all_logits, else the last row's
+    int32_t* pick = scratch_i32(kMtpPickSlot, size_t(n));
+    backend_.argmax_rows(lg, n, V, pick);
+    backend_.copy_to_host_i32(draft, pick, size_t(n));
   }
 }
 

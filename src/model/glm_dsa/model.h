@@ -151,8 +151,8 @@ class GlmDsaModel {
   // pos0 .. pos0 + T - 1 (those of the h rows: at most the main model's length), writing the MTP
   // layer's own entries of the cache row (its length is the caller's to keep: the entries past it
   // are overwritten as it goes), then shared_head.norm and the main lm_head. Writes the logits
-  // (host: [T, vocab] if all_logits, else the last row's) and/or `draft` (host: the last row's
-  // argmax, the MTP's guess for the token after next). The hidden rows stay valid.
+  // (host: [T, vocab] if all_logits, else the last row's) and/or `draft` (host: the argmax of
+  // the same rows, each the MTP's guess for the token after the row's next). The hidden rows stay valid.
   void mtp_forward(int64_t first, int64_t T, const int32_t* next, MlaCache& cache, int row, int64_t pos0, float* logits,
                    bool all_logits, int32_t* draft);
   bool has_mtp() const { return config_.mtp_layers > 0; }
