@@ -22,6 +22,70 @@ inline float dot(const float* a, const float* b, int64_t n) {
 
 inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 
+// y[c] += a * x[c] for c < n, four lanes at a time: each element's multiply and add as the scalar
+// loop does them (the same bits). -O2 left these loops scalar, a load, multiply, add and store an
+// element (aliasing): the absorbed attention's weighted sum of latents was most of its time.
+inline void axpy(float* __restrict y, const float* __restrict x, float a, int64_t n) {
+  typedef float v4 __attribute__((vector_size(16)));
+  const v4 av = {a, a, a, a};
+  int64_t c = 0;
+  for (; c + 4 <= n; c += 4) {
+    v4 xv, yv;
+    std::memcpy(&xv, x + c, sizeof xv);
+    std::memcpy(&yv, y + c, sizeof yv);
+    yv = yv + av * xv;
+    std::memcpy(y + c, &yv, sizeof yv);
+  }
+  for (; c < n; ++c) y[c] += a * x[c];
+}
+
+// out[k] = dot(q, rows[k], n) for k < 8, each in dot()'s order: eight chains in registers.
+inline void dots8(const float* q, const float* const* rows, int64_t n, float* out) {
+  const float *r0 = rows[0], *r1 = rows[1], *r2 = rows[2], *r3 = rows[3], *r4 = rows[4], *r5 = rows[5],
+              *r6 = rows[6], *r7 = rows[7];
+  float s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0, s6 = 0, s7 = 0;
+  for (int64_t c = 0; c < n; ++c) {
+    const float x = q[c];
+    s0 += x * r0[c];
+    s1 += x * r1[c];
+    s2 += x * r2[c];
+    s3 += x * r3[c];
+    s4 += x * r4[c];
+    s5 += x * r5[c];
+    s6 += x * r6[c];
+    s7 += x * r7[c];
+  }
+  out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3, out[4] = s4, out[5] = s5, out[6] = s6, out[7] = s7;
+}
+
+// s[i] = (dot(qa, ka(u), na) + dot(qb, kb(u), nb)) * scale for the n keys u = list[i] (or i), each
+// sum in dot()'s order, so the same bits as one key at a time, but eight keys' chains interleaved:
+// one key's dot is a chain of dependent adds, latency-bound. (GLM-5 shapes, 2 layers, a 1.5k-token
+// cache, 2 cores: the absorbed attention's scores were ~2/3 of a decode step's time over context 0.)
+template <class KeyA, class KeyB>
+void key_scores(const float* qa, int64_t na, const float* qb, int64_t nb, KeyA ka, KeyB kb, const int32_t* list,
+                int64_t n, float scale, float* s) {
+  constexpr int kKeys = 8;
+  int64_t i = 0;
+  for (; i + kKeys <= n; i += kKeys) {
+    const float* ra[kKeys];
+    const float* rb[kKeys];
+    for (int k = 0; k < kKeys; ++k) {
+      const int64_t u = list ? list[i + k] : i + k;
+      ra[k] = ka(u);
+      rb[k] = kb(u);
+    }
+    float sa[kKeys], sb[kKeys];
+    dots8(qa, ra, na, sa);
+    dots8(qb, rb, nb, sb);
+    for (int k = 0; k < kKeys; ++k) s[i + k] = (sa[k] + sb[k]) * scale;
+  }
+  for (; i < n; ++i) {
+    const int64_t u = list ? list[i] : i;
+    s[i] = (dot(qa, ka(u), na) + dot(qb, kb(u), nb)) * scale;
+  }
+}
+
 class CpuBackend final : public Backend {
  public:
   explicit CpuBackend(int64_t moe_experts_max_tokens) : moe_experts_max_tokens_(moe_experts_max_tokens) {}
@@ -299,7 +363,7 @@ class CpuBackend final : public Backend {
     for (int64_t i = 0; i < m; ++i) {
       float* yr = y + int64_t(index[i]) * n;
       const float* r = rows + i * n;
-      for (int64_t j = 0; j < n; ++j) yr[j] += s[i] * r[j];
+      axpy(yr, r, s[i], n);
     }
   }
 
@@ -345,11 +409,9 @@ class CpuBackend final : public Backend {
         const float* q = a.q + (t * H + h) * qw;
         const int32_t* list;
         const int64_t n = keys_for(a, t, &list);
-        for (int64_t i = 0; i < n; ++i) {
-          const int64_t u = list ? list[i] : i;
-          const float* kn = &kvx[size_t((u * H + h) * hw)];
-          s[size_t(i)] = (dot(q, kn, nope) + dot(q + nope, a.kv + u * kvw + L, rope)) * a.scale;
-        }
+        key_scores(
+            q, nope, q + nope, rope, [&](int64_t u) { return &kvx[size_t((u * H + h) * hw)]; },
+            [&](int64_t u) { return a.kv + u * kvw + L; }, list, n, a.scale, s.data());
         softmax_inplace(s.data(), n);
         float* o = a.out + (t * H + h) * vd;
         std::fill(o, o + vd, 0.0f);
@@ -357,7 +419,7 @@ class CpuBackend final : public Backend {
           const int64_t u = list ? list[i] : i;
           const float* v = &kvx[size_t((u * H + h) * hw + nope)];
           const float p = s[size_t(i)];
-          for (int64_t j = 0; j < vd; ++j) o[j] += p * v[j];
+          axpy(o, v, p, vd);
         }
       }
     });
@@ -369,7 +431,8 @@ class CpuBackend final : public Backend {
     const int64_t H = a.n_heads, nope = a.qk_nope, rope = a.qk_rope, vd = a.v_dim, L = a.kv_lora;
     const int64_t kvw = L + rope, qw = nope + rope, hw = nope + vd;
     pool().parallel_for(H, [&](int64_t hb, int64_t he, int) {
-      std::vector<float> wrow(static_cast<size_t>(L)), qlat(static_cast<size_t>(L)), olat(static_cast<size_t>(L)), s(static_cast<size_t>(a.n_keys));
+      std::vector<float> wrow(static_cast<size_t>(8 * L)), qlat(static_cast<size_t>(L)), olat(static_cast<size_t>(L)),
+          s(static_cast<size_t>(a.n_keys));
       std::vector<float> w_uk(static_cast<size_t>(nope * L));
       for (int64_t h = hb; h < he; ++h) {
         for (int64_t i = 0; i < nope; ++i) cpu_dequantize_row(*a.kv_b, h * hw + i, &w_uk[size_t(i * L)]);
@@ -379,25 +442,32 @@ class CpuBackend final : public Backend {
           for (int64_t i = 0; i < nope; ++i) {  // q_lat = W_UK^T q_nope
             const float qi = q[i];
             const float* wr = &w_uk[size_t(i * L)];
-            for (int64_t c = 0; c < L; ++c) qlat[size_t(c)] += qi * wr[c];
+            axpy(qlat.data(), wr, qi, L);
           }
           const int32_t* list;
           const int64_t n = keys_for(a, t, &list);
-          for (int64_t i = 0; i < n; ++i) {
-            const int64_t u = list ? list[i] : i;
-            const float* kv = a.kv + u * kvw;
-            s[size_t(i)] = (dot(qlat.data(), kv, L) + dot(q + nope, kv + L, rope)) * a.scale;
-          }
+          key_scores(
+              qlat.data(), L, q + nope, rope, [&](int64_t u) { return a.kv + u * kvw; },
+              [&](int64_t u) { return a.kv + u * kvw + L; }, list, n, a.scale, s.data());
           softmax_inplace(s.data(), n);
           std::fill(olat.begin(), olat.end(), 0.0f);
           for (int64_t i = 0; i < n; ++i) {
             const int64_t u = list ? list[i] : i;
             const float* kv = a.kv + u * kvw;
             const float p = s[size_t(i)];
-            for (int64_t c = 0; c < L; ++c) olat[size_t(c)] += p * kv[c];
+            axpy(olat.data(), kv, p, L);
           }
           float* o = a.out + (t * H + h) * vd;
-          for (int64_t j = 0; j < vd; ++j) {  // o = W_UV o_lat
+          int64_t j = 0;
+          for (; j + 8 <= vd; j += 8) {  // o = W_UV o_lat, eight rows at a time (dots8: the same sums)
+            const float* rows[8];
+            for (int k = 0; k < 8; ++k) {
+              cpu_dequantize_row(*a.kv_b, h * hw + nope + j + k, &wrow[size_t(k * L)]);
+              rows[k] = &wrow[size_t(k * L)];
+            }
+            dots8(olat.data(), rows, L, o + j);
+          }
+          for (; j < vd; ++j) {
             cpu_dequantize_row(*a.kv_b, h * hw + nope + j, wrow.data());
             o[j] = dot(wrow.data(), olat.data(), L);
           }
