@@ -4,6 +4,19 @@ namespace vireo {
 
 namespace {
 
+// Hands a chosen token over (r.tokens, on_token); returns whether generation goes on: not at an
+// EOS (when stop_at_eos), not stopped by on_token, and under max_new_tokens.
+bool emit(int32_t t, const GlmDsaConfig& c, const GenerateOptions& opt, const std::function<bool(int32_t)>& on_token,
+          GenerateResult& r) {
+  r.tokens.push_back(t);
+  const bool keep_going = on_token ? on_token(t) : true;
+  if (opt.stop_at_eos && c.eos_ids.count(t)) {
+    r.stopped_at_eos = true;
+    return false;
+  }
+  return keep_going && int64_t(r.tokens.size()) < opt.max_new_tokens;
+}
+
 // GenerateOptions::mtp_drafts. The main model's cache holds the prompt and every emitted token but
 // the last (`next`, not yet run); the MTP layer's entries run one position behind the main model's
 // (the entry at t needs the token after t), at the same positions.
@@ -43,26 +56,10 @@ GenerateResult generate_with_drafts(GlmDsaModel& model, MlaCache& cache, int row
   // Each round verifies [next, draft] at positions m, m + 1 with the attention path a one-token
   // step at m takes (so position m's logits are a decode step's, bit for bit).
   std::vector<int32_t> fresh{next};
-  while (true) {
-    bool stop = false;
-    for (int32_t t : fresh) {
-      if (int64_t(r.tokens.size()) == opt.max_new_tokens) {
-        stop = true;
-        break;
-      }
-      r.tokens.push_back(t);
-      const bool keep_going = on_token ? on_token(t) : true;
-      if (opt.stop_at_eos && c.eos_ids.count(t)) {
-        r.stopped_at_eos = true;
-        stop = true;
-        break;
-      }
-      if (!keep_going || int64_t(r.tokens.size()) == opt.max_new_tokens) {
-        stop = true;
-        break;
-      }
-    }
-    if (stop) break;
+  bool going = opt.max_new_tokens > 0;
+  while (going) {
+    for (size_t k = 0; k < fresh.size() && going; ++k) going = emit(fresh[k], c, opt, on_token, r);
+    if (!going) break;
     const int64_t m = cache.length(row);
     const int32_t pair[2] = {next, draft};
     int32_t picks[2];
@@ -143,13 +140,7 @@ GenerateResult generate(GlmDsaModel& model, MlaCache& cache, int row, const std:
   };
   if (steps > 0) queue(&next);
   for (int64_t i = 0; i < opt.max_new_tokens; ++i) {
-    r.tokens.push_back(next);
-    const bool keep_going = on_token ? on_token(next) : true;
-    if (opt.stop_at_eos && c.eos_ids.count(next)) {
-      r.stopped_at_eos = true;
-      break;
-    }
-    if (!keep_going || i + 1 == opt.max_new_tokens) break;
+    if (!emit(next, c, opt, on_token, r)) break;
     if (queued < steps && model.queued_steps() <= chunk_steps) queue(nullptr);
     next = model.take_step();
   }
