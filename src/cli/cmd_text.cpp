@@ -280,9 +280,10 @@ Action add_perplexity(CLI::App& app) {
                 (long long)n, (long long)scored, (long long)n_windows, (long long)window, nll / double(scored),
                 std::exp(nll / double(scored)));
     if (o->mtp)
-      std::printf("MTP drafts kept %lld of %lld (%.2f%%): the MTP layer's guess for t + 2 equals the main model's "
-                  "greedy token there\n",
-                  (long long)kept, (long long)drafts, drafts ? 100.0 * double(kept) / double(drafts) : 0.0);
+      std::printf(
+          "MTP drafts kept %lld of %lld (%.2f%%): the MTP layer's guess for t + 2 equals the main model's "
+          "greedy token there\n",
+          (long long)kept, (long long)drafts, drafts ? 100.0 * double(kept) / double(drafts) : 0.0);
     return 0;
   };
 }

@@ -41,8 +41,8 @@ inline void axpy(float* __restrict y, const float* __restrict x, float a, int64_
 
 // out[k] = dot(q, rows[k], n) for k < 8, each in dot()'s order: eight chains in registers.
 inline void dots8(const float* q, const float* const* rows, int64_t n, float* out) {
-  const float *r0 = rows[0], *r1 = rows[1], *r2 = rows[2], *r3 = rows[3], *r4 = rows[4], *r5 = rows[5],
-              *r6 = rows[6], *r7 = rows[7];
+  const float *r0 = rows[0], *r1 = rows[1], *r2 = rows[2], *r3 = rows[3], *r4 = rows[4], *r5 = rows[5], *r6 = rows[6],
+              *r7 = rows[7];
   float s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0, s6 = 0, s7 = 0;
   for (int64_t c = 0; c < n; ++c) {
     const float x = q[c];
