@@ -8,6 +8,7 @@
 #include <cstring>
 #include <cmath>
 #include <fstream>
+#include <map>
 #include <regex>
 #include <sstream>
 
@@ -18,6 +19,7 @@
 #include "io/npy.h"
 #include "model/glm_dsa/model.h"
 #include "runtime/generate.h"
+#include "runtime/speculative.h"
 #include "text/tokenizer.h"
 #include "backend_test_util.h"
 #include "test_helpers.h"
@@ -177,6 +179,87 @@ TEST(Mtp, DraftedDecodingPicksThePlainGreedyTokens) {
   EXPECT_GT(accepted, drafted / 5);  // the trained MTP layer drafts well (0.4-0.5 in the model card)
 }
 
+// Sampled drafting keeps plain sampling's distribution. Over 3000 seeds, the first three tokens
+// after a prompt (temperature 1, top-k 4) against the exact distribution, computed from the main
+// model alone: P(t1) P(t2 | t1) for the first pair, sum over t1, t2 of P(t1) P(t2 | t1) P(t3 | t1, t2)
+// for the third token. The second token is the first a draft decides (kept, or redrawn); the third
+// is a kept draft's bonus token or the next round's verdict.
+TEST(Mtp, SampledDraftsKeepTheSamplingDistribution) {
+  auto be = make_cpu_backend();
+  auto m = load_with_mtp(*be);
+  const int64_t V = m->config().vocab_size;
+  Json e = read_json_file(kExpected + "/expected.json");
+  const auto prompt = e["greedy"]["cases"][0]["prompt_ids"].get<std::vector<int32_t>>();
+  GenerateOptions opt;
+  opt.max_new_tokens = 3;
+  opt.stop_at_eos = false;
+  opt.mtp_drafts = true;
+  opt.sampling.temperature = 1.0f;
+  opt.sampling.top_k = 4;
+  SampleRowArgs args;
+  args.temperature = opt.sampling.temperature;
+  args.top_k = opt.sampling.top_k;
+  SampleWorkspace ws;
+  auto dist = [&](const std::vector<int32_t>& ids) {  // the main model's after `ids`
+    MlaCache cache(*be, m->cache_shape(), 1, int64_t(ids.size()));
+    auto logits = std::vector<float>(size_t(V));
+    m->forward(ids.data(), int64_t(ids.size()), cache, 0, logits.data());
+    std::vector<double> p;
+    warped_distribution(logits.data(), V, args, ws, p);
+    return p;
+  };
+  std::map<std::pair<int32_t, int32_t>, double> pair_want, pair_got;
+  std::map<int32_t, double> third_want, third_got;
+  const std::vector<double> p1 = dist(prompt);
+  for (int32_t x1 = 0; x1 < V; ++x1) {
+    if (p1[size_t(x1)] == 0) continue;
+    std::vector<int32_t> ids = prompt;
+    ids.push_back(x1);
+    const std::vector<double> p2 = dist(ids);
+    for (int32_t x2 = 0; x2 < V; ++x2) {
+      if (p2[size_t(x2)] == 0) continue;
+      pair_want[{x1, x2}] = p1[size_t(x1)] * p2[size_t(x2)];
+      ids.push_back(x2);
+      const std::vector<double> p3 = dist(ids);
+      ids.pop_back();
+      for (int32_t x3 = 0; x3 < V; ++x3)
+        if (p3[size_t(x3)] > 0) third_want[x3] += p1[size_t(x1)] * p2[size_t(x2)] * p3[size_t(x3)];
+    }
+  }
+  const int n = 3000;
+  MlaCache cache(*be, m->cache_shape(), 1, int64_t(prompt.size()) + opt.max_new_tokens);
+  int64_t drafted = 0, kept = 0;
+  for (int seed = 1; seed <= n; ++seed) {
+    cache.reset(0);
+    opt.sampling.seed = uint64_t(seed);
+    const GenerateResult r = generate(*m, cache, 0, prompt, opt);
+    ASSERT_EQ(r.tokens.size(), 3u);
+    pair_got[{r.tokens[0], r.tokens[1]}] += 1.0 / n;
+    third_got[r.tokens[2]] += 1.0 / n;
+    drafted += r.drafted;
+    kept += r.accepted;
+  }
+  // Total variation against the exact distribution, and what sampling noise alone gives on
+  // average (sum over cells of E|share - p| / 2, E|share - p| ~ sqrt(2 p (1 - p) / (pi n))).
+  auto check = [&](const auto& want, const auto& got, const char* what) {
+    double tv = 0, noise = 0;
+    for (const auto& [k, p] : want) {
+      const auto it = got.find(k);
+      tv += std::fabs((it == got.end() ? 0.0 : it->second) - p) / 2;
+      noise += std::sqrt(2 * p * (1 - p) / (M_PI * n)) / 2;
+    }
+    for (const auto& [k, share] : got)
+      if (!want.count(k)) tv += share / 2;  // drawn where the distribution has no mass
+    std::printf("  %s: %zu outcomes, TV against the exact distribution %.4f (sampling noise ~%.4f)\n", what,
+                want.size(), tv, noise);
+    EXPECT_LT(tv, 2 * noise) << what;
+  };
+  check(pair_want, pair_got, "first two tokens");
+  check(third_want, third_got, "third token");
+  std::printf("  drafts kept: %lld of %lld\n", (long long)kept, (long long)drafted);
+  EXPECT_GT(kept, drafted / 5);
+}
+
 TEST(Mtp, MisuseFailsWithAMessage) {
   auto be = make_cpu_backend();
   const std::string fixtures = std::string(VIREO_FIXTURES_DIR);
@@ -222,12 +305,6 @@ TEST(Mtp, MisuseFailsWithAMessage) {
   EXPECT_GE(draft, 0);
   item.queue_pick = true;
   expect_fail([&] { m->forward_batch({item}, cache); }, "keep_hidden runs one sequence's tokens, not queued");
-  MlaCache c2(*be, m->cache_shape(), 1, 16);
-  GenerateOptions opt;
-  opt.mtp_drafts = true;
-  opt.max_new_tokens = 4;
-  opt.sampling.temperature = 0.7f;
-  expect_fail([&] { generate(*m, c2, 0, ids, opt); }, "needs greedy decoding (temperature 0), got temperature 0.7");
 }
 
 TEST(Mtp, RunFlagKeepsTheTokensAndRefusesWhatItCannotRun) {
@@ -238,7 +315,12 @@ TEST(Mtp, RunFlagKeepsTheTokensAndRefusesWhatItCannotRun) {
   ASSERT_EQ(drafted.exit_code, 0) << drafted.err;
   EXPECT_EQ(drafted.out, plain.out);
   EXPECT_NE(drafted.err.find("MTP drafts: "), std::string::npos) << drafted.err;
-  expect_clean_error(run_vireo(run + " --mtp --temp 0.7"), "--mtp needs greedy decoding (--temp 0)");
+  // Sampled: the same tokens for the same seed; top-k 1 samples the greedy tokens.
+  RunResult sampled = run_vireo(run + " --mtp --temp 0.7 --seed 5");
+  ASSERT_EQ(sampled.exit_code, 0) << sampled.err;
+  EXPECT_NE(sampled.out, plain.out);
+  EXPECT_EQ(run_vireo(run + " --mtp --temp 0.7 --seed 5").out, sampled.out);
+  EXPECT_EQ(run_vireo(run + " --mtp --temp 0.7 --top-k 1 --seed 5").out, plain.out);
   // chat: the second turn reuses the cache (its last kept position runs again for the MTP layer).
   const std::string turns = "What is Python?\nAnd a list?\n";
   RunResult chat_plain = run_vireo("chat --model " + kModel + " -n 40", turns);

@@ -68,11 +68,20 @@ void sample_candidate_order(const float* logits, int64_t vocab, int64_t n, Sampl
   std::copy(id[cur].begin(), id[cur].begin() + n, ws.ids.begin());
 }
 
-int32_t sample_row(const float* logits, int64_t vocab, const SampleRowArgs& a, SampleWorkspace& ws) {
+WarpedCandidates sample_warp(const float* logits, int64_t vocab, const SampleRowArgs& a, SampleWorkspace& ws) {
   if (vocab <= 0) fail("sample_rows: empty row");
   const int64_t n = a.temperature == 0.0f ? 1 : sample_candidates(a, vocab);
   sample_candidate_order(logits, vocab, n, ws);
-  if (n == 1) return ws.ids[0];
+  WarpedCandidates w;
+  if (n == 1) {
+    ws.prob.assign(1, 1.0f);
+    w.keep = 1;
+    w.levels = sum_levels(1);
+    ws.sums.resize(size_t(w.levels.doubles));
+    build_levels(ws.prob.data(), ws.sums.data(), w.levels);
+    w.mass = 1.0;
+    return w;
+  }
 
   // Probabilities: weights normalized by their level total.
   const float inv_t = pm::div(1.0f, a.temperature), x0 = logits[ws.ids[0]];
@@ -101,9 +110,22 @@ int32_t sample_row(const float* logits, int64_t vocab, const SampleRowArgs& a, S
     L = resize_levels(L, keep);
     build_levels(ws.prob.data(), ws.sums.data(), L);
   }
+  w.keep = keep;
+  w.levels = L;
+  w.mass = ws.sums[size_t(L.offset[L.count])];
+  return w;
+}
+
+int32_t sample_row(const float* logits, int64_t vocab, const SampleRowArgs& a, SampleWorkspace& ws) {
+  if (vocab <= 0) fail("sample_rows: empty row");
+  if (a.temperature == 0.0f || sample_candidates(a, vocab) == 1) {  // the best candidate, no probabilities
+    sample_candidate_order(logits, vocab, 1, ws);
+    return ws.ids[0];
+  }
+  const WarpedCandidates w = sample_warp(logits, vocab, a, ws);
   // The draw: the first candidate whose running mass exceeds uniform * the kept mass.
-  const double target = pm::mul(a.uniform, ws.sums[size_t(L.offset[L.count])]);
-  return ws.ids[size_t(level_search(ws.prob.data(), ws.sums.data(), L, target, true))];
+  const double target = pm::mul(a.uniform, w.mass);
+  return ws.ids[size_t(level_search(ws.prob.data(), ws.sums.data(), w.levels, target, true))];
 }
 
 }  // namespace vireo

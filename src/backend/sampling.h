@@ -143,6 +143,18 @@ struct SampleWorkspace {
 // ascending sample_order_key, ties by ascending id (the order of sorting key << 32 | id).
 void sample_candidate_order(const float* logits, int64_t vocab, int64_t n, SampleWorkspace& ws);
 
+// The distribution sample_row draws from: the kept candidates ws.ids[0..keep) in candidate
+// order with their probabilities ws.prob[0..keep) (normalized before top-p and min-p cut the
+// list), `levels` their sums in ws.sums, and `mass` the kept probabilities' total (the draw's).
+// Candidate i is drawn with probability ws.prob[i] / mass. Temperature 0, or one candidate,
+// keeps the best with probability 1.
+struct WarpedCandidates {
+  int64_t keep = 0;
+  SumLevels levels;
+  double mass = 0.0;
+};
+WarpedCandidates sample_warp(const float* logits, int64_t vocab, const SampleRowArgs& a, SampleWorkspace& ws);
+
 // The reference: the token sampled from logits[0..vocab) (host memory).
 int32_t sample_row(const float* logits, int64_t vocab, const SampleRowArgs& a, SampleWorkspace& ws);
 

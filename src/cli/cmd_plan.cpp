@@ -273,13 +273,12 @@ void add_decode_steps_flag(CLI::App& app, int& steps) {
 void add_mtp_flag(CLI::App& app, bool& mtp) {
   app.add_flag("--mtp", mtp,
                "Speculative decoding: the model's MTP layer drafts the token after next, the main model keeps it "
-               "where its own pick agrees (greedy only; the same tokens, up to two a step)");
+               "where its own pick agrees (greedy: the same tokens; sampling: kept with probability min(1, p/q), "
+               "the same distribution), up to two tokens a step");
 }
 
-void check_mtp_flag(bool mtp, const SamplingParams& s, const std::string& device) {
+void check_mtp_flag(bool mtp, const std::string& device) {
   if (!mtp) return;
-  if (s.temperature != 0.0f)
-    fail("--mtp needs greedy decoding (--temp 0): drafts are kept only where they equal the main model's argmax");
   if (device != "cpu")
     fail("--mtp runs on --device cpu for now (its two-token verification steps are not yet checked on a GPU)");
 }

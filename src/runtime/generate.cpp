@@ -1,5 +1,7 @@
 #include "runtime/generate.h"
 
+#include "runtime/speculative.h"
+
 namespace vireo {
 
 namespace {
@@ -20,14 +22,34 @@ bool emit(int32_t t, const GlmDsaConfig& c, const GenerateOptions& opt, const st
 // GenerateOptions::mtp_drafts. The main model's cache holds the prompt and every emitted token but
 // the last (`next`, not yet run); the MTP layer's entries run one position behind the main model's
 // (the entry at t needs the token after t), at the same positions.
+//
+// Greedy: the draft is the MTP layer's argmax, kept where the main model's argmax equals it, so
+// the tokens are plain greedy decoding's. Sampled: the draft is drawn from the MTP layer's
+// distribution q (the same warpers as the main model's), kept or redrawn by verify_draft against
+// the main model's distribution p at that position, so every token is distributed as plain
+// sampling's (not the same draws: the stream of uniforms is used differently).
 GenerateResult generate_with_drafts(GlmDsaModel& model, MlaCache& cache, int row, const std::vector<int32_t>& prompt,
                                     const GenerateOptions& opt, const std::function<bool(int32_t)>& on_token) {
   using clock = std::chrono::steady_clock;
   const GlmDsaConfig& c = model.config();
   if (!model.has_mtp()) fail("speculative decoding: the model was loaded without its MTP layer");
-  if (opt.sampling.temperature != 0.0f)
-    fail("speculative decoding with the MTP layer needs greedy decoding (temperature 0), got temperature ",
-         opt.sampling.temperature);
+  const bool greedy = opt.sampling.temperature == 0.0f;
+  const int64_t V = c.vocab_size;
+  Sampler sampler(opt.sampling);
+  SampleWorkspace ws;
+  // Sampled: host logits of the verify step's two rows and of the MTP layer's last row, and the
+  // dense distributions p (the main model's at the draft's position) and q (the draft's).
+  std::vector<float> rows(greedy ? 0 : size_t(2 * V)), mtp_row(greedy ? 0 : size_t(V));
+  std::vector<double> p, q;
+  int32_t draft = -1;
+  // The MTP layer on `T` tokens following the kept hidden rows from pos0: the next draft (and q).
+  auto draft_after = [&](int64_t T, const int32_t* following, int64_t pos0) {
+    if (greedy) return model.mtp_forward(0, T, following, cache, row, pos0, nullptr, false, &draft);
+    model.mtp_forward(0, T, following, cache, row, pos0, mtp_row.data(), false, nullptr);
+    const SampleRowArgs args = sampler.next_row_args();
+    draft = sample_row(mtp_row.data(), V, args, ws);
+    warped_distribution(mtp_row.data(), V, args, ws, q);
+  };
   GenerateResult r;
   const int64_t P = int64_t(prompt.size()), chunk = opt.prefill_chunk > 0 ? opt.prefill_chunk : P;
   r.prompt_tokens = P;
@@ -35,8 +57,9 @@ GenerateResult generate_with_drafts(GlmDsaModel& model, MlaCache& cache, int row
   auto t0 = clock::now();
   // The prompt in chunks, each keeping its hidden rows for the MTP layer's entries at its
   // positions (the entry of a chunk's last position takes the next chunk's first token, or the
-  // main model's pick after the prompt).
-  int32_t next = -1, draft = -1;
+  // main model's pick after the prompt: its argmax, or the sampler's first draw as plain
+  // sampling takes it).
+  int32_t next = -1;
   for (int64_t at = 0; at < P; at += chunk) {
     const int64_t n = std::min(chunk, P - at);
     const bool last = at + n == P;
@@ -45,11 +68,14 @@ GenerateResult generate_with_drafts(GlmDsaModel& model, MlaCache& cache, int row
     item.tokens = prompt.data() + at;
     item.T = n;
     item.keep_hidden = true;
-    if (last) item.token = &next;
+    if (last && greedy) item.token = &next;
+    if (last && !greedy) item.logits = rows.data();
     model.forward_batch({item}, cache);
+    if (last && !greedy) next = sampler.sample(rows.data(), V);
     std::vector<int32_t> following(prompt.begin() + at + 1, prompt.begin() + at + n);
     following.push_back(last ? next : prompt[size_t(at + n)]);
-    model.mtp_forward(0, n, following.data(), cache, row, start + at, nullptr, false, last ? &draft : nullptr);
+    if (last) draft_after(n, following.data(), start + at);
+    else model.mtp_forward(0, n, following.data(), cache, row, start + at, nullptr, false, nullptr);
   }
   auto t1 = clock::now();
   r.prefill_seconds = std::chrono::duration<double>(t1 - t0).count();
@@ -68,19 +94,29 @@ GenerateResult generate_with_drafts(GlmDsaModel& model, MlaCache& cache, int row
     item.tokens = pair;
     item.T = 2;
     item.all_logits = true;
-    item.token = picks;
+    if (greedy) item.token = picks;
+    else item.logits = rows.data();
     item.keep_hidden = true;
     model.forward_batch({item}, cache, model.choose_path(1, m));
     ++r.drafted;
-    if (picks[0] == draft) {
+    DraftVerdict verdict;
+    if (greedy) {
+      verdict = {picks[0] == draft, picks[0]};
+    } else {
+      const SampleRowArgs args = sampler.next_row_args();
+      warped_distribution(rows.data(), V, args, ws, p);
+      verdict = verify_draft(p, q, draft, args.uniform, sampler.next_uniform());
+      if (verdict.kept) picks[1] = sampler.sample(rows.data() + V, V);
+    }
+    if (verdict.kept) {
       ++r.accepted;
       fresh = {draft, picks[1]};
     } else {
       cache.trim(row, m + 1);
-      fresh = {picks[0]};
+      fresh = {verdict.token};
     }
     // The MTP entries at m (and m + 1): the next draft, for the position after the last fresh token.
-    model.mtp_forward(0, int64_t(fresh.size()), fresh.data(), cache, row, m, nullptr, false, &draft);
+    draft_after(int64_t(fresh.size()), fresh.data(), m);
     next = fresh.back();
   }
   if (!r.tokens.empty()) cache.trim(row, start + P + int64_t(r.tokens.size()) - 1);

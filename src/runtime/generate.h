@@ -26,11 +26,14 @@ struct GenerateOptions {
   // generation stops up to 2 * decode_steps - 1 steps past the stop run and are dropped (one chunk
   // runs ahead of the one being read). Sampling decodes a step at a time.
   int decode_steps = 8;
-  // Speculative decoding with the model's MTP layer (greedy only; GlmDsaModel::has_mtp): each
-  // step the main model runs the next token and the MTP layer's draft of the one after as one
-  // two-token forward, and keeps the draft where its own pick agrees: the same tokens as plain
-  // greedy decoding (each position's logits are computed as one decode step computes them), up to
-  // two a forward.
+  // Speculative decoding with the model's MTP layer (GlmDsaModel::has_mtp): each step the main
+  // model runs the next token and the MTP layer's draft of the one after as one two-token
+  // forward, up to two tokens a forward. Greedy keeps the draft where the main model's argmax
+  // agrees: the same tokens as plain greedy decoding (each position's logits are computed as one
+  // decode step computes them). Sampling keeps it with probability min(1, p / q) and otherwise
+  // redraws (runtime/speculative.h): every token distributed as plain sampling's, with other draws
+  // (the first token, drawn from the prompt's logits, is plain sampling's). Logits come back to
+  // the host when sampling.
   bool mtp_drafts = false;
 };
 

@@ -33,9 +33,10 @@ class Sampler {
   // and the stream stays the same.
   SampleRowArgs next_row_args();
   const SamplingParams& params() const { return params_; }
+  // The stream's next uniform in [0, 1) (speculative sampling's keep-or-redraw decisions).
+  double next_uniform();
 
  private:
-  double next_uniform();  // [0, 1)
   SamplingParams params_;
   uint64_t state_;
   SampleWorkspace ws_;
