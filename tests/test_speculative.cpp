@@ -40,7 +40,8 @@ struct Uniforms {
 }  // namespace
 
 // warped_distribution gives what sample_row draws: over 60000 uniforms, every token's share of
-// the draws is its probability, and no token outside the distribution's support is drawn.
+// the draws is its probability, and no token outside the distribution's support is drawn; and
+// sample_warp + sample_draw (the drafts' draw) is sample_row's token.
 TEST(Speculative, WarpedDistributionIsWhatSampleRowDraws) {
   std::vector<float> logits(40);
   for (size_t i = 0; i < logits.size(); ++i) logits[i] = float(std::sin(double(i) * 1.7) * 2.5);
@@ -61,6 +62,7 @@ TEST(Speculative, WarpedDistributionIsWhatSampleRowDraws) {
       a.uniform = u();
       const int32_t t = sample_row(logits.data(), int64_t(logits.size()), a, ws);
       EXPECT_GT(p[size_t(t)], 0.0) << "token " << t << " drawn outside the distribution";
+      EXPECT_EQ(sample_draw(sample_warp(logits.data(), int64_t(logits.size()), a, ws), a.uniform, ws), t);
       drawn[size_t(t)] += 1.0 / n;
     }
     // 60000 draws: a share's standard deviation is at most 0.002.

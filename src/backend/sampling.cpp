@@ -122,9 +122,12 @@ int32_t sample_row(const float* logits, int64_t vocab, const SampleRowArgs& a, S
     sample_candidate_order(logits, vocab, 1, ws);
     return ws.ids[0];
   }
-  const WarpedCandidates w = sample_warp(logits, vocab, a, ws);
-  // The draw: the first candidate whose running mass exceeds uniform * the kept mass.
-  const double target = pm::mul(a.uniform, w.mass);
+  return sample_draw(sample_warp(logits, vocab, a, ws), a.uniform, ws);
+}
+
+int32_t sample_draw(const WarpedCandidates& w, double uniform, const SampleWorkspace& ws) {
+  // The first candidate whose running mass exceeds uniform * the kept mass.
+  const double target = pm::mul(uniform, w.mass);
   return ws.ids[size_t(level_search(ws.prob.data(), ws.sums.data(), w.levels, target, true))];
 }
 

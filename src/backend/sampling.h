@@ -154,6 +154,8 @@ struct WarpedCandidates {
   double mass = 0.0;
 };
 WarpedCandidates sample_warp(const float* logits, int64_t vocab, const SampleRowArgs& a, SampleWorkspace& ws);
+// The token sample_row draws with `uniform` from the candidates sample_warp left in ws.
+int32_t sample_draw(const WarpedCandidates& w, double uniform, const SampleWorkspace& ws);
 
 // The reference: the token sampled from logits[0..vocab) (host memory).
 int32_t sample_row(const float* logits, int64_t vocab, const SampleRowArgs& a, SampleWorkspace& ws);

@@ -47,8 +47,7 @@ GenerateResult generate_with_drafts(GlmDsaModel& model, MlaCache& cache, int row
     if (greedy) return model.mtp_forward(0, T, following, cache, row, pos0, nullptr, false, &draft);
     model.mtp_forward(0, T, following, cache, row, pos0, mtp_row.data(), false, nullptr);
     const SampleRowArgs args = sampler.next_row_args();
-    draft = sample_row(mtp_row.data(), V, args, ws);
-    warped_distribution(mtp_row.data(), V, args, ws, q);
+    draft = sample_draw(warped_distribution(mtp_row.data(), V, args, ws, q), args.uniform, ws);
   };
   GenerateResult r;
   const int64_t P = int64_t(prompt.size()), chunk = opt.prefill_chunk > 0 ? opt.prefill_chunk : P;

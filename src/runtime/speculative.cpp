@@ -6,11 +6,12 @@
 
 namespace vireo {
 
-void warped_distribution(const float* logits, int64_t vocab, const SampleRowArgs& a, SampleWorkspace& ws,
-                         std::vector<double>& prob) {
+WarpedCandidates warped_distribution(const float* logits, int64_t vocab, const SampleRowArgs& a, SampleWorkspace& ws,
+                                     std::vector<double>& prob) {
   const WarpedCandidates w = sample_warp(logits, vocab, a, ws);
   prob.assign(size_t(vocab), 0.0);
   for (int64_t i = 0; i < w.keep; ++i) prob[size_t(ws.ids[size_t(i)])] = double(ws.prob[size_t(i)]) / w.mass;
+  return w;
 }
 
 namespace {

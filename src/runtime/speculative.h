@@ -14,8 +14,9 @@
 namespace vireo {
 
 // prob[x] (x < vocab) = the probability sample_row(logits, vocab, a) draws x (0 outside the kept
-// candidates). Exact up to rounding of the sampler's own float probabilities.
-void warped_distribution(const float* logits, int64_t vocab, const SampleRowArgs& a, SampleWorkspace& ws,
+// candidates). Exact up to rounding of the sampler's own float probabilities. The candidates stay
+// in ws: sample_draw(returned, a.uniform, ws) is sample_row's token.
+WarpedCandidates warped_distribution(const float* logits, int64_t vocab, const SampleRowArgs& a, SampleWorkspace& ws,
                          std::vector<double>& prob);
 
 struct DraftVerdict {
