@@ -17,6 +17,7 @@
 #include "model/glm_dsa/synthetic.h"
 #include "runtime/generate.h"
 #include "runtime/sampler.h"
+#include "runtime/speculative.h"
 
 namespace vireo::cli {
 
@@ -723,15 +724,39 @@ Action add_bench(CLI::App& app) {
     }
     auto t3 = clock::now();
     int32_t picks[2];
+    const bool sampled = o->s.temperature != 0.0f;
+    const int64_t V = model->config().vocab_size;
+    std::vector<float> pair_logits(sampled ? size_t(2 * V) : 0);  // --temp: the last step's rows
     for (int64_t i = 0; i < pairs; ++i) {
       BatchItem two;
       two.tokens = &ids[size_t(total + 2 * i)];
       two.T = 2;
       two.all_logits = true;
       two.token = picks;
+      if (sampled && i + 1 == pairs) two.logits = pair_logits.data();
       model->forward_batch({two}, cache, AttentionPath::Absorbed);
     }
     const double pair_s = std::chrono::duration<double>(clock::now() - t3).count();
+    // --temp: the host's share of a speculative-sampling round (run --mtp --temp): the main
+    // model's and the draft's distributions (the two rows stand in for p and q), the verdict and
+    // the bonus token's draw, timed on the last two-token step's logits; the median of 5.
+    double round_ms = 0;
+    if (sampled && pairs > 0) {
+      Sampler s(o->s);
+      SampleWorkspace ws;
+      std::vector<double> p, q, times;
+      for (int k = 0; k < 5; ++k) {
+        const auto r0 = clock::now();
+        const SampleRowArgs a = s.next_row_args();
+        const int32_t draft = sample_draw(warped_distribution(&pair_logits[size_t(V)], V, a, ws, q), a.uniform, ws);
+        warped_distribution(pair_logits.data(), V, a, ws, p);
+        verify_draft(p, q, draft, s.next_uniform(), s.next_uniform());
+        s.sample(&pair_logits[size_t(V)], V);
+        times.push_back(std::chrono::duration<double, std::milli>(clock::now() - r0).count());
+      }
+      std::sort(times.begin(), times.end());
+      round_ms = times[2];
+    }
     const double prefill_s = std::chrono::duration<double>(t2 - t1).count();
     const double decode_s = std::chrono::duration<double>(t3 - t2).count();
     const double dec_tps = double(o->decode) / decode_s;
@@ -754,6 +779,11 @@ Action add_bench(CLI::App& app) {
           "decode, 2 a step   %lld steps of two tokens (a --mtp verification step): %.2f ms a step = %.2fx a "
           "one-token step's %.2f ms\n",
           (long long)pairs, 1e3 * pair_s / double(pairs), pair_s / double(pairs) * dec_tps, 1e3 / dec_tps);
+    if (round_ms > 0)
+      std::printf(
+          "sampled drafts     a round's host work (--mtp with sampling: two distributions over %lld tokens, a "
+          "verdict, a draw): %.2f ms\n",
+          (long long)V, round_ms);
     if (o->mtp) {
       // Greedy continuations of the bench's prompt in a fresh cache, plain and drafted in turn.
       const std::vector<int32_t> prompt(ids.begin() + C, ids.begin() + C + o->prompt);
