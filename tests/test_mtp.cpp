@@ -304,7 +304,26 @@ TEST(Mtp, MisuseFailsWithAMessage) {
   m->mtp_forward(0, 3, ids.data() + 1, cache, 0, 0, nullptr, false, &draft);  // and then it runs
   EXPECT_GE(draft, 0);
   item.queue_pick = true;
-  expect_fail([&] { m->forward_batch({item}, cache); }, "keep_hidden runs one sequence's tokens, not queued");
+  expect_fail([&] { m->forward_batch({item}, cache); }, "keep_hidden steps are not queued and not in a chunk");
+  {  // a batch: keep_hidden on all items or none; a row once in an MTP batch
+    MlaCache two(*be, m->cache_shape(), 2, 8);
+    BatchItem a, b;
+    a.tokens = b.tokens = ids.data();
+    a.T = b.T = 2;
+    b.row = 1;
+    a.keep_hidden = true;
+    expect_fail([&] { m->forward_batch({a, b}, two); }, "keep_hidden is set on all of a batch's items or none");
+    b.keep_hidden = true;
+    m->forward_batch({a, b}, two);
+    MtpItem x;
+    x.T = 1;
+    x.next = ids.data() + 2;
+    expect_fail([&] { m->mtp_forward_batch({x, x}, two); }, "mtp_forward: cache row 0 appears twice in one batch");
+    x.row = 1;
+    x.first = 1;
+    x.pos0 = 1;
+    m->mtp_forward_batch({x}, two);  // row 1's second kept row: runs
+  }
 }
 
 TEST(Mtp, RunFlagKeepsTheTokensAndRefusesWhatItCannotRun) {
@@ -353,6 +372,76 @@ TEST(Mtp, TwoTokenStepRowsEqualOneTokenSteps) {
     m->forward(&ids[size_t(at)], 2, two, 0, both.data(), true, path);
     EXPECT_EQ(std::memcmp(both.data(), l1.data(), size_t(V) * 4), 0) << "row 0 at " << at;
     EXPECT_EQ(std::memcmp(both.data() + V, l2.data(), size_t(V) * 4), 0) << "row 1 at " << at;
+  }
+}
+
+// A batch of cache rows keeping their hidden rows, and one MTP pass over all of them (what the
+// scheduler runs), give each row the logits (to rounding: a batch's products may sum in another
+// order, as in any batched step) and the drafts it gets alone: a two-token verification step
+// beside a prompt chunk and a one-token step, before and after DSA selects.
+TEST(Mtp, BatchedPassEqualsOneRowAtATime) {
+  auto be = make_cpu_backend();
+  auto m = load_with_mtp(*be);
+  const int64_t V = m->config().vocab_size;
+  std::vector<int32_t> ids(220);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t((i * 7919 + 13) % size_t(V));
+  // Row r has `cached` tokens, then runs `T` more (all rows' logits) and the MTP layer over them.
+  struct Row {
+    int64_t cached, T;
+  };
+  for (const std::vector<Row>& rows : {std::vector<Row>{{5, 2}, {0, 9}, {30, 1}}, std::vector<Row>{{150, 2}, {70, 2}}}) {
+    const int n = int(rows.size());
+    MlaCache batched(*be, m->cache_shape(), n, 220), alone(*be, m->cache_shape(), n, 220);
+    for (int r = 0; r < n; ++r)
+      if (rows[size_t(r)].cached > 0) {
+        m->forward(ids.data() + r, rows[size_t(r)].cached, batched, r, nullptr);
+        m->forward(ids.data() + r, rows[size_t(r)].cached, alone, r, nullptr);
+      }
+    const size_t nr = static_cast<size_t>(n);
+    std::vector<std::vector<float>> main_b(nr), main_a(nr), mtp_b(nr), mtp_a(nr);
+    std::vector<std::vector<int32_t>> draft_b(nr), draft_a(nr);
+    std::vector<BatchItem> items;
+    std::vector<MtpItem> mtp_items;
+    for (int r = 0; r < n; ++r) {
+      const Row& w = rows[size_t(r)];
+      for (auto* v : {&main_b, &main_a}) (*v)[size_t(r)].assign(size_t(w.T * V), 0.0f);
+      for (auto* v : {&mtp_b, &mtp_a}) (*v)[size_t(r)].assign(size_t(w.T * V), 0.0f);
+      for (auto* v : {&draft_b, &draft_a}) (*v)[size_t(r)].assign(size_t(w.T), -1);
+      BatchItem it;
+      it.row = r;
+      it.tokens = ids.data() + r + w.cached;
+      it.T = w.T;
+      it.all_logits = true;
+      it.keep_hidden = true;
+      it.logits = main_b[size_t(r)].data();
+      items.push_back(it);
+      MtpItem x;
+      x.row = r;
+      x.T = w.T;
+      x.next = ids.data() + r + w.cached + 1;
+      x.pos0 = w.cached;
+      x.logits = mtp_b[size_t(r)].data();
+      x.all_logits = true;
+      x.draft = draft_b[size_t(r)].data();
+      mtp_items.push_back(x);
+    }
+    m->forward_batch(items, batched);
+    m->mtp_forward_batch(mtp_items, batched);
+    for (int r = 0; r < n; ++r) {
+      BatchItem it = items[size_t(r)];
+      it.logits = main_a[size_t(r)].data();
+      m->forward_batch({it}, alone);
+      MtpItem x = mtp_items[size_t(r)];
+      x.logits = mtp_a[size_t(r)].data();
+      x.draft = draft_a[size_t(r)].data();
+      m->mtp_forward_batch({x}, alone);
+      const std::string at = "row " + std::to_string(r) + " after " + std::to_string(rows[size_t(r)].cached);
+      const size_t nv = main_a[size_t(r)].size();
+      EXPECT_LT(rel_l2(main_b[size_t(r)].data(), main_a[size_t(r)].data(), int64_t(nv)), 1e-5) << at;
+      EXPECT_LT(rel_l2(mtp_b[size_t(r)].data(), mtp_a[size_t(r)].data(), int64_t(nv)), 1e-5) << at;
+      EXPECT_EQ(draft_b[size_t(r)], draft_a[size_t(r)]) << at;
+      EXPECT_EQ(batched.length(r), alone.length(r)) << at;
+    }
   }
 }
 

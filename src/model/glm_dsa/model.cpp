@@ -359,9 +359,11 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
                 items[0].token))
     fail("forward: a chunk of ", K, " steps runs one greedy token of one sequence, queued (queue_step, no sampling)");
   const bool keep_hidden = items[0].keep_hidden;
-  for (const BatchItem& it : items)
-    if (it.keep_hidden && (items.size() != 1 || K != 1 || it.queue_pick))
-      fail("forward: keep_hidden runs one sequence's tokens, not queued and not in a chunk");
+  for (const BatchItem& it : items) {
+    if (it.keep_hidden != keep_hidden) fail("forward: keep_hidden is set on all of a batch's items or none");
+    if (it.keep_hidden && (K != 1 || it.queue_pick || it.token_from_pick))
+      fail("forward: keep_hidden steps are not queued and not in a chunk");
+  }
   // Validate everything before touching the cache, so a bad request leaves no trace.
   std::vector<Segment> segs;
   int64_t N = 0, n_out = 0;
@@ -464,16 +466,14 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
   argmax_in_step_ = K > 1 || (argmax_in_step_on_ && recorded && N == 1 && (items[0].token || items[0].queue_pick) &&
                               !items[0].sample);
   const auto t_launch = clock::now();
-  hidden_rows_ = 0;  // the rows a step kept are valid until the next step
+  hidden_kept_.clear();  // the rows a step kept are valid until the next step
   keep_hidden_ = keep_hidden;
   if (recorded) run_recorded(segs, N, cache, ids, lg, K);
   else run_steps(segs, N, cache, ids, lg, K);
   keep_hidden_ = false;
   if (keep_hidden) {
-    hidden_rows_ = N;
+    for (const Segment& s : segs) hidden_kept_.push_back({s.row, s.offset, s.T, s.pos0});
     hidden_cache_ = cache.id();
-    hidden_row_ = items[0].row;
-    hidden_pos0_ = segs[0].pos0;
   }
   const auto t_launched = clock::now();
   const bool picked = argmax_in_step_;
@@ -697,11 +697,21 @@ void GlmDsaModel::run_step(const std::vector<Segment>& segs, int64_t N, MlaCache
   // The last layer's residual add, the final norm and lm_head only for the rows whose logits
   // were asked for (a prompt's last row: the add over every row was 11 us of a 512-token prefill
   // on an H200, 73 us at 4096).
-  if (keep_hidden_) {  // one sequence: every row's final-norm state kept for mtp_forward
-    const int64_t first = segs[0].all_logits ? 0 : N - 1;
+  if (keep_hidden_) {  // every row's final-norm state kept for mtp_forward
     float* hidden = scratch(kHiddenSlot, size_t(N * D));
     backend_.add_rms_norm(h, out, N, D, vec(weights_.final_norm), eps, hidden);
-    backend_.matmul(hidden + first * D, N - first, weights_.lm_head, lg);
+    if (segs.size() == 1) {
+      const int64_t first = segs[0].all_logits ? 0 : N - 1;
+      backend_.matmul(hidden + first * D, N - first, weights_.lm_head, lg);
+      return;
+    }
+    int64_t r = 0;  // the rows whose logits were asked for, side by side
+    for (const Segment& s : segs) {
+      const int64_t first = s.all_logits ? 0 : s.T - 1, n = s.T - first;
+      backend_.copy_rows(xn + r * D, D, hidden + (s.offset + first) * D, D, n, D);
+      r += n;
+    }
+    backend_.matmul(xn, r, weights_.lm_head, lg);
     return;
   }
   int64_t r = 0;
@@ -717,60 +727,119 @@ void GlmDsaModel::run_step(const std::vector<Segment>& segs, int64_t N, MlaCache
 
 void GlmDsaModel::mtp_forward(int64_t first, int64_t T, const int32_t* next, MlaCache& cache, int row, int64_t pos0,
                               float* logits, bool all_logits, int32_t* draft) {
+  MtpItem it;
+  it.row = row;
+  it.first = first;
+  it.T = T;
+  it.next = next;
+  it.pos0 = pos0;
+  it.logits = logits;
+  it.all_logits = all_logits;
+  it.draft = draft;
+  mtp_forward_batch({it}, cache);
+}
+
+void GlmDsaModel::mtp_forward_batch(const std::vector<MtpItem>& items, MlaCache& cache) {
   const GlmDsaConfig& c = config_;
   const int64_t D = c.hidden_size, V = c.vocab_size, half = c.qk_rope_dim / 2;
   const float eps = float(c.rms_norm_eps);
   if (c.mtp_layers < 1) fail("mtp_forward: the model was loaded without its MTP layer (enable_mtp)");
-  if (T <= 0) fail("mtp_forward: no tokens");
-  if (hidden_rows_ == 0 || hidden_cache_ != cache.id() || hidden_row_ != row)
-    fail("mtp_forward: the last forward of cache row ", row, " kept no hidden states (BatchItem::keep_hidden)");
-  if (first < 0 || first + T > hidden_rows_)
-    fail("mtp_forward: hidden rows [", first, ", ", first + T, ") asked of the ", hidden_rows_,
-         " the last forward kept");
-  // The MTP entry at position t reads h_t: the main model must have run position t already.
-  if (pos0 < 0 || pos0 + T > cache.length(row))
-    fail("mtp_forward: MTP positions [", pos0, ", ", pos0 + T, ") past the ", cache.length(row),
-         " the main model has run in cache row ", row);
-  if (pos0 != hidden_pos0_ + first)
-    fail("mtp_forward: hidden row ", first, " is position ", hidden_pos0_ + first, ", not ", pos0,
-         " (the MTP entry at a position reads that position's hidden state)");
-  for (int64_t t = 0; t < T; ++t)
-    if (next[t] < 0 || next[t] >= V) fail("token id ", next[t], " is out of range (vocab size ", V, ")");
+  if (items.empty()) fail("mtp_forward: empty batch");
+  // Validate everything before a buffer is touched.
+  std::vector<const KeptRows*> kept;
+  std::vector<Segment> segs;
+  int64_t N = 0, n_out = 0, end = 0;
+  for (const MtpItem& it : items) {
+    const int row = it.row;
+    const int64_t first = it.first, T = it.T, pos0 = it.pos0;
+    if (T <= 0) fail("mtp_forward: no tokens");
+    const KeptRows* k = nullptr;
+    if (hidden_cache_ == cache.id())
+      for (const KeptRows& r : hidden_kept_)
+        if (r.row == row) k = &r;
+    if (!k) fail("mtp_forward: the last forward of cache row ", row, " kept no hidden states (BatchItem::keep_hidden)");
+    for (const Segment& s : segs)
+      if (s.row == row) fail("mtp_forward: cache row ", row, " appears twice in one batch");
+    if (first < 0 || first + T > k->T)
+      fail("mtp_forward: hidden rows [", first, ", ", first + T, ") asked of the ", k->T,
+           " the last forward kept");
+    // The MTP entry at position t reads h_t: the main model must have run position t already.
+    if (pos0 < 0 || pos0 + T > cache.length(row))
+      fail("mtp_forward: MTP positions [", pos0, ", ", pos0 + T, ") past the ", cache.length(row),
+           " the main model has run in cache row ", row);
+    if (pos0 != k->pos0 + first)
+      fail("mtp_forward: hidden row ", first, " is position ", k->pos0 + first, ", not ", pos0,
+           " (the MTP entry at a position reads that position's hidden state)");
+    for (int64_t t = 0; t < T; ++t)
+      if (it.next[t] < 0 || it.next[t] >= V) fail("token id ", it.next[t], " is out of range (vocab size ", V, ")");
+    kept.push_back(k);
+    Segment s{row, N, T, pos0, choose_path(T, pos0)};
+    s.all_logits = it.all_logits;
+    segs.push_back(s);
+    N += T;
+    n_out += it.all_logits ? T : 1;
+    end = std::max(end, pos0 + T);
+  }
   const MtpWeights& m = weights_.mtp;
   const int l = c.num_layers;
   const LayerWeights& L = weights_.layers[size_t(l)];
 
   // [enorm(embed(next)) ; hnorm(h)], h read before any buffer of a step is reused.
-  float* cat = scratch(kMtpInputSlot, size_t(T * 2 * D));
-  backend_.rms_norm(scratch_[size_t(kHiddenSlot)].get() + first * D, D, T, D, vec(m.hnorm), eps, cat + D, 2 * D);
-  int32_t* ids = scratch_i32(kMtpIdsSlot, size_t(T));
-  backend_.copy_from_host_i32(ids, next, size_t(T));
-  float* h = scratch(0, size_t(T * D));    // residual stream [T, D]
-  float* xn = scratch(1, size_t(T * D));   // normed input    [T, D]
-  float* out = scratch(2, size_t(T * D));  // sublayer output [T, D]
-  backend_.embed(weights_.embed, ids, T, h);
-  backend_.rms_norm(h, D, T, D, vec(m.enorm), eps, cat, 2 * D);
-  backend_.matmul(cat, T, m.eh_proj, h);
+  float* cat = scratch(kMtpInputSlot, size_t(N * 2 * D));
+  const float* hidden = scratch_[size_t(kHiddenSlot)].get();
+  std::vector<int32_t> ids_host(static_cast<size_t>(N));
+  for (size_t i = 0; i < items.size(); ++i) {
+    const Segment& s = segs[i];
+    backend_.rms_norm(hidden + (kept[i]->offset + items[i].first) * D, D, s.T, D, vec(m.hnorm), eps,
+                      cat + s.offset * 2 * D + D, 2 * D);
+    std::copy_n(items[i].next, s.T, ids_host.begin() + s.offset);
+  }
+  int32_t* ids = scratch_i32(kMtpIdsSlot, size_t(N));
+  backend_.copy_from_host_i32(ids, ids_host.data(), size_t(N));
+  float* h = scratch(0, size_t(N * D));    // residual stream [N, D]
+  float* xn = scratch(1, size_t(N * D));   // normed input    [N, D]
+  float* out = scratch(2, size_t(N * D));  // sublayer output [N, D]
+  backend_.embed(weights_.embed, ids, N, h);
+  backend_.rms_norm(h, D, N, D, vec(m.enorm), eps, cat, 2 * D);
+  backend_.matmul(cat, N, m.eh_proj, h);
 
-  // One decoder layer at the positions of h, its own entries of the cache row.
-  grow_rope_table(pos0 + T, cache.capacity());
-  cos_sin_ = rope_dev_.get() + pos0 * half * 2;
-  const std::vector<Segment> segs{Segment{row, 0, T, pos0, choose_path(T, pos0)}};
-  backend_.rms_norm(h, D, T, D, vec(L.attn_norm), eps, xn, D);
-  attention(l, xn, T, segs, cache, out);
-  backend_.add_rms_norm(h, out, T, D, vec(L.ffn_norm), eps, xn);
-  if (L.dense) mlp(L.mlp, xn, T, out);
-  else moe(l, xn, T, out);
+  // One decoder layer at the positions of h, its own entries of each cache row.
+  grow_rope_table(end, cache.capacity());
+  if (segs.size() == 1) {
+    cos_sin_ = rope_dev_.get() + segs[0].pos0 * half * 2;
+  } else {
+    std::vector<float> cs_host(static_cast<size_t>(N * half * 2));
+    for (const Segment& s : segs)
+      std::copy_n(rope_host_.begin() + s.pos0 * half * 2, s.T * half * 2, cs_host.begin() + s.offset * half * 2);
+    cos_sin_ = scratch(4, size_t(N * half * 2));
+    backend_.copy_from_host(cos_sin_, cs_host.data(), cs_host.size());
+  }
+  backend_.rms_norm(h, D, N, D, vec(L.attn_norm), eps, xn, D);
+  attention(l, xn, N, segs, cache, out);
+  backend_.add_rms_norm(h, out, N, D, vec(L.ffn_norm), eps, xn);
+  if (L.dense) mlp(L.mlp, xn, N, out);
+  else moe(l, xn, N, out);
 
-  const int64_t r0 = all_logits ? 0 : T - 1, n = T - r0;
-  backend_.add_rms_norm(h + r0 * D, out + r0 * D, n, D, vec(m.head_norm), eps, xn);
-  float* lg = scratch(3, size_t(n * V));
-  backend_.matmul(xn, n, weights_.lm_head, lg);
-  if (logits) backend_.copy_to_host(logits, lg, size_t(n * V));
-  if (draft) {  // every row's argmax with all_logits, else the last row's
-    int32_t* pick = scratch_i32(kMtpPickSlot, size_t(n));
-    backend_.argmax_rows(lg, n, V, pick);
-    backend_.copy_to_host_i32(draft, pick, size_t(n));
+  // shared_head.norm and lm_head for the rows asked for, side by side.
+  int64_t r = 0;
+  for (const Segment& s : segs) {
+    const int64_t r0 = s.all_logits ? 0 : s.T - 1, n = s.T - r0;
+    backend_.add_rms_norm(h + (s.offset + r0) * D, out + (s.offset + r0) * D, n, D, vec(m.head_norm), eps,
+                          xn + r * D);
+    r += n;
+  }
+  float* lg = scratch(3, size_t(n_out * V));
+  backend_.matmul(xn, n_out, weights_.lm_head, lg);
+  bool any_draft = false;
+  for (const MtpItem& it : items) any_draft = any_draft || it.draft;
+  int32_t* pick = any_draft ? scratch_i32(kMtpPickSlot, size_t(n_out)) : nullptr;
+  if (any_draft) backend_.argmax_rows(lg, n_out, V, pick);
+  r = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const int64_t n = items[i].all_logits ? segs[i].T : 1;
+    if (items[i].logits) backend_.copy_to_host(items[i].logits, lg + r * V, size_t(n * V));
+    if (items[i].draft) backend_.copy_to_host_i32(items[i].draft, pick + r, size_t(n));
+    r += n;
   }
 }
 

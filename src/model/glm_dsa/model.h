@@ -46,10 +46,22 @@ struct BatchItem {
   // steps back to back (a chunk), each on the pick of the one before, their picks read back in
   // one queued read (GlmDsaModel::queue_step's `steps`).
   int steps = 1;
-  // One sequence, not queued: keep every row's final-norm hidden state (the main model's h_t) in
-  // backend memory for GlmDsaModel::mtp_forward, until the next forward. Such a step runs eagerly
-  // (never from a recording).
+  // Keep every row's final-norm hidden state (the main model's h_t) in backend memory for
+  // GlmDsaModel::mtp_forward, until the next forward: all of a batch's items or none, not queued,
+  // not a chunk. Such a step runs eagerly (never from a recording).
   bool keep_hidden = false;
+};
+
+// One cache row's part of a batched MTP pass (GlmDsaModel::mtp_forward_batch).
+struct MtpItem {
+  int row = 0;                     // cache row, one the last forward kept hidden rows of
+  int64_t first = 0;               // the first of this row's kept hidden rows to read
+  int64_t T = 0;                   // rows read, at positions pos0 .. pos0 + T - 1
+  const int32_t* next = nullptr;   // host [T]: the token that followed each row's position
+  int64_t pos0 = 0;                // the position of hidden row `first` (checked)
+  float* logits = nullptr;         // host: [T, vocab] if all_logits, else the last row's; may be null
+  bool all_logits = false;
+  int32_t* draft = nullptr;        // host: the argmax of the same rows; may be null
 };
 
 class GlmDsaModel {
@@ -155,6 +167,9 @@ class GlmDsaModel {
   // the same rows, each the MTP's guess for the token after the row's next). The hidden rows stay valid.
   void mtp_forward(int64_t first, int64_t T, const int32_t* next, MlaCache& cache, int row, int64_t pos0, float* logits,
                    bool all_logits, int32_t* draft);
+  // The same for several cache rows in one pass (each row's results equal its own mtp_forward's),
+  // `first` indexing the rows the last forward kept of that item's cache row.
+  void mtp_forward_batch(const std::vector<MtpItem>& items, MlaCache& cache);
   bool has_mtp() const { return config_.mtp_layers > 0; }
 
   // The path AttentionPath::Auto takes for T new tokens after pos0 cached ones.
@@ -268,10 +283,13 @@ class GlmDsaModel {
   bool argmax_in_step_ = false;  // this step's run_step (and its recording) ends with its pick
   int32_t* step_pick_ = nullptr;     // where run_step's argmax goes (argmax_in_step_)
   bool keep_hidden_ = false;         // this step's run_step keeps its hidden rows (kHiddenSlot)
-  int64_t hidden_rows_ = 0;          // rows the last forward kept (0: none)
-  uint64_t hidden_cache_ = 0;        // ... of this cache and row, from position hidden_pos0_
-  int hidden_row_ = -1;
-  int64_t hidden_pos0_ = 0;
+  // The rows the last forward kept (kHiddenSlot), one entry a cache row: none when empty.
+  struct KeptRows {
+    int row = 0;
+    int64_t offset = 0, T = 0, pos0 = 0;  // rows [offset, offset + T) of the slot, from position pos0
+  };
+  std::vector<KeptRows> hidden_kept_;
+  uint64_t hidden_cache_ = 0;        // ... of this cache
   std::deque<int> queued_chunks_;    // queue_step's reads not yet taken: steps in each
   std::deque<int32_t> taken_picks_;  // picks of a chunk read back and not yet returned by take_step
   std::vector<std::shared_ptr<float>> scratch_;
