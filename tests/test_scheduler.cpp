@@ -11,6 +11,7 @@
 #include "backend/backend.h"
 #include "io/json_file.h"
 #include "model/glm_dsa/model.h"
+#include "runtime/generate.h"
 #include "runtime/scheduler.h"
 #include "cuda_test_util.h"
 #include "test_helpers.h"
@@ -27,13 +28,19 @@ const std::string kDemo = std::string(VIREO_SOURCE_DIR) + "/models/vireo-demo";
 struct Loaded {
   std::unique_ptr<Backend> backend;
   std::unique_ptr<GlmDsaModel> model;
-  explicit Loaded(const std::string& dir, bool cuda = false) {
+  explicit Loaded(const std::string& dir, bool cuda = false, bool mtp = false) {
 #ifdef VIREO_HAVE_CUDA
     backend = cuda ? make_cuda_backend() : make_cpu_backend();
 #else
     backend = make_cpu_backend();
 #endif
-    model = GlmDsaModel::load(dir, *backend);
+    if (!mtp) {
+      model = GlmDsaModel::load(dir, *backend);
+      return;
+    }
+    GlmDsaConfig c = load_glm_dsa_config(dir);
+    enable_mtp(c, dir);
+    model = GlmDsaModel::create(std::move(c), Checkpoint::open(dir), *backend);
   }
 };
 
@@ -70,12 +77,13 @@ Outcome drain(RequestHandle& h) {
   return o;
 }
 
-SchedulerOptions manual(int rows, int64_t context, int64_t chunk) {
+SchedulerOptions manual(int rows, int64_t context, int64_t chunk, bool mtp = false) {
   SchedulerOptions o;
   o.max_batch = rows;
   o.context = context;
   o.prefill_chunk = chunk;
   o.start_thread = false;
+  o.mtp_drafts = mtp;
   return o;
 }
 
@@ -89,10 +97,11 @@ std::vector<int32_t> alone(Loaded& m, const SchedRequest& r, int64_t chunk) {
   return o.ids;
 }
 
-// Requests submitted at given steps into one scheduler; returns each one's ids.
-std::vector<std::vector<int32_t>> staggered(Loaded& m, const std::vector<std::pair<int, SchedRequest>>& arrivals,
-                                            int rows, int64_t chunk, size_t* max_running = nullptr) {
-  Scheduler s(*m.model, *m.backend, manual(rows, 256, chunk));
+// Requests submitted at given steps into one scheduler; returns each one's outcome.
+std::vector<Outcome> staggered_outcomes(Loaded& m, const std::vector<std::pair<int, SchedRequest>>& arrivals,
+                                        const SchedulerOptions& opt, size_t* max_running = nullptr,
+                                        SchedulerStats* last = nullptr) {
+  Scheduler s(*m.model, *m.backend, opt);
   std::vector<std::shared_ptr<RequestHandle>> hs(arrivals.size());
   size_t submitted = 0;
   for (int step = 0; step < 10000; ++step) {
@@ -105,15 +114,22 @@ std::vector<std::vector<int32_t>> staggered(Loaded& m, const std::vector<std::pa
     if (max_running) *max_running = std::max(*max_running, s.stats().running);
     if (!ran && submitted == arrivals.size()) break;
   }
-  std::vector<std::vector<int32_t>> out;
+  std::vector<Outcome> out;
   for (auto& h : hs) {
-    Outcome o = drain(*h);
-    EXPECT_TRUE(o.finished);
-    out.push_back(o.ids);
+    out.push_back(drain(*h));
+    EXPECT_TRUE(out.back().finished);
   }
   EXPECT_EQ(s.stats().cache_bytes_in_use, 0u);
   EXPECT_EQ(s.stats().cache_bytes_reserved, 0u);
+  if (last) *last = s.stats();
   return out;
+}
+
+std::vector<std::vector<int32_t>> staggered(Loaded& m, const std::vector<std::pair<int, SchedRequest>>& arrivals,
+                                            int rows, int64_t chunk, size_t* max_running = nullptr) {
+  std::vector<std::vector<int32_t>> ids;
+  for (Outcome& o : staggered_outcomes(m, arrivals, manual(rows, 256, chunk), max_running)) ids.push_back(o.ids);
+  return ids;
 }
 
 }  // namespace
@@ -155,6 +171,63 @@ TEST(Scheduler, StaggeredBatchEqualsTransformersGreedyOnDemoModel) {
   }
   auto got = staggered(m, arrivals, 4, 32);  // 7 requests, 4 rows: some wait for admission
   for (size_t i = 0; i < want.size(); ++i) EXPECT_EQ(got[i], want[i]) << "case " << i;
+}
+
+// serve --mtp: every decoding row verifies the MTP layer's draft each step, in a batch with other
+// rows' verifications and prompt chunks. Greedy requests get transformers' greedy continuations;
+// sampled ones the tokens `generate` with drafts gives them alone for their seed (the same draws
+// in the same order); logprobs those of the plain scheduler; and drafts are kept.
+TEST(Scheduler, MtpDraftsKeepEachRequestsTokens) {
+  Loaded m(kDemo, false, true);
+  const Json e = read_json_file(kFixtures + "/demo/expected.json");
+  std::vector<std::pair<int, SchedRequest>> arrivals;
+  std::vector<std::vector<int32_t>> want;
+  int step = 0;
+  for (const Json& c : e["greedy"]["cases"]) {
+    auto cont = c["continuation_ids"].get<std::vector<int32_t>>();
+    arrivals.push_back({step, greedy(c["prompt_ids"].get<std::vector<int32_t>>(), int64_t(cont.size()))});
+    want.push_back(cont);
+    step += 2;
+  }
+  arrivals[1].second.logprobs = true;
+  arrivals[1].second.top_logprobs = 2;
+  const size_t n_greedy = arrivals.size();
+  for (uint64_t seed : {3, 4, 5}) {  // sampled, arriving among the greedy ones
+    SchedRequest r = greedy(e["greedy"]["cases"][seed % n_greedy]["prompt_ids"].get<std::vector<int32_t>>(), 40);
+    r.sampling.temperature = 0.8f;
+    r.sampling.top_p = 0.95f;
+    r.sampling.seed = seed;
+    arrivals.push_back({int(seed), r});
+  }
+  SchedulerStats st;
+  size_t max_running = 0;
+  const std::vector<Outcome> got = staggered_outcomes(m, arrivals, manual(3, 256, 16, true), &max_running, &st);
+  EXPECT_GE(max_running, 3u);
+  for (size_t i = 0; i < n_greedy; ++i) EXPECT_EQ(got[i].ids, want[i]) << "case " << i;
+  const std::vector<Outcome> plain = staggered_outcomes(m, arrivals, manual(3, 256, 16, false));
+  ASSERT_EQ(got[1].logprobs.size(), plain[1].logprobs.size());
+  for (size_t t = 0; t < got[1].logprobs.size(); ++t) EXPECT_NEAR(got[1].logprobs[t], plain[1].logprobs[t], 1e-4);
+  for (size_t i = n_greedy; i < arrivals.size(); ++i) {
+    const SchedRequest& r = arrivals[i].second;
+    MlaCache cache(*m.backend, m.model->cache_shape(), 1, 256);
+    GenerateOptions g;
+    g.max_new_tokens = r.max_tokens;
+    g.stop_at_eos = r.stop_at_eos;
+    g.sampling = r.sampling;
+    g.mtp_drafts = true;
+    EXPECT_EQ(got[i].ids, generate(*m.model, cache, 0, r.prompt, g).tokens) << "sampled request " << i;
+    EXPECT_NE(got[i].ids, plain[i].ids) << "sampled request " << i;  // other draws than plain sampling's
+  }
+  std::printf("  drafts kept: %llu of %llu\n", (unsigned long long)st.drafts_kept, (unsigned long long)st.drafted);
+  EXPECT_GT(st.drafts_kept, st.drafted / 5);
+  // Without the MTP layer bound, the option is refused.
+  Loaded plain_model(kDemo);
+  try {
+    Scheduler s(*plain_model.model, *plain_model.backend, manual(1, 64, 16, true));
+    ADD_FAILURE() << "no error";
+  } catch (const Error& err) {
+    EXPECT_NE(std::string(err.what()).find("loaded without its MTP layer"), std::string::npos) << err.what();
+  }
 }
 
 TEST(Scheduler, CancellationFreesTheRowForTheNextRequest) {

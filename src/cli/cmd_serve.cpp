@@ -50,6 +50,7 @@ Action add_serve(CLI::App& app) {
     int max_batch = 8;
     int64_t context = 0, prefill_chunk = 256;
     int decode_steps = 1;
+    bool mtp = false;
     StreamingFlags sf;
   };
   auto o = std::make_shared<Opts>();
@@ -79,6 +80,9 @@ Action add_serve(CLI::App& app) {
                  "ahead; a request arriving meanwhile waits for up to 2 x this - 1 queued steps")
       ->check(CLI::Range(1, int(Backend::kMaxQueuedRead)))
       ->capture_default_str();
+  app.add_flag("--mtp", o->mtp,
+               "Speculative decoding: every decoding request verifies the model's MTP layer's draft each step "
+               "(greedy: the same tokens; sampling: the same distribution), up to two tokens a step");
   app.add_option("--cache-budget", o->cache_budget,
                  "Admission budget in cache bytes (e.g. 2G) for prompt + max_tokens of running requests "
                  "(default: the whole cache, max-batch x context)");
@@ -89,6 +93,8 @@ Action add_serve(CLI::App& app) {
   return [o]() {
     if (o->model.empty() && o->synthetic.empty()) fail("serve needs --model DIR or --synthetic glm5");
     check_device_flags(o->device, o->math, o->sf);
+    check_mtp_flag(o->mtp, o->device);
+    if (o->mtp && !o->synthetic.empty()) fail("--mtp needs a checkpoint with an MTP layer (--model), not --synthetic");
     if (!o->synthetic.empty() && !o->sf.budget.empty()) fail("--memory-budget needs a checkpoint on disk (--model)");
     if (!o->synthetic.empty() && !o->sf.gpu_budget.empty()) fail("--gpu-budget needs a checkpoint on disk (--model)");
     // Signals go to a sigwait below, never to a handler racing the server's threads.
@@ -120,8 +126,11 @@ Action add_serve(CLI::App& app) {
       if (context == 0) context = std::min<int64_t>(load_glm_dsa_config(o->model).max_position_embeddings, 4096);
       // A step: up to prefill_chunk prompt tokens besides the other rows' decode tokens; each row
       // that needs logits (logprobs) gets one.
+      // --mtp: each decoding row runs two tokens with two rows of logits.
+      const int64_t per_row = o->mtp ? 2 : 1;
       lm = load_model(o->model, *backend, o->sf, context, o->max_batch,
-                      step_tokens_for(o->prefill_chunk, context, o->max_batch), o->max_batch);
+                      step_tokens_for(o->prefill_chunk, context, o->max_batch) + (per_row - 1) * o->max_batch,
+                      per_row * o->max_batch, o->mtp);
       sm.name = o->name.empty() ? std::filesystem::path(o->model).lexically_normal().filename().string() : o->name;
       if (sm.name.empty())
         sm.name = std::filesystem::path(o->model).lexically_normal().parent_path().filename().string();
@@ -135,6 +144,7 @@ Action add_serve(CLI::App& app) {
     so.prefill_chunk = o->prefill_chunk;
     so.pipeline = env_switch("VIREO_SERVE_PIPELINE");  // 0: every step waits for its pick (A/B runs)
     so.decode_steps = o->decode_steps;
+    so.mtp_drafts = o->mtp;
     if (!o->cache_budget.empty()) so.cache_budget_bytes = parse_byte_size(o->cache_budget, "--cache-budget");
     Scheduler scheduler(*lm.model, *backend, so);
     http.ready(sm, scheduler);

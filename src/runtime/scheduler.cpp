@@ -41,7 +41,11 @@ Scheduler::Scheduler(GlmDsaModel& model, Backend& backend, const SchedulerOption
       cache_(backend, model.cache_shape(), opt.max_batch, opt.context) {
   if (opt_.prefill_chunk <= 0) fail("prefill chunk must be positive, got ", opt_.prefill_chunk);
   if (opt_.cache_budget_bytes == 0) opt_.cache_budget_bytes = cache_.bytes_allocated();
-  logits_.assign(size_t(opt_.max_batch), std::vector<float>(size_t(vocab_)));
+  if (opt_.mtp_drafts && !model.has_mtp())
+    fail("speculative decoding: the model was loaded without its MTP layer");
+  const int64_t rows_of_logits = opt_.mtp_drafts ? 2 : 1;  // a verification step's two rows
+  logits_.assign(size_t(opt_.max_batch), std::vector<float>(size_t(rows_of_logits * vocab_)));
+  if (opt_.mtp_drafts) mtp_logits_.assign(size_t(opt_.max_batch), std::vector<float>(size_t(vocab_)));
   lp_scratch_.resize(size_t(vocab_));
   idx_scratch_.resize(size_t(vocab_));
   row_free_.assign(size_t(opt_.max_batch), true);
@@ -127,9 +131,13 @@ void Scheduler::finish(Running& r, SchedEvent ev) {
 // Samples the next id from `logits` (the row's last position) and emits it; finishes the request
 // at EOS or max_tokens.
 void Scheduler::emit_token(Running& r, const float* logits) {
+  emit_chosen(r, logits ? r.sampler->sample(logits, vocab_) : r.chosen, logits);
+}
+
+void Scheduler::emit_chosen(Running& r, int32_t id_chosen, const float* logits) {
   SchedEvent ev;
   ev.kind = SchedEvent::Kind::Token;
-  ev.token = logits ? r.sampler->sample(logits, vocab_) : r.chosen;
+  ev.token = id_chosen;
   if (logits && (r.req.logprobs || r.req.top_logprobs > 0)) {
     // log-softmax of the raw logits: what the model assigns, independent of the sampling warpers.
     float mx = logits[0];
@@ -170,7 +178,7 @@ bool Scheduler::ends_request(const Running& r, int32_t id) const {
 }
 
 bool Scheduler::lone_decoding(bool waiting) const {
-  if (!opt_.pipeline || waiting || running_.size() != 1) return false;
+  if (!opt_.pipeline || opt_.mtp_drafts || waiting || running_.size() != 1) return false;
   const Running& r = running_[0];
   return r.handle && !r.handle->cancelled() && r.prefilled >= int64_t(r.req.prompt.size()) && !r.needs_logits();
 }
@@ -312,10 +320,14 @@ bool Scheduler::step() {
     Running& r = running_[i];
     if (r.prefilled < int64_t(r.req.prompt.size())) continue;
     BatchItem it;
-    it.row = r.row;
-    it.tokens = &r.last;
-    it.T = 1;
-    request_output(r, it, true);
+    if (opt_.mtp_drafts) {
+      it = verify_item(r);
+    } else {
+      it.row = r.row;
+      it.tokens = &r.last;
+      it.T = 1;
+      request_output(r, it, true);
+    }
     items.push_back(it);
     owner.push_back(i);
   }
@@ -332,6 +344,7 @@ bool Scheduler::step() {
     it.row = r.row;
     it.tokens = r.req.prompt.data() + r.prefilled;
     it.T = T;
+    it.keep_hidden = opt_.mtp_drafts;
     request_output(r, it, T == left);
     items.push_back(it);
     owner.push_back(i);
@@ -349,22 +362,134 @@ bool Scheduler::step() {
       finish(r, std::move(ev));
     }
   }
+  std::vector<MtpItem> mtp;  // mtp_drafts: every row's part of the step's MTP pass
+  std::vector<Running*> mtp_owner;
   for (size_t k = 0; k < items.size(); ++k) {
     Running& r = running_[owner[k]];
     if (!r.handle) continue;
-    if (chunk[owner[k]] > 0 && r.prefilled < int64_t(r.req.prompt.size())) {
-      r.prefilled += chunk[owner[k]];
-      if (r.prefilled < int64_t(r.req.prompt.size())) continue;  // more prompt to read
+    const int64_t P = int64_t(r.req.prompt.size());
+    if (chunk[owner[k]] > 0 && r.prefilled < P) {
+      const int64_t at = r.prefilled, n = chunk[owner[k]];
+      r.prefilled += n;
+      if (r.prefilled < P || opt_.mtp_drafts) {
+        // The MTP entries at the chunk's positions read the token after each: the prompt's, and
+        // after the prompt's last, the first token.
+        if (r.prefilled == P) emit_token(r, items[k].logits);
+        if (!r.handle || !opt_.mtp_drafts) continue;
+        r.mtp_next.assign(r.req.prompt.begin() + at + 1, r.req.prompt.end());
+        r.mtp_next.resize(size_t(n));
+        if (r.prefilled == P) r.mtp_next.back() = r.last;
+        MtpItem x;
+        x.row = r.row;
+        x.T = n;
+        x.next = r.mtp_next.data();
+        x.pos0 = at;
+        mtp.push_back(x);
+        mtp_owner.push_back(r.prefilled == P ? &r : nullptr);  // a draft after the prompt only
+        continue;
+      }
+    } else if (opt_.mtp_drafts) {
+      MtpItem x;
+      if (after_verify(r, items[k].logits, x)) {
+        mtp.push_back(x);
+        mtp_owner.push_back(&r);
+      }
+      continue;
     }
     emit_token(r, items[k].logits);
   }
+  if (!mtp.empty()) mtp_pass(mtp, mtp_owner);
   return end_step();
+}
+
+BatchItem Scheduler::verify_item(Running& r) {
+  BatchItem it;
+  it.row = r.row;
+  r.pair[0] = r.last;
+  r.pair[1] = r.draft;
+  it.tokens = r.pair;
+  it.T = 2;
+  it.all_logits = true;
+  it.keep_hidden = true;
+  r.verify_pos = cache_.length(r.row);
+  // Sampling needs p on the host, logprobs the rows; greedy otherwise picks on the backend.
+  if (r.needs_logits() || r.req.sampling.temperature != 0.0f) it.logits = logits_[size_t(r.row)].data();
+  else it.token = r.picks;
+  return it;
+}
+
+bool Scheduler::after_verify(Running& r, const float* logits, MtpItem& mtp) {
+  // The verdict, drawing from the request's sampler in generate()'s order.
+  DraftVerdict v;
+  int32_t bonus = -1;  // the main model's token after a kept draft
+  if (r.req.sampling.temperature == 0.0f) {
+    if (logits) {
+      r.picks[0] = argmax(logits, vocab_);
+      r.picks[1] = argmax(logits + vocab_, vocab_);
+    }
+    v = {r.picks[0] == r.draft, r.picks[0]};
+    bonus = r.picks[1];
+  } else {
+    const SampleRowArgs args = r.sampler->next_row_args();
+    warped_distribution(logits, vocab_, args, sample_ws_, p_);
+    v = verify_draft(p_, r.q, r.draft, args.uniform, r.sampler->next_uniform());
+    if (v.kept) bonus = r.sampler->sample(logits + vocab_, vocab_);
+  }
+  ++drafted_;
+  drafts_kept_ += v.kept;
+  const int64_t m = r.verify_pos;
+  emit_chosen(r, v.token, logits);
+  if (!r.handle) return false;
+  if (v.kept) {
+    emit_chosen(r, bonus, logits ? logits + vocab_ : nullptr);
+    if (!r.handle) return false;
+    r.mtp_next = {v.token, bonus};
+  } else {
+    cache_.trim(r.row, m + 1);
+    r.mtp_next = {v.token};
+  }
+  mtp.row = r.row;
+  mtp.T = int64_t(r.mtp_next.size());
+  mtp.next = r.mtp_next.data();
+  mtp.pos0 = m;
+  return true;
+}
+
+void Scheduler::mtp_pass(std::vector<MtpItem>& items, const std::vector<Running*>& owners) {
+  for (size_t i = 0; i < items.size(); ++i) {
+    Running* r = owners[i];
+    if (!r) continue;
+    if (r->req.sampling.temperature == 0.0f) items[i].draft = &r->draft;
+    else items[i].logits = mtp_logits_[size_t(r->row)].data();
+  }
+  try {
+    model_.mtp_forward_batch(items, cache_);
+  } catch (const std::exception& e) {  // as a failed step: the rows in it end
+    for (const MtpItem& x : items)
+      for (Running& r : running_)
+        if (r.handle && r.row == x.row) {
+          SchedEvent ev;
+          ev.kind = SchedEvent::Kind::Error;
+          ev.message = e.what();
+          finish(r, std::move(ev));
+        }
+    return;
+  }
+  for (size_t i = 0; i < items.size(); ++i) {
+    Running* r = owners[i];
+    if (!r || r->req.sampling.temperature == 0.0f) continue;
+    const SampleRowArgs args = r->sampler->next_row_args();
+    const float* row = mtp_logits_[size_t(r->row)].data();
+    r->draft = sample_draw(warped_distribution(row, vocab_, args, sample_ws_, r->q), args.uniform, sample_ws_);
+  }
 }
 
 bool Scheduler::end_step() {
   std::erase_if(running_, [](const Running& r) { return r.handle == nullptr; });
   std::lock_guard<std::mutex> lock(mu_);
   ++stats_.steps;
+  stats_.drafted = drafted_;
+  stats_.drafts_kept = drafts_kept_;
   stats_.running = running_.size();
   stats_.cache_bytes_reserved = reserved_;
   stats_.cache_bytes_in_use = cache_.bytes_in_use();

@@ -25,6 +25,7 @@
 #include "cache/mla_cache.h"
 #include "model/glm_dsa/model.h"
 #include "runtime/sampler.h"
+#include "runtime/speculative.h"
 
 namespace vireo {
 
@@ -95,6 +96,13 @@ struct SchedulerOptions {
   // `steps`: on CUDA one graph launch a chunk), one chunk ahead. The same tokens; a request that
   // arrives meanwhile waits for the queued chunks (up to 2 * decode_steps - 1 steps) to be read.
   int decode_steps = 1;
+  // Speculative decoding with the model's MTP layer (GlmDsaModel::has_mtp; GenerateOptions::
+  // mtp_drafts): each decoding row's step is a two-token item [last, draft], the draft kept as
+  // `generate` keeps it (greedy: where the main model's argmax agrees; sampled: with probability
+  // min(1, p / q), else redrawn), and one MTP pass over every row then drafts again. Every step
+  // keeps its hidden rows, so none is pipelined. A request's tokens are those `generate` with
+  // mtp_drafts gives it alone (the sampler's draws in the same order).
+  bool mtp_drafts = false;
 };
 
 struct SchedulerStats {
@@ -103,6 +111,7 @@ struct SchedulerStats {
   size_t cache_bytes_reserved = 0;  // admission reservations of running requests
   size_t cache_bytes_allocated = 0;
   uint64_t steps = 0;
+  uint64_t drafted = 0, drafts_kept = 0;  // mtp_drafts: drafts verified, and kept
 };
 
 class Scheduler {
@@ -141,6 +150,14 @@ class Scheduler {
     size_t reserved = 0;     // admission bytes
     int32_t chosen = -1;      // this step's token chosen on the backend (no logprobs)
     SampleRowArgs sample;     // this step's draw, when sampling on the backend
+    // mtp_drafts: the MTP layer's draft of the token after `last` (sampling: drawn from q, its
+    // distribution), verified by the next step's two-token item `pair` = [last, draft].
+    int32_t draft = -1;
+    std::vector<double> q;
+    int32_t pair[2] = {-1, -1};
+    int32_t picks[2] = {-1, -1};  // greedy: the backend's argmax of the pair's rows
+    int64_t verify_pos = 0;       // the cache length before the two-token step
+    std::vector<int32_t> mtp_next;  // the tokens the MTP pass reads after this step's rows
     // Requests that want no logprobs need no logits on the host: the backend picks the token
     // (argmax or sample_rows; on a GPU: 4 bytes copied back instead of the vocabulary's logits).
     bool needs_logits() const { return req.logprobs || req.top_logprobs > 0; }
@@ -152,6 +169,15 @@ class Scheduler {
   void finish(Running& r, SchedEvent ev);  // pushes ev, frees the row
   // Emits the next token: sampled from `logits` (the row's last position), or r.chosen when null.
   void emit_token(Running& r, const float* logits);
+  // Emits `id`, its logprobs (when asked for) from `logits`, the row it was chosen from.
+  void emit_chosen(Running& r, int32_t id, const float* logits);
+  // mtp_drafts: the two-token verification item of a decoding row, and what follows its step:
+  // the verdict on the draft, the tokens emitted, the cache trimmed past a rejected draft, and
+  // the row's part of the step's MTP pass (false: the request ended, no pass for it).
+  BatchItem verify_item(Running& r);
+  bool after_verify(Running& r, const float* logits, MtpItem& mtp);
+  // The drafts of the step's MTP pass (rows that asked for one), drawn in each request's order.
+  void mtp_pass(std::vector<MtpItem>& items, const std::vector<Running*>& owners);
   // Whether emitting `id` ends r (EOS, or its max_tokens-th token).
   bool ends_request(const Running& r, int32_t id) const;
   // Pipelined decoding of a lone sequence (GlmDsaModel::queue_step), as `vireo run` decodes: while
@@ -178,7 +204,10 @@ class Scheduler {
   int64_t vocab_ = 0;
   size_t bytes_per_token_ = 0;
   MlaCache cache_;
-  std::vector<std::vector<float>> logits_;  // [row][vocab]
+  std::vector<std::vector<float>> logits_;  // [row][vocab] (mtp_drafts: [row][2, vocab])
+  std::vector<std::vector<float>> mtp_logits_;  // mtp_drafts: [row][vocab], the MTP pass's last row
+  SampleWorkspace sample_ws_;
+  std::vector<double> p_;  // the main model's distribution at a verified draft's position
   std::vector<float> lp_scratch_;           // [vocab]
   std::vector<int32_t> idx_scratch_;        // [vocab]
 
@@ -193,6 +222,7 @@ class Scheduler {
   std::vector<Running> running_;
   std::vector<bool> row_free_;
   size_t reserved_ = 0;
+  uint64_t drafted_ = 0, drafts_kept_ = 0;  // mtp_drafts, copied into stats_ by end_step
   int queued_ = 0;  // steps queued by pipelined_step for running_[0] (every step of its chunks), picks not yet read
   std::thread thread_;
 };

@@ -117,6 +117,16 @@ def demo():
 
 
 @pytest.fixture(scope="session")
+def demo_mtp():
+    """The demo model served with --mtp (speculative decoding with its MTP layer)."""
+    if not (DEMO / "config.json").exists():
+        pytest.skip("models/vireo-demo is not present")
+    s = Server(DEMO, "--max-batch", "4", "--prefill-chunk", "32", "--mtp")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
 def fixture_server():
     s = Server(FIXTURES / "glm_dsa_shared_f32", "--max-batch", "4", "--context", "128", "--prefill-chunk", "8",
                api_key=None)

@@ -266,3 +266,29 @@ def test_client_disconnect_cancels_non_streaming_request(demo):
         assert time.time() < deadline, m
         time.sleep(0.02)
     still_serving(demo)
+
+
+def test_mtp_serving_keeps_greedy_tokens_and_counts_drafts(demo_mtp):
+    """serve --mtp: concurrent greedy requests get transformers' continuations; seeded sampling is
+    reproducible; /metrics counts the drafts kept and rejected."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = demo_mtp.client()
+
+    def greedy(c):
+        r = client.completions.create(model=MODEL, prompt=c["prompt_ids"], max_tokens=48, **GREEDY)
+        return r.choices[0].model_extra["token_ids"]
+
+    cases = demo_cases()
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(greedy, cases))
+    for c, ids in zip(cases, got):
+        assert ids == c["continuation_ids"]
+    kw = dict(model=MODEL, prompt="The Unicode standard", max_tokens=24, temperature=0.9, top_p=0.9, seed=7,
+              extra_body={"ignore_eos": True})
+    assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+    m = demo_mtp.metrics()
+    kept, rejected = m['vireo_mtp_drafts_total{outcome="kept"}'], m['vireo_mtp_drafts_total{outcome="rejected"}']
+    assert kept > 0 and rejected > 0
+    # Each kept draft is a second token from one step.
+    assert m["vireo_generation_tokens_total"] >= kept
