@@ -173,6 +173,12 @@ def main():
             print(f"| {r['concurrency']} | {r['requests']} | {r['gen_tok_s']:.1f} | {r['req_s']:.2f} | "
                   f"{r['ttft_p50_ms']:.1f} / {r['ttft_p90_ms']:.1f} / {r['ttft_p99_ms']:.1f} | "
                   f"{r['itl_p50_ms']:.1f} / {r['itl_p90_ms']:.1f} / {r['itl_p99_ms']:.1f} | {r['itl_mean_ms']:.1f} |")
+        # serve --mtp: the drafts its steps kept and rejected (over every level and the warm-up).
+        metrics = urllib.request.urlopen(base + "/metrics").read().decode()
+        drafts = dict(re.findall(r'^vireo_mtp_drafts_total\{outcome="(\w+)"\} (\d+)', metrics, re.M))
+        if int(drafts.get("kept", 0)) + int(drafts.get("rejected", 0)) > 0:
+            kept, rejected = int(drafts["kept"]), int(drafts["rejected"])
+            print(f"\nMTP drafts kept: {kept} of {kept + rejected} ({100 * kept / (kept + rejected):.1f}%)")
         if a.json:
             with open(a.json, "w") as f:
                 json.dump({"model": model, "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens,
