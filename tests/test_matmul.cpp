@@ -160,23 +160,28 @@ TEST(Matmul, BitIdenticalAcrossThreadCounts) {
   }
 }
 
-// Speculative decoding verifies draft tokens with a small batch; for T <= 3 each row must equal
-// what a T = 1 decode step would compute, bit for bit.
-TEST(Matmul, SmallBatchRowsEqualSingleRowCalls) {
+// Each row of a product has the bits a T = 1 call on that row gives, whatever T is: a speculative
+// verification step's rows equal decode steps', and a batch of sequences (a server's step, the
+// rows routed to one expert) computes each sequence's rows as it would alone. T = 2, 3 run the
+// direct kernel, T >= 4 the packed one on AVX-512; `in` 1100 leaves a partial 512-column chunk,
+// 128-column FP8 block and 32-column step.
+TEST(Matmul, RowsEqualSingleRowCallsAtAnyT) {
   IsaGuard guard;
   ThreadPool pool(2);
   for (MatmulIsa isa : supported_isas()) {
     cpu_matmul_set_isa(isa);
     for (DType dt : kDtypes) {
-      TestWeight tw = make_weight(dt, 150, 700, 17);
-      for (int64_t T : {2, 3}) {
-        std::vector<float> x = random_x(T * 700, 23);
-        std::vector<float> y(T * 150), y1(150);
-        cpu_matmul(x.data(), T, tw.w, y.data(), pool);
-        for (int64_t t = 0; t < T; ++t) {
-          cpu_matmul(x.data() + t * 700, 1, tw.w, y1.data(), pool);
-          ASSERT_EQ(std::memcmp(y.data() + t * 150, y1.data(), 150 * 4), 0)
-              << matmul_isa_name(isa) << " " << dtype_name(dt) << " T=" << T << " t=" << t;
+      for (int64_t in : {700, 1100}) {
+        TestWeight tw = make_weight(dt, 150, in, 17);
+        for (int64_t T : {2, 3, 4, 7, 9}) {
+          std::vector<float> x = random_x(T * in, 23);
+          std::vector<float> y(T * 150), y1(150);
+          cpu_matmul(x.data(), T, tw.w, y.data(), pool);
+          for (int64_t t = 0; t < T; ++t) {
+            cpu_matmul(x.data() + t * in, 1, tw.w, y1.data(), pool);
+            ASSERT_EQ(std::memcmp(y.data() + t * 150, y1.data(), 150 * 4), 0)
+                << matmul_isa_name(isa) << " " << dtype_name(dt) << " in=" << in << " T=" << T << " t=" << t;
+          }
         }
       }
     }

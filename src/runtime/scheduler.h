@@ -8,9 +8,10 @@
 // has room. One step runs every running row's next token (decode) plus prefill chunks of prompts
 // still being read, capped at prefill_chunk prompt tokens per step so long prompts are interleaved
 // with decodes instead of stalling them, through GlmDsaModel::forward_batch (one expert union per
-// MoE layer). Results equal single-sequence runs (forward_batch is row-exact), so greedy outputs do
-// not depend on what else is in the batch. A request decoding alone runs one step ahead of the
-// host (pipelined_step), with the same tokens.
+// MoE layer). On the CPU a row of a batched step has the bits it has alone (cpu_matmul's rows do
+// not depend on the batch), so a request's outputs do not depend on what else is in the batch,
+// as long as its prompt is read in the same chunks (a chunk's length picks its attention path).
+// A request decoding alone runs one step ahead of the host (pipelined_step), with the same tokens.
 #include <atomic>
 #include <chrono>
 #include <condition_variable>

@@ -23,8 +23,9 @@ struct Weight {
 
 // y[t, o] = sum_i x[t, i] * value(o, i) for t < T. x is [T, in] f32 with row stride in, y is
 // [T, out] f32 with row stride out. Parallel over output rows on `pool`; the result does not
-// depend on the number of threads. For T <= 3 each row of y is bit-identical to a T = 1 call on
-// that row of x (speculative-decoding verification then matches plain decode exactly).
+// depend on the number of threads, nor on T: each row of y is bit-identical to a T = 1 call on
+// that row of x (a speculative verification step's rows are decode steps'; a batch of sequences
+// gets each sequence's rows as it would alone).
 void cpu_matmul(const float* x, int64_t T, const Weight& w, float* y, ThreadPool& pool);
 
 // Kernel families. Auto (the default) picks the widest the CPU supports at run time; tests force

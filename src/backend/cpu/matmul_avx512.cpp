@@ -5,8 +5,9 @@
 // in registers and multiplies them with NT x rows; memory bandwidth is the bound. Prefill
 // (T > 3): each thread converts a tile of 64 rows x 512 columns once into an f32 buffer and
 // runs a 4(t) x 4(o) register-blocked micro-kernel over all T rows, so the conversion is
-// amortised over T. Both vectorise along `in` and reduce horizontally at the end, so neither
-// needs a transposed weight copy.
+// amortised over T. Both vectorise along `in` and reduce horizontally at the end of each kKc
+// columns, so neither needs a transposed weight copy, and both do an element's arithmetic in the
+// same order (direct's comment), so a row of y has the same bits at any T.
 #include <immintrin.h>
 
 #include <cstdint>
@@ -98,10 +99,12 @@ inline __mmask32 low_mask32(int64_t n) { return n >= 32 ? ~__mmask32(0) : __mmas
 
 // ---- decode: direct kernel ------------------------------------------------------------------
 
-// Rows [r0, r0 + R) x x-rows [t0, t0 + NT). Per output element: two 16-lane accumulators (even
-// and odd 16-column halves of each 32-column step), for FP8 restarted every 128 columns and
-// folded into a running total with the block scale; then one fixed horizontal reduction. The
-// arithmetic of an element does not depend on R or NT.
+// Rows [r0, r0 + R) x x-rows [t0, t0 + NT). Per output element the packed prefill kernel's
+// arithmetic exactly, so a row of y has the same bits whatever T is (a batch of sequences, a
+// verification step, a prompt): one 16-lane accumulator over 16 columns at a time (two per
+// 32-column step, in column order), FP8 weights multiplied by their block scale first (as
+// pack_row stores them), restarted every kKc columns, whose fixed horizontal reduction is added
+// to the element's running sum (from 0). The arithmetic does not depend on R or NT.
 template <DType D, int R, int NT>
 void direct(const MatmulArgs& a, int64_t r0, int64_t t0) {
   constexpr int64_t es = elem_size(D);
@@ -112,15 +115,17 @@ void direct(const MatmulArgs& a, int64_t r0, int64_t t0) {
   const float* xr[NT];
   VIREO_UNROLL
   for (int t = 0; t < NT; ++t) xr[t] = a.x + (t0 + t) * in;
-
-  __m512 lo[R][NT], hi[R][NT];
-  auto zero_acc = [&] {
+  const float* srow[R] = {};
+  if constexpr (D == DType::F8_E4M3) {
     VIREO_UNROLL
-    for (int r = 0; r < R; ++r)
-      VIREO_UNROLL
-      for (int t = 0; t < NT; ++t) lo[r][t] = hi[r][t] = _mm512_setzero_ps();
-  };
-  auto step = [&]<bool Masked>(int64_t i, __mmask32 m) {
+    for (int r = 0; r < R; ++r) srow[r] = a.scale + ((r0 + r) / 128) * a.scale_cols;
+  }
+
+  __m512 acc[R][NT];
+  // 32 columns from i (n of them valid, the rest read as zeros; the upper 16 skipped when none
+  // is valid, as the packed kernel's 16-column steps end there).
+  auto step = [&]<bool Masked>(int64_t i, int64_t n) {
+    const __mmask32 m = Masked ? low_mask32(n) : 0;
     __m512 xl[NT], xh[NT];
     VIREO_UNROLL
     for (int t = 0; t < NT; ++t) load32_x<Masked>(xr[t] + i, m, xl[t], xh[t]);
@@ -128,51 +133,38 @@ void direct(const MatmulArgs& a, int64_t r0, int64_t t0) {
     for (int r = 0; r < R; ++r) {
       __m512 wl, wh;
       load32<D, Masked>(wr[r] + i * es, m, wl, wh);
+      if constexpr (D == DType::F8_E4M3) {
+        const __m512 sc = _mm512_set1_ps(srow[r][i / 128] * kFp8Fold);
+        wl = _mm512_mul_ps(wl, sc);
+        wh = _mm512_mul_ps(wh, sc);
+      }
       VIREO_UNROLL
-      for (int t = 0; t < NT; ++t) {
-        lo[r][t] = _mm512_fmadd_ps(wl, xl[t], lo[r][t]);
-        hi[r][t] = _mm512_fmadd_ps(wh, xh[t], hi[r][t]);
+      for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_fmadd_ps(wl, xl[t], acc[r][t]);
+      if (!Masked || n > 16) {
+        VIREO_UNROLL
+        for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_fmadd_ps(wh, xh[t], acc[r][t]);
       }
     }
   };
 
   float result[R][NT];
-  if constexpr (D != DType::F8_E4M3) {
-    zero_acc();
-    int64_t i = 0;
-    for (; i + 32 <= in; i += 32) step.template operator()<false>(i, 0);
-    if (i < in) step.template operator()<true>(i, low_mask32(in - i));
+  VIREO_UNROLL
+  for (int r = 0; r < R; ++r)
+    VIREO_UNROLL
+    for (int t = 0; t < NT; ++t) result[r][t] = 0.0f;
+  for (int64_t c0 = 0; c0 < in; c0 += kKc) {
+    const int64_t cend = imin(c0 + kKc, in);
     VIREO_UNROLL
     for (int r = 0; r < R; ++r)
       VIREO_UNROLL
-      for (int t = 0; t < NT; ++t) result[r][t] = _mm512_reduce_add_ps(_mm512_add_ps(lo[r][t], hi[r][t]));
-  } else {
-    const float* srow[R];
-    VIREO_UNROLL
-    for (int r = 0; r < R; ++r) srow[r] = a.scale + ((r0 + r) / 128) * a.scale_cols;
-    __m512 tot[R][NT];
+      for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+    int64_t i = c0;
+    for (; i + 32 <= cend; i += 32) step.template operator()<false>(i, 32);
+    if (i < cend) step.template operator()<true>(i, cend - i);
     VIREO_UNROLL
     for (int r = 0; r < R; ++r)
       VIREO_UNROLL
-      for (int t = 0; t < NT; ++t) tot[r][t] = _mm512_setzero_ps();
-    for (int64_t b0 = 0, blk = 0; b0 < in; b0 += 128, ++blk) {
-      const int64_t bend = imin(b0 + 128, in);
-      zero_acc();
-      int64_t i = b0;
-      for (; i + 32 <= bend; i += 32) step.template operator()<false>(i, 0);
-      if (i < bend) step.template operator()<true>(i, low_mask32(bend - i));
-      VIREO_UNROLL
-      for (int r = 0; r < R; ++r) {
-        const __m512 s = _mm512_set1_ps(srow[r][blk] * kFp8Fold);
-        VIREO_UNROLL
-        for (int t = 0; t < NT; ++t)
-          tot[r][t] = _mm512_fmadd_ps(_mm512_add_ps(lo[r][t], hi[r][t]), s, tot[r][t]);
-      }
-    }
-    VIREO_UNROLL
-    for (int r = 0; r < R; ++r)
-      VIREO_UNROLL
-      for (int t = 0; t < NT; ++t) result[r][t] = _mm512_reduce_add_ps(tot[r][t]);
+      for (int t = 0; t < NT; ++t) result[r][t] += _mm512_reduce_add_ps(acc[r][t]);
   }
   VIREO_UNROLL
   for (int r = 0; r < R; ++r)
