@@ -174,9 +174,9 @@ TEST(Scheduler, StaggeredBatchEqualsTransformersGreedyOnDemoModel) {
 }
 
 // A request's logprobs in a batch are its logprobs alone, bit for bit: the CPU computes each
-// row of a batched step (other sequences decoding, a prompt beside it) as it would alone. Each
-// prompt is read in one step here, alone and in the batch: where the prefill budget splits a
-// prompt into other chunks, its cache entries take another attention path and differ in rounding.
+// row of a batched step (other sequences decoding, prompt chunks beside it) as it would alone,
+// and a prompt is read in the same chunks (here 16 tokens, so most prompts take several steps,
+// sharing the budget with others) as alone.
 TEST(Scheduler, BatchedRequestsGetTheirAloneLogprobsBitForBit) {
   Loaded m(kDemo);
   const Json e = read_json_file(kFixtures + "/demo/expected.json");
@@ -189,10 +189,10 @@ TEST(Scheduler, BatchedRequestsGetTheirAloneLogprobsBitForBit) {
     step += 2;
   }
   size_t max_running = 0;
-  const std::vector<Outcome> batched = staggered_outcomes(m, arrivals, manual(4, 256, 256), &max_running);
+  const std::vector<Outcome> batched = staggered_outcomes(m, arrivals, manual(4, 256, 16), &max_running);
   EXPECT_GE(max_running, 4u);
   for (size_t i = 0; i < arrivals.size(); ++i) {
-    const std::vector<Outcome> alone_run = staggered_outcomes(m, {{0, arrivals[i].second}}, manual(1, 256, 256));
+    const std::vector<Outcome> alone_run = staggered_outcomes(m, {{0, arrivals[i].second}}, manual(1, 256, 16));
     EXPECT_EQ(batched[i].ids, alone_run[0].ids) << "case " << i;
     EXPECT_EQ(batched[i].logprobs, alone_run[0].logprobs) << "case " << i;
   }

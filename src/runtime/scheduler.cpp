@@ -331,13 +331,18 @@ bool Scheduler::step() {
     items.push_back(it);
     owner.push_back(i);
   }
+  // A prompt is read in chunks of prefill_chunk tokens from its start (the last one shorter),
+  // whatever else the step runs: a chunk's length picks its attention path, so fixed chunks give a
+  // request's rows the bits they have alone. Chunks join the step in admission order while they
+  // fit the budget (the first always does).
   int64_t budget = opt_.prefill_chunk;
   std::vector<int64_t> chunk(running_.size(), 0);
   for (size_t i = 0; i < running_.size() && budget > 0; ++i) {
     Running& r = running_[i];
     const int64_t left = int64_t(r.req.prompt.size()) - r.prefilled;
     if (left <= 0) continue;
-    const int64_t T = std::min(left, budget);
+    const int64_t T = std::min(left, opt_.prefill_chunk);
+    if (T > budget) break;
     budget -= T;
     chunk[i] = T;
     BatchItem it;

@@ -9,8 +9,9 @@
 // still being read, capped at prefill_chunk prompt tokens per step so long prompts are interleaved
 // with decodes instead of stalling them, through GlmDsaModel::forward_batch (one expert union per
 // MoE layer). On the CPU a row of a batched step has the bits it has alone (cpu_matmul's rows do
-// not depend on the batch), so a request's outputs do not depend on what else is in the batch,
-// as long as its prompt is read in the same chunks (a chunk's length picks its attention path).
+// not depend on the batch) and a prompt is read in the same chunks whatever else runs, so a
+// request's outputs do not depend on what else is in the batch: they are the outputs it gets
+// alone with the same prefill_chunk, bit for bit.
 // A request decoding alone runs one step ahead of the host (pipelined_step), with the same tokens.
 #include <atomic>
 #include <chrono>
@@ -87,7 +88,9 @@ class RequestHandle {
 struct SchedulerOptions {
   int max_batch = 8;            // cache rows: sequences running at once
   int64_t context = 2048;       // cache positions per row: prompt + max_tokens must fit
-  int64_t prefill_chunk = 256;  // prompt tokens run per step, over all prefilling rows
+  // Prompt tokens run per step, over all prefilling rows; each prompt is read in chunks of this
+  // many tokens (the last shorter), so its rows get the same bits whatever else runs.
+  int64_t prefill_chunk = 256;
   // Admission budget in cache bytes for the reservations (prompt + max_tokens) * bytes_per_token
   // of running requests; 0: the whole cache (max_batch * context positions).
   size_t cache_budget_bytes = 0;
