@@ -389,7 +389,8 @@ TEST(Mtp, BatchedPassEqualsOneRowAtATime) {
   struct Row {
     int64_t cached, T;
   };
-  for (const std::vector<Row>& rows : {std::vector<Row>{{5, 2}, {0, 9}, {30, 1}}, std::vector<Row>{{150, 2}, {70, 2}}}) {
+  for (const std::vector<Row>& rows :
+       {std::vector<Row>{{5, 2}, {0, 9}, {30, 1}}, std::vector<Row>{{150, 2}, {70, 2}}}) {
     const int n = int(rows.size());
     MlaCache batched(*be, m->cache_shape(), n, 220), alone(*be, m->cache_shape(), n, 220);
     for (int r = 0; r < n; ++r)

@@ -47,8 +47,8 @@ TEST(Speculative, WarpedDistributionIsWhatSampleRowDraws) {
   for (size_t i = 0; i < logits.size(); ++i) logits[i] = float(std::sin(double(i) * 1.7) * 2.5);
   logits[7] = logits[3];  // a tie: candidate order by id
   SampleWorkspace ws;
-  for (const SampleRowArgs& base : {warp(1.0f), warp(0.7f, 5), warp(1.3f, 0, 0.8f), warp(1.0f, 0, 1.0f, 0.2f),
-                                    warp(0.0f), warp(0.9f, 1)}) {
+  for (const SampleRowArgs& base :
+       {warp(1.0f), warp(0.7f, 5), warp(1.3f, 0, 0.8f), warp(1.0f, 0, 1.0f, 0.2f), warp(0.0f), warp(0.9f, 1)}) {
     std::vector<double> p;
     warped_distribution(logits.data(), int64_t(logits.size()), base, ws, p);
     double sum = 0;

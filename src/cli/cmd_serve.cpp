@@ -76,7 +76,8 @@ Action add_serve(CLI::App& app) {
   app.add_option("--prefill-chunk", o->prefill_chunk,
                  "Prompt tokens run per step, interleaved with decodes; each prompt is read in chunks of this many "
                  "tokens whatever else runs (on the CPU its outputs are then the ones it gets alone, bit for bit)")
-      ->check(CLI::Range(int64_t(1), int64_t(1) << 20))->capture_default_str();
+      ->check(CLI::Range(int64_t(1), int64_t(1) << 20))
+      ->capture_default_str();
   app.add_option("--decode-steps", o->decode_steps,
                  "A lone greedy request's decode steps run as one chunk (on CUDA one graph launch), one chunk "
                  "ahead; a request arriving meanwhile waits for up to 2 x this - 1 queued steps")

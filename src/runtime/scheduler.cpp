@@ -41,8 +41,7 @@ Scheduler::Scheduler(GlmDsaModel& model, Backend& backend, const SchedulerOption
       cache_(backend, model.cache_shape(), opt.max_batch, opt.context) {
   if (opt_.prefill_chunk <= 0) fail("prefill chunk must be positive, got ", opt_.prefill_chunk);
   if (opt_.cache_budget_bytes == 0) opt_.cache_budget_bytes = cache_.bytes_allocated();
-  if (opt_.mtp_drafts && !model.has_mtp())
-    fail("speculative decoding: the model was loaded without its MTP layer");
+  if (opt_.mtp_drafts && !model.has_mtp()) fail("speculative decoding: the model was loaded without its MTP layer");
   const int64_t rows_of_logits = opt_.mtp_drafts ? 2 : 1;  // a verification step's two rows
   logits_.assign(size_t(opt_.max_batch), std::vector<float>(size_t(rows_of_logits * vocab_)));
   if (opt_.mtp_drafts) mtp_logits_.assign(size_t(opt_.max_batch), std::vector<float>(size_t(vocab_)));

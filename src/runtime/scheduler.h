@@ -159,8 +159,8 @@ class Scheduler {
     int32_t draft = -1;
     std::vector<double> q;
     int32_t pair[2] = {-1, -1};
-    int32_t picks[2] = {-1, -1};  // greedy: the backend's argmax of the pair's rows
-    int64_t verify_pos = 0;       // the cache length before the two-token step
+    int32_t picks[2] = {-1, -1};    // greedy: the backend's argmax of the pair's rows
+    int64_t verify_pos = 0;         // the cache length before the two-token step
     std::vector<int32_t> mtp_next;  // the tokens the MTP pass reads after this step's rows
     // Requests that want no logprobs need no logits on the host: the backend picks the token
     // (argmax or sample_rows; on a GPU: 4 bytes copied back instead of the vocabulary's logits).
@@ -208,10 +208,10 @@ class Scheduler {
   int64_t vocab_ = 0;
   size_t bytes_per_token_ = 0;
   MlaCache cache_;
-  std::vector<std::vector<float>> logits_;  // [row][vocab] (mtp_drafts: [row][2, vocab])
+  std::vector<std::vector<float>> logits_;      // [row][vocab] (mtp_drafts: [row][2, vocab])
   std::vector<std::vector<float>> mtp_logits_;  // mtp_drafts: [row][vocab], the MTP pass's last row
   SampleWorkspace sample_ws_;
-  std::vector<double> p_;  // the main model's distribution at a verified draft's position
+  std::vector<double> p_;                   // the main model's distribution at a verified draft's position
   std::vector<float> lp_scratch_;           // [vocab]
   std::vector<int32_t> idx_scratch_;        // [vocab]
 

@@ -17,7 +17,7 @@ namespace vireo {
 // candidates). Exact up to rounding of the sampler's own float probabilities. The candidates stay
 // in ws: sample_draw(returned, a.uniform, ws) is sample_row's token.
 WarpedCandidates warped_distribution(const float* logits, int64_t vocab, const SampleRowArgs& a, SampleWorkspace& ws,
-                         std::vector<double>& prob);
+                                     std::vector<double>& prob);
 
 struct DraftVerdict {
   bool kept = false;

@@ -76,8 +76,9 @@ std::string Metrics::render(const SchedulerStats* s) const {
   gauge("vireo_cache_bytes_allocated", "MLA cache bytes allocated.", double(st.cache_bytes_allocated));
   out += "# HELP vireo_engine_steps_total Batched forward steps run.\n# TYPE vireo_engine_steps_total counter\n";
   out += "vireo_engine_steps_total " + std::to_string(st.steps) + "\n";
-  out += "# HELP vireo_mtp_drafts_total MTP drafts verified (serve --mtp), by outcome.\n"
-         "# TYPE vireo_mtp_drafts_total counter\n";
+  out +=
+      "# HELP vireo_mtp_drafts_total MTP drafts verified (serve --mtp), by outcome.\n"
+      "# TYPE vireo_mtp_drafts_total counter\n";
   out += "vireo_mtp_drafts_total{outcome=\"kept\"} " + std::to_string(st.drafts_kept) + "\n";
   out += "vireo_mtp_drafts_total{outcome=\"rejected\"} " + std::to_string(st.drafted - st.drafts_kept) + "\n";
   ttft_.render(out, "vireo_time_to_first_token_seconds", "Time from request arrival to its first generated token.");

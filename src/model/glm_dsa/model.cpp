@@ -761,8 +761,7 @@ void GlmDsaModel::mtp_forward_batch(const std::vector<MtpItem>& items, MlaCache&
     for (const Segment& s : segs)
       if (s.row == row) fail("mtp_forward: cache row ", row, " appears twice in one batch");
     if (first < 0 || first + T > k->T)
-      fail("mtp_forward: hidden rows [", first, ", ", first + T, ") asked of the ", k->T,
-           " the last forward kept");
+      fail("mtp_forward: hidden rows [", first, ", ", first + T, ") asked of the ", k->T, " the last forward kept");
     // The MTP entry at position t reads h_t: the main model must have run position t already.
     if (pos0 < 0 || pos0 + T > cache.length(row))
       fail("mtp_forward: MTP positions [", pos0, ", ", pos0 + T, ") past the ", cache.length(row),
@@ -824,8 +823,7 @@ void GlmDsaModel::mtp_forward_batch(const std::vector<MtpItem>& items, MlaCache&
   int64_t r = 0;
   for (const Segment& s : segs) {
     const int64_t r0 = s.all_logits ? 0 : s.T - 1, n = s.T - r0;
-    backend_.add_rms_norm(h + (s.offset + r0) * D, out + (s.offset + r0) * D, n, D, vec(m.head_norm), eps,
-                          xn + r * D);
+    backend_.add_rms_norm(h + (s.offset + r0) * D, out + (s.offset + r0) * D, n, D, vec(m.head_norm), eps, xn + r * D);
     r += n;
   }
   float* lg = scratch(3, size_t(n_out * V));

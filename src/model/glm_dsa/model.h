@@ -54,14 +54,14 @@ struct BatchItem {
 
 // One cache row's part of a batched MTP pass (GlmDsaModel::mtp_forward_batch).
 struct MtpItem {
-  int row = 0;                     // cache row, one the last forward kept hidden rows of
-  int64_t first = 0;               // the first of this row's kept hidden rows to read
-  int64_t T = 0;                   // rows read, at positions pos0 .. pos0 + T - 1
-  const int32_t* next = nullptr;   // host [T]: the token that followed each row's position
-  int64_t pos0 = 0;                // the position of hidden row `first` (checked)
-  float* logits = nullptr;         // host: [T, vocab] if all_logits, else the last row's; may be null
+  int row = 0;                    // cache row, one the last forward kept hidden rows of
+  int64_t first = 0;              // the first of this row's kept hidden rows to read
+  int64_t T = 0;                  // rows read, at positions pos0 .. pos0 + T - 1
+  const int32_t* next = nullptr;  // host [T]: the token that followed each row's position
+  int64_t pos0 = 0;               // the position of hidden row `first` (checked)
+  float* logits = nullptr;        // host: [T, vocab] if all_logits, else the last row's; may be null
   bool all_logits = false;
-  int32_t* draft = nullptr;        // host: the argmax of the same rows; may be null
+  int32_t* draft = nullptr;  // host: the argmax of the same rows; may be null
 };
 
 class GlmDsaModel {
