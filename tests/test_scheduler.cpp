@@ -132,6 +132,21 @@ std::vector<std::vector<int32_t>> staggered(Loaded& m, const std::vector<std::pa
   return ids;
 }
 
+// The demo model's greedy cases (tests/fixtures/demo) as requests of their continuations' length
+// arriving `spacing` steps apart; `want`: transformers' continuations.
+std::vector<std::pair<int, SchedRequest>> demo_arrivals(int spacing, std::vector<std::vector<int32_t>>& want) {
+  const Json e = read_json_file(kFixtures + "/demo/expected.json");
+  std::vector<std::pair<int, SchedRequest>> arrivals;
+  int step = 0;
+  for (const Json& c : e["greedy"]["cases"]) {
+    auto cont = c["continuation_ids"].get<std::vector<int32_t>>();
+    arrivals.push_back({step, greedy(c["prompt_ids"].get<std::vector<int32_t>>(), int64_t(cont.size()))});
+    want.push_back(cont);
+    step += spacing;
+  }
+  return arrivals;
+}
+
 }  // namespace
 
 TEST(Scheduler, StaggeredBatchEqualsSingleRequestsOnF32Fixture) {
@@ -159,16 +174,8 @@ TEST(Scheduler, StaggeredBatchEqualsSingleRequestsOnF32Fixture) {
 
 TEST(Scheduler, StaggeredBatchEqualsTransformersGreedyOnDemoModel) {
   Loaded m(kDemo);
-  const Json e = read_json_file(kFixtures + "/demo/expected.json");
-  std::vector<std::pair<int, SchedRequest>> arrivals;
   std::vector<std::vector<int32_t>> want;
-  int step = 0;
-  for (const Json& c : e["greedy"]["cases"]) {
-    auto cont = c["continuation_ids"].get<std::vector<int32_t>>();
-    arrivals.push_back({step, greedy(c["prompt_ids"].get<std::vector<int32_t>>(), int64_t(cont.size()))});
-    want.push_back(cont);
-    step += 3;  // each arrives while the earlier ones decode
-  }
+  const auto arrivals = demo_arrivals(3, want);  // each arrives while the earlier ones decode
   auto got = staggered(m, arrivals, 4, 32);  // 7 requests, 4 rows: some wait for admission
   for (size_t i = 0; i < want.size(); ++i) EXPECT_EQ(got[i], want[i]) << "case " << i;
 }
@@ -179,14 +186,11 @@ TEST(Scheduler, StaggeredBatchEqualsTransformersGreedyOnDemoModel) {
 // sharing the budget with others) as alone.
 TEST(Scheduler, BatchedRequestsGetTheirAloneLogprobsBitForBit) {
   Loaded m(kDemo);
-  const Json e = read_json_file(kFixtures + "/demo/expected.json");
-  std::vector<std::pair<int, SchedRequest>> arrivals;
-  int step = 0;
-  for (const Json& c : e["greedy"]["cases"]) {
-    SchedRequest r = greedy(c["prompt_ids"].get<std::vector<int32_t>>(), 24);
+  std::vector<std::vector<int32_t>> want;
+  auto arrivals = demo_arrivals(2, want);
+  for (auto& [at, r] : arrivals) {
+    r.max_tokens = 24;
     r.logprobs = true;
-    arrivals.push_back({step, r});
-    step += 2;
   }
   size_t max_running = 0;
   const std::vector<Outcome> batched = staggered_outcomes(m, arrivals, manual(4, 256, 16), &max_running);
@@ -205,15 +209,8 @@ TEST(Scheduler, BatchedRequestsGetTheirAloneLogprobsBitForBit) {
 TEST(Scheduler, MtpDraftsKeepEachRequestsTokens) {
   Loaded m(kDemo, false, true);
   const Json e = read_json_file(kFixtures + "/demo/expected.json");
-  std::vector<std::pair<int, SchedRequest>> arrivals;
   std::vector<std::vector<int32_t>> want;
-  int step = 0;
-  for (const Json& c : e["greedy"]["cases"]) {
-    auto cont = c["continuation_ids"].get<std::vector<int32_t>>();
-    arrivals.push_back({step, greedy(c["prompt_ids"].get<std::vector<int32_t>>(), int64_t(cont.size()))});
-    want.push_back(cont);
-    step += 2;
-  }
+  auto arrivals = demo_arrivals(2, want);
   arrivals[1].second.logprobs = true;
   arrivals[1].second.top_logprobs = 2;
   const size_t n_greedy = arrivals.size();
