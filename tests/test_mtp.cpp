@@ -350,6 +350,13 @@ TEST(Mtp, RunFlagKeepsTheTokensAndRefusesWhatItCannotRun) {
                                "/glm_dsa_full_f32 --prompt-ids 1,2 "
                                "-n 2 --mtp"),
                      "has no MTP layer");
+  // serve --mtp: refused where it cannot run, before serving anything.
+  expect_clean_error(run_vireo("serve --model " + std::string(VIREO_FIXTURES_DIR) + "/glm_dsa_full_f32 --port 0 --mtp"),
+                     "glm_dsa_full_f32/config.json: the model has no MTP layer");
+  expect_clean_error(run_vireo("serve --synthetic glm5 --port 0 --mtp"),
+                     "--mtp needs a checkpoint with an MTP layer (--model), not --synthetic");
+  expect_clean_error(run_vireo("serve --model " + kModel + " --port 0 --mtp --device cuda"),
+                     "--mtp runs on --device cpu for now");
 }
 
 // What makes drafted decoding pick the plain greedy tokens: each row of a two-token step (the

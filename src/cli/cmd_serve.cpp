@@ -98,6 +98,10 @@ Action add_serve(CLI::App& app) {
     check_device_flags(o->device, o->math, o->sf);
     check_mtp_flag(o->mtp, o->device);
     if (o->mtp && !o->synthetic.empty()) fail("--mtp needs a checkpoint with an MTP layer (--model), not --synthetic");
+    if (o->mtp) {  // refused before the server listens, as the other flags are
+      GlmDsaConfig c = load_glm_dsa_config(o->model);
+      enable_mtp(c, o->model + "/config.json");
+    }
     if (!o->synthetic.empty() && !o->sf.budget.empty()) fail("--memory-budget needs a checkpoint on disk (--model)");
     if (!o->synthetic.empty() && !o->sf.gpu_budget.empty()) fail("--gpu-budget needs a checkpoint on disk (--model)");
     // Signals go to a sigwait below, never to a handler racing the server's threads.
