@@ -350,6 +350,17 @@ TEST(Mtp, RunFlagKeepsTheTokensAndRefusesWhatItCannotRun) {
                                "/glm_dsa_full_f32 --prompt-ids 1,2 "
                                "-n 2 --mtp"),
                      "has no MTP layer");
+  // bench --mtp times both ways, greedy (and checks the tokens) or sampled.
+  for (const std::string& temp : {std::string(""), std::string(" --temp 0.7")}) {
+    RunResult b = run_vireo("bench --model " + kModel + " --prompt 8 --decode 24 --mtp" + temp);
+    ASSERT_EQ(b.exit_code, 0) << b.err;
+    EXPECT_TRUE(std::regex_search(b.out, std::regex(temp.empty() ? "greedy generate +24 tokens: .*the same tokens"
+                                                                 : "sampled generate +24 tokens: .*the same distribution")))
+        << b.out;
+    EXPECT_EQ(b.out.find("sampled drafts") != std::string::npos, !temp.empty()) << b.out;
+  }
+  expect_clean_error(run_vireo("bench --synthetic glm5 --layers 1 --mtp"),
+                     "--mtp needs --model DIR (a checkpoint with an MTP layer) and --device cpu");
   // serve --mtp: refused where it cannot run, before serving anything.
   expect_clean_error(run_vireo("serve --model " + std::string(VIREO_FIXTURES_DIR) + "/glm_dsa_full_f32 --port 0 --mtp"),
                      "glm_dsa_full_f32/config.json: the model has no MTP layer");
