@@ -354,8 +354,9 @@ TEST(Mtp, RunFlagKeepsTheTokensAndRefusesWhatItCannotRun) {
   for (const std::string& temp : {std::string(""), std::string(" --temp 0.7")}) {
     RunResult b = run_vireo("bench --model " + kModel + " --prompt 8 --decode 24 --mtp" + temp);
     ASSERT_EQ(b.exit_code, 0) << b.err;
-    EXPECT_TRUE(std::regex_search(b.out, std::regex(temp.empty() ? "greedy generate +24 tokens: .*the same tokens"
-                                                                 : "sampled generate +24 tokens: .*the same distribution")))
+    EXPECT_TRUE(
+        std::regex_search(b.out, std::regex(temp.empty() ? "greedy generate +24 tokens: .*the same tokens"
+                                                         : "sampled generate +24 tokens: .*the same distribution")))
         << b.out;
     EXPECT_EQ(b.out.find("sampled drafts") != std::string::npos, !temp.empty()) << b.out;
   }

@@ -807,7 +807,8 @@ Action add_bench(CLI::App& app) {
           tokens[d] = r.tokens;
           if (d == 1) drafted = r;
         }
-      if (!sampled && tokens[0] != tokens[1]) fail("bench --mtp: the drafted tokens differ from plain greedy decoding's");
+      if (!sampled && tokens[0] != tokens[1])
+        fail("bench --mtp: the drafted tokens differ from plain greedy decoding's");
       auto median = [](std::vector<double> v) {
         std::sort(v.begin(), v.end());
         return v[v.size() / 2];
