@@ -776,7 +776,7 @@ void GlmDsaModel::mtp_forward_batch(const std::vector<MtpItem>& items, MlaCache&
     s.all_logits = it.all_logits;
     segs.push_back(s);
     N += T;
-    n_out += it.all_logits ? T : 1;
+    if (it.logits || it.draft) n_out += it.all_logits ? T : 1;
     end = std::max(end, pos0 + T);
   }
   const MtpWeights& m = weights_.mtp;
@@ -819,9 +819,13 @@ void GlmDsaModel::mtp_forward_batch(const std::vector<MtpItem>& items, MlaCache&
   if (L.dense) mlp(L.mlp, xn, N, out);
   else moe(l, xn, N, out);
 
-  // shared_head.norm and lm_head for the rows asked for, side by side.
+  // shared_head.norm and lm_head for the rows asked for, side by side (none for an item that
+  // only writes its cache entries: a prompt chunk before the last).
+  if (n_out == 0) return;
   int64_t r = 0;
-  for (const Segment& s : segs) {
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (!items[i].logits && !items[i].draft) continue;
+    const Segment& s = segs[i];
     const int64_t r0 = s.all_logits ? 0 : s.T - 1, n = s.T - r0;
     backend_.add_rms_norm(h + (s.offset + r0) * D, out + (s.offset + r0) * D, n, D, vec(m.head_norm), eps, xn + r * D);
     r += n;
@@ -834,6 +838,7 @@ void GlmDsaModel::mtp_forward_batch(const std::vector<MtpItem>& items, MlaCache&
   if (any_draft) backend_.argmax_rows(lg, n_out, V, pick);
   r = 0;
   for (size_t i = 0; i < items.size(); ++i) {
+    if (!items[i].logits && !items[i].draft) continue;
     const int64_t n = items[i].all_logits ? segs[i].T : 1;
     if (items[i].logits) backend_.copy_to_host(items[i].logits, lg + r * V, size_t(n * V));
     if (items[i].draft) backend_.copy_to_host_i32(items[i].draft, pick + r, size_t(n));

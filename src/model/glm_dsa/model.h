@@ -164,7 +164,8 @@ class GlmDsaModel {
   // layer's own entries of the cache row (its length is the caller's to keep: the entries past it
   // are overwritten as it goes), then shared_head.norm and the main lm_head. Writes the logits
   // (host: [T, vocab] if all_logits, else the last row's) and/or `draft` (host: the argmax of
-  // the same rows, each the MTP's guess for the token after the row's next). The hidden rows stay valid.
+  // the same rows, each the MTP's guess for the token after the row's next); with neither, only the
+  // cache entries (no head). The hidden rows stay valid.
   void mtp_forward(int64_t first, int64_t T, const int32_t* next, MlaCache& cache, int row, int64_t pos0, float* logits,
                    bool all_logits, int32_t* draft);
   // The same for several cache rows in one pass (each row's results equal its own mtp_forward's),
