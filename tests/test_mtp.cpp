@@ -334,6 +334,10 @@ TEST(Mtp, RunFlagKeepsTheTokensAndRefusesWhatItCannotRun) {
   ASSERT_EQ(drafted.exit_code, 0) << drafted.err;
   EXPECT_EQ(drafted.out, plain.out);
   EXPECT_NE(drafted.err.find("MTP drafts: "), std::string::npos) << drafted.err;
+  // Under a memory budget the MTP layer's experts stream from the same store: the same tokens.
+  RunResult streamed = run_vireo(run + " --mtp --memory-budget 62M");
+  ASSERT_EQ(streamed.exit_code, 0) << streamed.err;
+  EXPECT_EQ(streamed.out, plain.out);
   // Sampled: the same tokens for the same seed; top-k 1 samples the greedy tokens.
   RunResult sampled = run_vireo(run + " --mtp --temp 0.7 --seed 5");
   ASSERT_EQ(sampled.exit_code, 0) << sampled.err;
