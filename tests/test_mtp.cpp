@@ -366,6 +366,9 @@ TEST(Mtp, RunFlagKeepsTheTokensAndRefusesWhatItCannotRun) {
   }
   expect_clean_error(run_vireo("bench --synthetic glm5 --layers 1 --mtp"),
                      "--mtp needs --model DIR (a checkpoint with an MTP layer) and --device cpu");
+  // An explicit --decode-steps would be ignored beside --mtp: refused (run, chat and serve).
+  expect_clean_error(run_vireo(run + " --mtp --decode-steps 4"),
+                     "--decode-steps chunks plain greedy decode steps, --mtp runs a verification step at a time");
   // serve --mtp: refused where it cannot run, before serving anything.
   expect_clean_error(run_vireo("serve --model " + std::string(VIREO_FIXTURES_DIR) + "/glm_dsa_full_f32 --port 0 --mtp"),
                      "glm_dsa_full_f32/config.json: the model has no MTP layer");

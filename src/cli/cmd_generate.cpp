@@ -81,14 +81,14 @@ Action add_run(CLI::App& app) {
   app.add_option("-n,--max-tokens", o->n, "Tokens to generate at most")->check(CLI::Range(int64_t(1), int64_t(1) << 30));
   add_sampling_flags(app, o->s);
   app.add_flag("--ignore-eos", o->ignore_eos, "Do not stop at end-of-sequence tokens");
-  add_decode_steps_flag(app, o->decode_steps);
+  CLI::Option* decode_steps = add_decode_steps_flag(app, o->decode_steps);
   add_mtp_flag(app, o->mtp);
   add_streaming_flags(app, o->sf);
   add_prefill_chunk_flag(app, o->chunk);
   add_device_flag(app, o->device, o->math);
-  return [o]() {
+  return [o, decode_steps]() {
     validate_sampling(o->s);
-    check_mtp_flag(o->mtp, o->device);
+    check_mtp_flag(o->mtp, o->device, decode_steps);
     const int64_t chunk = resolve_prefill_chunk(o->chunk, o->sf);
     const bool text_mode = o->prompt_ids.empty();
     if (text_mode && o->prompt.empty() && o->prompt_file.empty())

@@ -263,8 +263,8 @@ void add_prefill_chunk_flag(CLI::App& app, PrefillChunkFlag& f) {
                          "--memory-budget or --gpu-budget, whose plan sizes scratch for such steps, else 0)");
 }
 
-void add_decode_steps_flag(CLI::App& app, int& steps) {
-  app.add_option("--decode-steps", steps,
+CLI::Option* add_decode_steps_flag(CLI::App& app, int& steps) {
+  return app.add_option("--decode-steps", steps,
                  "Greedy decode steps run as one chunk (on CUDA one graph launch; the same tokens at any size, "
                  "handed over in bursts of this many; 1: a token a step)")
       ->check(CLI::Range(1, int(Backend::kMaxQueuedRead)));
@@ -277,8 +277,10 @@ void add_mtp_flag(CLI::App& app, bool& mtp) {
                "the same distribution), up to two tokens a step");
 }
 
-void check_mtp_flag(bool mtp, const std::string& device) {
+void check_mtp_flag(bool mtp, const std::string& device, const CLI::Option* decode_steps) {
   if (!mtp) return;
+  if (decode_steps && decode_steps->count() > 0)
+    fail("--decode-steps chunks plain greedy decode steps, --mtp runs a verification step at a time: give one of them");
   if (device != "cpu")
     fail("--mtp runs on --device cpu for now (its two-token verification steps are not yet checked on a GPU)");
 }

@@ -78,7 +78,7 @@ Action add_serve(CLI::App& app) {
                  "tokens whatever else runs (on the CPU its outputs are then the ones it gets alone, bit for bit)")
       ->check(CLI::Range(int64_t(1), int64_t(1) << 20))
       ->capture_default_str();
-  app.add_option("--decode-steps", o->decode_steps,
+  CLI::Option* decode_steps = app.add_option("--decode-steps", o->decode_steps,
                  "A lone greedy request's decode steps run as one chunk (on CUDA one graph launch), one chunk "
                  "ahead; a request arriving meanwhile waits for up to 2 x this - 1 queued steps")
       ->check(CLI::Range(1, int(Backend::kMaxQueuedRead)))
@@ -93,10 +93,10 @@ Action add_serve(CLI::App& app) {
   app.add_option("--http-threads", o->srv.http_threads, "HTTP handler threads (each open request holds one; "
                                                         "default: 4 x max-batch + 16)");
   add_streaming_flags(app, o->sf);
-  return [o]() {
+  return [o, decode_steps]() {
     if (o->model.empty() && o->synthetic.empty()) fail("serve needs --model DIR or --synthetic glm5");
     check_device_flags(o->device, o->math, o->sf);
-    check_mtp_flag(o->mtp, o->device);
+    check_mtp_flag(o->mtp, o->device, decode_steps);
     if (o->mtp && !o->synthetic.empty()) fail("--mtp needs a checkpoint with an MTP layer (--model), not --synthetic");
     if (o->mtp) {  // refused before the server listens, as the other flags are
       GlmDsaConfig c = load_glm_dsa_config(o->model);

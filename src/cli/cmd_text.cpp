@@ -101,12 +101,12 @@ Action add_chat(CLI::App& app) {
   add_sampling_flags(app, o->s);
   add_streaming_flags(app, o->sf);
   add_prefill_chunk_flag(app, o->chunk);
-  add_decode_steps_flag(app, o->decode_steps);
+  CLI::Option* decode_steps = add_decode_steps_flag(app, o->decode_steps);
   add_mtp_flag(app, o->mtp);
   add_device_flag(app, o->device, o->math);
-  return [o]() {
+  return [o, decode_steps]() {
     validate_sampling(o->s);
-    check_mtp_flag(o->mtp, o->device);
+    check_mtp_flag(o->mtp, o->device, decode_steps);
     const int64_t chunk = resolve_prefill_chunk(o->chunk, o->sf);
     check_device_flags(o->device, o->math, o->sf);
     TextModel tm = TextModel::load(o->model, true);
