@@ -264,9 +264,10 @@ void add_prefill_chunk_flag(CLI::App& app, PrefillChunkFlag& f) {
 }
 
 CLI::Option* add_decode_steps_flag(CLI::App& app, int& steps) {
-  return app.add_option("--decode-steps", steps,
-                 "Greedy decode steps run as one chunk (on CUDA one graph launch; the same tokens at any size, "
-                 "handed over in bursts of this many; 1: a token a step)")
+  return app
+      .add_option("--decode-steps", steps,
+                  "Greedy decode steps run as one chunk (on CUDA one graph launch; the same tokens at any size, "
+                  "handed over in bursts of this many; 1: a token a step)")
       ->check(CLI::Range(1, int(Backend::kMaxQueuedRead)));
 }
 

@@ -78,11 +78,12 @@ Action add_serve(CLI::App& app) {
                  "tokens whatever else runs (on the CPU its outputs are then the ones it gets alone, bit for bit)")
       ->check(CLI::Range(int64_t(1), int64_t(1) << 20))
       ->capture_default_str();
-  CLI::Option* decode_steps = app.add_option("--decode-steps", o->decode_steps,
-                 "A lone greedy request's decode steps run as one chunk (on CUDA one graph launch), one chunk "
-                 "ahead; a request arriving meanwhile waits for up to 2 x this - 1 queued steps")
-      ->check(CLI::Range(1, int(Backend::kMaxQueuedRead)))
-      ->capture_default_str();
+  CLI::Option* decode_steps =
+      app.add_option("--decode-steps", o->decode_steps,
+                     "A lone greedy request's decode steps run as one chunk (on CUDA one graph launch), one chunk "
+                     "ahead; a request arriving meanwhile waits for up to 2 x this - 1 queued steps")
+          ->check(CLI::Range(1, int(Backend::kMaxQueuedRead)))
+          ->capture_default_str();
   app.add_flag("--mtp", o->mtp,
                "Speculative decoding: every decoding request verifies the model's MTP layer's draft each step "
                "(greedy: the same tokens; sampling: the same distribution), up to two tokens a step");
