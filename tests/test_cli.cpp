@@ -188,16 +188,24 @@ TEST(Cli, BadFlagsAreRejected) {
     SCOPED_TRACE(flags);
     expect_clean_error(run_vireo("bench --model " + kFixture + " " + flags), message);
   }
-  // Values out of a flag's range, refused by the parser, naming the flag.
+  // Values out of a flag's range, refused by the parser with one line naming the flag and where
+  // the flags are listed.
   const std::pair<const char*, const char*> out_of_range[] = {
       {"--device cuda --profiler-range steps", "--profiler-range"},
       {"--profile --profile-mode fast", "--profile-mode"},
-      {"--batch 0", "--batch"}};
+      {"--batch 0", "--batch"},
+      {"--synthetic glm5", "--model excludes --synthetic"}};
   for (const auto& [flags, name] : out_of_range) {
     r = run_vireo("bench --model " + kFixture + " " + flags);
     EXPECT_NE(r.exit_code, 0) << flags;
+    EXPECT_EQ(count_lines(r.err), 1) << r.err;
+    EXPECT_EQ(r.err.rfind("vireo: error: ", 0), 0u) << r.err;
     EXPECT_NE(r.err.find(name), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("(vireo bench --help lists the flags)"), std::string::npos) << r.err;
   }
+  r = run_vireo("bench --help");  // help is not an error
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_NE(r.out.find("--synthetic"), std::string::npos) << r.out;
 }
 
 // tools/ab-bench.sh reads `vireo bench`'s decode lines: two variants, two rounds each, interleaved,

@@ -31,7 +31,13 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help, --help-all
+    // One line, as every other error: what CLI11 found wrong, and where the flags are listed.
+    std::string where = "vireo";
+    for (auto& [sub, action] : commands)
+      if (sub->parsed()) where += " " + sub->get_name();
+    std::fprintf(stderr, "vireo: error: %s (%s --help lists the flags)\n", e.what(), where.c_str());
+    return e.get_exit_code();
   }
   try {
     if (threads > 0) vireo::ThreadPool::set_global_threads(threads);
