@@ -88,7 +88,7 @@ Action add_run(CLI::App& app) {
   add_device_flag(app, o->device, o->math);
   return [o, decode_steps]() {
     validate_sampling(o->s);
-    check_mtp_flag(o->mtp, o->device, decode_steps);
+    check_mtp_flag(o->mtp, decode_steps);
     const int64_t chunk = resolve_prefill_chunk(o->chunk, o->sf);
     const bool text_mode = o->prompt_ids.empty();
     if (text_mode && o->prompt.empty() && o->prompt_file.empty())

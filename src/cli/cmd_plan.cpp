@@ -278,12 +278,10 @@ void add_mtp_flag(CLI::App& app, bool& mtp) {
                "the same distribution), up to two tokens a step");
 }
 
-void check_mtp_flag(bool mtp, const std::string& device, const CLI::Option* decode_steps) {
+void check_mtp_flag(bool mtp, const CLI::Option* decode_steps) {
   if (!mtp) return;
   if (decode_steps && decode_steps->count() > 0)
     fail("--decode-steps chunks plain greedy decode steps, --mtp runs a verification step at a time: give one of them");
-  if (device != "cpu")
-    fail("--mtp runs on --device cpu for now (its two-token verification steps are not yet checked on a GPU)");
 }
 
 int64_t resolve_prefill_chunk(const PrefillChunkFlag& f, const StreamingFlags& sf) {

@@ -97,7 +97,7 @@ Action add_serve(CLI::App& app) {
   return [o, decode_steps]() {
     if (o->model.empty() && o->synthetic.empty()) fail("serve needs --model DIR or --synthetic glm5");
     check_device_flags(o->device, o->math, o->sf);
-    check_mtp_flag(o->mtp, o->device, decode_steps);
+    check_mtp_flag(o->mtp, decode_steps);
     if (o->mtp && !o->synthetic.empty()) fail("--mtp needs a checkpoint with an MTP layer (--model), not --synthetic");
     if (o->mtp) {  // refused before the server listens, as the other flags are
       GlmDsaConfig c = load_glm_dsa_config(o->model);

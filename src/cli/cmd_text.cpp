@@ -106,7 +106,7 @@ Action add_chat(CLI::App& app) {
   add_device_flag(app, o->device, o->math);
   return [o, decode_steps]() {
     validate_sampling(o->s);
-    check_mtp_flag(o->mtp, o->device, decode_steps);
+    check_mtp_flag(o->mtp, decode_steps);
     const int64_t chunk = resolve_prefill_chunk(o->chunk, o->sf);
     check_device_flags(o->device, o->math, o->sf);
     TextModel tm = TextModel::load(o->model, true);
