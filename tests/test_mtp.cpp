@@ -374,7 +374,6 @@ TEST(Mtp, RunFlagKeepsTheTokensAndRefusesWhatItCannotRun) {
                      "glm_dsa_full_f32/config.json: the model has no MTP layer");
   expect_clean_error(run_vireo("serve --synthetic glm5 --port 0 --mtp"),
                      "--mtp needs a checkpoint with an MTP layer (--model), not --synthetic");
-
 }
 
 // What makes drafted decoding pick the plain greedy tokens: each row of a two-token step (the
