@@ -230,10 +230,14 @@ void mtp_drafts_keep_each_requests_tokens(bool cuda) {
   const std::vector<Outcome> plain = staggered_outcomes(m, arrivals, manual(3, 256, 16, false));
   for (size_t i = 0; i < n_greedy; ++i) {
     EXPECT_EQ(got[i].ids, plain[i].ids) << "case " << i;
-    if (!cuda) EXPECT_EQ(got[i].ids, want[i]) << "case " << i;
+    if (!cuda) {
+      EXPECT_EQ(got[i].ids, want[i]) << "case " << i;
+    }
   }
   ASSERT_EQ(got[1].logprobs.size(), plain[1].logprobs.size());
-  if (!cuda) EXPECT_EQ(got[1].logprobs, plain[1].logprobs);  // a verification step's rows are decode steps' bits
+  if (!cuda) {
+    EXPECT_EQ(got[1].logprobs, plain[1].logprobs);  // a verification step's rows are decode steps' bits
+  }
   for (size_t t = 0; t < got[1].logprobs.size(); ++t) EXPECT_NEAR(got[1].logprobs[t], plain[1].logprobs[t], 1e-3);
   const std::vector<Outcome> again = cuda ? staggered_outcomes(m, arrivals, manual(3, 256, 16, true)) : got;
   for (size_t i = n_greedy; i < arrivals.size(); ++i) {
