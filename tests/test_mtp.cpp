@@ -37,6 +37,13 @@ std::unique_ptr<GlmDsaModel> load_with_mtp(Backend& be) {
   return GlmDsaModel::create(std::move(c), Checkpoint::open(kModel), be);
 }
 
+// n token ids spread over the vocabulary (a fixed stride), as prompt and step inputs.
+std::vector<int32_t> spread_ids(size_t n, int64_t vocab) {
+  std::vector<int32_t> ids(n);
+  for (size_t i = 0; i < n; ++i) ids[i] = int32_t((i * 7919 + 13) % size_t(vocab));
+  return ids;
+}
+
 // fn() fails with an Error whose message holds `needle`.
 template <class F>
 void expect_fail(F fn, const std::string& needle) {
@@ -383,8 +390,7 @@ TEST(Mtp, TwoTokenStepRowsEqualOneTokenSteps) {
   auto be = make_cpu_backend();
   auto m = load_with_mtp(*be);
   const int64_t V = m->config().vocab_size;
-  std::vector<int32_t> ids(200);
-  for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t((i * 7919 + 13) % size_t(V));
+  const std::vector<int32_t> ids = spread_ids(200, V);
   for (int64_t at : {5, 63, 64, 150}) {
     MlaCache one(*be, m->cache_shape(), 1, 200), two(*be, m->cache_shape(), 1, 200);
     m->forward(ids.data(), at, one, 0, nullptr);
@@ -407,8 +413,7 @@ TEST(Mtp, BatchedPassEqualsOneRowAtATime) {
   auto be = make_cpu_backend();
   auto m = load_with_mtp(*be);
   const int64_t V = m->config().vocab_size;
-  std::vector<int32_t> ids(220);
-  for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t((i * 7919 + 13) % size_t(V));
+  const std::vector<int32_t> ids = spread_ids(220, V);
   // Row r has `cached` tokens, then runs `T` more (all rows' logits) and the MTP layer over them.
   struct Row {
     int64_t cached, T;
@@ -479,8 +484,7 @@ TEST(Mtp, OnCudaDraftsKeepTheTokens) {
   auto be = make_cuda_backend();
   auto m = load_with_mtp(*be);
   const int64_t V = m->config().vocab_size;
-  std::vector<int32_t> ids(200);
-  for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t((i * 7919 + 13) % size_t(V));
+  const std::vector<int32_t> ids = spread_ids(200, V);
   for (int64_t at : {5, 150}) {
     MlaCache one(*be, m->cache_shape(), 1, 200), two(*be, m->cache_shape(), 1, 200);
     m->forward(ids.data(), at, one, 0, nullptr);

@@ -46,8 +46,7 @@ GenerateResult generate_with_drafts(GlmDsaModel& model, MlaCache& cache, int row
   auto draft_after = [&](int64_t T, const int32_t* following, int64_t pos0) {
     if (greedy) return model.mtp_forward(0, T, following, cache, row, pos0, nullptr, false, &draft);
     model.mtp_forward(0, T, following, cache, row, pos0, mtp_row.data(), false, nullptr);
-    const SampleRowArgs args = sampler.next_row_args();
-    draft = sample_draw(warped_distribution(mtp_row.data(), V, args, ws, q), args.uniform, ws);
+    draft = draw_draft(mtp_row.data(), V, sampler, ws, q);
   };
   GenerateResult r;
   const int64_t P = int64_t(prompt.size()), chunk = opt.prefill_chunk > 0 ? opt.prefill_chunk : P;
@@ -102,10 +101,7 @@ GenerateResult generate_with_drafts(GlmDsaModel& model, MlaCache& cache, int row
     if (greedy) {
       verdict = {picks[0] == draft, picks[0]};
     } else {
-      const SampleRowArgs args = sampler.next_row_args();
-      warped_distribution(rows.data(), V, args, ws, p);
-      verdict = verify_draft(p, q, draft, args.uniform, sampler.next_uniform());
-      if (verdict.kept) picks[1] = sampler.sample(rows.data() + V, V);
+      verdict = judge_sampled_draft(rows.data(), V, draft, q, sampler, ws, p, &picks[1]);
     }
     if (verdict.kept) {
       ++r.accepted;

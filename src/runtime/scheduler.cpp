@@ -434,10 +434,7 @@ bool Scheduler::after_verify(Running& r, const float* logits, MtpItem& mtp) {
     v = {r.picks[0] == r.draft, r.picks[0]};
     bonus = r.picks[1];
   } else {
-    const SampleRowArgs args = r.sampler->next_row_args();
-    warped_distribution(logits, vocab_, args, sample_ws_, p_);
-    v = verify_draft(p_, r.q, r.draft, args.uniform, r.sampler->next_uniform());
-    if (v.kept) bonus = r.sampler->sample(logits + vocab_, vocab_);
+    v = judge_sampled_draft(logits, vocab_, r.draft, r.q, *r.sampler, sample_ws_, p_, &bonus);
   }
   ++drafted_;
   drafts_kept_ += v.kept;
@@ -482,9 +479,7 @@ void Scheduler::mtp_pass(std::vector<MtpItem>& items, const std::vector<Running*
   for (size_t i = 0; i < items.size(); ++i) {
     Running* r = owners[i];
     if (!r || r->req.sampling.temperature == 0.0f) continue;
-    const SampleRowArgs args = r->sampler->next_row_args();
-    const float* row = mtp_logits_[size_t(r->row)].data();
-    r->draft = sample_draw(warped_distribution(row, vocab_, args, sample_ws_, r->q), args.uniform, sample_ws_);
+    r->draft = draw_draft(mtp_logits_[size_t(r->row)].data(), vocab_, *r->sampler, sample_ws_, r->q);
   }
 }
 

@@ -51,4 +51,18 @@ DraftVerdict verify_draft(const std::vector<double>& p, const std::vector<double
   return {false, t};
 }
 
+int32_t draw_draft(const float* mtp_logits, int64_t vocab, Sampler& s, SampleWorkspace& ws, std::vector<double>& q) {
+  const SampleRowArgs args = s.next_row_args();
+  return sample_draw(warped_distribution(mtp_logits, vocab, args, ws, q), args.uniform, ws);
+}
+
+DraftVerdict judge_sampled_draft(const float* rows, int64_t vocab, int32_t draft, const std::vector<double>& q,
+                                 Sampler& s, SampleWorkspace& ws, std::vector<double>& p, int32_t* bonus) {
+  const SampleRowArgs args = s.next_row_args();
+  warped_distribution(rows, vocab, args, ws, p);
+  const DraftVerdict v = verify_draft(p, q, draft, args.uniform, s.next_uniform());
+  if (v.kept) *bonus = s.sample(rows + vocab, vocab);
+  return v;
+}
+
 }  // namespace vireo

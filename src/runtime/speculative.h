@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "backend/sampling.h"
+#include "runtime/sampler.h"
 
 namespace vireo {
 
@@ -29,5 +30,14 @@ struct DraftVerdict {
 // ascending token id. Where rounding leaves that residual empty, the token is drawn from p.
 DraftVerdict verify_draft(const std::vector<double>& p, const std::vector<double>& q, int32_t draft, double u_keep,
                           double u_redraw);
+
+// Sampled drafting's draws from a request's sampler, in the one order `generate` and the
+// scheduler both take them (so a request's tokens are the same through either).
+// The next draft from the MTP layer's logits (one row): q, then a draw from it.
+int32_t draw_draft(const float* mtp_logits, int64_t vocab, Sampler& s, SampleWorkspace& ws, std::vector<double>& q);
+// The verdict on `draft` from the verification step's logits ([2, vocab]): p at the draft's
+// position from the first row, keep or redraw, and when kept *bonus, the second row's draw.
+DraftVerdict judge_sampled_draft(const float* rows, int64_t vocab, int32_t draft, const std::vector<double>& q,
+                                 Sampler& s, SampleWorkspace& ws, std::vector<double>& p, int32_t* bonus);
 
 }  // namespace vireo
