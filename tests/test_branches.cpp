@@ -110,12 +110,22 @@ class BranchCheckingBackend final : public Backend {
     note("layer_norm", {span(x, T * n), span(w, n), span(b, n)}, {span(y, T * n)});
     in_->layer_norm(x, T, n, w, b, eps, y);
   }
+  // The distinct weights the products (matmul, matmul_launched, matmul_many) read since the last
+  // clear_products_read: their stored bytes, block scales included.
+  size_t products_read_bytes() const {
+    size_t n = 0;
+    for (const auto& [data, bytes] : products_read_) n += bytes;
+    return n;
+  }
+  void clear_products_read() { products_read_.clear(); }
   void matmul(const float* x, int64_t T, const Weight& w, float* y) override {
+    products_read_[w.w.data] = w.nbytes();
     note("matmul", {span(x, T * w.in())}, {span(y, T * w.out())});
     in_->matmul(x, T, w, y);
   }
   // Early's promise: the op queued just before it (on its side) writes nothing it reads or writes.
   void matmul_launched(const float* x, int64_t T, const Weight& w, float* y, ProductLaunch launch) override {
+    products_read_[w.w.data] = w.nbytes();
     OpRecord r{"matmul", {span(x, T * w.in())}, {span(y, T * w.out())}};
     if (launch == ProductLaunch::Early) {
       ++early_products_;
@@ -131,6 +141,7 @@ class BranchCheckingBackend final : public Backend {
   void matmul_many(const float* x, int64_t T, const Weight* const* ws, float* const* ys, int n) override {
     OpRecord r{"matmul_many", {}, {}};
     for (int i = 0; i < n; ++i) {
+      products_read_[ws[i]->w.data] = ws[i]->nbytes();
       r.reads.push_back(span(x, T * ws[i]->in()));
       r.writes.push_back(span(ys[i], T * ws[i]->out()));
     }
@@ -303,6 +314,7 @@ class BranchCheckingBackend final : public Backend {
   int windows_ = 0, continued_ = 0, early_products_ = 0;
   OpRecord last_outside_;  // the last op queued outside a branch (the main side's stream order)
   std::map<std::string, int> branch_ops_;
+  std::map<const void*, size_t> products_read_;
 };
 
 std::string joined(const std::vector<std::string>& v) {
@@ -417,4 +429,35 @@ TEST(Branches, ModelBranchesTouchNothingTheOpsBesideThemTouch) {
   // branch continued after the indexer's query product, and q_b launched early behind it.
   EXPECT_GT(continued, 0) << "no fixture's step continued a branch";
   EXPECT_GT(early, 0) << "no fixture's step launched a product early";
+}
+
+// A decode step reads the weights GlmDsaModel::decode_weight_bytes counts for it (vireo bench's
+// bytes a token): a step at index_topk keys (DSA dense: the selection would be every key) skips
+// the indexer's query and head weights, the step after it (index_topk + 1 keys) reads them, and
+// the two counts differ by what the two steps' products read. Without an indexer they are equal.
+TEST(Branches, DecodeWeightBytesFollowWhatADecodeStepReads) {
+  int sparse_read_more = 0;
+  for (const char* name : {"glm_dsa_full_f32", "glm_dsa_shared_f32", "glm_dsa_fp8", "dsv32_f32", "dsv3_f32"}) {
+    SCOPED_TRACE(name);
+    const std::string dir = kFixtures + "/" + name;
+    const auto tokens = read_json_file(dir + "/expected.json")["tokens"].get<std::vector<int32_t>>();
+    BranchCheckingBackend be(make_cpu_backend(/*moe_experts_max_tokens=*/8));
+    auto m = GlmDsaModel::load(dir, be);
+    const int64_t topk = m->config().has_indexer ? m->config().index_topk : 8;
+    ASSERT_GE(int64_t(tokens.size()), topk + 1);
+    MlaCache cache(be, m->cache_shape(), 1, 64);
+    std::vector<float> lg(size_t(m->config().vocab_size));
+    m->forward(tokens.data(), topk - 1, cache, 0, lg.data());
+    size_t read[2];
+    for (int i = 0; i < 2; ++i) {  // the steps at topk and topk + 1 keys
+      be.clear_products_read();
+      m->forward(&tokens[size_t(topk - 1 + i)], 1, cache, 0, lg.data(), false, AttentionPath::Absorbed);
+      read[i] = be.products_read_bytes();
+    }
+    EXPECT_EQ(int64_t(read[1]) - int64_t(read[0]),
+              int64_t(m->decode_weight_bytes(topk + 1)) - int64_t(m->decode_weight_bytes(topk)));
+    EXPECT_EQ(m->decode_weight_bytes(topk + 1), m->active_weight_bytes_per_token());
+    if (read[1] > read[0]) ++sparse_read_more;
+  }
+  EXPECT_EQ(sparse_read_more, 4) << "the fixtures with an indexer should skip its weights where DSA is dense";
 }

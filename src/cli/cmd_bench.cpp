@@ -137,6 +137,18 @@ int decode_steps_flag(const CLI::Option* flag, int given) {
   return b;
 }
 
+// Mean bytes one decode step reads over the n steps after a cache of ctx tokens: its weights
+// (fewer where DSA is dense: decode_weight_bytes) and, with_cache, its MLA cache and indexer keys.
+// Until session 55 the weights were active_weight_bytes_per_token at every context, which counts
+// the indexer's query and head weights that a step at <= index_topk keys does not read (fp8, 8
+// GLM-5 layers: 70 MB of 6.0 GB at context 0, so the % of bandwidth there read ~1.2 points high).
+double mean_decode_bytes(const GlmDsaModel& m, int64_t ctx, int64_t n, bool with_cache) {
+  double b = 0;
+  for (int64_t i = 0; i < n; ++i)
+    b += double(m.decode_weight_bytes(ctx + i + 1)) + (with_cache ? decode_cache_bytes(m.config(), ctx + i) : 0.0);
+  return b / double(std::max<int64_t>(n, 1));
+}
+
 // `vireo bench --device cuda`: B=1 decode at context 0 and 4096, prefill of 512 and 4096 tokens,
 // against a device-to-device copy and a cuBLASLt bf16 GEMM measured in the same run.
 int bench_cuda(const std::string& dir, const std::string& synthetic, const std::string& dtype, int layers, int experts,
@@ -266,7 +278,7 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
     }
     const double s = secs(a, clock::now());
     if (in_range) cuda_profiler_range(*backend, false);
-    const double bytes = weights + decode_cache_bytes(c, ctx + n_decode / 2);
+    const double bytes = mean_decode_bytes(*model, ctx, n_decode, true);
     // What the host's work between steps costs: the last recorded step replayed back to back.
     double gpu_us = 0;
     if (pick == Pick::Greedy && record) {
@@ -410,7 +422,10 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
   std::printf("device             cuda\n");
   std::printf("copy bandwidth     %.0f GB/s (device-to-device, read + write, measured now)\n", copy_gbs);
   std::printf("bf16 GEMM peak     %.0f TFLOP/s (cuBLASLt 8192^3, measured now)\n", gemm_tflops);
-  std::printf("active weights     %.3f GB per decoded token\n", weights / 1e9);
+  std::printf("active weights     %.3f GB per decoded token%s\n", weights / 1e9,
+              c.has_indexer ? (" (at most: fewer at <= " + std::to_string(c.index_topk) + " keys, where DSA is dense)")
+                                  .c_str()
+                            : "");
   std::printf("decode steps       %s\n",
               record ? (queued_decode() ? "replayed from a recorded CUDA graph, the next one queued before "
                                           "this one's token is read back (as vireo run)"
@@ -761,7 +776,7 @@ Action add_bench(CLI::App& app) {
     const double prefill_s = std::chrono::duration<double>(t2 - t1).count();
     const double decode_s = std::chrono::duration<double>(t3 - t2).count();
     const double dec_tps = double(o->decode) / decode_s;
-    const double dec_gbs = active * dec_tps / 1e9;
+    const double dec_gbs = mean_decode_bytes(*model, C + o->prompt, o->decode, false) * dec_tps / 1e9;
     std::printf("model              %s\n", o->synthetic.empty() ? o->model.c_str()
                 : ("synthetic glm5, " + std::to_string(o->layers) + " layers x " + std::to_string(o->experts) +
                    " experts, " + o->dtype).c_str());

@@ -154,6 +154,16 @@ size_t GlmDsaModel::active_weight_bytes_per_token() const {
   return n;
 }
 
+size_t GlmDsaModel::decode_weight_bytes(int64_t n_keys) const {
+  size_t n = active_weight_bytes_per_token();
+  if (!config_.has_indexer || n_keys > config_.index_topk) return n;
+  for (int l = 0; l < config_.num_layers; ++l) {
+    const AttentionWeights& a = weights_.layers[size_t(l)].attn;
+    if (a.has_indexer) n -= a.idx_wq_b.nbytes() + a.idx_weights_proj.nbytes();
+  }
+  return n;
+}
+
 float* GlmDsaModel::scratch(int slot, size_t n) {
   if (size_t(slot) >= scratch_.size()) {
     scratch_.resize(size_t(slot) + 1);

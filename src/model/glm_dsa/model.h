@@ -179,6 +179,10 @@ class GlmDsaModel {
   // Bytes the forward pass reads per decoded token: the dense spine's matrices that every token
   // uses plus experts_per_token routed experts per MoE layer (embedding: one row).
   size_t active_weight_bytes_per_token() const;
+  // The bytes of weights one decode token at n_keys keys (itself included) reads: as above, less
+  // the indexer's query product and head weights where DSA is dense (n_keys <= index_topk: the
+  // selection would be every causal key, forward skips them and runs only the key product).
+  size_t decode_weight_bytes(int64_t n_keys) const;
 
  private:
   GlmDsaModel(GlmDsaConfig config, std::unique_ptr<Checkpoint> ck, Backend& backend);
