@@ -359,7 +359,9 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
     if (!math_only && m != mode && (m != CudaGemmMode::Fp8 || dtype == "fp8" || synthetic.empty())) modes.push_back(m);
   modes.push_back(mode);
   for (int64_t T : {int64_t(512), int64_t(4096)}) {
-    MlaCache cache(*backend, model->cache_shape(), 1, T + n_decode + 8);
+    // --capacity sizes this cache too: a server's --context sizes every sequence's, and a recorded
+    // step's launches are bounded by the cache's rows past index_topk keys.
+    MlaCache cache(*backend, model->cache_shape(), 1, std::max(capacity, T + n_decode + 8));
     for (CudaGemmMode m : modes) prefill(T, m, math_name(m), cache);  // the last one's cache feeds the decode
     if (T == 4096) decode_from(cache, T, Pick::Greedy);
   }
@@ -627,8 +629,8 @@ Action add_bench(CLI::App& app) {
                  "beside one sequence")
       ->check(CLI::Range(1, 64));
   app.add_option("--capacity", o->capacity,
-                 "CUDA: rows of the cache the context-0 decode runs in (default: decode steps + 8), as a server's "
-                 "--context sizes each sequence's")
+                 "CUDA: rows of the caches the decodes run in (default: the context, decode steps + 8; at least "
+                 "that), as a server's --context sizes each sequence's")
       ->check(CLI::Range(int64_t(1), int64_t(1) << 22));
   add_streaming_flags(app, o->sf);
   add_device_flag(app, o->device, o->math);

@@ -21,6 +21,16 @@ namespace {
 // VIREO_ARGMAX_IN_STEP=0 (or GlmDsaModel::set_argmax_in_step(false)): the argmax after the step.
 bool argmax_in_step_default() { return env_switch("VIREO_ARGMAX_IN_STEP"); }
 
+// Recorded steps past the fixed context bounds are sized for the next power of two of the
+// longest row's keys (from twice the largest fixed bound), not for the cache's capacity: the
+// indexer's scores launch a block per 64 keys of the bound and the top-k spreads the bound's
+// keys over its threads, so a server's --context 202752 would otherwise pay, at 4096 cached,
+// for launches 50 times too wide. VIREO_POW2_BOUNDS=0: the capacity (before session 55).
+bool pow2_bounds() {
+  static const bool on = env_switch("VIREO_POW2_BOUNDS");
+  return on;
+}
+
 RopeKind rope_kind(RopeStyle s) { return s == RopeStyle::Interleaved ? RopeKind::Interleaved : RopeKind::HalfSplit; }
 
 // inv_freq as transformers computes it in float32 (default and YaRN rope), spec §3.4.
@@ -517,8 +527,14 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
 
 int64_t GlmDsaModel::keys_bound(int64_t longest, const MlaCache& cache) const {
   int64_t bound = cache.capacity();
-  for (int64_t b : {backend_.short_context_keys(), config_.has_indexer ? config_.index_topk : int64_t(0)})
+  int64_t fixed = 0;
+  for (int64_t b : {backend_.short_context_keys(), config_.has_indexer ? config_.index_topk : int64_t(0)}) {
     if (b > 0 && longest <= b) bound = std::min(bound, b);
+    fixed = std::max(fixed, b);
+  }
+  if (pow2_bounds() && fixed > 0)
+    for (int64_t b = 2 * fixed; b < bound; b *= 2)
+      if (longest <= b) return b;
   return bound;
 }
 

@@ -309,9 +309,10 @@ class GlmDsaModel {
   // (cache id, rows, bound on every row's length, whether it ends with the argmax, steps) -> its recording
   std::map<std::tuple<uint64_t, std::vector<int>, int64_t, bool, int>, RecordedStep> recorded_;
   // A recorded step's launches are sized for rows of up to this many keys (their lengths come at
-  // run time): the smallest of the backend's short-context bound, the indexer's top-k and the
-  // cache's capacity that holds the step, so that short contexts get launches sized for them
-  // (short-context kernels; at most index_topk keys DSA is dense).
+  // run time): the smallest of the backend's short-context bound, the indexer's top-k, the powers
+  // of two from twice the larger of those, and the cache's capacity that holds the step, so that
+  // short contexts get launches sized for them (short-context kernels; at most index_topk keys
+  // DSA is dense), and long ones launches sized within 2x of their keys.
   int64_t step_bound_ = 0;  // 0: the cache's capacity
   int64_t step_bound(const MlaCache& cache) const;
   // The smallest of the bounds above that holds rows of `longest` keys.
