@@ -425,9 +425,9 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
   std::printf("copy bandwidth     %.0f GB/s (device-to-device, read + write, measured now)\n", copy_gbs);
   std::printf("bf16 GEMM peak     %.0f TFLOP/s (cuBLASLt 8192^3, measured now)\n", gemm_tflops);
   std::printf("active weights     %.3f GB per decoded token%s\n", weights / 1e9,
-              c.has_indexer ? (" (at most: fewer at <= " + std::to_string(c.index_topk) + " keys, where DSA is dense)")
-                                  .c_str()
-                            : "");
+              c.has_indexer
+                  ? (" (at most: fewer at <= " + std::to_string(c.index_topk) + " keys, where DSA is dense)").c_str()
+                  : "");
   std::printf("decode steps       %s\n",
               record ? (queued_decode() ? "replayed from a recorded CUDA graph, the next one queued before "
                                           "this one's token is read back (as vireo run)"
