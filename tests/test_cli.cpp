@@ -183,6 +183,8 @@ TEST(Cli, BadFlagsAreRejected) {
       {"--capacity 4096", "--capacity needs --device cuda"},  // sizes the CUDA decode's cache
       {"--device cuda --decode 64 --capacity 70",
        "--capacity 70: the context-0 decode needs at least --decode + 8 = 72 rows"},
+      {"--device cuda --attention absorbed", "--attention chooses the CPU bench's attention path"},
+      {"--device cuda --gpu-budget 1G --context 4096", "--context: the streaming bench (--gpu-budget)"},
   };
   for (const auto& [flags, message] : refused) {
     SCOPED_TRACE(flags);

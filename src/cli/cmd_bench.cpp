@@ -154,7 +154,7 @@ double mean_decode_bytes(const GlmDsaModel& m, int64_t ctx, int64_t n, bool with
 int bench_cuda(const std::string& dir, const std::string& synthetic, const std::string& dtype, int layers, int experts,
                int64_t n_decode, bool record, bool profile, const SamplingParams& sampling, const std::string& math,
                bool math_only, int batch, int64_t capacity, const std::string& profiler_range,
-               const std::string& profile_mode, int decode_steps) {
+               const std::string& profile_mode, int decode_steps, int64_t context) {
 #ifndef VIREO_HAVE_CUDA
   fail("--device cuda: this vireo was built without CUDA (no nvcc at build time)");
 #else
@@ -193,7 +193,7 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
   const double weights = double(model->active_weight_bytes_per_token());
   const int64_t V = c.vocab_size;
   std::vector<float> logits(static_cast<size_t>(V));
-  const int64_t max_ctx = 4096 + n_decode + 10;
+  const int64_t max_ctx = std::max<int64_t>(4096, context) + n_decode + 10;
   std::vector<int32_t> ids(static_cast<size_t>(max_ctx));
   for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t((i * 7919 + 13) % size_t(V));
   double mm_flops_per_token = 0;
@@ -364,6 +364,21 @@ int bench_cuda(const std::string& dir, const std::string& synthetic, const std::
     MlaCache cache(*backend, model->cache_shape(), 1, std::max(capacity, T + n_decode + 8));
     for (CudaGemmMode m : modes) prefill(T, m, math_name(m), cache);  // the last one's cache feeds the decode
     if (T == 4096) decode_from(cache, T, Pick::Greedy);
+  }
+  // --context N: the decode after N cached tokens too (a long conversation's), the cache filled
+  // untimed by prompts of up to 4096 tokens in the mode asked for, each on the attention path
+  // `vireo run` would take for it.
+  if (context > 0 && context != 4096) {
+    MlaCache cache(*backend, model->cache_shape(), 1, std::max(capacity, context + n_decode + 8));
+    cuda_set_gemm_mode(*backend, mode);
+    for (int64_t done = 0; done < context;) {
+      const int64_t n = std::min<int64_t>(4096, context - done);
+      model->forward_next(&ids[size_t(done)], n, cache, 0, nullptr, model->choose_path(n, done));
+      done += n;
+      std::fprintf(stderr, "\rfilling the cache: %lld/%lld tokens", (long long)done, (long long)context);
+    }
+    std::fprintf(stderr, "\n");
+    decode_from(cache, context, Pick::Greedy);
   }
   // The sampling step alone, on the last logits of the host-sampled run: sample_rows on the
   // device (with its 4-byte copy back) against the logits' copy to the host plus Sampler::sample.
@@ -607,12 +622,14 @@ Action add_bench(CLI::App& app) {
   app.add_option("--layers", o->layers, "Synthetic: MoE layers")->check(CLI::Range(1, 200));
   app.add_option("--experts", o->experts, "Synthetic: routed experts per layer")->check(CLI::Range(1, 256));
   app.add_option("--dtype", o->dtype, "Synthetic: weight dtype")->check(CLI::IsMember({"bf16", "fp8"}));
-  app.add_option("--prompt", o->prompt, "Prefill length in tokens")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
+  auto* prompt_flag = app.add_option("--prompt", o->prompt, "Prefill length in tokens (CUDA without --gpu-budget: 512 and 4096)")
+                          ->check(CLI::Range(int64_t(1), int64_t(1) << 20));
   app.add_option("--decode", o->decode, "Decode steps to time")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
-  app.add_option("--context", o->context, "CPU: tokens already in the cache (filled untimed) before the timed "
-                                          "prefill chunk and decode steps")
+  app.add_option("--context", o->context,
+                 "Tokens already in the cache (filled untimed) before the timed prefill chunk and decode steps "
+                 "(CUDA: one more decode row, after this many cached tokens)")
       ->check(CLI::Range(int64_t(0), int64_t(1) << 22));
-  app.add_option("--attention", o->attention, "CPU: attention path of the timed prefill chunk")
+  auto* attention_flag = app.add_option("--attention", o->attention, "CPU: attention path of the timed prefill chunk")
       ->check(CLI::IsMember({"auto", "reconstructed", "absorbed"}));
   auto* steps_flag =
       app.add_option("--decode-steps", o->decode_steps,
@@ -654,7 +671,7 @@ Action add_bench(CLI::App& app) {
   app.add_option("--top-p", o->s.top_p, "Sampled decode: nucleus mass (1: off)");
   app.add_option("--min-p", o->s.min_p, "Sampled decode: drop tokens below min_p x the top probability (0: off)");
   app.add_option("--seed", o->s.seed, "Sampled decode: seed");
-  return [o, steps_flag]() {
+  return [o, steps_flag, prompt_flag, attention_flag]() {
     using clock = std::chrono::steady_clock;
     if (o->model.empty() && o->synthetic.empty()) fail("bench needs --model DIR or --synthetic glm5");
     validate_sampling(o->s);
@@ -664,6 +681,14 @@ Action add_bench(CLI::App& app) {
       fail("--profiler-range needs --device cuda without --gpu-budget (it brackets the resident model's timed runs)");
     if (o->capacity > 0 && o->capacity < o->decode + 8)
       fail("--capacity ", o->capacity, ": the context-0 decode needs at least --decode + 8 = ", o->decode + 8, " rows");
+    // (Pairs of resident and streaming runs share their flags, BENCHMARKS "Expert streaming to the GPU".)
+    if (o->device == "cuda" && o->sf.gpu_budget.empty() && prompt_flag->count() > 0)
+      std::fprintf(stderr, "note: --prompt %lld is not timed here: without --gpu-budget the CUDA bench times prompts "
+                   "of 512 and 4096 tokens\n", (long long)o->prompt);
+    if (o->device != "cpu" && attention_flag->count() > 0)
+      fail("--attention chooses the CPU bench's attention path (drop it with --device ", o->device, ")");
+    if (o->device == "cuda" && !o->sf.gpu_budget.empty() && o->context > 0)
+      fail("--context: the streaming bench (--gpu-budget) times its prompt from an empty cache (drop one of them)");
     check_device_flags(o->device, o->math, o->sf);
     if (o->mtp && (o->model.empty() || o->device != "cpu"))
       fail("--mtp needs --model DIR (a checkpoint with an MTP layer) and --device cpu");
@@ -680,7 +705,7 @@ Action add_bench(CLI::App& app) {
     if (o->device == "cuda")
       return bench_cuda(o->model, o->synthetic, o->dtype, o->layers, o->experts, o->decode, !o->no_graph, o->profile,
                         o->s, o->math, o->math_only, o->batch, o->capacity, o->profiler_range, o->profile_mode,
-                        decode_steps_flag(steps_flag, o->decode_steps));
+                        decode_steps_flag(steps_flag, o->decode_steps), o->context);
     ThreadPool& pool = ThreadPool::global();
     auto backend = make_cpu_backend();
     std::unique_ptr<GlmDsaModel> model;
