@@ -1092,6 +1092,13 @@ bool mla_decode_fast(const DecodeAttnArgs& a, cudaStream_t st) {
   return true;
 }
 
+// VIREO_TOPK_REG32=0: rows of 16385-32768 keys on the shared-memory top-k (indexer_topk_kernel), as
+// before session 55 (A/B runs).
+static bool topk_reg32() {
+  static const bool on = env_switch("VIREO_TOPK_REG32");
+  return on;
+}
+
 bool indexer_topk_fast(const float* scores, int64_t T, int64_t n_keys, int64_t pos0, const int32_t* pos0_dev,
                        int64_t topk, int32_t* selected, int32_t* counts, cudaStream_t st) {
   // n_keys bounds every row's causal count (pos0 + T with host positions, the bound with run-time ones).
@@ -1106,6 +1113,9 @@ bool indexer_topk_fast(const float* scores, int64_t T, int64_t n_keys, int64_t p
            counts, early);
   else if (bound <= 1024 * 16)
     launch(indexer_topk_reg_kernel<16>, unsigned(T), 1024, 0, st, scores, n_keys, pos0, pos0_dev, int(topk), selected,
+           counts, early);
+  else if (bound <= 1024 * 32 && topk_reg32())
+    launch(indexer_topk_reg_kernel<32>, unsigned(T), 1024, 0, st, scores, n_keys, pos0, pos0_dev, int(topk), selected,
            counts, early);
   else return false;
   VIREO_CUDA_LAUNCHED();
