@@ -816,6 +816,40 @@ __device__ __forceinline__ uint32_t score_key(float s) {
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
+// Warp 0 of a radix-select pass: the bin holding the rem-th largest of the keys counted in hist,
+// counting from bin 255 down (lane l owns bins 255 - 8l .. 248 - 8l; a scan over lanes finds the
+// lane, the lane walks its 8 bins). It writes the bin, the keys still to take inside it, and
+// whether that is every key of the bin.
+__device__ __forceinline__ void radix_pick_bin(const unsigned* hist, int rem, int lane, int* s_bin, int* s_rem,
+                                               int* s_all) {
+  unsigned c[8], tot = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    c[i] = hist[255 - (lane * 8 + i)];
+    tot += c[i];
+  }
+  unsigned inc = tot;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const unsigned v = __shfl_up_sync(0xffffffffu, inc, o);
+    if (lane >= o) inc += v;
+  }
+  const unsigned reach = __ballot_sync(0xffffffffu, int(inc) >= rem);
+  if (lane == __ffs(reach) - 1) {  // the matching keys number >= rem, so some lane reaches it
+    int cum = int(inc - tot);
+    int b = 255 - lane * 8, cnt = 0;
+    for (int i = 0; i < 8; ++i) {
+      b = 255 - (lane * 8 + i);
+      cnt = int(c[i]);
+      if (b == 0 || cum + cnt >= rem) break;
+      cum += cnt;
+    }
+    *s_bin = b;
+    *s_rem = rem - cum;
+    *s_all = cnt == rem - cum;
+  }
+}
+
 // The top `topk` of a row's n causal scores, exactly the CPU's choice (higher score first, equal
 // scores by lower position), written in ascending position order. One 1024-thread block per row;
 // thread i holds keys i re .. i re + re - 1 in registers, re = ceil(n / 1024) <= R. A radix
@@ -887,36 +921,7 @@ __global__ void __launch_bounds__(1024)
     }
     if (tid < 256) hist[(pass + 1) & 1][tid] = 0;  // last read by the previous pass's scan
     __syncthreads();
-    // The bin holding the rem-th largest key, counting from bin 255 down: warp 0, lane l owns
-    // bins 255 - 8l .. 248 - 8l; a scan over lanes finds the lane, the lane walks its 8 bins.
-    if (warp == 0) {
-      unsigned c[8], tot = 0;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        c[i] = cur[255 - (lane * 8 + i)];
-        tot += c[i];
-      }
-      unsigned inc = tot;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const unsigned v = __shfl_up_sync(0xffffffffu, inc, o);
-        if (lane >= o) inc += v;
-      }
-      const unsigned reach = __ballot_sync(0xffffffffu, int(inc) >= rem);
-      if (lane == __ffs(reach) - 1) {  // the matching keys number >= rem, so some lane reaches it
-        int cum = int(inc - tot);
-        int b = 255 - lane * 8, cnt = 0;
-        for (int i = 0; i < 8; ++i) {
-          b = 255 - (lane * 8 + i);
-          cnt = int(c[i]);
-          if (b == 0 || cum + cnt >= rem) break;
-          cum += cnt;
-        }
-        s_bin = b;
-        s_rem = rem - cum;
-        s_all = cnt == rem - cum;
-      }
-    }
+    if (warp == 0) radix_pick_bin(cur, rem, lane, &s_bin, &s_rem, &s_all);
     __syncthreads();
     prefix |= uint32_t(s_bin) << shift;
     pmask |= 255u << shift;
@@ -960,6 +965,101 @@ __global__ void __launch_bounds__(1024)
       ++G;
     } else if ((key[r] & pmask) == K) {
       if (E < need) sel[G + E] = u0 + r;
+      ++E;
+    }
+  }
+  if (tid == 0) counts[t] = topk;
+}
+
+// The same selection for rows of any length, past what the register kernel holds (32768 keys):
+// every pass reads the row's scores again, coalesced (from L2: the scores kernel has just written
+// them), and lanes of a warp with one bin combine their counts first (most keys of a long row
+// share a few bins of the first passes); the placement walks each thread's contiguous run of
+// positions, as the register kernel's does, with 32-bit counts. Before session 55 such rows took
+// the shared-memory kernel (8 passes of 64-bit keys, read from global memory past 12288 keys):
+// H200, fp8 8 layers, 32768 cached, 3509 us a step against 1987 at 16384 (BENCHMARKS "Session 55").
+__global__ void __launch_bounds__(1024)
+    indexer_topk_stream_kernel(const float* __restrict__ scores, int64_t n_keys, int64_t pos0,
+                               const int32_t* __restrict__ pos0_dev, int topk, int32_t* __restrict__ selected,
+                               int32_t* __restrict__ counts, bool early) {
+  pdl_begin();
+  __shared__ unsigned hist[2][256];
+  __shared__ int s_bin, s_rem, s_all;
+  __shared__ unsigned long long warp_tot[32];
+  if (pos0_dev) pos0 = *pos0_dev;
+  const int64_t t = blockIdx.x;
+  const int n = int(pos0 + t + 1);
+  const int tid = int(threadIdx.x), lane = tid & 31, warp = tid >> 5;
+  int32_t* sel = selected + t * topk;
+  if (n <= topk) {  // every causal key: sparse equals dense
+    for (int u = tid; u < n; u += 1024) sel[u] = u;
+    if (tid == 0) counts[t] = n;
+    return;
+  }
+  const float* sr = scores + t * n_keys;
+  if (tid < 256) hist[0][tid] = 0;
+  __syncthreads();
+  uint32_t prefix = 0, pmask = 0;
+  int rem = topk;
+#pragma unroll 1
+  for (int pass = 0; pass < 4; ++pass) {
+    const int shift = 24 - 8 * pass;
+    unsigned* cur = hist[pass & 1];
+    for (int c0 = 0; c0 < n; c0 += 1024) {  // c0 is the warp's own: __match_any_sync sees every lane
+      const int u = c0 + tid;
+      int bin = -1;
+      if (u < n) {
+        const uint32_t k = score_key(sr[u]);
+        if ((k & pmask) == prefix) bin = int((k >> shift) & 255u);
+      }
+      const unsigned same = __match_any_sync(0xffffffffu, bin);
+      if (bin >= 0 && lane == __ffs(same) - 1) atomicAdd(&cur[bin], unsigned(__popc(same)));
+    }
+    if (tid < 256) hist[(pass + 1) & 1][tid] = 0;  // last read by the previous pass's pick
+    __syncthreads();
+    if (warp == 0) radix_pick_bin(cur, rem, lane, &s_bin, &s_rem, &s_all);
+    __syncthreads();
+    prefix |= uint32_t(s_bin) << shift;
+    pmask |= 255u << shift;
+    rem = s_rem;
+    if (early && s_all) break;
+  }
+  const uint32_t K = prefix;
+  const int need = rem;
+  const int re = (n + 1023) / 1024, u0 = min(tid * re, n), u1 = min(u0 + re, n);
+  unsigned long long mine = 0;  // (above K) << 32 | (equal to K), this thread's keys
+  for (int u = u0; u < u1; ++u) {
+    const uint32_t k = score_key(sr[u]) & pmask;
+    mine += k > K ? (1ull << 32) : k == K ? 1ull : 0ull;
+  }
+  unsigned long long inc = mine;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const unsigned long long v = __shfl_up_sync(0xffffffffu, inc, o);
+    if (lane >= o) inc += v;
+  }
+  if (lane == 31) warp_tot[warp] = inc;
+  __syncthreads();
+  if (warp == 0) {
+    const unsigned long long w = warp_tot[lane];
+    unsigned long long wi = w;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const unsigned long long v = __shfl_up_sync(0xffffffffu, wi, o);
+      if (lane >= o) wi += v;
+    }
+    warp_tot[lane] = wi - w;  // exclusive
+  }
+  __syncthreads();
+  const unsigned long long before = warp_tot[warp] + inc - mine;
+  int G = int(before >> 32), E = int(before & 0xffffffffu);
+  for (int u = u0; u < u1; ++u) {
+    const uint32_t k = score_key(sr[u]) & pmask;
+    if (k > K) {
+      sel[G + (E < need ? E : need)] = u;
+      ++G;
+    } else if (k == K) {
+      if (E < need) sel[G + E] = u;
       ++E;
     }
   }
@@ -1099,6 +1199,12 @@ static bool topk_reg32() {
   return on;
 }
 
+// VIREO_TOPK_STREAM=0: longer rows on the shared-memory top-k, as before session 55 (A/B runs).
+static bool topk_stream() {
+  static const bool on = env_switch("VIREO_TOPK_STREAM");
+  return on;
+}
+
 bool indexer_topk_fast(const float* scores, int64_t T, int64_t n_keys, int64_t pos0, const int32_t* pos0_dev,
                        int64_t topk, int32_t* selected, int32_t* counts, cudaStream_t st) {
   // n_keys bounds every row's causal count (pos0 + T with host positions, the bound with run-time ones).
@@ -1116,6 +1222,9 @@ bool indexer_topk_fast(const float* scores, int64_t T, int64_t n_keys, int64_t p
            counts, early);
   else if (bound <= 1024 * 32 && topk_reg32())
     launch(indexer_topk_reg_kernel<32>, unsigned(T), 1024, 0, st, scores, n_keys, pos0, pos0_dev, int(topk), selected,
+           counts, early);
+  else if (topk_stream() && bound < (int64_t(1) << 31))
+    launch(indexer_topk_stream_kernel, unsigned(T), 1024, 0, st, scores, n_keys, pos0, pos0_dev, int(topk), selected,
            counts, early);
   else return false;
   VIREO_CUDA_LAUNCHED();
