@@ -850,6 +850,32 @@ __device__ __forceinline__ void radix_pick_bin(const unsigned* hist, int rem, in
   }
 }
 
+// The exclusive prefix sum of every thread's `mine`, in thread order, over a block of 1024 threads
+// (warp_tot: 32 entries of shared memory). Every thread of the block calls it.
+template <typename U>
+__device__ __forceinline__ U block_exclusive_sum_1024(U mine, U* warp_tot, int lane, int warp) {
+  U inc = mine;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const U v = __shfl_up_sync(0xffffffffu, inc, o);
+    if (lane >= o) inc += v;
+  }
+  if (lane == 31) warp_tot[warp] = inc;
+  __syncthreads();
+  if (warp == 0) {
+    const U w = warp_tot[lane];
+    U wi = w;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const U v = __shfl_up_sync(0xffffffffu, wi, o);
+      if (lane >= o) wi += v;
+    }
+    warp_tot[lane] = wi - w;  // exclusive
+  }
+  __syncthreads();
+  return warp_tot[warp] + inc - mine;
+}
+
 // The top `topk` of a row's n causal scores, exactly the CPU's choice (higher score first, equal
 // scores by lower position), written in ascending position order. One 1024-thread block per row;
 // thread i holds keys i re .. i re + re - 1 in registers, re = ceil(n / 1024) <= R. A radix
@@ -936,26 +962,7 @@ __global__ void __launch_bounds__(1024)
 #pragma unroll
   for (int r = 0; r < R; ++r)
     if (r < re && u0 + r < n) mine += (key[r] & pmask) > K ? 0x10000u : (key[r] & pmask) == K ? 1u : 0u;
-  unsigned inc = mine;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const unsigned v = __shfl_up_sync(0xffffffffu, inc, o);
-    if (lane >= o) inc += v;
-  }
-  if (lane == 31) warp_tot[warp] = inc;
-  __syncthreads();
-  if (warp == 0) {
-    const unsigned w = warp_tot[lane];
-    unsigned wi = w;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const unsigned v = __shfl_up_sync(0xffffffffu, wi, o);
-      if (lane >= o) wi += v;
-    }
-    warp_tot[lane] = wi - w;  // exclusive
-  }
-  __syncthreads();
-  const unsigned before = warp_tot[warp] + inc - mine;
+  const unsigned before = block_exclusive_sum_1024(mine, warp_tot, lane, warp);
   int G = int(before >> 16), E = int(before & 0xffffu);
 #pragma unroll
   for (int r = 0; r < R; ++r) {
@@ -1032,26 +1039,7 @@ __global__ void __launch_bounds__(1024)
     const uint32_t k = score_key(sr[u]) & pmask;
     mine += k > K ? (1ull << 32) : k == K ? 1ull : 0ull;
   }
-  unsigned long long inc = mine;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const unsigned long long v = __shfl_up_sync(0xffffffffu, inc, o);
-    if (lane >= o) inc += v;
-  }
-  if (lane == 31) warp_tot[warp] = inc;
-  __syncthreads();
-  if (warp == 0) {
-    const unsigned long long w = warp_tot[lane];
-    unsigned long long wi = w;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const unsigned long long v = __shfl_up_sync(0xffffffffu, wi, o);
-      if (lane >= o) wi += v;
-    }
-    warp_tot[lane] = wi - w;  // exclusive
-  }
-  __syncthreads();
-  const unsigned long long before = warp_tot[warp] + inc - mine;
+  const unsigned long long before = block_exclusive_sum_1024(mine, warp_tot, lane, warp);
   int G = int(before >> 32), E = int(before & 0xffffffffu);
   for (int u = u0; u < u1; ++u) {
     const uint32_t k = score_key(sr[u]) & pmask;
