@@ -981,8 +981,8 @@ __global__ void __launch_bounds__(1024)
 // The same selection for rows of any length, past what the register kernel holds (32768 keys):
 // every pass reads the row's scores again, coalesced (from L2: the scores kernel has just written
 // them), and lanes of a warp with one bin combine their counts first (most keys of a long row
-// share a few bins of the first passes); the placement gives each warp a 32nd of the row, walked in
-// coalesced chunks of 32 positions, ranks within a chunk by ballots, with 32-bit counts. Before session 55 such rows took
+// share a few bins of the first passes); the placement walks each thread's contiguous run of
+// positions, as the register kernel's does, with 32-bit counts. Before session 55 such rows took
 // the shared-memory kernel (8 passes of 64-bit keys, read from global memory past 12288 keys):
 // H200, fp8 8 layers, 32768 cached, 3509 us a step against 1987 at 16384 (BENCHMARKS "Session 55").
 __global__ void __launch_bounds__(1024)
@@ -1012,7 +1012,7 @@ __global__ void __launch_bounds__(1024)
   for (int pass = 0; pass < 4; ++pass) {
     const int shift = 24 - 8 * pass;
     unsigned* cur = hist[pass & 1];
-    for (int c0 = 0; c0 < n; c0 += 1024) {  // c0 is the block's: __match_any_sync sees every lane
+    for (int c0 = 0; c0 < n; c0 += 1024) {  // c0 is the warp's own: __match_any_sync sees every lane
       const int u = c0 + tid;
       int bin = -1;
       if (u < n) {
@@ -1033,33 +1033,23 @@ __global__ void __launch_bounds__(1024)
   }
   const uint32_t K = prefix;
   const int need = rem;
-  // Placement, coalesced: warp w owns the positions [w0, w1) (a 32nd of the row, rounded up to 32),
-  // walked 32 at a time; a lane's rank among a chunk's keys above K and equal to K by ballots.
-  const int span = ((n + 31) / 32 + 31) / 32 * 32;
-  const int w0 = min(warp * span, n), w1 = min(w0 + span, n);
-  const unsigned lower = (1u << lane) - 1u;
-  unsigned above = 0, equal = 0;  // the warp's, in every lane
-  for (int c0 = w0; c0 < w1; c0 += 32) {
-    const int u = c0 + lane;
-    const uint32_t k = u < w1 ? score_key(sr[u]) & pmask : 0u;
-    above += __popc(__ballot_sync(0xffffffffu, u < w1 && k > K));
-    equal += __popc(__ballot_sync(0xffffffffu, u < w1 && k == K));
+  const int re = (n + 1023) / 1024, u0 = min(tid * re, n), u1 = min(u0 + re, n);
+  unsigned long long mine = 0;  // (above K) << 32 | (equal to K), this thread's keys
+  for (int u = u0; u < u1; ++u) {
+    const uint32_t k = score_key(sr[u]) & pmask;
+    mine += k > K ? (1ull << 32) : k == K ? 1ull : 0ull;
   }
-  // The warps before this one, in position order: lane 0 carries the warp's (above, equal).
-  const unsigned long long mine = lane == 0 ? (static_cast<unsigned long long>(above) << 32) | equal : 0ull;
-  const unsigned long long before =
-      __shfl_sync(0xffffffffu, block_exclusive_sum_1024(mine, warp_tot, lane, warp), 0);
+  const unsigned long long before = block_exclusive_sum_1024(mine, warp_tot, lane, warp);
   int G = int(before >> 32), E = int(before & 0xffffffffu);
-  for (int c0 = w0; c0 < w1; c0 += 32) {
-    const int u = c0 + lane;
-    const uint32_t k = u < w1 ? score_key(sr[u]) & pmask : 0u;
-    const bool is_above = u < w1 && k > K, is_equal = u < w1 && k == K;
-    const unsigned ba = __ballot_sync(0xffffffffu, is_above), be = __ballot_sync(0xffffffffu, is_equal);
-    const int g = G + __popc(ba & lower), e = E + __popc(be & lower);
-    if (is_above) sel[g + (e < need ? e : need)] = u;
-    else if (is_equal && e < need) sel[g + e] = u;
-    G += __popc(ba);
-    E += __popc(be);
+  for (int u = u0; u < u1; ++u) {
+    const uint32_t k = score_key(sr[u]) & pmask;
+    if (k > K) {
+      sel[G + (E < need ? E : need)] = u;
+      ++G;
+    } else if (k == K) {
+      if (E < need) sel[G + E] = u;
+      ++E;
+    }
   }
   if (tid == 0) counts[t] = topk;
 }
