@@ -1012,7 +1012,7 @@ __global__ void __launch_bounds__(1024)
   for (int pass = 0; pass < 4; ++pass) {
     const int shift = 24 - 8 * pass;
     unsigned* cur = hist[pass & 1];
-    for (int c0 = 0; c0 < n; c0 += 1024) {  // c0 is the warp's own: __match_any_sync sees every lane
+    for (int c0 = 0; c0 < n; c0 += 1024) {  // c0 is the block's: __match_any_sync sees every lane
       const int u = c0 + tid;
       int bin = -1;
       if (u < n) {
