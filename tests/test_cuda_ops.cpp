@@ -1835,8 +1835,8 @@ TEST(CudaOps, IndexerSelectLongRowsIsIdentical) {
   // (Fast top-k: keys a thread in registers under the bound, 4 up to 4096, 8, 16, 32 at 20000 and
   // 32700 (full registers); past 32768 keys (the bounds of 3N + 64, and N = 70000) the streaming
   // kernel.)
-  for (int64_t N : {int64_t(3000), int64_t(4096), int64_t(5000), int64_t(12000), int64_t(20000), int64_t(32700),
-                    int64_t(70000)})
+  for (int64_t N :
+       {int64_t(3000), int64_t(4096), int64_t(5000), int64_t(12000), int64_t(20000), int64_t(32700), int64_t(70000)})
     for (int ties = 0; ties < 3; ++ties) {  // 2: none (the radix passes usually stop after two)
       const int64_t T = 2, pos0 = N - T;
       auto q = randv(size_t(T * nI * d), uint32_t(41 + N)), w = randv(size_t(T * nI), uint32_t(42 + N), 0.5f);

@@ -622,15 +622,16 @@ Action add_bench(CLI::App& app) {
   app.add_option("--layers", o->layers, "Synthetic: MoE layers")->check(CLI::Range(1, 200));
   app.add_option("--experts", o->experts, "Synthetic: routed experts per layer")->check(CLI::Range(1, 256));
   app.add_option("--dtype", o->dtype, "Synthetic: weight dtype")->check(CLI::IsMember({"bf16", "fp8"}));
-  auto* prompt_flag = app.add_option("--prompt", o->prompt, "Prefill length in tokens (CUDA without --gpu-budget: 512 and 4096)")
-                          ->check(CLI::Range(int64_t(1), int64_t(1) << 20));
+  auto* prompt_flag =
+      app.add_option("--prompt", o->prompt, "Prefill length in tokens (CUDA without --gpu-budget: 512 and 4096)")
+          ->check(CLI::Range(int64_t(1), int64_t(1) << 20));
   app.add_option("--decode", o->decode, "Decode steps to time")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
   app.add_option("--context", o->context,
                  "Tokens already in the cache (filled untimed) before the timed prefill chunk and decode steps "
                  "(CUDA: one more decode row, after this many cached tokens)")
       ->check(CLI::Range(int64_t(0), int64_t(1) << 22));
   auto* attention_flag = app.add_option("--attention", o->attention, "CPU: attention path of the timed prefill chunk")
-      ->check(CLI::IsMember({"auto", "reconstructed", "absorbed"}));
+                             ->check(CLI::IsMember({"auto", "reconstructed", "absorbed"}));
   auto* steps_flag =
       app.add_option("--decode-steps", o->decode_steps,
                      "CUDA: greedy decode steps queued as one chunk, one graph launch each (as vireo run's "
@@ -683,8 +684,10 @@ Action add_bench(CLI::App& app) {
       fail("--capacity ", o->capacity, ": the context-0 decode needs at least --decode + 8 = ", o->decode + 8, " rows");
     // (Pairs of resident and streaming runs share their flags, BENCHMARKS "Expert streaming to the GPU".)
     if (o->device == "cuda" && o->sf.gpu_budget.empty() && prompt_flag->count() > 0)
-      std::fprintf(stderr, "note: --prompt %lld is not timed here: without --gpu-budget the CUDA bench times prompts "
-                   "of 512 and 4096 tokens\n", (long long)o->prompt);
+      std::fprintf(stderr,
+                   "note: --prompt %lld is not timed here: without --gpu-budget the CUDA bench times prompts "
+                   "of 512 and 4096 tokens\n",
+                   (long long)o->prompt);
     if (o->device != "cpu" && attention_flag->count() > 0)
       fail("--attention chooses the CPU bench's attention path (drop it with --device ", o->device, ")");
     if (o->device == "cuda" && !o->sf.gpu_budget.empty() && o->context > 0)
