@@ -102,6 +102,7 @@ std::unique_ptr<GlmDsaModel> GlmDsaModel::create(GlmDsaConfig config, std::uniqu
     m->experts_ = std::make_unique<ResidentExpertStore>(*m->checkpoint_, expert_store_params(c));
   }
   m->inv_freq_ = compute_inv_freq(c);
+  m->active_bytes_ = m->count_active_weight_bytes();
   m->upload_weights();
   m->experts_->upload(backend);
   m->make_fused_banks();
@@ -145,7 +146,7 @@ MlaCacheShape GlmDsaModel::cache_shape() const {
   return s;
 }
 
-size_t GlmDsaModel::active_weight_bytes_per_token() const {
+size_t GlmDsaModel::count_active_weight_bytes() const {
   const GlmDsaConfig& c = config_;
   // Every dense matrix is read once per token, except the embedding table (one row).
   size_t n = weights_.dense_bytes - weights_.embed.nbytes() + weights_.embed.nbytes() / size_t(c.vocab_size);

@@ -178,7 +178,7 @@ class GlmDsaModel {
 
   // Bytes the forward pass reads per decoded token: the dense spine's matrices that every token
   // uses plus experts_per_token routed experts per MoE layer (embedding: one row).
-  size_t active_weight_bytes_per_token() const;
+  size_t active_weight_bytes_per_token() const { return active_bytes_; }
   // The bytes of weights one decode token at n_keys keys (itself included) reads: as above, less
   // the indexer's query product and head weights where DSA is dense (n_keys <= index_topk: the
   // selection would be every causal key, forward skips them and runs only the key product).
@@ -274,6 +274,10 @@ class GlmDsaModel {
   // it used point at their slots; the others are stale (never read: no id selects them).
   std::vector<ExpertBank> streamed_banks_;
   std::vector<float> inv_freq_;  // [rope/2]
+  // active_weight_bytes_per_token, counted once at load (checkpoint lookups a layer; the bench asks
+  // for it a decode step).
+  size_t active_bytes_ = 0;
+  size_t count_active_weight_bytes() const;
   float* cos_sin_ = nullptr;     // backend copy of this step's rope table [N, rope/2, 2]
   const int32_t* step_pos_ = nullptr;  // a recorded step's positions in backend memory [sequences]
   // The rope table of positions [0, rope_rows_) [position, rope/2, 2], and its backend copy.
