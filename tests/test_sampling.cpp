@@ -178,13 +178,88 @@ TEST(SamplingReference, CandidateOrderIsDescendingLogitThenId) {
       std::vector<int32_t> want(static_cast<size_t>(V));
       std::iota(want.begin(), want.end(), 0);
       std::stable_sort(want.begin(), want.end(), [&](int32_t a, int32_t b) { return l[size_t(a)] > l[size_t(b)]; });
-      for (int64_t n : {int64_t(1), int64_t(7), V / 16, V / 16 + 1, V}) {
+      for (int64_t n : {int64_t(1), int64_t(2), int64_t(7), V / 16, V / 16 + 1, V}) {
         if (n < 1 || n > V) continue;
         sample_candidate_order(l.data(), V, n, ws);
         ASSERT_EQ(ws.ids, std::vector<int32_t>(want.begin(), want.begin() + n)) << "vocab " << V << " n " << n;
+        for (int64_t i = 0; i < n; ++i) ASSERT_EQ(ws.order_keys[size_t(i)], sample_order_key(l[size_t(want[size_t(i)])]));
       }
     }
   }
+}
+
+// sample_warp restated the plain way: candidates by a stable sort, each weight from its gathered
+// logit with the portable build's exp, each level entry by level_block_sum. The library sorts by
+// radix or a bounded selection, reads the logits back from their sort keys, runs the weights with
+// FMA instructions where the CPU has them and sums level 1 eight blocks at a time: all of that
+// must leave every bit of the probabilities, the level sums, the cutoffs and the mass as here.
+TEST(SamplingReference, WarpIsTheStraightforwardComputationBitForBit) {
+  SampleWorkspace ws;
+  int checked = 0;
+  for (int64_t V : {int64_t(3), int64_t(300), int64_t(5000), int64_t(154880)}) {
+    std::vector<std::vector<float>> rows = {normal_logits(V, uint32_t(V) + 7, 3.0f)};
+    std::vector<float> ties = normal_logits(V, uint32_t(V) + 8, 2.0f);
+    for (size_t i = 0; i < ties.size(); ++i) ties[i] = i % 5 == 0 ? (i % 2 ? -0.0f : 0.0f) : std::round(ties[i] * 4) / 4;
+    ties[size_t(V - 1)] = -INFINITY;
+    rows.push_back(ties);
+    std::vector<float> wide = normal_logits(V, uint32_t(V) + 9, 40.0f);  // many weights underflow to 0
+    wide[0] = 0.0f;
+    rows.push_back(wide);
+    for (const auto& l : rows)
+      for (const SampleRowArgs& a : {row_args(0.8f, 0, 1, 0, 0), row_args(1.0f, 40, 1, 0, 0), row_args(0.6f, 0, 0.9f, 0, 0),
+                                     row_args(1.3f, 0, 1, 0.05f, 0), row_args(0.7f, int(V / 16), 0.95f, 0.01f, 0),
+                                     row_args(1e-30f, 0, 1, 0, 0)}) {
+        std::vector<int32_t> ids(static_cast<size_t>(V));
+        std::iota(ids.begin(), ids.end(), 0);
+        std::stable_sort(ids.begin(), ids.end(), [&](int32_t x, int32_t y) {
+          return sample_order_key(l[size_t(x)]) < sample_order_key(l[size_t(y)]);
+        });
+        const int64_t n = sample_candidates(a, V);
+        const float inv_t = pm::div(1.0f, a.temperature), x0 = l[size_t(ids[0])];
+        std::vector<float> prob(static_cast<size_t>(n));
+        for (int64_t i = 0; i < n; ++i) prob[size_t(i)] = sample_weight(l[size_t(ids[size_t(i)])], x0, inv_t);
+        SumLevels L = sum_levels(n);
+        std::vector<double> sums(static_cast<size_t>(L.doubles));
+        auto build = [&] {
+          for (int lv = 1; lv <= L.count; ++lv)
+            for (int64_t j = 0; j < L.size[lv]; ++j) sums[size_t(L.offset[lv] + j)] = level_block_sum(prob.data(), sums.data(), L, lv, j);
+        };
+        build();
+        const double total = sums[size_t(L.offset[L.count])];
+        for (float& x : prob) x = pm::to_float(pm::div(double(x), total));
+        build();
+        int64_t keep = a.top_p < 1.0f ? level_search(prob.data(), sums.data(), L, double(a.top_p), false) + 1 : n;
+        if (a.min_p > 0.0f)
+          for (int64_t i = 1; i < keep; ++i)
+            if (prob[size_t(i)] < pm::mul(a.min_p, prob[0])) {
+              keep = i;
+              break;
+            }
+        if (keep != n) {
+          L = resize_levels(L, keep);
+          build();
+        }
+
+        const WarpedCandidates w = sample_warp(l.data(), V, a, ws);
+        const std::string what = "vocab " + std::to_string(V) + " T " + std::to_string(a.temperature) + " top_k " +
+                                 std::to_string(a.top_k) + " top_p " + std::to_string(a.top_p);
+        ASSERT_EQ(w.keep, keep) << what;
+        ASSERT_EQ(ws.ids, std::vector<int32_t>(ids.begin(), ids.begin() + n)) << what;
+        ASSERT_EQ(std::memcmp(ws.prob.data(), prob.data(), size_t(n) * sizeof(float)), 0) << what;
+        for (int lv = 1; lv <= L.count; ++lv)
+          for (int64_t j = 0; j < L.size[lv]; ++j)
+            ASSERT_EQ(ws.sums[size_t(L.offset[lv] + j)], sums[size_t(L.offset[lv] + j)])
+                << what << " level " << lv << " entry " << j;
+        ASSERT_EQ(w.mass, sums[size_t(L.offset[L.count])]) << what;
+        // The portable weights (no FMA instructions) and the dispatched ones: the same bits.
+        std::vector<float> plain(static_cast<size_t>(n)), fast(static_cast<size_t>(n));
+        sample_candidate_weights(ws.order_keys.data(), n, inv_t, plain.data(), false);
+        sample_candidate_weights(ws.order_keys.data(), n, inv_t, fast.data(), true);
+        ASSERT_EQ(std::memcmp(plain.data(), fast.data(), size_t(n) * sizeof(float)), 0) << what;
+        ++checked;
+      }
+  }
+  EXPECT_EQ(checked, 4 * 3 * 6);
 }
 
 TEST(SamplingReference, DrawsFollowTheDoubleOracle) {

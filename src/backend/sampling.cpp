@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 #include "core/error.h"
 
@@ -22,50 +23,138 @@ namespace {
 
 // Fills the levels above values[0..L.size[0]) (level by level, as a GPU does in parallel).
 void build_levels(const float* values, double* sums, const SumLevels& L) {
-  for (int l = 1; l <= L.count; ++l)
-    for (int64_t j = 0; j < L.size[l]; ++j) sums[L.offset[l] + j] = level_block_sum(values, sums, L, l, j);
+  for (int l = 1; l <= L.count; ++l) {
+    int64_t j = 0;
+    // Level 1's whole blocks eight at a time: eight independent chains of additions, each in its
+    // block's order (level_block_sum's bits), instead of one chain after another.
+    if (l == 1)
+      for (const int64_t whole = L.size[0] / kSumBlock; j + 8 <= whole; j += 8) {
+        double s[8] = {};
+        const float* v = values + j * kSumBlock;
+        for (int64_t k = 0; k < kSumBlock; ++k)
+          for (int c = 0; c < 8; ++c) s[c] = pm::add(s[c], double(v[c * kSumBlock + k]));
+        for (int c = 0; c < 8; ++c) sums[L.offset[1] + j + c] = s[c];
+      }
+    for (; j < L.size[l]; ++j) sums[L.offset[l] + j] = level_block_sum(values, sums, L, l, j);
+  }
 }
 
 }  // namespace
 
 void sample_candidate_order(const float* logits, int64_t vocab, int64_t n, SampleWorkspace& ws) {
   ws.ids.resize(size_t(n));
-  if (n * 16 <= vocab) {  // few candidates: a partial sort of (key << 32 | id) beats sorting them all
-    ws.keys.resize(size_t(vocab));
-    for (int64_t i = 0; i < vocab; ++i) ws.keys[size_t(i)] = (uint64_t(sample_order_key(logits[i])) << 32) | uint64_t(i);
-    if (n == 1) std::nth_element(ws.keys.begin(), ws.keys.begin(), ws.keys.end());
-    else std::partial_sort(ws.keys.begin(), ws.keys.begin() + n, ws.keys.end());
-    for (int64_t i = 0; i < n; ++i) ws.ids[size_t(i)] = int32_t(ws.keys[size_t(i)] & 0xffffffffu);
+  ws.order_keys.resize(size_t(n));
+  if (n == 1) {  // the smallest key, the first id holding it
+    uint32_t best = sample_order_key(logits[0]);
+    int64_t at = 0;
+    for (int64_t i = 1; i < vocab; ++i) {
+      const uint32_t key = sample_order_key(logits[i]);
+      if (key < best) best = key, at = i;
+    }
+    ws.ids[0] = int32_t(at);
+    ws.order_keys[0] = best;
     return;
   }
-  // A stable LSD radix sort of the keys, 8 bits a pass, ids starting in ascending order: equal
-  // keys keep ascending ids. ~10x faster than std::sort on a 155k-token vocabulary.
-  std::vector<uint32_t>* k = ws.radix_keys;
-  std::vector<int32_t>* id = ws.radix_ids;
-  for (int b = 0; b < 2; ++b) {
-    k[b].resize(size_t(vocab));
-    id[b].resize(size_t(vocab));
+  if (n * 16 <= vocab) {
+    // Few candidates: one pass keeping each (key << 32 | id) below the n-th smallest seen so
+    // far; whenever 4n are kept the n smallest are picked out and the bound tightens. Then sort.
+    const size_t cap = size_t(std::max<int64_t>(4 * n, 256));
+    ws.keys.clear();
+    ws.keys.reserve(cap);
+    uint64_t bound = ~uint64_t(0);
+    for (int64_t i = 0; i < vocab; ++i) {
+      const uint32_t order_key = sample_order_key(logits[i]);
+      if (order_key > uint32_t(bound >> 32)) continue;  // the common case, decided on 32 bits (4x faster)
+      const uint64_t key = (uint64_t(order_key) << 32) | uint64_t(i);
+      if (key >= bound) continue;
+      ws.keys.push_back(key);
+      if (ws.keys.size() == cap) {
+        std::nth_element(ws.keys.begin(), ws.keys.begin() + (n - 1), ws.keys.end());
+        ws.keys.resize(size_t(n));
+        bound = ws.keys[size_t(n - 1)];
+      }
+    }
+    std::partial_sort(ws.keys.begin(), ws.keys.begin() + n, ws.keys.end());
+    for (int64_t i = 0; i < n; ++i) {
+      ws.ids[size_t(i)] = int32_t(ws.keys[size_t(i)] & 0xffffffffu);
+      ws.order_keys[size_t(i)] = uint32_t(ws.keys[size_t(i)] >> 32);
+    }
+    return;
   }
+  // A stable LSD radix sort of the keys, 11 bits a pass (three passes; the histograms of all
+  // three counted in one read), ids starting in ascending order: equal keys keep ascending ids.
+  // A pass whose digit is the same for every key moves nothing and is skipped.
+  constexpr int kBits = 11, kPasses = 3;
+  constexpr uint32_t kDigits = 1u << kBits;
+  static_assert(kBits * kPasses >= 32 && kBits * (kPasses - 1) < 32);
+  for (int b = 0; b < 2; ++b) {
+    ws.radix_keys[b].resize(size_t(vocab));
+    ws.radix_ids[b].resize(size_t(vocab));
+  }
+  uint32_t* key[2] = {ws.radix_keys[0].data(), ws.radix_keys[1].data()};
+  int32_t* id[2] = {ws.radix_ids[0].data(), ws.radix_ids[1].data()};
+  std::vector<int64_t> start(size_t(kPasses) * kDigits, 0);  // each pass's digit counts, then starts
   for (int64_t i = 0; i < vocab; ++i) {
-    k[0][size_t(i)] = sample_order_key(logits[i]);
-    id[0][size_t(i)] = int32_t(i);
+    const uint32_t k = sample_order_key(logits[i]);
+    key[0][i] = k;
+    id[0][i] = int32_t(i);
+    ++start[k & (kDigits - 1)];
+    ++start[kDigits + ((k >> kBits) & (kDigits - 1))];
+    ++start[2 * kDigits + (k >> (2 * kBits))];
   }
   int cur = 0;
-  for (int shift = 0; shift < 32; shift += 8) {
-    int64_t start[257] = {};
-    for (int64_t i = 0; i < vocab; ++i) ++start[((k[cur][size_t(i)] >> shift) & 0xffu) + 1];
-    if (*std::max_element(start + 1, start + 257) == vocab) continue;  // one digit throughout: nothing moves
-    for (int d = 0; d < 256; ++d) start[d + 1] += start[d];
-    const int nxt = cur ^ 1;
+  for (int p = 0; p < kPasses; ++p) {
+    int64_t* s = &start[size_t(p) * kDigits];
+    if (*std::max_element(s, s + kDigits) == vocab) continue;  // one digit throughout
+    int64_t at = 0;
+    for (uint32_t d = 0; d < kDigits; ++d) at += std::exchange(s[d], at);
+    const uint32_t* kc = key[cur];
+    const int32_t* ic = id[cur];
+    uint32_t* kn = key[cur ^ 1];
+    int32_t* in = id[cur ^ 1];
+    const int shift = p * kBits;
     for (int64_t i = 0; i < vocab; ++i) {
-      const uint32_t key = k[cur][size_t(i)];
-      const int64_t at = start[(key >> shift) & 0xffu]++;
-      k[nxt][size_t(at)] = key;
-      id[nxt][size_t(at)] = id[cur][size_t(i)];
+      const int64_t to = s[(kc[i] >> shift) & (kDigits - 1)]++;
+      kn[to] = kc[i];
+      in[to] = ic[i];
     }
-    cur = nxt;
+    cur ^= 1;
   }
-  std::copy(id[cur].begin(), id[cur].begin() + n, ws.ids.begin());
+  std::copy(id[cur], id[cur] + n, ws.ids.begin());
+  std::copy(key[cur], key[cur] + n, ws.order_keys.begin());
+}
+
+namespace {
+
+// prob[i] = the weight of the candidate with key keys[i] (sample_weight against keys[0]'s logit).
+// Compiled twice: where the CPU has FMA instructions pm::exp's fmas are one instruction each
+// instead of a call into libm (this build targets x86-64 without FMA). Each fma is one rounding
+// either way, so both give the same bits (SamplingReference.WeightsAreTheGatheredLogitsWeights).
+[[gnu::always_inline]] inline void candidate_weights_body(const uint32_t* keys, int64_t n, float inv_t, float* prob) {
+  const float x0 = sample_order_logit(keys[0]);
+  for (int64_t i = 0; i < n; ++i) prob[i] = sample_weight(sample_order_logit(keys[i]), x0, inv_t);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+[[gnu::target("fma"), gnu::flatten]] void candidate_weights_fma(const uint32_t* keys, int64_t n, float inv_t,
+                                                                float* prob) {
+  candidate_weights_body(keys, n, inv_t, prob);
+}
+#endif
+
+void candidate_weights_portable(const uint32_t* keys, int64_t n, float inv_t, float* prob) {
+  candidate_weights_body(keys, n, inv_t, prob);
+}
+
+}  // namespace
+
+void sample_candidate_weights(const uint32_t* keys, int64_t n, float inv_t, float* prob, bool allow_fma) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool has_fma = __builtin_cpu_supports("fma");
+  if (allow_fma && has_fma) return candidate_weights_fma(keys, n, inv_t, prob);
+#endif
+  (void)allow_fma;
+  candidate_weights_portable(keys, n, inv_t, prob);
 }
 
 WarpedCandidates sample_warp(const float* logits, int64_t vocab, const SampleRowArgs& a, SampleWorkspace& ws) {
@@ -84,9 +173,8 @@ WarpedCandidates sample_warp(const float* logits, int64_t vocab, const SampleRow
   }
 
   // Probabilities: weights normalized by their level total.
-  const float inv_t = pm::div(1.0f, a.temperature), x0 = logits[ws.ids[0]];
   ws.prob.resize(size_t(n));
-  for (int64_t i = 0; i < n; ++i) ws.prob[size_t(i)] = sample_weight(logits[ws.ids[size_t(i)]], x0, inv_t);
+  sample_candidate_weights(ws.order_keys.data(), n, pm::div(1.0f, a.temperature), ws.prob.data());
   SumLevels L = sum_levels(n);
   ws.sums.resize(size_t(L.doubles));
   build_levels(ws.prob.data(), ws.sums.data(), L);

@@ -129,19 +129,33 @@ static VIREO_HD inline float sample_weight(float x, float x0, float inv_t) {
   return pm::exp(pm::sub(pm::mul(x, inv_t), pm::mul(x0, inv_t)));
 }
 
+// The logit a sort key stands for: the inverse of sample_order_key, except that 0 comes back as
+// +0 for -0 too (the two weigh the same in sample_weight: a difference with a zero is exact).
+static VIREO_HD inline float sample_order_logit(uint32_t key) {
+  const uint32_t b = ~key;
+  return pm::bits_float((b & 0x80000000u) ? (b & 0x7fffffffu) : ~b);
+}
+
 // Reusable host buffers for sample_row.
 struct SampleWorkspace {
   std::vector<uint64_t> keys;                  // (sample_order_key << 32) | id (partial sorts)
   std::vector<uint32_t> radix_keys[2];         // sample_order_key (radix sort passes)
   std::vector<int32_t> radix_ids[2];
   std::vector<int32_t> ids;                    // candidates, best first
+  std::vector<uint32_t> order_keys;            // their sample_order_key (so their logits, in order)
   std::vector<float> prob;                     // their probabilities
   std::vector<double> sums;                    // SumLevels storage
 };
 
 // ws.ids = the first n (1 <= n <= vocab) candidates of logits[0..vocab) in candidate order:
-// ascending sample_order_key, ties by ascending id (the order of sorting key << 32 | id).
+// ascending sample_order_key, ties by ascending id (the order of sorting key << 32 | id), and
+// ws.order_keys their keys.
 void sample_candidate_order(const float* logits, int64_t vocab, int64_t n, SampleWorkspace& ws);
+
+// prob[i] = sample_weight(logit of keys[i], logit of keys[0], inv_t) for i < n (keys: candidate
+// order's sample_order_key). allow_fma = false runs the portable build even where the CPU has FMA
+// instructions (the same bits: for tests).
+void sample_candidate_weights(const uint32_t* keys, int64_t n, float inv_t, float* prob, bool allow_fma = true);
 
 // The distribution sample_row draws from: the kept candidates ws.ids[0..keep) in candidate
 // order with their probabilities ws.prob[0..keep) (normalized before top-p and min-p cut the
