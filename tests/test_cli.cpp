@@ -210,6 +210,30 @@ TEST(Cli, BadFlagsAreRejected) {
   EXPECT_NE(r.out.find("--synthetic"), std::string::npos) << r.out;
 }
 
+// A flag the command does not have is named as typed, with the flag most likely meant; words
+// that are not flags are listed in the order typed; --threads works after the command too.
+TEST(Cli, UnknownFlagsNameTheFlagMeant) {
+  const std::pair<std::string, std::string> cases[] = {
+      {"run --model " + kFixture + " --prompt-ids 1 --temperature 0.8",
+       "unknown flag --temperature (did you mean --temp?) in '--temperature 0.8' (vireo run --help lists the flags)"},
+      {"run --model " + kFixture + " --prompt-ids 1 --top_p=0.9", "unknown flag --top_p (did you mean --top-p?)"},
+      {"serve --model " + kFixture + " --max-batchs 4", "unknown flag --max-batchs (did you mean --max-batch?)"},
+      {"info --model " + kFixture + " --frobnicate", "unknown flag --frobnicate (vireo info --help lists the flags)"},
+      {"run --model " + kFixture + " --prompt-ids 1 one two", "unexpected arguments: one two (vireo run --help"},
+      {"--thread 2 info --model " + kFixture, "unknown flag --thread (did you mean --threads?)"}};
+  for (const auto& [args, message] : cases) {
+    SCOPED_TRACE(args);
+    const RunResult r = run_vireo(args);
+    EXPECT_EQ(r.signal, 0);
+    EXPECT_NE(r.exit_code, 0);
+    EXPECT_EQ(count_lines(r.err), 1) << r.err;
+    EXPECT_EQ(r.err.rfind("vireo: error: ", 0), 0u) << r.err;
+    EXPECT_NE(r.err.find(message), std::string::npos) << r.err;
+  }
+  const RunResult r = run_vireo("info --model " + kFixture + " --threads 1");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+}
+
 // tools/ab-bench.sh reads `vireo bench`'s decode lines: two variants, two rounds each, interleaved,
 // then one median line a variant with a percentage; a bad variant is refused by name.
 // An executable shell script: a stand-in for vireo in the tools' tests.
