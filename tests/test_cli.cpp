@@ -169,6 +169,12 @@ TEST(Cli, BadFlagsAreRejected) {
   RunResult r = run_vireo("run --model " + kFixture + " --prompt-ids 1 --top-p 0");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.err.find("top_p"), std::string::npos) << r.err;
+  expect_clean_error(run_vireo("run --model " + kFixture + " --prompt-ids 1 --frequency-penalty 3"),
+                     "frequency_penalty must be in [-2, 2], got 3");
+  expect_clean_error(run_vireo("run --model " + kFixture + " --prompt-ids 1 --repetition-penalty 1.2 --mtp"),
+                     "--mtp: the penalties (--repetition-penalty");
+  expect_clean_error(run_vireo("chat --model " + kFixture + " --presence-penalty 0.5 --mtp"),
+                     "--mtp: the penalties (--repetition-penalty");
   r = run_vireo("bench");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.err.find("--model DIR or --synthetic"), std::string::npos) << r.err;

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <map>
 #include <numeric>
@@ -306,6 +307,125 @@ TEST(SamplingReference, TiesEdgesAndGreedy) {
   EXPECT_EQ(sample_row(m.data(), 5, row_args(1.0f, 3, 1, 0, 1.0 - 0x1p-53), ws), 0);
   // top_p tiny keeps the best alone.
   EXPECT_EQ(sample_row(m.data(), 5, row_args(1.0f, 0, 1e-6f, 0, 1.0 - 0x1p-53), ws), 1);
+}
+
+// Penalties (SamplingParams): the arithmetic on a row, stated case by case.
+TEST(Penalties, ApplyIsTheStatedArithmetic) {
+  SamplingParams p;
+  p.repetition_penalty = 1.25f;
+  p.frequency_penalty = 0.5f;
+  p.presence_penalty = -0.25f;
+  const std::vector<float> row = {2.0f, -2.0f, 0.0f, 3.0f, -1.0f, 4.0f};
+  std::vector<uint8_t> in_context = {1, 1, 1, 1, 0, 0};  // 0..3: prompt or generated
+  std::vector<int32_t> generated = {0, 2, 0, 1, 0, 0};   // 1 twice, 3 once
+  std::vector<float> x = row;
+  apply_penalties(p, x.data(), in_context, generated, {0, 1, 2, 3});
+  EXPECT_EQ(x[0], 2.0f / 1.25f);                                // in the prompt: divided (> 0)
+  EXPECT_EQ(x[1], -2.0f * 1.25f - 0.5f * 2.0f + 0.25f);         // multiplied (< 0), counted twice, present
+  EXPECT_EQ(x[2], 0.0f);                                        // 0 stays 0
+  EXPECT_EQ(x[3], 3.0f / 1.25f - 0.5f + 0.25f);
+  EXPECT_EQ(x[4], -1.0f);                                       // untouched
+  EXPECT_EQ(x[5], 4.0f);
+  p.repetition_penalty = 0.5f;  // below 1: repeated tokens favoured
+  x = row;
+  apply_penalties(p, x.data(), in_context, generated, {0, 1, 2, 3});
+  EXPECT_EQ(x[0], 4.0f);
+  EXPECT_EQ(x[1], -1.0f - 1.0f + 0.25f);
+}
+
+// Sampler keeps the penalties' history itself: the prompt, then each token it picks.
+TEST(Penalties, SamplerCountsThePromptAndItsOwnPicks) {
+  const std::vector<float> row = {3.0f, 2.5f, 2.0f, 0.5f, -1.0f};
+  auto picks = [&](SamplingParams p, const std::vector<int32_t>& prompt, int n) {
+    Sampler s(p);
+    s.set_prompt(prompt);
+    std::vector<int32_t> out;
+    for (int i = 0; i < n; ++i) out.push_back(s.sample(row.data(), int64_t(row.size())));
+    return out;
+  };
+  SamplingParams f;
+  f.frequency_penalty = 0.6f;  // 3.0 | 2.5 | 3.0 - 0.6 = 2.4 over 2.0 | 2.0 over 1.9 and 1.8
+  EXPECT_EQ(picks(f, {}, 4), (std::vector<int32_t>{0, 1, 0, 2}));
+  EXPECT_EQ(picks(f, {0, 0, 0}, 2), (std::vector<int32_t>{0, 1}));  // the prompt is not counted
+  SamplingParams r;
+  r.repetition_penalty = 2.0f;  // 0 in the prompt: 1.5; then 2.5 -> 1.25, 2.0 -> 1.0; no compounding
+  EXPECT_EQ(picks(r, {0}, 4), (std::vector<int32_t>{1, 2, 0, 0}));
+  SamplingParams none;
+  EXPECT_EQ(picks(none, {0}, 3), (std::vector<int32_t>{0, 0, 0}));
+  // Sampled: the draw of sample_row on the penalized row, with the stream's uniforms in order.
+  SamplingParams t;
+  t.temperature = 0.9f;
+  t.seed = 5;
+  t.presence_penalty = 1.5f;
+  t.repetition_penalty = 1.1f;
+  Sampler with(t), plain([&] {
+    SamplingParams q = t;
+    q.presence_penalty = 0.0f;
+    q.repetition_penalty = 1.0f;
+    return q;
+  }());
+  const std::vector<float> wide = normal_logits(300, 4, 2.0f);
+  with.set_prompt({7, 8});
+  std::vector<uint8_t> ctx(300, 0);
+  std::vector<int32_t> gen(300, 0), touched = {7, 8};
+  ctx[7] = ctx[8] = 1;
+  std::set<int32_t> distinct;
+  for (int i = 0; i < 60; ++i) {
+    std::vector<float> x = wide;
+    apply_penalties(t, x.data(), ctx, gen, touched);
+    const int32_t want = plain.sample(x.data(), 300);
+    ASSERT_EQ(with.sample(wide.data(), 300), want) << "step " << i;
+    if (!ctx[size_t(want)]) touched.push_back(want);
+    ctx[size_t(want)] = 1;
+    ++gen[size_t(want)];
+    distinct.insert(want);
+  }
+  EXPECT_GT(distinct.size(), 30u);  // the presence penalty spreads the picks
+  // Bad values are refused by name.
+  for (auto [field, set] : std::vector<std::pair<std::string, std::function<void(SamplingParams&)>>>{
+           {"repetition_penalty", [](SamplingParams& q) { q.repetition_penalty = 0.0f; }},
+           {"frequency_penalty", [](SamplingParams& q) { q.frequency_penalty = 2.5f; }},
+           {"presence_penalty", [](SamplingParams& q) { q.presence_penalty = NAN; }}}) {
+    SamplingParams q;
+    set(q);
+    try {
+      Sampler bad(q);
+      ADD_FAILURE() << field << " accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()).rfind(field, 0), 0u) << e.what();
+    }
+  }
+}
+
+// generate() with penalties (its host path) on an f32 fixture whose indexer selects (index_topk 12
+// of up to 60 keys): transformers' greedy tokens (tests/fixtures/penalties.json), the prompt whole
+// or in chunks, and the cache left as the backend path leaves it.
+TEST(Penalties, GenerateMatchesTransformersOnTheF32Fixture) {
+  auto be = make_cpu_backend();
+  auto m = GlmDsaModel::load(kFixture, *be);
+  const Json golden = read_json_file(std::string(VIREO_FIXTURES_DIR) + "/penalties.json");
+  int checked = 0;
+  for (const Json& c : golden["cases"]) {
+    if (c["model"].get<std::string>() != "glm_dsa_full_f32") continue;
+    const auto prompt = c["prompt"].get<std::vector<int32_t>>();
+    const auto want = c["new"].get<std::vector<int32_t>>();
+    GenerateOptions opt;
+    opt.max_new_tokens = int64_t(want.size());
+    opt.stop_at_eos = false;
+    opt.sampling.repetition_penalty = c["repetition_penalty"].get<float>();
+    opt.sampling.frequency_penalty = c["frequency_penalty"].get<float>();
+    opt.sampling.presence_penalty = c["presence_penalty"].get<float>();
+    for (int64_t chunk : {int64_t(0), int64_t(7)}) {
+      opt.prefill_chunk = chunk;
+      MlaCache cache(*be, m->cache_shape(), 1, int64_t(prompt.size() + want.size()));
+      EXPECT_EQ(generate(*m, cache, 0, prompt, opt).tokens, want)
+          << "repetition " << opt.sampling.repetition_penalty << " frequency " << opt.sampling.frequency_penalty
+          << " presence " << opt.sampling.presence_penalty << " chunk " << chunk;
+      EXPECT_EQ(cache.length(0), int64_t(prompt.size() + want.size()) - 1);
+    }
+    ++checked;
+  }
+  EXPECT_EQ(checked, 4);
 }
 
 TEST(SamplingReference, CpuBackendEqualsSamplerRowByRow) {

@@ -276,6 +276,67 @@ TEST(Scheduler, MtpDraftsKeepEachRequestsTokensOnCuda) {
   mtp_drafts_keep_each_requests_tokens(true);
 }
 
+// Requests with penalties (tests/fixtures/penalties.json: transformers' greedy continuations under
+// repetition, frequency and presence penalties) batched with plain greedy and sampled requests:
+// each gets transformers' tokens on the penalties' host path, the same as generate() gives, and
+// the others their own tokens alone. A drafting (--mtp) scheduler refuses penalties by name.
+void penalized_requests_get_transformers_tokens(bool cuda) {
+  Loaded m(kDemo, cuda);
+  const Json golden = read_json_file(kFixtures + "/penalties.json");
+  std::vector<std::pair<int, SchedRequest>> arrivals;
+  std::vector<std::vector<int32_t>> want;
+  int step = 0;
+  for (const Json& c : golden["cases"]) {
+    if (c["model"].get<std::string>() != "vireo-demo") continue;
+    auto cont = c["new"].get<std::vector<int32_t>>();
+    SchedRequest r = greedy(c["prompt"].get<std::vector<int32_t>>(), int64_t(cont.size()));
+    r.sampling.repetition_penalty = c["repetition_penalty"].get<float>();
+    r.sampling.frequency_penalty = c["frequency_penalty"].get<float>();
+    r.sampling.presence_penalty = c["presence_penalty"].get<float>();
+    arrivals.push_back({step++, r});
+    want.push_back(cont);
+  }
+  ASSERT_EQ(want.size(), 4u);
+  std::vector<std::vector<int32_t>> others;  // beside them: demo_arrivals' greedy requests, one sampled
+  auto plain = demo_arrivals(1, others);
+  plain.resize(2);
+  plain[1].second.sampling.temperature = 0.8f;
+  plain[1].second.sampling.seed = 11;
+  for (auto& a : plain) arrivals.push_back(a);
+  const std::vector<Outcome> got = staggered_outcomes(m, arrivals, manual(4, 256, 16));
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(got[i].ids, want[i]) << "penalized request " << i;
+    if (cuda) continue;
+    MlaCache cache(*m.backend, m.model->cache_shape(), 1, 256);
+    GenerateOptions g;
+    g.max_new_tokens = arrivals[i].second.max_tokens;
+    g.stop_at_eos = false;
+    g.sampling = arrivals[i].second.sampling;
+    EXPECT_EQ(generate(*m.model, cache, 0, arrivals[i].second.prompt, g).tokens, want[i]) << "generate " << i;
+  }
+  EXPECT_EQ(got[want.size()].ids, others[0]);
+  EXPECT_EQ(got[want.size() + 1].ids, alone(m, plain[1].second, 16));
+
+  Loaded drafting(kDemo, cuda, true);
+  Scheduler s(*drafting.model, *drafting.backend, manual(1, 64, 16, true));
+  SchedRequest r = greedy({1, 2}, 4);
+  r.sampling.presence_penalty = 0.5f;
+  try {
+    s.submit(r);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("presence_penalty: penalties are not supported with speculative", 0), 0u)
+        << e.what();
+  }
+}
+
+TEST(Scheduler, PenalizedRequestsGetTransformersTokens) { penalized_requests_get_transformers_tokens(false); }
+
+TEST(Scheduler, PenalizedRequestsGetTransformersTokensOnCuda) {
+  REQUIRE_CUDA();
+  penalized_requests_get_transformers_tokens(true);
+}
+
 TEST(Scheduler, CancellationFreesTheRowForTheNextRequest) {
   Loaded m(kFixtures + "/glm_dsa_shared_f32");
   Scheduler s(*m.model, *m.backend, manual(2, 64, 16));

@@ -106,7 +106,7 @@ Action add_chat(CLI::App& app) {
   add_device_flag(app, o->device, o->math);
   return [o, decode_steps]() {
     validate_sampling(o->s);
-    check_mtp_flag(o->mtp, decode_steps);
+    check_mtp_flag(o->mtp, decode_steps, &o->s);
     const int64_t chunk = resolve_prefill_chunk(o->chunk, o->sf);
     check_device_flags(o->device, o->math, o->sf);
     TextModel tm = TextModel::load(o->model, true);
@@ -163,6 +163,7 @@ Action add_chat(CLI::App& app) {
       opt.prefill_chunk = chunk;
       opt.decode_steps = o->decode_steps;
       opt.mtp_drafts = o->mtp;
+      opt.history = cached;  // the earlier turns, for --repetition-penalty
       DecodeStream stream(tm.tokenizer, true);
       std::string reply;
       GenerateResult r = generate(*model, cache, 0, fresh, opt, [&](int32_t id) {

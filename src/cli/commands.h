@@ -86,7 +86,7 @@ CLI::Option* add_decode_steps_flag(CLI::App& app, int& steps);
 // --mtp (run, chat): speculative decoding with the model's MTP layer (greedy or sampled);
 // check_mtp_flag refuses it beside an explicit --decode-steps (which it would ignore).
 void add_mtp_flag(CLI::App& app, bool& mtp);
-void check_mtp_flag(bool mtp, const CLI::Option* decode_steps);
+void check_mtp_flag(bool mtp, const CLI::Option* decode_steps, const SamplingParams* sampling = nullptr);
 // The chunk to use (0: whole prompt); fails with one line naming the flag for a negative value,
 // or 0 under a budget.
 int64_t resolve_prefill_chunk(const PrefillChunkFlag& f, const StreamingFlags& sf);

@@ -119,6 +119,37 @@ GenerateResult generate_with_drafts(GlmDsaModel& model, MlaCache& cache, int row
   return r;
 }
 
+// Penalties (SamplingParams::has_penalties): every step's logits come back and the sampler picks
+// on the host, penalizing them by the history it keeps (the prompt and every token it drew), a
+// step at a time. The cache ends as generate's: the prompt and every token but the last.
+GenerateResult generate_on_host(GlmDsaModel& model, MlaCache& cache, int row, const std::vector<int32_t>& prompt,
+                                const GenerateOptions& opt, const std::function<bool(int32_t)>& on_token) {
+  using clock = std::chrono::steady_clock;
+  const GlmDsaConfig& c = model.config();
+  GenerateResult r;
+  r.prompt_tokens = int64_t(prompt.size());
+  Sampler sampler(opt.sampling);
+  std::vector<int32_t> context = opt.history;
+  context.insert(context.end(), prompt.begin(), prompt.end());
+  sampler.set_prompt(context);
+  std::vector<float> logits(size_t(c.vocab_size));
+  auto t0 = clock::now();
+  const int64_t P = int64_t(prompt.size()), chunk = opt.prefill_chunk > 0 ? opt.prefill_chunk : P;
+  int64_t at = 0;
+  for (; P - at > chunk; at += chunk) model.forward(prompt.data() + at, chunk, cache, row, nullptr);
+  model.forward(prompt.data() + at, P - at, cache, row, logits.data());
+  int32_t next = sampler.sample(logits.data(), c.vocab_size);
+  auto t1 = clock::now();
+  r.prefill_seconds = std::chrono::duration<double>(t1 - t0).count();
+  if (opt.max_new_tokens > 0)
+    while (emit(next, c, opt, on_token, r)) {
+      model.forward(&next, 1, cache, row, logits.data());
+      next = sampler.sample(logits.data(), c.vocab_size);
+    }
+  r.decode_seconds = std::chrono::duration<double>(clock::now() - t1).count();
+  return r;
+}
+
 }  // namespace
 
 GenerateResult generate(GlmDsaModel& model, MlaCache& cache, int row, const std::vector<int32_t>& prompt,
@@ -132,6 +163,10 @@ GenerateResult generate(GlmDsaModel& model, MlaCache& cache, int row, const std:
   if (opt.prefill_chunk < 0) fail("prefill chunk must be 0 (the whole prompt) or positive, got ", opt.prefill_chunk);
   if (opt.decode_steps < 1 || opt.decode_steps > int(Backend::kMaxQueuedRead))
     fail("decode steps a chunk must be 1 to ", Backend::kMaxQueuedRead, ", got ", opt.decode_steps);
+  if (opt.sampling.has_penalties()) {
+    if (opt.mtp_drafts) fail("penalties (repetition, frequency, presence) are not supported with speculative decoding");
+    return generate_on_host(model, cache, row, prompt, opt, on_token);
+  }
   if (opt.mtp_drafts) return generate_with_drafts(model, cache, row, prompt, opt, on_token);
   GenerateResult r;
   r.prompt_tokens = int64_t(prompt.size());

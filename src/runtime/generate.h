@@ -35,6 +35,10 @@ struct GenerateOptions {
   // (the first token, drawn from the prompt's logits, is plain sampling's). Logits come back to
   // the host when sampling.
   bool mtp_drafts = false;
+  // Tokens already in the cache row before the prompt (a chat's earlier turns): with
+  // sampling.repetition_penalty they count as the prompt's. With penalties every step's logits
+  // come back and the host picks, a step at a time (not with mtp_drafts).
+  std::vector<int32_t> history;
 };
 
 struct GenerateResult {

@@ -11,6 +11,26 @@ void validate_sampling(const SamplingParams& p) {
   if (p.top_k < 0) fail("top_k must be >= 0, got ", p.top_k);
   if (!(p.top_p > 0 && p.top_p <= 1)) fail("top_p must be in (0, 1], got ", p.top_p);
   if (!(p.min_p >= 0 && p.min_p <= 1)) fail("min_p must be in [0, 1], got ", p.min_p);
+  if (!(p.repetition_penalty > 0) || !std::isfinite(p.repetition_penalty))
+    fail("repetition_penalty must be > 0 (1: off), got ", p.repetition_penalty);
+  if (!(p.frequency_penalty >= -2 && p.frequency_penalty <= 2))
+    fail("frequency_penalty must be in [-2, 2], got ", p.frequency_penalty);
+  if (!(p.presence_penalty >= -2 && p.presence_penalty <= 2))
+    fail("presence_penalty must be in [-2, 2], got ", p.presence_penalty);
+}
+
+void apply_penalties(const SamplingParams& p, float* logits, const std::vector<uint8_t>& in_context,
+                     const std::vector<int32_t>& generated, const std::vector<int32_t>& touched) {
+  for (const int32_t t : touched) {
+    float& x = logits[t];
+    if (in_context[size_t(t)] && p.repetition_penalty != 1.0f)
+      x = x > 0.0f ? x / p.repetition_penalty : x * p.repetition_penalty;
+    const int32_t n = generated[size_t(t)];
+    if (n > 0) {
+      if (p.frequency_penalty != 0.0f) x -= p.frequency_penalty * float(n);
+      if (p.presence_penalty != 0.0f) x -= p.presence_penalty;
+    }
+  }
 }
 
 int32_t argmax(const float* x, int64_t n) {
@@ -43,9 +63,33 @@ SampleRowArgs Sampler::next_row_args() {
   return a;
 }
 
+void Sampler::set_prompt(const std::vector<int32_t>& prompt) {
+  if (params_.has_penalties()) prompt_ = prompt;
+}
+
+void Sampler::note(int32_t token, int64_t vocab, bool generated) {
+  if (token < 0 || token >= vocab) fail("penalties: token id ", token, " is outside the vocabulary of ", vocab);
+  if (!in_context_[size_t(token)] && generated_[size_t(token)] == 0) touched_.push_back(token);
+  in_context_[size_t(token)] = 1;
+  if (generated) ++generated_[size_t(token)];
+}
+
 int32_t Sampler::sample(const float* logits, int64_t vocab) {
-  if (params_.temperature == 0.0f) return argmax(logits, vocab);
-  return sample_row(logits, vocab, next_row_args(), ws_);
+  if (params_.has_penalties()) {
+    if (in_context_.empty()) {  // the history, sized to the vocabulary: the prompt first
+      in_context_.assign(size_t(vocab), 0);
+      generated_.assign(size_t(vocab), 0);
+      for (const int32_t t : prompt_) note(t, vocab, false);
+    }
+    if (int64_t(in_context_.size()) != vocab)
+      fail("penalties: a row of ", vocab, " logits after rows of ", in_context_.size());
+    penalized_.assign(logits, logits + vocab);
+    apply_penalties(params_, penalized_.data(), in_context_, generated_, touched_);
+    logits = penalized_.data();
+  }
+  const int32_t t = params_.temperature == 0.0f ? argmax(logits, vocab) : sample_row(logits, vocab, next_row_args(), ws_);
+  if (params_.has_penalties()) note(t, vocab, true);
+  return t;
 }
 
 }  // namespace vireo

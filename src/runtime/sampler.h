@@ -3,6 +3,7 @@
 // transformers applies its warpers in), with a seeded generator whose stream is identical on
 // every platform.
 #include <cstdint>
+#include <vector>
 
 #include "backend/sampling.h"
 
@@ -14,6 +15,17 @@ struct SamplingParams {
   float top_p = 1.0f;        // 1: off
   float min_p = 0.0f;        // 0: off
   uint64_t seed = 0;
+  // Penalties on the logits before everything above (greedy too), as transformers and vLLM apply
+  // them: repetition_penalty r (> 0; 1: off) on every token of the prompt or generated so far
+  // (logit / r where the logit is > 0, else logit * r); then frequency_penalty f and
+  // presence_penalty p ([-2, 2]; 0: off, OpenAI's) on generated tokens: logit - f x count, then
+  // - p once if it was generated at all.
+  float repetition_penalty = 1.0f;
+  float frequency_penalty = 0.0f;
+  float presence_penalty = 0.0f;
+  bool has_penalties() const {
+    return repetition_penalty != 1.0f || frequency_penalty != 0.0f || presence_penalty != 0.0f;
+  }
 };
 
 // Validates ranges; errors name the flag/parameter.
@@ -22,12 +34,21 @@ void validate_sampling(const SamplingParams& p);
 // Index of the largest logit (ties: the lowest index, as torch.argmax).
 int32_t argmax(const float* logits, int64_t n);
 
+// The penalties of `p` applied to logits[0..vocab) in place: `in_context` flags the tokens of the
+// prompt or generated (the repetition penalty's), `generated` counts each token's generations,
+// `touched` lists every token flagged or counted (the only logits that change).
+void apply_penalties(const SamplingParams& p, float* logits, const std::vector<uint8_t>& in_context,
+                     const std::vector<int32_t>& generated, const std::vector<int32_t>& touched);
+
 class Sampler {
  public:
   explicit Sampler(const SamplingParams& p);
   // The next token from a row of host logits: argmax when greedy, else the reference
-  // sample_row (backend/sampling.h) with the stream's next uniform.
+  // sample_row (backend/sampling.h) with the stream's next uniform. With penalties, on a copy of
+  // the row penalized by the history (the prompt given to set_prompt and every token drawn here).
   int32_t sample(const float* logits, int64_t vocab);
+  // The prompt, for the repetition penalty (without penalties: ignored).
+  void set_prompt(const std::vector<int32_t>& prompt);
   // The same draw for a backend to make (Backend::sample_rows): the parameters and the stream's
   // next uniform. Greedy takes no uniform (as sample() does not), so the two calls can be mixed
   // and the stream stays the same.
@@ -37,9 +58,17 @@ class Sampler {
   double next_uniform();
 
  private:
+  // Adds a token to the penalties' history; ids outside the vocabulary fail with a message.
+  void note(int32_t token, int64_t vocab, bool generated);
+
   SamplingParams params_;
   uint64_t state_;
   SampleWorkspace ws_;
+  // Penalties: the history (sized to the vocabulary at the first sample) and the penalized row.
+  std::vector<int32_t> prompt_;
+  std::vector<uint8_t> in_context_;
+  std::vector<int32_t> generated_, touched_;
+  std::vector<float> penalized_;
 };
 
 }  // namespace vireo

@@ -87,6 +87,11 @@ std::shared_ptr<RequestHandle> Scheduler::submit(SchedRequest r) {
          opt_.cache_budget_bytes);
   if (r.top_logprobs < 0 || r.top_logprobs > 20) fail("top_logprobs: must be in [0, 20], got ", r.top_logprobs);
   validate_sampling(r.sampling);
+  if (opt_.mtp_drafts && r.sampling.has_penalties())
+    fail(r.sampling.repetition_penalty != 1.0f ? "repetition_penalty"
+         : r.sampling.frequency_penalty != 0.0f ? "frequency_penalty"
+                                                : "presence_penalty",
+         ": penalties are not supported with speculative decoding (this server drafts with --mtp)");
   auto h = std::make_shared<RequestHandle>();
   h->submitted_ = std::chrono::steady_clock::now();
   {
@@ -291,6 +296,7 @@ bool Scheduler::step() {
       r.handle = w.handle;
       r.req = std::move(waiting_.front().req);
       r.sampler = std::make_unique<Sampler>(r.req.sampling);
+      r.sampler->set_prompt(r.req.prompt);
       r.row = int(free_row - row_free_.begin());
       r.reserved = need;
       *free_row = false;

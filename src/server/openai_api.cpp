@@ -174,10 +174,21 @@ ApiRequest parse_request(const std::string& body_text, bool chat, const ServedMo
   }
   // Unsupported knobs fail loudly rather than being silently ignored.
   if (get_int(body, "n", 1, 1, 128) != 1) bad("n", "only n = 1 is supported");
-  if (get_number(body, "presence_penalty", 0, -2, 2) != 0) bad("presence_penalty", "is not supported (must be 0)");
-  if (get_number(body, "frequency_penalty", 0, -2, 2) != 0) bad("frequency_penalty", "is not supported (must be 0)");
   if (const ojson* lb = field(body, "logit_bias"); lb && !(lb->is_object() && lb->empty()))
     bad("logit_bias", "is not supported");
+  if (const ojson* rf = field(body, "response_format")) {
+    const ojson* type = rf->is_object() ? field(*rf, "type") : nullptr;
+    if (!type || !type->is_string() || type->get<std::string>() != "text")
+      bad("response_format", "only {\"type\": \"text\"} is supported (no constrained decoding)");
+  }
+  for (const char* guided : {"guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"})
+    if (field(body, guided)) bad(guided, "constrained decoding is not supported by this server");
+  if (field(body, "functions") || field(body, "function_call"))
+    bad(field(body, "functions") ? "functions" : "function_call", "function calling is not supported by this server");
+  if (const ojson* tc = field(body, "tool_choice");
+      tc && !(tc->is_string() && (tc->get<std::string>() == "none" || tc->get<std::string>() == "auto")))
+    bad("tool_choice", "tool calling is not supported by this server");
+  if (get_int(body, "min_tokens", 0, 0, INT32_MAX) != 0) bad("min_tokens", "is not supported (must be 0)");
   if (!chat) {
     if (get_bool(body, "echo", false)) bad("echo", "is not supported");
     if (get_int(body, "best_of", 1, 1, 128) != 1) bad("best_of", "only best_of = 1 is supported");
@@ -199,6 +210,12 @@ ApiRequest parse_request(const std::string& body_text, bool chat, const ServedMo
   const int64_t top_k = get_int(body, "top_k", 0, -1, INT32_MAX);
   s.top_k = top_k < 0 ? 0 : int(top_k);  // -1 means off, as in vLLM
   s.min_p = float(get_number(body, "min_p", 0, 0, 1));
+  // Penalties (OpenAI's two, and transformers' / vLLM's repetition_penalty): such a request's
+  // logits come back to the host, which penalizes them by its prompt and tokens so far.
+  s.presence_penalty = float(get_number(body, "presence_penalty", 0, -2, 2));
+  s.frequency_penalty = float(get_number(body, "frequency_penalty", 0, -2, 2));
+  s.repetition_penalty = float(get_number(body, "repetition_penalty", 1, 0, 100));
+  if (s.repetition_penalty <= 0) bad("repetition_penalty", "must be in (0, 100], got 0");
   if (const ojson* seed = field(body, "seed")) {
     if (!seed->is_number_integer()) bad("seed", "must be an integer, got " + type_of(*seed));
     s.seed = seed->is_number_unsigned() ? seed->get<uint64_t>() : uint64_t(seed->get<int64_t>());

@@ -2,6 +2,7 @@
 stop sequences, logprobs, and every kind of rejected request (after each of which the server keeps
 serving). Greedy outputs are checked against transformers' continuations (tests/fixtures)."""
 import json
+import os
 
 import openai
 import pytest
@@ -135,6 +136,23 @@ def test_seeded_sampling_is_reproducible(demo):
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
 
 
+def penalty_cases():
+    with open(os.path.join(os.path.dirname(__file__), "..", "fixtures", "penalties.json")) as f:
+        return [c for c in json.load(f)["cases"] if c["model"] == MODEL]
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_penalties_give_transformers_tokens(demo, case):
+    """frequency_penalty, presence_penalty (OpenAI's) and repetition_penalty (transformers', vLLM's):
+    greedy under them is transformers' continuation (tests/fixtures/penalties.json)."""
+    c = penalty_cases()[case]
+    extra = {"ignore_eos": True, "return_token_ids": True, "repetition_penalty": c["repetition_penalty"]}
+    r = demo.client().completions.create(model=MODEL, prompt=c["prompt"], max_tokens=len(c["new"]), temperature=0,
+                                         frequency_penalty=c["frequency_penalty"],
+                                         presence_penalty=c["presence_penalty"], extra_body=extra)
+    assert r.choices[0].model_extra["token_ids"] == c["new"]
+
+
 def test_logprobs(demo):
     c = demo_cases()[1]
     client = demo.client()
@@ -180,6 +198,13 @@ def error_of(status_body):
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", "[1,"),
     ({"prompt": list(range(2048))}, "prompt", "context"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream is true"),
+    ({"prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty", "[-2, 2]"),
+    ({"prompt": "x", "presence_penalty": "some"}, "presence_penalty", "must be a number"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "(0, 100]"),
+    ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format", "no constrained decoding"),
+    ({"prompt": "x", "guided_regex": "a+"}, "guided_regex", "constrained decoding"),
+    ({"prompt": "x", "tool_choice": "required"}, "tool_choice", "tool calling"),
+    ({"prompt": "x", "min_tokens": 4}, "min_tokens", "not supported"),
 ])
 def test_completions_rejects_bad_fields(demo, body, param, needle):
     status, err = error_of(demo.http("POST", "/v1/completions", {"model": MODEL, **body}))
@@ -287,6 +312,10 @@ def test_mtp_serving_keeps_greedy_tokens_and_counts_drafts(demo_mtp):
     kw = dict(model=MODEL, prompt="The Unicode standard", max_tokens=24, temperature=0.9, top_p=0.9, seed=7,
               extra_body={"ignore_eos": True})
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+    # Penalties need the host's pick a step, which drafting does not make: refused by name.
+    status, err = error_of(demo_mtp.http("POST", "/v1/completions",
+                                         {"model": MODEL, "prompt": "x", "frequency_penalty": 0.5}))
+    assert status == 400 and err["param"] == "frequency_penalty" and "speculative" in err["message"], err
     m = demo_mtp.metrics()
     kept, rejected = m['vireo_mtp_drafts_total{outcome="kept"}'], m['vireo_mtp_drafts_total{outcome="rejected"}']
     assert kept > 0 and rejected > 0
