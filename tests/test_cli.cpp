@@ -175,6 +175,13 @@ TEST(Cli, BadFlagsAreRejected) {
                      "--mtp: the penalties (--repetition-penalty");
   expect_clean_error(run_vireo("chat --model " + kFixture + " --presence-penalty 0.5 --mtp"),
                      "--mtp: the penalties (--repetition-penalty");
+  r = run_vireo("run --model " + kFixture + " --prompt-ids 1 --logit-bias 13=-100,x=2");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_EQ(count_lines(r.err), 1) << r.err;
+  EXPECT_NE(r.err.find("--logit-bias: 'x=2' is not ID=BIAS"), std::string::npos) << r.err;
+  r = run_vireo("run --model " + kFixture + " --prompt-ids 1,2 -n 3 --logit-bias 77=100");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("77,77,77"), std::string::npos) << r.out;
   r = run_vireo("bench");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.err.find("--model DIR or --synthetic"), std::string::npos) << r.err;

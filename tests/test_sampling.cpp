@@ -319,7 +319,7 @@ TEST(Penalties, ApplyIsTheStatedArithmetic) {
   std::vector<uint8_t> in_context = {1, 1, 1, 1, 0, 0};  // 0..3: prompt or generated
   std::vector<int32_t> generated = {0, 2, 0, 1, 0, 0};   // 1 twice, 3 once
   std::vector<float> x = row;
-  apply_penalties(p, x.data(), in_context, generated, {0, 1, 2, 3});
+  adjust_logits(p, x.data(), in_context, generated, {0, 1, 2, 3});
   EXPECT_EQ(x[0], 2.0f / 1.25f);                                // in the prompt: divided (> 0)
   EXPECT_EQ(x[1], -2.0f * 1.25f - 0.5f * 2.0f + 0.25f);         // multiplied (< 0), counted twice, present
   EXPECT_EQ(x[2], 0.0f);                                        // 0 stays 0
@@ -328,9 +328,15 @@ TEST(Penalties, ApplyIsTheStatedArithmetic) {
   EXPECT_EQ(x[5], 4.0f);
   p.repetition_penalty = 0.5f;  // below 1: repeated tokens favoured
   x = row;
-  apply_penalties(p, x.data(), in_context, generated, {0, 1, 2, 3});
+  adjust_logits(p, x.data(), in_context, generated, {0, 1, 2, 3});
   EXPECT_EQ(x[0], 4.0f);
   EXPECT_EQ(x[1], -1.0f - 1.0f + 0.25f);
+  p.logit_bias = {{1, 3.0f}, {4, -100.0f}};  // the biases first: token 1's logit turns positive
+  x = row;
+  adjust_logits(p, x.data(), in_context, generated, {0, 1, 2, 3});
+  EXPECT_EQ(x[1], (-2.0f + 3.0f) / 0.5f - 1.0f + 0.25f);
+  EXPECT_EQ(x[4], -101.0f);
+  EXPECT_EQ(x[5], 4.0f);
 }
 
 // Sampler keeps the penalties' history itself: the prompt, then each token it picks.
@@ -352,6 +358,11 @@ TEST(Penalties, SamplerCountsThePromptAndItsOwnPicks) {
   EXPECT_EQ(picks(r, {0}, 4), (std::vector<int32_t>{1, 2, 0, 0}));
   SamplingParams none;
   EXPECT_EQ(picks(none, {0}, 3), (std::vector<int32_t>{0, 0, 0}));
+  SamplingParams banned;
+  banned.logit_bias = {{0, -100.0f}, {3, 1.75f}};  // 0 banned; 3: 0.5 + 1.75 = 2.25 after 2.5
+  EXPECT_EQ(picks(banned, {}, 2), (std::vector<int32_t>{1, 1}));
+  banned.frequency_penalty = 0.5f;  // 1: 2.5, then 2.0 under 3's 2.25
+  EXPECT_EQ(picks(banned, {}, 2), (std::vector<int32_t>{1, 3}));
   // Sampled: the draw of sample_row on the penalized row, with the stream's uniforms in order.
   SamplingParams t;
   t.temperature = 0.9f;
@@ -372,7 +383,7 @@ TEST(Penalties, SamplerCountsThePromptAndItsOwnPicks) {
   std::set<int32_t> distinct;
   for (int i = 0; i < 60; ++i) {
     std::vector<float> x = wide;
-    apply_penalties(t, x.data(), ctx, gen, touched);
+    adjust_logits(t, x.data(), ctx, gen, touched);
     const int32_t want = plain.sample(x.data(), 300);
     ASSERT_EQ(with.sample(wide.data(), 300), want) << "step " << i;
     if (!ctx[size_t(want)]) touched.push_back(want);
@@ -385,7 +396,9 @@ TEST(Penalties, SamplerCountsThePromptAndItsOwnPicks) {
   for (auto [field, set] : std::vector<std::pair<std::string, std::function<void(SamplingParams&)>>>{
            {"repetition_penalty", [](SamplingParams& q) { q.repetition_penalty = 0.0f; }},
            {"frequency_penalty", [](SamplingParams& q) { q.frequency_penalty = 2.5f; }},
-           {"presence_penalty", [](SamplingParams& q) { q.presence_penalty = NAN; }}}) {
+           {"presence_penalty", [](SamplingParams& q) { q.presence_penalty = NAN; }},
+           {"logit_bias: the bias of token 3", [](SamplingParams& q) { q.logit_bias = {{3, 101.0f}}; }},
+           {"logit_bias: token id -1", [](SamplingParams& q) { q.logit_bias = {{-1, 1.0f}}; }}}) {
     SamplingParams q;
     set(q);
     try {
@@ -426,6 +439,42 @@ TEST(Penalties, GenerateMatchesTransformersOnTheF32Fixture) {
     ++checked;
   }
   EXPECT_EQ(checked, 4);
+}
+
+// logit_bias through generate(): -100 on the token greedy decoding picks first makes the first
+// token the runner-up of the prompt's logits; +100 on a token makes every pick that token.
+TEST(Penalties, LogitBiasBansAndFavoursTokens) {
+  auto be = make_cpu_backend();
+  auto m = GlmDsaModel::load(kFixture, *be);
+  const Json e = read_json_file(kFixture + "/expected.json");
+  const auto prompt = e["greedy_prompt"].get<std::vector<int32_t>>();
+  const auto plain = e["greedy_new"].get<std::vector<int32_t>>();
+  const int64_t V = m->config().vocab_size;
+  std::vector<float> logits(static_cast<size_t>(V));
+  MlaCache c0(*be, m->cache_shape(), 1, int64_t(prompt.size()));
+  m->forward(prompt.data(), int64_t(prompt.size()), c0, 0, logits.data());
+  ASSERT_EQ(argmax(logits.data(), V), plain[0]);
+  logits[size_t(plain[0])] -= 100.0f;
+  GenerateOptions opt;
+  opt.max_new_tokens = 6;
+  opt.stop_at_eos = false;
+  opt.sampling.logit_bias = {{plain[0], -100.0f}};
+  MlaCache c1(*be, m->cache_shape(), 1, int64_t(prompt.size()) + 6);
+  const auto banned = generate(*m, c1, 0, prompt, opt).tokens;
+  EXPECT_EQ(banned[0], argmax(logits.data(), V));
+  EXPECT_EQ(std::count(banned.begin(), banned.end(), plain[0]), 0);
+  opt.sampling.logit_bias = {{77, 100.0f}};
+  MlaCache c2(*be, m->cache_shape(), 1, int64_t(prompt.size()) + 6);
+  EXPECT_EQ(generate(*m, c2, 0, prompt, opt).tokens, std::vector<int32_t>(6, 77));
+  opt.sampling.logit_bias = {{int32_t(V), 1.0f}};
+  MlaCache c3(*be, m->cache_shape(), 1, int64_t(prompt.size()) + 6);
+  try {
+    generate(*m, c3, 0, prompt, opt);
+    ADD_FAILURE() << "a token id past the vocabulary accepted";
+  } catch (const Error& err) {
+    EXPECT_NE(std::string(err.what()).find("logit_bias: token id 256 is outside the vocabulary"), std::string::npos)
+        << err.what();
+  }
 }
 
 TEST(SamplingReference, CpuBackendEqualsSamplerRowByRow) {

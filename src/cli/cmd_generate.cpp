@@ -63,6 +63,33 @@ void add_sampling_flags(CLI::App& app, SamplingParams& s) {
                  "Subtract this x the times a token was generated from its logit ([-2, 2], 0: off; as OpenAI)");
   app.add_option("--presence-penalty", s.presence_penalty,
                  "Subtract this from the logit of every token generated so far ([-2, 2], 0: off; as OpenAI)");
+  app.add_option_function<std::string>(
+      "--logit-bias",
+      [&s](const std::string& text) {
+        // ID=BIAS[,ID=BIAS...]: a CLI11 error, so that it prints as the other flags' do.
+        s.logit_bias.clear();
+        for (size_t at = 0; at <= text.size();) {
+          const size_t end = std::min(text.find(',', at), text.size());
+          const std::string item = text.substr(at, end - at);
+          const size_t eq = item.find('=');
+          size_t used_id = 0, used_bias = 0;
+          long long id = -1;
+          float bias = 0;
+          try {
+            id = std::stoll(item.substr(0, eq), &used_id);
+            bias = std::stof(item.substr(eq + 1), &used_bias);
+          } catch (const std::exception&) {
+            used_id = 0;
+          }
+          if (eq == std::string::npos || used_id != eq || used_bias != item.size() - eq - 1 || id < 0 ||
+              id > INT32_MAX)
+            throw CLI::ValidationError("--logit-bias", "'" + item + "' is not ID=BIAS (e.g. 13=-100,220=2.5)");
+          s.logit_bias.push_back({int32_t(id), bias});
+          at = end + 1;
+        }
+      },
+      "Add BIAS ([-100, 100]) to token ID's logit before sampling, as ID=BIAS[,ID=BIAS...] (-100 bans it; as "
+      "OpenAI's logit_bias)");
 }
 
 Action add_run(CLI::App& app) {

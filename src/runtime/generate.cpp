@@ -119,7 +119,7 @@ GenerateResult generate_with_drafts(GlmDsaModel& model, MlaCache& cache, int row
   return r;
 }
 
-// Penalties (SamplingParams::has_penalties): every step's logits come back and the sampler picks
+// Penalties and logit biases (SamplingParams::adjusts_logits): every step's logits come back and the sampler picks
 // on the host, penalizing them by the history it keeps (the prompt and every token it drew), a
 // step at a time. The cache ends as generate's: the prompt and every token but the last.
 GenerateResult generate_on_host(GlmDsaModel& model, MlaCache& cache, int row, const std::vector<int32_t>& prompt,
@@ -163,8 +163,9 @@ GenerateResult generate(GlmDsaModel& model, MlaCache& cache, int row, const std:
   if (opt.prefill_chunk < 0) fail("prefill chunk must be 0 (the whole prompt) or positive, got ", opt.prefill_chunk);
   if (opt.decode_steps < 1 || opt.decode_steps > int(Backend::kMaxQueuedRead))
     fail("decode steps a chunk must be 1 to ", Backend::kMaxQueuedRead, ", got ", opt.decode_steps);
-  if (opt.sampling.has_penalties()) {
-    if (opt.mtp_drafts) fail("penalties (repetition, frequency, presence) are not supported with speculative decoding");
+  if (opt.sampling.adjusts_logits()) {
+    if (opt.mtp_drafts)
+      fail(opt.sampling.first_adjustment(), ": penalties and logit biases are not supported with speculative decoding");
     return generate_on_host(model, cache, row, prompt, opt, on_token);
   }
   if (opt.mtp_drafts) return generate_with_drafts(model, cache, row, prompt, opt, on_token);

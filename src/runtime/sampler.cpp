@@ -17,10 +17,15 @@ void validate_sampling(const SamplingParams& p) {
     fail("frequency_penalty must be in [-2, 2], got ", p.frequency_penalty);
   if (!(p.presence_penalty >= -2 && p.presence_penalty <= 2))
     fail("presence_penalty must be in [-2, 2], got ", p.presence_penalty);
+  for (const auto& [id, bias] : p.logit_bias) {
+    if (id < 0) fail("logit_bias: token id ", id, " is negative");
+    if (!(bias >= -100 && bias <= 100)) fail("logit_bias: the bias of token ", id, " must be in [-100, 100], got ", bias);
+  }
 }
 
-void apply_penalties(const SamplingParams& p, float* logits, const std::vector<uint8_t>& in_context,
+void adjust_logits(const SamplingParams& p, float* logits, const std::vector<uint8_t>& in_context,
                      const std::vector<int32_t>& generated, const std::vector<int32_t>& touched) {
+  for (const auto& [id, bias] : p.logit_bias) logits[id] += bias;
   for (const int32_t t : touched) {
     float& x = logits[t];
     if (in_context[size_t(t)] && p.repetition_penalty != 1.0f)
@@ -64,7 +69,7 @@ SampleRowArgs Sampler::next_row_args() {
 }
 
 void Sampler::set_prompt(const std::vector<int32_t>& prompt) {
-  if (params_.has_penalties()) prompt_ = prompt;
+  if (params_.repetition_penalty != 1.0f) prompt_ = prompt;
 }
 
 void Sampler::note(int32_t token, int64_t vocab, bool generated) {
@@ -75,7 +80,7 @@ void Sampler::note(int32_t token, int64_t vocab, bool generated) {
 }
 
 int32_t Sampler::sample(const float* logits, int64_t vocab) {
-  if (params_.has_penalties()) {
+  if (params_.adjusts_logits()) {
     if (in_context_.empty()) {  // the history, sized to the vocabulary: the prompt first
       in_context_.assign(size_t(vocab), 0);
       generated_.assign(size_t(vocab), 0);
@@ -83,12 +88,14 @@ int32_t Sampler::sample(const float* logits, int64_t vocab) {
     }
     if (int64_t(in_context_.size()) != vocab)
       fail("penalties: a row of ", vocab, " logits after rows of ", in_context_.size());
+    for (const auto& bias : params_.logit_bias)
+      if (bias.first >= vocab) fail("logit_bias: token id ", bias.first, " is outside the vocabulary of ", vocab);
     penalized_.assign(logits, logits + vocab);
-    apply_penalties(params_, penalized_.data(), in_context_, generated_, touched_);
+    adjust_logits(params_, penalized_.data(), in_context_, generated_, touched_);
     logits = penalized_.data();
   }
   const int32_t t = params_.temperature == 0.0f ? argmax(logits, vocab) : sample_row(logits, vocab, next_row_args(), ws_);
-  if (params_.has_penalties()) note(t, vocab, true);
+  if (params_.adjusts_logits()) note(t, vocab, true);
   return t;
 }
 

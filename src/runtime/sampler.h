@@ -3,6 +3,7 @@
 // transformers applies its warpers in), with a seeded generator whose stream is identical on
 // every platform.
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "backend/sampling.h"
@@ -23,8 +24,21 @@ struct SamplingParams {
   float repetition_penalty = 1.0f;
   float frequency_penalty = 0.0f;
   float presence_penalty = 0.0f;
+  // OpenAI's logit_bias: (token id, bias in [-100, 100]) added to the logit before the penalties
+  // (vLLM's order); -100 in effect bans the token.
+  std::vector<std::pair<int32_t, float>> logit_bias;
   bool has_penalties() const {
     return repetition_penalty != 1.0f || frequency_penalty != 0.0f || presence_penalty != 0.0f;
+  }
+  // Penalties or biases: the token is picked on the host from the adjusted logits.
+  bool adjusts_logits() const { return has_penalties() || !logit_bias.empty(); }
+  // The field speculative decoding refuses, for its message ("" when none).
+  const char* first_adjustment() const {
+    return !logit_bias.empty()              ? "logit_bias"
+           : repetition_penalty != 1.0f     ? "repetition_penalty"
+           : frequency_penalty != 0.0f      ? "frequency_penalty"
+           : presence_penalty != 0.0f       ? "presence_penalty"
+                                            : "";
   }
 };
 
@@ -34,10 +48,11 @@ void validate_sampling(const SamplingParams& p);
 // Index of the largest logit (ties: the lowest index, as torch.argmax).
 int32_t argmax(const float* logits, int64_t n);
 
-// The penalties of `p` applied to logits[0..vocab) in place: `in_context` flags the tokens of the
-// prompt or generated (the repetition penalty's), `generated` counts each token's generations,
-// `touched` lists every token flagged or counted (the only logits that change).
-void apply_penalties(const SamplingParams& p, float* logits, const std::vector<uint8_t>& in_context,
+// p.logit_bias, then the penalties of `p`, applied to logits[0..vocab) in place: `in_context`
+// flags the tokens of the prompt or generated (the repetition penalty's), `generated` counts each
+// token's generations, `touched` lists every token flagged or counted (the only logits the
+// penalties change).
+void adjust_logits(const SamplingParams& p, float* logits, const std::vector<uint8_t>& in_context,
                      const std::vector<int32_t>& generated, const std::vector<int32_t>& touched);
 
 class Sampler {

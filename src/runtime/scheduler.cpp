@@ -87,11 +87,11 @@ std::shared_ptr<RequestHandle> Scheduler::submit(SchedRequest r) {
          opt_.cache_budget_bytes);
   if (r.top_logprobs < 0 || r.top_logprobs > 20) fail("top_logprobs: must be in [0, 20], got ", r.top_logprobs);
   validate_sampling(r.sampling);
-  if (opt_.mtp_drafts && r.sampling.has_penalties())
-    fail(r.sampling.repetition_penalty != 1.0f ? "repetition_penalty"
-         : r.sampling.frequency_penalty != 0.0f ? "frequency_penalty"
-                                                : "presence_penalty",
-         ": penalties are not supported with speculative decoding (this server drafts with --mtp)");
+  if (opt_.mtp_drafts && r.sampling.adjusts_logits())
+    fail(r.sampling.first_adjustment(),
+         ": penalties and logit biases are not supported with speculative decoding (this server drafts with --mtp)");
+  for (const auto& bias : r.sampling.logit_bias)
+    if (bias.first >= vocab_) fail("logit_bias: token id ", bias.first, " is out of range (vocabulary of ", vocab_, ")");
   auto h = std::make_shared<RequestHandle>();
   h->submitted_ = std::chrono::steady_clock::now();
   {

@@ -164,8 +164,8 @@ class Scheduler {
     std::vector<int32_t> mtp_next;  // the tokens the MTP pass reads after this step's rows
     // Requests that want no logprobs need no logits on the host: the backend picks the token
     // (argmax or sample_rows; on a GPU: 4 bytes copied back instead of the vocabulary's logits).
-    // Logprobs need the row; penalties too (the sampler penalizes it by the request's history).
-    bool needs_logits() const { return req.logprobs || req.top_logprobs > 0 || req.sampling.has_penalties(); }
+    // Logprobs need the row; penalties and biases too (the sampler adjusts it: the request's history).
+    bool needs_logits() const { return req.logprobs || req.top_logprobs > 0 || req.sampling.adjusts_logits(); }
   };
   // Asks the step for what r needs from its item: nothing for a prompt chunk that is not the last,
   // else the logits (logprobs) or the token chosen on the backend.

@@ -174,8 +174,6 @@ ApiRequest parse_request(const std::string& body_text, bool chat, const ServedMo
   }
   // Unsupported knobs fail loudly rather than being silently ignored.
   if (get_int(body, "n", 1, 1, 128) != 1) bad("n", "only n = 1 is supported");
-  if (const ojson* lb = field(body, "logit_bias"); lb && !(lb->is_object() && lb->empty()))
-    bad("logit_bias", "is not supported");
   if (const ojson* rf = field(body, "response_format")) {
     const ojson* type = rf->is_object() ? field(*rf, "type") : nullptr;
     if (!type || !type->is_string() || type->get<std::string>() != "text")
@@ -216,6 +214,22 @@ ApiRequest parse_request(const std::string& body_text, bool chat, const ServedMo
   s.frequency_penalty = float(get_number(body, "frequency_penalty", 0, -2, 2));
   s.repetition_penalty = float(get_number(body, "repetition_penalty", 1, 0, 100));
   if (s.repetition_penalty <= 0) bad("repetition_penalty", "must be in (0, 100], got 0");
+  if (const ojson* lb = field(body, "logit_bias"); lb && !lb->is_null()) {
+    if (!lb->is_object()) bad("logit_bias", "must be an object of token ids to biases, got " + type_of(*lb));
+    for (const auto& [key, value] : lb->items()) {
+      size_t used = 0;
+      long long id = -1;
+      try {
+        id = std::stoll(key, &used);
+      } catch (const std::exception&) {
+      }
+      if (used != key.size() || id < 0 || id > INT32_MAX)
+        bad("logit_bias", "key '" + key + "' is not a token id (expected {\"13\": -100, ...})");
+      if (!value.is_number() || !(value.get<double>() >= -100 && value.get<double>() <= 100))
+        bad("logit_bias", "the bias of token " + key + " must be a number in [-100, 100]");
+      s.logit_bias.push_back({int32_t(id), float(value.get<double>())});
+    }
+  }
   if (const ojson* seed = field(body, "seed")) {
     if (!seed->is_number_integer()) bad("seed", "must be an integer, got " + type_of(*seed));
     s.seed = seed->is_number_unsigned() ? seed->get<uint64_t>() : uint64_t(seed->get<int64_t>());

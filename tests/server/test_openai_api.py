@@ -153,6 +153,25 @@ def test_penalties_give_transformers_tokens(demo, case):
     assert r.choices[0].model_extra["token_ids"] == c["new"]
 
 
+def test_logit_bias(demo):
+    """-100 bans the token greedy decoding would pick; +100 makes every pick that token; keys that are
+    not token ids, biases out of range and ids past the vocabulary are refused by name."""
+    c = demo_cases()[0]
+    client = demo.client()
+    first = c["continuation_ids"][0]
+    r = client.completions.create(model=MODEL, prompt=c["prompt_ids"], max_tokens=8, logit_bias={str(first): -100},
+                                  **GREEDY)
+    ids = r.choices[0].model_extra["token_ids"]
+    assert first not in ids and len(ids) == 8
+    r = client.completions.create(model=MODEL, prompt=c["prompt_ids"], max_tokens=4, logit_bias={"290": 100}, **GREEDY)
+    assert r.choices[0].model_extra["token_ids"] == [290] * 4
+    for bias, needle in [({"x": 1}, "not a token id"), ({"5": 101}, "[-100, 100]"), ({"99999": 1}, "out of range"),
+                         ([1], "must be an object")]:
+        status, err = error_of(demo.http("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": bias}))
+        assert status == 400 and err["param"] == "logit_bias" and needle in err["message"], err
+    still_serving(demo)
+
+
 def test_logprobs(demo):
     c = demo_cases()[1]
     client = demo.client()
