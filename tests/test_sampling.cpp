@@ -183,7 +183,8 @@ TEST(SamplingReference, CandidateOrderIsDescendingLogitThenId) {
         if (n < 1 || n > V) continue;
         sample_candidate_order(l.data(), V, n, ws);
         ASSERT_EQ(ws.ids, std::vector<int32_t>(want.begin(), want.begin() + n)) << "vocab " << V << " n " << n;
-        for (int64_t i = 0; i < n; ++i) ASSERT_EQ(ws.order_keys[size_t(i)], sample_order_key(l[size_t(want[size_t(i)])]));
+        for (int64_t i = 0; i < n; ++i)
+          ASSERT_EQ(ws.order_keys[size_t(i)], sample_order_key(l[size_t(want[size_t(i)])]));
       }
     }
   }
@@ -200,16 +201,17 @@ TEST(SamplingReference, WarpIsTheStraightforwardComputationBitForBit) {
   for (int64_t V : {int64_t(3), int64_t(300), int64_t(5000), int64_t(154880)}) {
     std::vector<std::vector<float>> rows = {normal_logits(V, uint32_t(V) + 7, 3.0f)};
     std::vector<float> ties = normal_logits(V, uint32_t(V) + 8, 2.0f);
-    for (size_t i = 0; i < ties.size(); ++i) ties[i] = i % 5 == 0 ? (i % 2 ? -0.0f : 0.0f) : std::round(ties[i] * 4) / 4;
+    for (size_t i = 0; i < ties.size(); ++i)
+      ties[i] = i % 5 == 0 ? (i % 2 ? -0.0f : 0.0f) : std::round(ties[i] * 4) / 4;
     ties[size_t(V - 1)] = -INFINITY;
     rows.push_back(ties);
     std::vector<float> wide = normal_logits(V, uint32_t(V) + 9, 40.0f);  // many weights underflow to 0
     wide[0] = 0.0f;
     rows.push_back(wide);
     for (const auto& l : rows)
-      for (const SampleRowArgs& a : {row_args(0.8f, 0, 1, 0, 0), row_args(1.0f, 40, 1, 0, 0), row_args(0.6f, 0, 0.9f, 0, 0),
-                                     row_args(1.3f, 0, 1, 0.05f, 0), row_args(0.7f, int(V / 16), 0.95f, 0.01f, 0),
-                                     row_args(1e-30f, 0, 1, 0, 0)}) {
+      for (const SampleRowArgs& a : {row_args(0.8f, 0, 1, 0, 0), row_args(1.0f, 40, 1, 0, 0),
+                                     row_args(0.6f, 0, 0.9f, 0, 0), row_args(1.3f, 0, 1, 0.05f, 0),
+                                     row_args(0.7f, int(V / 16), 0.95f, 0.01f, 0), row_args(1e-30f, 0, 1, 0, 0)}) {
         std::vector<int32_t> ids(static_cast<size_t>(V));
         std::iota(ids.begin(), ids.end(), 0);
         std::stable_sort(ids.begin(), ids.end(), [&](int32_t x, int32_t y) {
@@ -223,7 +225,8 @@ TEST(SamplingReference, WarpIsTheStraightforwardComputationBitForBit) {
         std::vector<double> sums(static_cast<size_t>(L.doubles));
         auto build = [&] {
           for (int lv = 1; lv <= L.count; ++lv)
-            for (int64_t j = 0; j < L.size[lv]; ++j) sums[size_t(L.offset[lv] + j)] = level_block_sum(prob.data(), sums.data(), L, lv, j);
+            for (int64_t j = 0; j < L.size[lv]; ++j)
+              sums[size_t(L.offset[lv] + j)] = level_block_sum(prob.data(), sums.data(), L, lv, j);
         };
         build();
         const double total = sums[size_t(L.offset[L.count])];
@@ -320,11 +323,11 @@ TEST(Penalties, ApplyIsTheStatedArithmetic) {
   std::vector<int32_t> generated = {0, 2, 0, 1, 0, 0};   // 1 twice, 3 once
   std::vector<float> x = row;
   adjust_logits(p, x.data(), in_context, generated, {0, 1, 2, 3});
-  EXPECT_EQ(x[0], 2.0f / 1.25f);                                // in the prompt: divided (> 0)
-  EXPECT_EQ(x[1], -2.0f * 1.25f - 0.5f * 2.0f + 0.25f);         // multiplied (< 0), counted twice, present
-  EXPECT_EQ(x[2], 0.0f);                                        // 0 stays 0
+  EXPECT_EQ(x[0], 2.0f / 1.25f);                         // in the prompt: divided (> 0)
+  EXPECT_EQ(x[1], -2.0f * 1.25f - 0.5f * 2.0f + 0.25f);  // multiplied (< 0), counted twice, present
+  EXPECT_EQ(x[2], 0.0f);                                 // 0 stays 0
   EXPECT_EQ(x[3], 3.0f / 1.25f - 0.5f + 0.25f);
-  EXPECT_EQ(x[4], -1.0f);                                       // untouched
+  EXPECT_EQ(x[4], -1.0f);  // untouched
   EXPECT_EQ(x[5], 4.0f);
   p.repetition_penalty = 0.5f;  // below 1: repeated tokens favoured
   x = row;
@@ -393,12 +396,27 @@ TEST(Penalties, SamplerCountsThePromptAndItsOwnPicks) {
   }
   EXPECT_GT(distinct.size(), 30u);  // the presence penalty spreads the picks
   // Bad values are refused by name.
-  for (auto [field, set] : std::vector<std::pair<std::string, std::function<void(SamplingParams&)>>>{
-           {"repetition_penalty", [](SamplingParams& q) { q.repetition_penalty = 0.0f; }},
-           {"frequency_penalty", [](SamplingParams& q) { q.frequency_penalty = 2.5f; }},
-           {"presence_penalty", [](SamplingParams& q) { q.presence_penalty = NAN; }},
-           {"logit_bias: the bias of token 3", [](SamplingParams& q) { q.logit_bias = {{3, 101.0f}}; }},
-           {"logit_bias: token id -1", [](SamplingParams& q) { q.logit_bias = {{-1, 1.0f}}; }}}) {
+  for (auto [field, set] :
+       std::vector<std::pair<std::string, std::function<void(SamplingParams&)>>>{{"repetition_penalty",
+                                                                                  [](SamplingParams& q) {
+                                                                                    q.repetition_penalty = 0.0f;
+                                                                                  }},
+                                                                                 {"frequency_penalty",
+                                                                                  [](SamplingParams& q) {
+                                                                                    q.frequency_penalty = 2.5f;
+                                                                                  }},
+                                                                                 {"presence_penalty",
+                                                                                  [](SamplingParams& q) {
+                                                                                    q.presence_penalty = NAN;
+                                                                                  }},
+                                                                                 {"logit_bias: the bias of token 3",
+                                                                                  [](SamplingParams& q) {
+                                                                                    q.logit_bias = {{3, 101.0f}};
+                                                                                  }},
+                                                                                 {"logit_bias: token id -1",
+                                                                                  [](SamplingParams& q) {
+                                                                                    q.logit_bias = {{-1, 1.0f}};
+                                                                                  }}}) {
     SamplingParams q;
     set(q);
     try {

@@ -325,7 +325,9 @@ void penalized_requests_get_transformers_tokens(bool cuda) {
     s.submit(r);
     ADD_FAILURE() << "no error";
   } catch (const Error& e) {
-    EXPECT_EQ(std::string(e.what()).rfind("presence_penalty: penalties and logit biases are not supported with speculative", 0), 0u)
+    EXPECT_EQ(std::string(e.what()).rfind(
+                  "presence_penalty: penalties and logit biases are not supported with speculative", 0),
+              0u)
         << e.what();
   }
 }

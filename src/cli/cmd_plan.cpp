@@ -283,8 +283,9 @@ void check_mtp_flag(bool mtp, const CLI::Option* decode_steps, const SamplingPar
   if (decode_steps && decode_steps->count() > 0)
     fail("--decode-steps chunks plain greedy decode steps, --mtp runs a verification step at a time: give one of them");
   if (sampling && sampling->adjusts_logits())
-    fail("--mtp: the penalties (--repetition-penalty, --frequency-penalty, --presence-penalty) and --logit-bias need "
-         "the host's pick a step, which speculative decoding does not make: give one of them");
+    fail(
+        "--mtp: the penalties (--repetition-penalty, --frequency-penalty, --presence-penalty) and --logit-bias need "
+        "the host's pick a step, which speculative decoding does not make: give one of them");
 }
 
 int64_t resolve_prefill_chunk(const PrefillChunkFlag& f, const StreamingFlags& sf) {

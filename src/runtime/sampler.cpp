@@ -19,12 +19,13 @@ void validate_sampling(const SamplingParams& p) {
     fail("presence_penalty must be in [-2, 2], got ", p.presence_penalty);
   for (const auto& [id, bias] : p.logit_bias) {
     if (id < 0) fail("logit_bias: token id ", id, " is negative");
-    if (!(bias >= -100 && bias <= 100)) fail("logit_bias: the bias of token ", id, " must be in [-100, 100], got ", bias);
+    if (!(bias >= -100 && bias <= 100))
+      fail("logit_bias: the bias of token ", id, " must be in [-100, 100], got ", bias);
   }
 }
 
 void adjust_logits(const SamplingParams& p, float* logits, const std::vector<uint8_t>& in_context,
-                     const std::vector<int32_t>& generated, const std::vector<int32_t>& touched) {
+                   const std::vector<int32_t>& generated, const std::vector<int32_t>& touched) {
   for (const auto& [id, bias] : p.logit_bias) logits[id] += bias;
   for (const int32_t t : touched) {
     float& x = logits[t];
@@ -90,11 +91,12 @@ int32_t Sampler::sample(const float* logits, int64_t vocab) {
       fail("penalties: a row of ", vocab, " logits after rows of ", in_context_.size());
     for (const auto& bias : params_.logit_bias)
       if (bias.first >= vocab) fail("logit_bias: token id ", bias.first, " is outside the vocabulary of ", vocab);
-    penalized_.assign(logits, logits + vocab);
-    adjust_logits(params_, penalized_.data(), in_context_, generated_, touched_);
-    logits = penalized_.data();
+    adjusted_.assign(logits, logits + vocab);
+    adjust_logits(params_, adjusted_.data(), in_context_, generated_, touched_);
+    logits = adjusted_.data();
   }
-  const int32_t t = params_.temperature == 0.0f ? argmax(logits, vocab) : sample_row(logits, vocab, next_row_args(), ws_);
+  const int32_t t =
+      params_.temperature == 0.0f ? argmax(logits, vocab) : sample_row(logits, vocab, next_row_args(), ws_);
   if (params_.adjusts_logits()) note(t, vocab, true);
   return t;
 }

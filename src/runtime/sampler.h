@@ -34,11 +34,11 @@ struct SamplingParams {
   bool adjusts_logits() const { return has_penalties() || !logit_bias.empty(); }
   // The field speculative decoding refuses, for its message ("" when none).
   const char* first_adjustment() const {
-    return !logit_bias.empty()              ? "logit_bias"
-           : repetition_penalty != 1.0f     ? "repetition_penalty"
-           : frequency_penalty != 0.0f      ? "frequency_penalty"
-           : presence_penalty != 0.0f       ? "presence_penalty"
-                                            : "";
+    return !logit_bias.empty()          ? "logit_bias"
+           : repetition_penalty != 1.0f ? "repetition_penalty"
+           : frequency_penalty != 0.0f  ? "frequency_penalty"
+           : presence_penalty != 0.0f   ? "presence_penalty"
+                                        : "";
   }
 };
 
@@ -53,16 +53,17 @@ int32_t argmax(const float* logits, int64_t n);
 // token's generations, `touched` lists every token flagged or counted (the only logits the
 // penalties change).
 void adjust_logits(const SamplingParams& p, float* logits, const std::vector<uint8_t>& in_context,
-                     const std::vector<int32_t>& generated, const std::vector<int32_t>& touched);
+                   const std::vector<int32_t>& generated, const std::vector<int32_t>& touched);
 
 class Sampler {
  public:
   explicit Sampler(const SamplingParams& p);
   // The next token from a row of host logits: argmax when greedy, else the reference
-  // sample_row (backend/sampling.h) with the stream's next uniform. With penalties, on a copy of
-  // the row penalized by the history (the prompt given to set_prompt and every token drawn here).
+  // sample_row (backend/sampling.h) with the stream's next uniform. With biases or penalties, on a
+  // copy of the row adjusted by them (adjust_logits) and the history: the prompt given to
+  // set_prompt and every token drawn here.
   int32_t sample(const float* logits, int64_t vocab);
-  // The prompt, for the repetition penalty (without penalties: ignored).
+  // The prompt, for the repetition penalty (without one: ignored).
   void set_prompt(const std::vector<int32_t>& prompt);
   // The same draw for a backend to make (Backend::sample_rows): the parameters and the stream's
   // next uniform. Greedy takes no uniform (as sample() does not), so the two calls can be mixed
@@ -79,11 +80,11 @@ class Sampler {
   SamplingParams params_;
   uint64_t state_;
   SampleWorkspace ws_;
-  // Penalties: the history (sized to the vocabulary at the first sample) and the penalized row.
+  // Biases and penalties: the history (sized to the vocabulary at the first sample), the adjusted row.
   std::vector<int32_t> prompt_;
   std::vector<uint8_t> in_context_;
   std::vector<int32_t> generated_, touched_;
-  std::vector<float> penalized_;
+  std::vector<float> adjusted_;
 };
 
 }  // namespace vireo

@@ -91,7 +91,8 @@ std::shared_ptr<RequestHandle> Scheduler::submit(SchedRequest r) {
     fail(r.sampling.first_adjustment(),
          ": penalties and logit biases are not supported with speculative decoding (this server drafts with --mtp)");
   for (const auto& bias : r.sampling.logit_bias)
-    if (bias.first >= vocab_) fail("logit_bias: token id ", bias.first, " is out of range (vocabulary of ", vocab_, ")");
+    if (bias.first >= vocab_)
+      fail("logit_bias: token id ", bias.first, " is out of range (vocabulary of ", vocab_, ")");
   auto h = std::make_shared<RequestHandle>();
   h->submitted_ = std::chrono::steady_clock::now();
   {
