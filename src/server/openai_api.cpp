@@ -173,7 +173,7 @@ ApiRequest parse_request(const std::string& body_text, bool chat, const ServedMo
                               m.name + "')", "model", "invalid_request_error", "model_not_found");
   }
   // Unsupported knobs fail loudly rather than being silently ignored.
-  if (get_int(body, "n", 1, 1, 128) != 1) bad("n", "only n = 1 is supported");
+  r.n = int(get_int(body, "n", 1, 1, 16));
   if (const ojson* rf = field(body, "response_format")) {
     const ojson* type = rf->is_object() ? field(*rf, "type") : nullptr;
     if (!type || !type->is_string() || type->get<std::string>() != "text")

@@ -47,6 +47,7 @@ struct ApiRequest {
   bool stream = false;
   bool include_usage = false;        // stream_options.include_usage
   bool return_token_ids = false;     // extension: choices[].token_ids (and in stream chunks)
+  int n = 1;                         // choices: n scheduler requests, choice i sampled with seed + i
 };
 
 // Throws ApiError (status 400 naming the field, 404 for an unknown model).

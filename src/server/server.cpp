@@ -66,6 +66,7 @@ struct Session {
   std::string finish_reason;  // set when done
   bool done = false;
   bool sent_role = false;
+  int index = 0;  // the choice's index (n > 1)
   clock::time_point last_token;
 
   Session(ApiRequest r, const Tokenizer* tok)
@@ -117,10 +118,6 @@ struct Session {
   }
   bool has_pending_logprobs() const {
     return req.sched.logprobs && (req.chat ? !lp_content.empty() : !lp_tokens.empty());
-  }
-  ojson usage() const {
-    const int64_t p = int64_t(req.sched.prompt.size()), c = int64_t(ids.size());
-    return {{"prompt_tokens", p}, {"completion_tokens", c}, {"total_tokens", p + c}};
   }
 };
 
@@ -203,47 +200,68 @@ struct HttpServer::Impl {
              [this](const httplib::Request& req, httplib::Response& res) { generate(req, res, true); });
   }
 
+  // A request's choices: one Session each (n > 1: n scheduler requests, choice i seeded seed + i).
+  using Choices = std::vector<std::shared_ptr<Session>>;
+
   void generate(const httplib::Request& http, httplib::Response& res, bool chat) {
     if (!is_ready.load() || stopping.load()) {
       send_error(res, 503, stopping ? "the server is shutting down" : "the model is loading", "", "service_unavailable");
       metrics.request(503);
       return;
     }
-    std::shared_ptr<Session> s;
+    auto choices = std::make_shared<Choices>();
     try {
       ApiRequest r = parse_request(http.body, chat, model);
-      s = std::make_shared<Session>(std::move(r), model.tokenizer.get());
-      s->handle = scheduler->submit(s->req.sched);
+      for (int i = 0; i < r.n; ++i) {
+        ApiRequest one = r;
+        one.sched.sampling.seed = r.sched.sampling.seed + uint64_t(i);
+        choices->push_back(std::make_shared<Session>(std::move(one), model.tokenizer.get()));
+        choices->back()->index = i;
+      }
+      for (auto& s : *choices) s->handle = scheduler->submit(s->req.sched);
     } catch (const ApiError& e) {
+      cancel_all(*choices);
       send_error(res, e.status, e.what(), e.param, e.type, e.code);
       metrics.request(e.status);
       return;
     } catch (const Error& e) {
+      cancel_all(*choices);
       send_error(res, 400, e.what(), param_of(e.what()));
       metrics.request(400);
       return;
     }
-    s->id = random_id(chat ? "chatcmpl-" : "cmpl-");
-    s->model = model.name;
-    s->created = unix_time();
+    const std::string id = random_id(chat ? "chatcmpl-" : "cmpl-");
+    for (auto& s : *choices) {
+      s->id = id;
+      s->model = model.name;
+      s->created = unix_time();
+    }
+    const ApiRequest& req = choices->front()->req;
     metrics.request(200);
-    metrics.prompt_tokens(int64_t(s->req.sched.prompt.size()));
-    if (s->req.stream) {
+    metrics.prompt_tokens(int64_t(req.sched.prompt.size()));
+    if (req.stream) {
       res.set_header("Cache-Control", "no-cache");
       res.set_header("X-Accel-Buffering", "no");
     }
     res.set_chunked_content_provider(
-        s->req.stream ? "text/event-stream" : "application/json",
-        [this, s](size_t, httplib::DataSink& sink) { return run(*s, sink); },
-        [this, s](bool) {
+        req.stream ? "text/event-stream" : "application/json",
+        [this, choices](size_t, httplib::DataSink& sink) { return run(*choices, sink); },
+        [this, choices](bool) {
           // Always: a stop string, a vanished client or shutdown all end the scheduler's work here.
-          s->handle->cancel();
-          if (!s->done) {
-            s->done = true;
-            metrics.finished("cancelled");
-            metrics.generated_tokens(int64_t(s->ids.size()));
+          for (auto& s : *choices) {
+            s->handle->cancel();
+            if (!s->done) {
+              s->done = true;
+              metrics.finished("cancelled");
+              metrics.generated_tokens(int64_t(s->ids.size()));
+            }
           }
         });
+  }
+
+  static void cancel_all(const Choices& choices) {
+    for (const auto& s : choices)
+      if (s->handle) s->handle->cancel();
   }
 
   static bool write(httplib::DataSink& sink, const std::string& data) { return sink.write(data.data(), data.size()); }
@@ -257,7 +275,7 @@ struct HttpServer::Impl {
   // A streaming chunk carrying `piece` (and pending logprobs / ids); finish_reason when final.
   bool send_chunk(Session& s, httplib::DataSink& sink, const std::string& piece, const char* finish) {
     ojson c = chunk_base(s);
-    ojson choice = {{"index", 0}};
+    ojson choice = {{"index", s.index}};
     if (s.req.chat) {
       ojson delta = ojson::object();
       if (!s.sent_role) {
@@ -277,19 +295,32 @@ struct HttpServer::Impl {
     return sse(sink, c);
   }
 
-  ojson whole_response(Session& s) {
-    ojson choice = {{"index", 0}};
-    if (s.req.chat) choice["message"] = {{"role", "assistant"}, {"content", s.content}};
-    else choice["text"] = s.content;
-    choice["logprobs"] = s.take_logprobs();
-    choice["finish_reason"] = s.finish_reason;
-    if (s.req.return_token_ids) {
-      choice["token_ids"] = s.ids;
+  ojson whole_response(Choices& choices) {
+    const Session& first = *choices.front();
+    ojson all = ojson::array();
+    for (auto& sp : choices) {
+      Session& s = *sp;
+      ojson choice = {{"index", s.index}};
+      if (s.req.chat) choice["message"] = {{"role", "assistant"}, {"content", s.content}};
+      else choice["text"] = s.content;
+      choice["logprobs"] = s.take_logprobs();
+      choice["finish_reason"] = s.finish_reason;
+      if (s.req.return_token_ids) choice["token_ids"] = s.ids;
+      all.push_back(std::move(choice));
     }
-    ojson r = {{"id", s.id}, {"object", s.req.chat ? "chat.completion" : "text_completion"}, {"created", s.created},
-               {"model", s.model}, {"choices", ojson::array({choice})}, {"usage", s.usage()}};
-    if (s.req.return_token_ids) r["prompt_token_ids"] = s.req.sched.prompt;
+    ojson r = {{"id", first.id}, {"object", first.req.chat ? "chat.completion" : "text_completion"},
+               {"created", first.created}, {"model", first.model}, {"choices", std::move(all)},
+               {"usage", usage(choices)}};
+    if (first.req.return_token_ids) r["prompt_token_ids"] = first.req.sched.prompt;
     return r;
+  }
+
+  // The prompt once, every choice's completion tokens.
+  static ojson usage(const Choices& choices) {
+    const int64_t p = int64_t(choices.front()->req.sched.prompt.size());
+    int64_t c = 0;
+    for (const auto& s : choices) c += int64_t(s->ids.size());
+    return {{"prompt_tokens", p}, {"completion_tokens", c}, {"total_tokens", p + c}};
   }
 
   void end(Session& s, const std::string& reason) {
@@ -299,79 +330,120 @@ struct HttpServer::Impl {
     metrics.generated_tokens(int64_t(s.ids.size()));
   }
 
-  // Drives one request to its end, writing as it goes (streaming) or at the end. Returns false to
-  // abort the connection (the client is gone, or the server stops): the releaser cancels.
-  bool run(Session& s, httplib::DataSink& sink) {
-    const bool stream = s.req.stream;
-    if (stream && s.req.chat && !send_chunk(s, sink, "", nullptr)) return false;  // the role first
+  // Drives a request's choices to their end, writing as they go (streaming) or at the end. Returns
+  // false to abort the connection (the client is gone, or the server stops): the releaser cancels.
+  bool run(Choices& choices, httplib::DataSink& sink) {
+    const ApiRequest& req = choices.front()->req;
+    const bool stream = req.stream;
+    if (stream && req.chat)
+      for (auto& s : choices)
+        if (!send_chunk(*s, sink, "", nullptr)) return false;  // the role first
+    // One choice waits on its events kPoll at a time; several poll each other in turn, waiting
+    // briefly on the first unfinished one when none had an event.
+    const auto wait = choices.size() == 1 ? kPoll : std::chrono::milliseconds(2);
     auto last_check = clock::now();
-    while (!s.done) {
-      SchedEvent ev;
-      const bool got = s.handle->next(ev, kPoll);
+    for (;;) {
+      bool got = false, all_done = true;
+      for (auto& sp : choices) {
+        Session& s = *sp;
+        if (s.done) continue;
+        all_done = false;
+        SchedEvent ev;
+        if (!s.handle->next(ev, std::chrono::milliseconds(0))) continue;
+        got = true;
+        const Step step = on_event(s, std::move(ev), sink);
+        if (step == Step::Abort) return false;
+        if (step == Step::Failed) {
+          cancel_all(choices);
+          return true;
+        }
+      }
+      if (all_done) break;
       if (stopping.load()) return false;
+      if (!got) {
+        for (auto& sp : choices)
+          if (!sp->done) {
+            SchedEvent ev;
+            if (sp->handle->next(ev, wait)) {
+              const Step step = on_event(*sp, std::move(ev), sink);
+              if (step == Step::Abort) return false;
+              if (step == Step::Failed) {
+                cancel_all(choices);
+                return true;
+              }
+              got = true;
+            }
+            break;
+          }
+      }
       if (!got || clock::now() - last_check > kPoll) {
         if (!sink.is_writable()) return false;
         last_check = clock::now();
-        if (!got) continue;
-      }
-      std::string piece;
-      const char* finish = nullptr;
-      if (ev.kind == SchedEvent::Kind::Token) {
-        const double since = std::chrono::duration<double>(ev.time - (s.ids.empty() ? s.handle->submitted() : s.last_token)).count();
-        if (s.ids.empty()) metrics.ttft(since);
-        else metrics.itl(since);
-        s.last_token = ev.time;
-        s.ids.push_back(ev.token);
-        s.pending_ids.push_back(ev.token);
-        piece = s.text.token(ev.token);
-        s.add_logprobs(ev, piece);
-        if (s.text.stopped()) {
-          s.handle->cancel();  // a stop string: the engine frees the row at its next step
-          end(s, "stop");
-          finish = "stop";
-        }
-      } else if (ev.kind == SchedEvent::Kind::Finish) {
-        if (ev.reason == FinishReason::Cancelled) return false;
-        piece = s.text.finish();
-        const char* reason = ev.reason == FinishReason::Length && !s.text.stopped() ? "length" : "stop";
-        end(s, reason);
-        finish = reason;
-      } else {
-        end(s, "error");
-        const std::string err = error_body(500, "generation failed: " + ev.message, "", "server_error");
-        if (stream) {
-          write(sink, "data: " + err + "\n\n");
-        } else {
-          write(sink, err);
-        }
-        sink.done();
-        return true;
-      }
-      if (stream) {
-        if (finish) {
-          if (!piece.empty() || s.has_pending_logprobs() || (s.req.return_token_ids && !s.pending_ids.empty()))
-            if (!send_chunk(s, sink, piece, nullptr)) return false;
-          if (!send_chunk(s, sink, "", finish)) return false;
-        } else if (!piece.empty() || s.has_pending_logprobs() || s.req.return_token_ids) {
-          if (!send_chunk(s, sink, piece, nullptr)) return false;
-        }
-      } else {
-        s.content += piece;
       }
     }
     if (stream) {
-      if (s.req.include_usage) {
-        ojson c = chunk_base(s);
+      if (req.include_usage) {
+        ojson c = chunk_base(*choices.front());
         c["choices"] = ojson::array();
-        c["usage"] = s.usage();
+        c["usage"] = usage(choices);
         if (!sse(sink, c)) return false;
       }
       if (!write(sink, "data: [DONE]\n\n")) return false;
     } else {
-      if (!write(sink, whole_response(s).dump())) return false;
+      if (!write(sink, whole_response(choices).dump())) return false;
     }
     sink.done();
     return true;
+  }
+
+  enum class Step { Go, Abort, Failed };
+
+  // One scheduler event of choice s: its token (text, logprobs, a stop string), its end, or its
+  // failure (written as the response's end: Failed).
+  Step on_event(Session& s, SchedEvent ev, httplib::DataSink& sink) {
+    const bool stream = s.req.stream;
+    std::string piece;
+    const char* finish = nullptr;
+    if (ev.kind == SchedEvent::Kind::Token) {
+      const double since =
+          std::chrono::duration<double>(ev.time - (s.ids.empty() ? s.handle->submitted() : s.last_token)).count();
+      if (s.ids.empty()) metrics.ttft(since);
+      else metrics.itl(since);
+      s.last_token = ev.time;
+      s.ids.push_back(ev.token);
+      s.pending_ids.push_back(ev.token);
+      piece = s.text.token(ev.token);
+      s.add_logprobs(ev, piece);
+      if (s.text.stopped()) {
+        s.handle->cancel();  // a stop string: the engine frees the row at its next step
+        end(s, "stop");
+        finish = "stop";
+      }
+    } else if (ev.kind == SchedEvent::Kind::Finish) {
+      if (ev.reason == FinishReason::Cancelled) return Step::Abort;
+      piece = s.text.finish();
+      const char* reason = ev.reason == FinishReason::Length && !s.text.stopped() ? "length" : "stop";
+      end(s, reason);
+      finish = reason;
+    } else {
+      end(s, "error");
+      const std::string err = error_body(500, "generation failed: " + ev.message, "", "server_error");
+      write(sink, stream ? "data: " + err + "\n\n" : err);
+      sink.done();
+      return Step::Failed;
+    }
+    if (stream) {
+      if (finish) {
+        if (!piece.empty() || s.has_pending_logprobs() || (s.req.return_token_ids && !s.pending_ids.empty()))
+          if (!send_chunk(s, sink, piece, nullptr)) return Step::Abort;
+        if (!send_chunk(s, sink, "", finish)) return Step::Abort;
+      } else if (!piece.empty() || s.has_pending_logprobs() || s.req.return_token_ids) {
+        if (!send_chunk(s, sink, piece, nullptr)) return Step::Abort;
+      }
+    } else {
+      s.content += piece;
+    }
+    return Step::Go;
   }
 };
 

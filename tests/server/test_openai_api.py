@@ -172,6 +172,43 @@ def test_logit_bias(demo):
     still_serving(demo)
 
 
+def test_n_choices(demo):
+    """n > 1: n choices, choice i sampled as an n = 1 request with seed + i; usage counts the prompt
+    once and every choice's tokens; streamed chunks carry each choice's index and add up to the
+    whole response's texts; greedy choices are all the same."""
+    client = demo.client()
+    kw = dict(model=MODEL, prompt="The Unicode standard", max_tokens=12, temperature=0.9, top_p=0.95,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    r = client.completions.create(n=3, seed=40, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    ids = [c.model_extra["token_ids"] for c in r.choices]
+    for i in range(3):
+        alone = client.completions.create(n=1, seed=40 + i, **kw)
+        assert alone.choices[0].model_extra["token_ids"] == ids[i]
+    assert len({tuple(x) for x in ids}) > 1  # really sampled apart
+    assert r.usage.completion_tokens == 36 and r.usage.prompt_tokens == alone.usage.prompt_tokens
+    texts = {}
+    finals = {}
+    for ch in client.completions.create(n=3, seed=40, stream=True, stream_options={"include_usage": True}, **kw):
+        for c in ch.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason:
+                finals[c.index] = c.finish_reason
+        if not ch.choices:
+            assert ch.usage.completion_tokens == 36
+    assert texts == {c.index: c.text for c in r.choices} and finals == {0: "length", 1: "length", 2: "length"}
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+                                          temperature=0, n=2)
+    assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
+    streamed = {}
+    for ch in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+                                             temperature=0, n=2, stream=True):
+        for c in ch.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+    assert streamed == {0: chat.choices[0].message.content, 1: chat.choices[1].message.content}
+    still_serving(demo)
+
+
 def test_logprobs(demo):
     c = demo_cases()[1]
     client = demo.client()
@@ -211,7 +248,7 @@ def error_of(status_body):
     ({"prompt": [1, "a"]}, "prompt", "token id"),
     ({"prompt": [999999]}, "prompt", "out of range"),
     ({}, "prompt", "required"),
-    ({"prompt": "x", "n": 2}, "n", "n = 1"),
+    ({"prompt": "x", "n": 17}, "n", "[1, 16]"),
     ({"prompt": "x", "logprobs": 21}, "logprobs", "[0, 20]"),
     ({"prompt": "x", "max_tokens": 5000}, "max_tokens", "context"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", "[1,"),
