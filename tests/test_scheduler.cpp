@@ -4,12 +4,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <map>
 #include <thread>
 
 #include "backend/backend.h"
 #include "io/json_file.h"
+#include "io/npy.h"
 #include "model/glm_dsa/model.h"
 #include "runtime/generate.h"
 #include "runtime/scheduler.h"
@@ -337,6 +339,82 @@ TEST(Scheduler, PenalizedRequestsGetTransformersTokens) { penalized_requests_get
 TEST(Scheduler, PenalizedRequestsGetTransformersTokensOnCuda) {
   REQUIRE_CUDA();
   penalized_requests_get_transformers_tokens(true);
+}
+
+// prompt_logprobs (the server's echo with logprobs): each prompt token's logprob given the tokens
+// before it is the log-softmax of transformers' teacher-forced logits (tests/fixtures: one full
+// forward over `tokens`), through prompt chunks of 8 beside another request; the alternatives are
+// the row's best; max_tokens 0 ends after the prompt, and with tokens asked for they are the plain
+// request's.
+TEST(Scheduler, PromptLogprobsAreTheTeacherForcedLogSoftmax) {
+  Loaded m(kFixtures + "/glm_dsa_full_f32");
+  const Json e = read_json_file(kFixtures + "/glm_dsa_full_f32/expected.json");
+  const auto toks = e["tokens"].get<std::vector<int32_t>>();
+  const NpyArray want = read_npy_f32(kFixtures + "/glm_dsa_full_f32/logits.npy");
+  const int64_t V = want.shape[1];
+  SchedRequest echo = greedy(toks, 0);
+  echo.prompt_logprobs = true;
+  echo.top_logprobs = 3;
+  SchedRequest echo_more = echo;
+  echo_more.max_tokens = 5;
+  echo_more.prompt.resize(40);
+  const SchedRequest other = greedy({toks.begin() + 3, toks.begin() + 20}, 6);
+  Scheduler s(*m.model, *m.backend, manual(3, 256, 8));
+  auto h0 = s.submit(echo), h1 = s.submit(other), h2 = s.submit(echo_more);
+  for (int i = 0; i < 1000 && s.step(); ++i) {}
+  double worst = 0;
+  auto check = [&](RequestHandle& h, size_t P, size_t tokens) {
+    SchedEvent ev;
+    size_t at = 1, generated = 0;
+    bool finished = false;
+    while (h.next(ev, std::chrono::milliseconds(0))) {
+      if (ev.kind == SchedEvent::Kind::PromptToken) {
+        ASSERT_EQ(generated, 0u) << "a prompt token after a generated one";
+        ASSERT_LT(at, P);
+        EXPECT_EQ(ev.token, toks[at]);
+        const float* row = &want.data[size_t(at - 1) * size_t(V)];
+        double mx = row[0], sum = 0;
+        for (int64_t i = 1; i < V; ++i) mx = std::max(mx, double(row[i]));
+        for (int64_t i = 0; i < V; ++i) sum += std::exp(double(row[i]) - mx);
+        const double lse = mx + std::log(sum);
+        worst = std::max(worst, std::fabs(ev.logprob - (row[toks[at]] - lse)));
+        ASSERT_EQ(ev.top.size(), 3u);
+        EXPECT_EQ(ev.top[0].id, int32_t(std::max_element(row, row + V) - row));
+        EXPECT_GE(ev.top[0].logprob, ev.top[1].logprob);
+        ++at;
+      } else if (ev.kind == SchedEvent::Kind::Token) {
+        ++generated;
+      } else {
+        EXPECT_EQ(ev.kind, SchedEvent::Kind::Finish);
+        EXPECT_EQ(ev.reason, FinishReason::Length);
+        finished = true;
+      }
+    }
+    EXPECT_EQ(at, P);
+    EXPECT_EQ(generated, tokens);
+    EXPECT_TRUE(finished);
+  };
+  check(*h0, toks.size(), 0);
+  check(*h2, 40, 5);
+  std::printf("  prompt logprobs: max |diff| %.2e from transformers' log-softmax\n", worst);
+  EXPECT_LT(worst, 1e-4);
+  EXPECT_EQ(drain(*h1).ids, alone(m, other, 8));
+  SchedRequest plain = echo_more;
+  plain.prompt_logprobs = false;
+  plain.top_logprobs = 0;
+  Scheduler s2(*m.model, *m.backend, manual(1, 256, 8));
+  auto h3 = s2.submit(plain);
+  while (s2.step()) {}
+  Scheduler s3(*m.model, *m.backend, manual(1, 256, 8));
+  auto h4 = s3.submit(echo_more);
+  while (s3.step()) {}
+  std::vector<int32_t> echoed;
+  SchedEvent ev;
+  while (h4->next(ev, std::chrono::milliseconds(0)))
+    if (ev.kind == SchedEvent::Kind::Token) echoed.push_back(ev.token);
+  EXPECT_EQ(echoed, drain(*h3).ids);
+  SchedRequest zero = greedy(toks, 0);  // max_tokens 0 only with prompt_logprobs
+  EXPECT_THROW(s3.submit(zero), Error);
 }
 
 TEST(Scheduler, CancellationFreesTheRowForTheNextRequest) {

@@ -75,7 +75,10 @@ std::shared_ptr<RequestHandle> Scheduler::submit(SchedRequest r) {
   if (r.prompt.empty()) fail("prompt: the prompt is empty");
   for (int32_t id : r.prompt)
     if (id < 0 || id >= vocab_) fail("prompt: token id ", id, " is out of range (vocabulary of ", vocab_, ")");
-  if (r.max_tokens < 1) fail("max_tokens: must be at least 1, got ", r.max_tokens);
+  if (r.max_tokens < (r.prompt_logprobs ? 0 : 1))
+    fail("max_tokens: must be at least ", r.prompt_logprobs ? 0 : 1, ", got ", r.max_tokens);
+  if (r.prompt_logprobs && opt_.mtp_drafts)
+    fail("prompt_logprobs: not supported with speculative decoding (this server drafts with --mtp)");
   const int64_t P = int64_t(r.prompt.size());
   if (P >= opt_.context) fail("prompt: ", P, " tokens do not fit the context of ", opt_.context, " tokens");
   if (P + r.max_tokens > opt_.context)
@@ -139,27 +142,41 @@ void Scheduler::emit_token(Running& r, const float* logits) {
   emit_chosen(r, logits ? r.sampler->sample(logits, vocab_) : r.chosen, logits);
 }
 
+void Scheduler::fill_logprobs(SchedEvent& ev, const float* logits, int top) {
+  // log-softmax of the raw logits: what the model assigns, independent of the sampling warpers.
+  float mx = logits[0];
+  for (int64_t i = 1; i < vocab_; ++i) mx = std::max(mx, logits[i]);
+  double sum = 0;
+  for (int64_t i = 0; i < vocab_; ++i) sum += std::exp(double(logits[i]) - mx);
+  const float lse = mx + float(std::log(sum));
+  ev.logprob = logits[ev.token] - lse;
+  const int k = int(std::min<int64_t>(top, vocab_));
+  if (k > 0) {
+    std::iota(idx_scratch_.begin(), idx_scratch_.end(), 0);
+    std::partial_sort(idx_scratch_.begin(), idx_scratch_.begin() + k, idx_scratch_.end(), [&](int32_t a, int32_t b) {
+      return logits[a] != logits[b] ? logits[a] > logits[b] : a < b;
+    });
+    for (int i = 0; i < k; ++i) ev.top.push_back({idx_scratch_[size_t(i)], logits[idx_scratch_[size_t(i)]] - lse});
+  }
+}
+
+void Scheduler::emit_prompt_logprobs(Running& r, int64_t at, int64_t T, const float* rows) {
+  const int64_t P = int64_t(r.req.prompt.size());
+  for (int64_t j = 0; j < T && at + j + 1 < P; ++j) {
+    SchedEvent ev;
+    ev.kind = SchedEvent::Kind::PromptToken;
+    ev.token = r.req.prompt[size_t(at + j + 1)];
+    fill_logprobs(ev, rows + j * vocab_, r.req.top_logprobs);
+    ev.time = std::chrono::steady_clock::now();
+    r.handle->push(std::move(ev));
+  }
+}
+
 void Scheduler::emit_chosen(Running& r, int32_t id_chosen, const float* logits) {
   SchedEvent ev;
   ev.kind = SchedEvent::Kind::Token;
   ev.token = id_chosen;
-  if (logits && (r.req.logprobs || r.req.top_logprobs > 0)) {
-    // log-softmax of the raw logits: what the model assigns, independent of the sampling warpers.
-    float mx = logits[0];
-    for (int64_t i = 1; i < vocab_; ++i) mx = std::max(mx, logits[i]);
-    double sum = 0;
-    for (int64_t i = 0; i < vocab_; ++i) sum += std::exp(double(logits[i]) - mx);
-    const float lse = mx + float(std::log(sum));
-    ev.logprob = logits[ev.token] - lse;
-    const int k = int(std::min<int64_t>(r.req.top_logprobs, vocab_));
-    if (k > 0) {
-      std::iota(idx_scratch_.begin(), idx_scratch_.end(), 0);
-      std::partial_sort(idx_scratch_.begin(), idx_scratch_.begin() + k, idx_scratch_.end(), [&](int32_t a, int32_t b) {
-        return logits[a] != logits[b] ? logits[a] > logits[b] : a < b;
-      });
-      for (int i = 0; i < k; ++i) ev.top.push_back({idx_scratch_[size_t(i)], logits[idx_scratch_[size_t(i)]] - lse});
-    }
-  }
+  if (logits && (r.req.logprobs || r.req.top_logprobs > 0)) fill_logprobs(ev, logits, r.req.top_logprobs);
   const int32_t id = ev.token;
   ev.time = std::chrono::steady_clock::now();
   r.handle->push(std::move(ev));
@@ -357,6 +374,11 @@ bool Scheduler::step() {
     it.T = T;
     it.keep_hidden = opt_.mtp_drafts;
     request_output(r, it, T == left);
+    if (r.req.prompt_logprobs) {  // every row: each predicts the prompt's next token (the last, the first new one)
+      r.prompt_rows.resize(size_t(T * vocab_));
+      it.logits = r.prompt_rows.data();
+      it.all_logits = true;
+    }
     items.push_back(it);
     owner.push_back(i);
   }
@@ -382,6 +404,19 @@ bool Scheduler::step() {
     if (chunk[owner[k]] > 0 && r.prefilled < P) {
       const int64_t at = r.prefilled, n = chunk[owner[k]];
       r.prefilled += n;
+      if (r.req.prompt_logprobs) {
+        emit_prompt_logprobs(r, at, n, items[k].logits);
+        if (r.prefilled < P) continue;
+        if (r.req.max_tokens > 0) {
+          emit_token(r, items[k].logits + (n - 1) * vocab_);
+        } else {  // echo: the prompt's logprobs only
+          SchedEvent f;
+          f.kind = SchedEvent::Kind::Finish;
+          f.reason = FinishReason::Length;
+          finish(r, std::move(f));
+        }
+        continue;
+      }
       if (r.prefilled < P || opt_.mtp_drafts) {
         // The MTP entries at the chunk's positions read the token after each: the prompt's, and
         // after the prompt's last, the first token.

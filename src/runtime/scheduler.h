@@ -44,11 +44,13 @@ struct TokenLogprob {
 };
 
 struct SchedEvent {
-  enum class Kind : uint8_t { Token, Finish, Error };
+  // PromptToken (SchedRequest::prompt_logprobs): prompt token i >= 1 and its logprob given the
+  // tokens before it, in order, all before the first Token.
+  enum class Kind : uint8_t { Token, Finish, Error, PromptToken };
   Kind kind = Kind::Token;
-  int32_t token = -1;                // Token
-  float logprob = 0;                 // Token, when logprobs were asked for
-  std::vector<TokenLogprob> top;     // Token: the top_logprobs most likely ids, best first
+  int32_t token = -1;                // Token, PromptToken
+  float logprob = 0;                 // Token when logprobs were asked for; PromptToken
+  std::vector<TokenLogprob> top;     // Token, PromptToken: the top_logprobs most likely ids, best first
   FinishReason reason = FinishReason::Stop;  // Finish
   std::string message;               // Error
   std::chrono::steady_clock::time_point time;  // when the engine produced it
@@ -61,6 +63,9 @@ struct SchedRequest {
   bool stop_at_eos = true;
   bool logprobs = false;  // log-softmax of the raw logits (before temperature) of each chosen id
   int top_logprobs = 0;   // 0..20
+  // The logprob of every prompt token after the first (PromptToken events; top_logprobs
+  // alternatives each): the prompt's chunks return all their rows. max_tokens may then be 0.
+  bool prompt_logprobs = false;
 };
 
 // A submitted request as its caller sees it: a queue of events, and cancel().
@@ -162,10 +167,13 @@ class Scheduler {
     int32_t picks[2] = {-1, -1};    // greedy: the backend's argmax of the pair's rows
     int64_t verify_pos = 0;         // the cache length before the two-token step
     std::vector<int32_t> mtp_next;  // the tokens the MTP pass reads after this step's rows
+    std::vector<float> prompt_rows;  // prompt_logprobs: a chunk's rows of logits
     // Requests that want no logprobs need no logits on the host: the backend picks the token
     // (argmax or sample_rows; on a GPU: 4 bytes copied back instead of the vocabulary's logits).
     // Logprobs need the row; penalties and biases too (the sampler adjusts it: the request's history).
-    bool needs_logits() const { return req.logprobs || req.top_logprobs > 0 || req.sampling.adjusts_logits(); }
+    bool needs_logits() const {
+      return req.logprobs || req.top_logprobs > 0 || req.prompt_logprobs || req.sampling.adjusts_logits();
+    }
   };
   // Asks the step for what r needs from its item: nothing for a prompt chunk that is not the last,
   // else the logits (logprobs) or the token chosen on the backend.
@@ -176,6 +184,10 @@ class Scheduler {
   void emit_token(Running& r, const float* logits);
   // Emits `id`, its logprobs (when asked for) from `logits`, the row it was chosen from.
   void emit_chosen(Running& r, int32_t id, const float* logits);
+  // ev.logprob of ev.token and its `top` best alternatives: log-softmax of the raw row.
+  void fill_logprobs(SchedEvent& ev, const float* logits, int top);
+  // prompt_logprobs: the PromptToken events of a chunk of T prompt tokens from `at` ([T, vocab] rows).
+  void emit_prompt_logprobs(Running& r, int64_t at, int64_t T, const float* rows);
   // mtp_drafts: the two-token verification item of a decoding row, and what follows its step:
   // the verdict on the draft, the tokens emitted, the cache trimmed past a rejected draft, and
   // the row's part of the step's MTP pass (false: the request ended, no pass for it).

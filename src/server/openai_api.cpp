@@ -188,7 +188,7 @@ ApiRequest parse_request(const std::string& body_text, bool chat, const ServedMo
     bad("tool_choice", "tool calling is not supported by this server");
   if (get_int(body, "min_tokens", 0, 0, INT32_MAX) != 0) bad("min_tokens", "is not supported (must be 0)");
   if (!chat) {
-    if (get_bool(body, "echo", false)) bad("echo", "is not supported");
+    r.echo = get_bool(body, "echo", false);
     if (get_int(body, "best_of", 1, 1, 128) != 1) bad("best_of", "only best_of = 1 is supported");
     if (field(body, "suffix")) bad("suffix", "is not supported");
   }
@@ -272,8 +272,17 @@ ApiRequest parse_request(const std::string& body_text, bool chat, const ServedMo
   if (P >= m.context)
     bad(prompt_field, str("the prompt has ", P, " tokens, but this server's context is ", m.context,
                           " tokens (prompt + max_tokens must fit)"));
+  if (r.echo) {
+    r.sched.prompt_logprobs = r.sched.logprobs;
+    const ojson* p = field(body, "prompt");
+    if (p->is_string()) r.echo_text = p->get<std::string>();
+    else if (p->is_array() && p->size() == 1 && (*p)[0].is_string()) r.echo_text = (*p)[0].get<std::string>();
+    else if (m.tokenizer)
+      r.echo_text = m.tokenizer->decode(std::vector<uint32_t>(r.sched.prompt.begin(), r.sched.prompt.end()), false);
+  }
   const char* max_field = chat && field(body, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
-  const int64_t max_tokens = get_int(body, max_field, -1, 1, INT64_MAX);
+  // echo with logprobs scores the prompt: max_tokens 0 asks for nothing more (lm-eval's loglikelihood).
+  const int64_t max_tokens = get_int(body, max_field, -1, r.sched.prompt_logprobs ? 0 : 1, INT64_MAX);
   if (max_tokens < 0) {
     r.sched.max_tokens = m.context - P;  // as much as the context allows
   } else if (P + max_tokens > m.context) {

@@ -102,6 +102,19 @@ struct Session {
     }
     text_offset += piece.size();
   }
+  // echo with logprobs: prompt token `id`, with its event's logprob and alternatives, or none (the
+  // first prompt token, which nothing predicts). Offsets advance by the token's own text.
+  void add_prompt_logprob(int32_t id, const SchedEvent* ev) {
+    const std::string tok = token_string(id);
+    lp_tokens.push_back(tok);
+    lp_values.push_back(ev ? ojson(ev->logprob) : ojson(nullptr));
+    ojson top = ev ? ojson::object() : ojson(nullptr);
+    if (ev)
+      for (const TokenLogprob& t : ev->top) top[token_string(t.id)] = t.logprob;
+    lp_top.push_back(top);
+    lp_offsets.push_back(text_offset);
+    text_offset += tok.size();
+  }
   // The pending logprobs as the response's logprobs object (and clears them).
   ojson take_logprobs() {
     if (!req.sched.logprobs) return nullptr;
@@ -338,6 +351,15 @@ struct HttpServer::Impl {
     if (stream && req.chat)
       for (auto& s : choices)
         if (!send_chunk(*s, sink, "", nullptr)) return false;  // the role first
+    if (req.echo)  // the prompt's text first (and with logprobs its first token's, which has none)
+      for (auto& s : choices) {
+        if (s->req.sched.prompt_logprobs) s->add_prompt_logprob(s->req.sched.prompt[0], nullptr);
+        if (stream) {
+          if (!send_chunk(*s, sink, s->req.echo_text, nullptr)) return false;
+        } else {
+          s->content = s->req.echo_text;
+        }
+      }
     // One choice waits on its events kPoll at a time; several poll each other in turn, waiting
     // briefly on the first unfinished one when none had an event.
     const auto wait = choices.size() == 1 ? kPoll : std::chrono::milliseconds(2);
@@ -404,6 +426,11 @@ struct HttpServer::Impl {
     const bool stream = s.req.stream;
     std::string piece;
     const char* finish = nullptr;
+    if (ev.kind == SchedEvent::Kind::PromptToken) {  // echo: sent with the next chunk
+      s.add_prompt_logprob(ev.token, &ev);
+      return Step::Go;
+    }
+    if (s.req.echo && s.ids.empty()) s.text_offset = s.req.echo_text.size();  // the completion's offsets
     if (ev.kind == SchedEvent::Kind::Token) {
       const double since =
           std::chrono::duration<double>(ev.time - (s.ids.empty() ? s.handle->submitted() : s.last_token)).count();

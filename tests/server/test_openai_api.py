@@ -209,6 +209,62 @@ def test_n_choices(demo):
     still_serving(demo)
 
 
+def read_npy_f32(path):
+    """A float32 C-order .npy as (shape, flat list): enough for the fixtures (no numpy here)."""
+    import ast
+    import struct
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data[:6] == b"\x93NUMPY"
+    hlen = struct.unpack("<H", data[8:10])[0] if data[6] == 1 else struct.unpack("<I", data[8:12])[0]
+    start = (10 if data[6] == 1 else 12) + hlen
+    header = ast.literal_eval(data[(10 if data[6] == 1 else 12):start].decode())
+    assert header["descr"] == "<f4" and not header["fortran_order"]
+    n = 1
+    for d in header["shape"]:
+        n *= d
+    return header["shape"], struct.unpack(f"<{n}f", data[start:start + 4 * n])
+
+
+def test_echo_scores_the_prompt(demo):
+    """echo with logprobs and max_tokens 0 (lm-eval's loglikelihood request): the text is the prompt's,
+    the first token has no logprob, every other one the log-softmax of transformers' teacher-forced
+    logits at the position before (tests/fixtures/demo/logits.npy); with tokens asked for they follow
+    the prompt's, as the plain request's; echo streams the prompt's text first."""
+    import math
+    with open(os.path.join(os.path.dirname(__file__), "..", "fixtures", "demo", "expected.json")) as f:
+        ids = json.load(f)["logits"]["token_ids"][:40]
+    (_, V), flat = read_npy_f32(os.path.join(os.path.dirname(__file__), "..", "fixtures", "demo", "logits.npy"))
+    client = demo.client()
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    ch = r.choices[0]
+    assert ch.finish_reason == "length" and r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ids)
+    lp = ch.logprobs
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    worst = 0.0
+    for i in range(1, len(ids)):
+        row = flat[(i - 1) * V:i * V]
+        mx = max(row)
+        lse = mx + math.log(sum(math.exp(x - mx) for x in row))
+        worst = max(worst, abs(lp.token_logprobs[i] - (row[ids[i]] - lse)))
+        assert len(lp.top_logprobs[i]) == 2 and max(lp.top_logprobs[i].values()) >= lp.token_logprobs[i] - 1e-6
+    assert worst < 1e-3, worst
+    assert lp.text_offset == sorted(lp.text_offset) and ch.text == "".join(lp.tokens)
+    c = demo_cases()[0]
+    plain = client.completions.create(model=MODEL, prompt=c["prompt"], max_tokens=6, **GREEDY)
+    echoed = client.completions.create(model=MODEL, prompt=c["prompt"], max_tokens=6, echo=True, logprobs=1, **GREEDY)
+    assert echoed.choices[0].text == c["prompt"] + plain.choices[0].text
+    assert echoed.choices[0].model_extra["token_ids"] == plain.choices[0].model_extra["token_ids"]
+    elp = echoed.choices[0].logprobs
+    assert len(elp.tokens) == len(c["prompt_ids"]) + 6 and elp.text_offset[len(c["prompt_ids"])] == len(c["prompt"])
+    chunks = list(client.completions.create(model=MODEL, prompt=c["prompt"], max_tokens=6, echo=True, stream=True,
+                                            **GREEDY))
+    assert chunks[0].choices[0].text == c["prompt"]
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == echoed.choices[0].text
+    status, err = error_of(demo.http("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}))
+    assert status == 400 and err["param"] == "max_tokens", err
+
+
 def test_logprobs(demo):
     c = demo_cases()[1]
     client = demo.client()
