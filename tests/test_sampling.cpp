@@ -340,6 +340,16 @@ TEST(Penalties, ApplyIsTheStatedArithmetic) {
   EXPECT_EQ(x[1], (-2.0f + 3.0f) / 0.5f - 1.0f + 0.25f);
   EXPECT_EQ(x[4], -101.0f);
   EXPECT_EQ(x[5], 4.0f);
+  SamplingParams m;  // min_tokens: the EOS ids out while fewer were drawn, last of all
+  m.min_tokens = 2;
+  m.eos_ids = {5};
+  m.logit_bias = {{5, 50.0f}};
+  for (int64_t drawn : {0, 1, 2}) {
+    x = row;
+    adjust_logits(m, x.data(), in_context, generated, {}, drawn);
+    EXPECT_EQ(x[5], drawn < 2 ? -INFINITY : 54.0f) << drawn;
+    EXPECT_EQ(x[4], -1.0f);
+  }
 }
 
 // Sampler keeps the penalties' history itself: the prompt, then each token it picks.

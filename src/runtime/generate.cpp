@@ -128,7 +128,9 @@ GenerateResult generate_on_host(GlmDsaModel& model, MlaCache& cache, int row, co
   const GlmDsaConfig& c = model.config();
   GenerateResult r;
   r.prompt_tokens = int64_t(prompt.size());
-  Sampler sampler(opt.sampling);
+  SamplingParams sp = opt.sampling;
+  if (sp.min_tokens > 0) sp.eos_ids.assign(c.eos_ids.begin(), c.eos_ids.end());  // the ids min_tokens holds back
+  Sampler sampler(sp);
   std::vector<int32_t> context = opt.history;
   context.insert(context.end(), prompt.begin(), prompt.end());
   sampler.set_prompt(context);

@@ -17,6 +17,7 @@ void validate_sampling(const SamplingParams& p) {
     fail("frequency_penalty must be in [-2, 2], got ", p.frequency_penalty);
   if (!(p.presence_penalty >= -2 && p.presence_penalty <= 2))
     fail("presence_penalty must be in [-2, 2], got ", p.presence_penalty);
+  if (p.min_tokens < 0) fail("min_tokens must be >= 0, got ", p.min_tokens);
   for (const auto& [id, bias] : p.logit_bias) {
     if (id < 0) fail("logit_bias: token id ", id, " is negative");
     if (!(bias >= -100 && bias <= 100))
@@ -25,7 +26,7 @@ void validate_sampling(const SamplingParams& p) {
 }
 
 void adjust_logits(const SamplingParams& p, float* logits, const std::vector<uint8_t>& in_context,
-                   const std::vector<int32_t>& generated, const std::vector<int32_t>& touched) {
+                   const std::vector<int32_t>& generated, const std::vector<int32_t>& touched, int64_t drawn) {
   for (const auto& [id, bias] : p.logit_bias) logits[id] += bias;
   for (const int32_t t : touched) {
     float& x = logits[t];
@@ -37,6 +38,8 @@ void adjust_logits(const SamplingParams& p, float* logits, const std::vector<uin
       if (p.presence_penalty != 0.0f) x -= p.presence_penalty;
     }
   }
+  if (drawn < p.min_tokens)
+    for (const int32_t id : p.eos_ids) logits[id] = -INFINITY;
 }
 
 int32_t argmax(const float* x, int64_t n) {
@@ -92,12 +95,17 @@ int32_t Sampler::sample(const float* logits, int64_t vocab) {
     for (const auto& bias : params_.logit_bias)
       if (bias.first >= vocab) fail("logit_bias: token id ", bias.first, " is outside the vocabulary of ", vocab);
     adjusted_.assign(logits, logits + vocab);
-    adjust_logits(params_, adjusted_.data(), in_context_, generated_, touched_);
+    for (const int32_t id : params_.eos_ids)
+      if (id < 0 || id >= vocab) fail("min_tokens: EOS id ", id, " is outside the vocabulary of ", vocab);
+    adjust_logits(params_, adjusted_.data(), in_context_, generated_, touched_, drawn_);
     logits = adjusted_.data();
   }
   const int32_t t =
       params_.temperature == 0.0f ? argmax(logits, vocab) : sample_row(logits, vocab, next_row_args(), ws_);
-  if (params_.adjusts_logits()) note(t, vocab, true);
+  if (params_.adjusts_logits()) {
+    note(t, vocab, true);
+    ++drawn_;
+  }
   return t;
 }
 

@@ -90,6 +90,8 @@ std::shared_ptr<RequestHandle> Scheduler::submit(SchedRequest r) {
          opt_.cache_budget_bytes);
   if (r.top_logprobs < 0 || r.top_logprobs > 20) fail("top_logprobs: must be in [0, 20], got ", r.top_logprobs);
   validate_sampling(r.sampling);
+  if (r.sampling.min_tokens > r.max_tokens)
+    fail("min_tokens: ", r.sampling.min_tokens, " is more than max_tokens (", r.max_tokens, ")");
   if (opt_.mtp_drafts && r.sampling.adjusts_logits())
     fail(r.sampling.first_adjustment(),
          ": penalties and logit biases are not supported with speculative decoding (this server drafts with --mtp)");
@@ -313,6 +315,8 @@ bool Scheduler::step() {
       Running r;
       r.handle = w.handle;
       r.req = std::move(waiting_.front().req);
+      if (r.req.sampling.min_tokens > 0)  // the ids min_tokens holds back
+        r.req.sampling.eos_ids.assign(model_.config().eos_ids.begin(), model_.config().eos_ids.end());
       r.sampler = std::make_unique<Sampler>(r.req.sampling);
       r.sampler->set_prompt(r.req.prompt);
       r.row = int(free_row - row_free_.begin());

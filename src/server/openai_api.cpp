@@ -186,7 +186,6 @@ ApiRequest parse_request(const std::string& body_text, bool chat, const ServedMo
   if (const ojson* tc = field(body, "tool_choice");
       tc && !(tc->is_string() && (tc->get<std::string>() == "none" || tc->get<std::string>() == "auto")))
     bad("tool_choice", "tool calling is not supported by this server");
-  if (get_int(body, "min_tokens", 0, 0, INT32_MAX) != 0) bad("min_tokens", "is not supported (must be 0)");
   if (!chat) {
     r.echo = get_bool(body, "echo", false);
     if (get_int(body, "best_of", 1, 1, 128) != 1) bad("best_of", "only best_of = 1 is supported");
@@ -230,6 +229,7 @@ ApiRequest parse_request(const std::string& body_text, bool chat, const ServedMo
       s.logit_bias.push_back({int32_t(id), float(value.get<double>())});
     }
   }
+  s.min_tokens = get_int(body, "min_tokens", 0, 0, INT32_MAX);  // vLLM's: no EOS before this many
   if (const ojson* seed = field(body, "seed")) {
     if (!seed->is_number_integer()) bad("seed", "must be an integer, got " + type_of(*seed));
     s.seed = seed->is_number_unsigned() ? seed->get<uint64_t>() : uint64_t(seed->get<int64_t>());

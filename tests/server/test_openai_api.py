@@ -165,6 +165,10 @@ def test_logit_bias(demo):
     assert first not in ids and len(ids) == 8
     r = client.completions.create(model=MODEL, prompt=c["prompt_ids"], max_tokens=4, logit_bias={"290": 100}, **GREEDY)
     assert r.choices[0].model_extra["token_ids"] == [290] * 4
+    # min_tokens (vLLM's) holds back the EOS the bias makes the greedy pick: 3 other tokens first.
+    r = client.completions.create(model=MODEL, prompt=c["prompt_ids"], max_tokens=8, temperature=0,
+                                  logit_bias={"8172": 100}, extra_body={"return_token_ids": True, "min_tokens": 3})
+    assert r.choices[0].model_extra["token_ids"][3:] == [8172] and r.choices[0].finish_reason == "stop"
     for bias, needle in [({"x": 1}, "not a token id"), ({"5": 101}, "[-100, 100]"), ({"99999": 1}, "out of range"),
                          ([1], "must be an object")]:
         status, err = error_of(demo.http("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": bias}))
@@ -316,7 +320,7 @@ def error_of(status_body):
     ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format", "no constrained decoding"),
     ({"prompt": "x", "guided_regex": "a+"}, "guided_regex", "constrained decoding"),
     ({"prompt": "x", "tool_choice": "required"}, "tool_choice", "tool calling"),
-    ({"prompt": "x", "min_tokens": 4}, "min_tokens", "not supported"),
+    ({"prompt": "x", "min_tokens": 4, "max_tokens": 2}, "min_tokens", "more than max_tokens"),
 ])
 def test_completions_rejects_bad_fields(demo, body, param, needle):
     status, err = error_of(demo.http("POST", "/v1/completions", {"model": MODEL, **body}))
