@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <thread>
@@ -456,6 +457,52 @@ TEST(Scheduler, MinTokensHoldsBackEos) {
   } catch (const Error& e) {
     EXPECT_EQ(std::string(e.what()).rfind("min_tokens: 13 is more than max_tokens (12)", 0), 0u) << e.what();
   }
+}
+
+// reuse_prefixes: requests whose prompts start as finished ones' did reuse the kept entries of the
+// shared whole chunks (8 tokens here), and get the tokens and logprobs they get in a scheduler that
+// reuses nothing, bit for bit (the CPU); the kept bytes are counted apart from those in use.
+TEST(Scheduler, ReusedPrefixesKeepTheBits) {
+  Loaded m(kDemo);
+  const Json e = read_json_file(kFixtures + "/demo/expected.json");
+  const auto ids = e["logits"]["token_ids"].get<std::vector<int32_t>>();
+  auto request = [](std::vector<int32_t> prompt) {
+    SchedRequest r = greedy(std::move(prompt), 6);
+    r.logprobs = true;
+    r.top_logprobs = 2;
+    return r;
+  };
+  const std::vector<int32_t> a(ids.begin(), ids.begin() + 40);
+  std::vector<int32_t> b(ids.begin(), ids.begin() + 30);
+  b.insert(b.end(), ids.begin() + 60, ids.begin() + 70);  // 30 shared, then other tokens
+  const std::vector<int32_t> d(ids.begin() + 50, ids.begin() + 90);
+  // a, then b (24 of its tokens reused: whole chunks of the 30 shared), a (24: the row now holds
+  // b's), a again (32: all but its last token, in whole chunks), an unrelated prompt (0).
+  const std::vector<std::pair<std::vector<int32_t>, uint64_t>> runs = {{a, 0}, {b, 24}, {a, 24}, {a, 32}, {d, 0}};
+  SchedulerOptions reuse = manual(2, 256, 8);
+  reuse.reuse_prefixes = true;
+  Scheduler s(*m.model, *m.backend, reuse);
+  uint64_t before = 0;
+  for (const auto& [prompt, reused] : runs) {
+    auto h = s.submit(request(prompt));
+    while (s.step()) {}
+    const Outcome got = drain(*h);
+    EXPECT_EQ(s.stats().prefix_tokens_reused - before, reused);
+    before = s.stats().prefix_tokens_reused;
+    Scheduler fresh(*m.model, *m.backend, manual(2, 256, 8));
+    auto hf = fresh.submit(request(prompt));
+    while (fresh.step()) {}
+    const Outcome want = drain(*hf);
+    EXPECT_EQ(got.ids, want.ids);
+    ASSERT_EQ(got.logprobs.size(), want.logprobs.size());
+    EXPECT_EQ(std::memcmp(got.logprobs.data(), want.logprobs.data(), got.logprobs.size() * sizeof(float)), 0)
+        << "reused " << reused;
+    EXPECT_EQ(s.stats().cache_bytes_in_use, 0u);
+    // The matching row is taken each time; the unrelated prompt takes the empty one.
+    EXPECT_EQ(s.stats().cache_bytes_kept, 40 * MlaCache::bytes_per_token(m.model->cache_shape()) * (prompt == d ? 2 : 1))
+        << "reused " << reused;
+  }
+  EXPECT_EQ(before, 80u);
 }
 
 TEST(Scheduler, CancellationFreesTheRowForTheNextRequest) {

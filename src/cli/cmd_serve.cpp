@@ -51,6 +51,7 @@ Action add_serve(CLI::App& app) {
     int64_t context = 0, prefill_chunk = 256;
     int decode_steps = 1;
     bool mtp = false;
+    std::string prefix_reuse = "on";
     StreamingFlags sf;
   };
   auto o = std::make_shared<Opts>();
@@ -87,6 +88,11 @@ Action add_serve(CLI::App& app) {
   app.add_flag("--mtp", o->mtp,
                "Speculative decoding: every decoding request verifies the model's MTP layer's draft each step "
                "(greedy: the same tokens; sampling: the same distribution), up to two tokens a step");
+  app.add_option("--prefix-reuse", o->prefix_reuse,
+                 "A request whose prompt starts as a finished one's did reuses that row's entries for the shared "
+                 "whole --prefill-chunk chunks (on the CPU the same bits as running them; off with --mtp)")
+      ->check(CLI::IsMember({"on", "off"}))
+      ->capture_default_str();
   app.add_option("--cache-budget", o->cache_budget,
                  "Admission budget in cache bytes (e.g. 2G) for prompt + max_tokens of running requests "
                  "(default: the whole cache, max-batch x context)");
@@ -153,6 +159,7 @@ Action add_serve(CLI::App& app) {
     so.pipeline = env_switch("VIREO_SERVE_PIPELINE");  // 0: every step waits for its pick (A/B runs)
     so.decode_steps = o->decode_steps;
     so.mtp_drafts = o->mtp;
+    so.reuse_prefixes = o->prefix_reuse == "on";
     if (!o->cache_budget.empty()) so.cache_budget_bytes = parse_byte_size(o->cache_budget, "--cache-budget");
     Scheduler scheduler(*lm.model, *backend, so);
     http.ready(sm, scheduler);

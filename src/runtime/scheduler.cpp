@@ -48,6 +48,9 @@ Scheduler::Scheduler(GlmDsaModel& model, Backend& backend, const SchedulerOption
   lp_scratch_.resize(size_t(vocab_));
   idx_scratch_.resize(size_t(vocab_));
   row_free_.assign(size_t(opt_.max_batch), true);
+  row_prefix_.assign(size_t(opt_.max_batch), {});
+  row_freed_at_.assign(size_t(opt_.max_batch), 0);
+  if (opt_.mtp_drafts) opt_.reuse_prefixes = false;
   stats_.cache_bytes_allocated = cache_.bytes_allocated();
   if (opt_.start_thread) thread_ = std::thread([this] { engine_loop(); });
 }
@@ -131,8 +134,14 @@ void Scheduler::engine_loop() {
 
 void Scheduler::finish(Running& r, SchedEvent ev) {
   ev.time = std::chrono::steady_clock::now();
+  const bool failed = ev.kind == SchedEvent::Kind::Error;
   r.handle->push(std::move(ev));
-  cache_.reset(r.row);
+  // Reuse: keep the entries of the prompt's whole chunks (a failed step may have left the row's
+  // entries half written: drop them).
+  const int64_t keep = opt_.reuse_prefixes && !failed ? r.prefilled / opt_.prefill_chunk * opt_.prefill_chunk : 0;
+  cache_.trim(r.row, keep);
+  row_prefix_[size_t(r.row)].assign(r.req.prompt.begin(), r.req.prompt.begin() + keep);
+  row_freed_at_[size_t(r.row)] = ++frees_;
   row_free_[size_t(r.row)] = true;
   reserved_ -= r.reserved;
   r.handle = nullptr;  // marks the slot for removal
@@ -195,6 +204,37 @@ void Scheduler::emit_chosen(Running& r, int32_t id_chosen, const float* logits) 
     f.reason = FinishReason::Length;
     finish(r, std::move(f));
   }
+}
+
+std::pair<int, int64_t> Scheduler::pick_row(const SchedRequest& req) const {
+  int best = -1;
+  int64_t best_len = -1;
+  const int64_t P = int64_t(req.prompt.size());
+  for (size_t i = 0; i < row_free_.size(); ++i) {
+    if (!row_free_[i]) continue;
+    const std::vector<int32_t>& kept = row_prefix_[i];
+    int64_t len = 0;
+    if (opt_.reuse_prefixes && !req.prompt_logprobs) {
+      const int64_t n = std::min<int64_t>(int64_t(kept.size()), P - 1);  // the last token runs: its logits
+      while (len < n && kept[size_t(len)] == req.prompt[size_t(len)]) ++len;
+      len = len / opt_.prefill_chunk * opt_.prefill_chunk;
+    }
+    // The longest match; else the row holding least (an empty one), the least recently freed.
+    const bool better = best < 0 || len > best_len ||
+                        (len == best_len && len == 0 &&
+                         std::make_pair(kept.size(), row_freed_at_[i]) <
+                             std::make_pair(row_prefix_[size_t(best)].size(), row_freed_at_[size_t(best)]));
+    if (better) best = int(i), best_len = len;
+  }
+  return {best, std::max<int64_t>(best_len, 0)};
+}
+
+void Scheduler::count_cache_bytes() {
+  size_t kept = 0;
+  for (size_t i = 0; i < row_free_.size(); ++i)
+    if (row_free_[i]) kept += size_t(cache_.length(int(i))) * bytes_per_token_;
+  stats_.cache_bytes_kept = kept;
+  stats_.cache_bytes_in_use = cache_.bytes_in_use() - kept;
 }
 
 bool Scheduler::ends_request(const Running& r, int32_t id) const {
@@ -310,8 +350,8 @@ bool Scheduler::step() {
     while (!waiting_.empty()) {
       const Waiting& w = waiting_.front();
       const size_t need = (w.req.prompt.size() + size_t(w.req.max_tokens)) * bytes_per_token_;
-      auto free_row = std::find(row_free_.begin(), row_free_.end(), true);
-      if (free_row == row_free_.end() || reserved_ + need > opt_.cache_budget_bytes) break;
+      const auto [row, reused] = pick_row(w.req);
+      if (row < 0 || reserved_ + need > opt_.cache_budget_bytes) break;
       Running r;
       r.handle = w.handle;
       r.req = std::move(waiting_.front().req);
@@ -319,18 +359,20 @@ bool Scheduler::step() {
         r.req.sampling.eos_ids.assign(model_.config().eos_ids.begin(), model_.config().eos_ids.end());
       r.sampler = std::make_unique<Sampler>(r.req.sampling);
       r.sampler->set_prompt(r.req.prompt);
-      r.row = int(free_row - row_free_.begin());
+      r.row = row;
       r.reserved = need;
-      *free_row = false;
+      row_free_[size_t(row)] = false;
       reserved_ += need;
-      cache_.reset(r.row);
+      cache_.trim(r.row, reused);  // the prompt's first `reused` tokens are in the row already
+      r.prefilled = reused;
+      stats_.prefix_tokens_reused += uint64_t(reused);
       running_.push_back(std::move(r));
       waiting_.pop_front();
     }
     stats_.waiting = waiting_.size();
     stats_.running = running_.size();
     stats_.cache_bytes_reserved = reserved_;
-    stats_.cache_bytes_in_use = cache_.bytes_in_use();
+    count_cache_bytes();
     waiting = !waiting_.empty();
   }
   if (running_.empty()) return false;
@@ -537,7 +579,7 @@ bool Scheduler::end_step() {
   stats_.drafts_kept = drafts_kept_;
   stats_.running = running_.size();
   stats_.cache_bytes_reserved = reserved_;
-  stats_.cache_bytes_in_use = cache_.bytes_in_use();
+  count_cache_bytes();
   return true;
 }
 

@@ -112,15 +112,24 @@ struct SchedulerOptions {
   // keeps its hidden rows, so none is pipelined. A request's tokens are those `generate` with
   // mtp_drafts gives it alone (the sampler's draws in the same order).
   bool mtp_drafts = false;
+  // Prefix reuse: a finished request's row keeps the entries of its prompt's whole chunks, and a
+  // request is admitted to the free row sharing the longest prompt prefix with it, rounded down to
+  // whole chunks (and short of its last token), which it then does not run again. A prompt is read
+  // in chunks from its start either way, so on the CPU the reused entries have the bits the
+  // request would compute (its outputs are the same, bit for bit). Not with mtp_drafts (the MTP
+  // entries read the token after each position) nor for prompt_logprobs.
+  bool reuse_prefixes = false;
 };
 
 struct SchedulerStats {
   size_t waiting = 0, running = 0;
-  size_t cache_bytes_in_use = 0;    // live cache entries (MlaCache::bytes_in_use)
+  size_t cache_bytes_in_use = 0;    // live cache entries of running requests (MlaCache::bytes_in_use)
+  size_t cache_bytes_kept = 0;      // reuse_prefixes: entries free rows keep for later requests
   size_t cache_bytes_reserved = 0;  // admission reservations of running requests
   size_t cache_bytes_allocated = 0;
   uint64_t steps = 0;
   uint64_t drafted = 0, drafts_kept = 0;  // mtp_drafts: drafts verified, and kept
+  uint64_t prefix_tokens_reused = 0;      // reuse_prefixes: prompt tokens admitted already cached
 };
 
 class Scheduler {
@@ -238,6 +247,14 @@ class Scheduler {
   // Engine-thread state.
   std::vector<Running> running_;
   std::vector<bool> row_free_;
+  // reuse_prefixes: the prompt tokens whose entries a free row kept, and when it was freed (the
+  // least recently freed row without a match is the one given up).
+  std::vector<std::vector<int32_t>> row_prefix_;
+  std::vector<uint64_t> row_freed_at_;
+  uint64_t frees_ = 0;
+  // The free row for `prompt` and how many of its tokens that row already holds.
+  std::pair<int, int64_t> pick_row(const SchedRequest& req) const;
+  void count_cache_bytes();  // stats_'s in-use and kept bytes (under mu_)
   size_t reserved_ = 0;
   uint64_t drafted_ = 0, drafts_kept_ = 0;  // mtp_drafts, copied into stats_ by end_step
   int queued_ = 0;  // steps queued by pipelined_step for running_[0] (every step of its chunks), picks not yet read

@@ -70,7 +70,9 @@ std::string Metrics::render(const SchedulerStats* s) const {
   };
   gauge("vireo_queue_depth", "Requests waiting for admission.", double(st.waiting));
   gauge("vireo_running_batch_size", "Sequences in the running batch.", double(st.running));
-  gauge("vireo_cache_bytes_in_use", "MLA cache bytes holding live entries.", double(st.cache_bytes_in_use));
+  gauge("vireo_cache_bytes_in_use", "MLA cache bytes holding running requests' entries.", double(st.cache_bytes_in_use));
+  gauge("vireo_cache_bytes_kept", "MLA cache bytes free rows keep for requests sharing their prompts' prefixes.",
+        double(st.cache_bytes_kept));
   gauge("vireo_cache_bytes_reserved", "MLA cache bytes reserved by admitted requests (prompt + max_tokens).",
         double(st.cache_bytes_reserved));
   gauge("vireo_cache_bytes_allocated", "MLA cache bytes allocated.", double(st.cache_bytes_allocated));
@@ -81,6 +83,10 @@ std::string Metrics::render(const SchedulerStats* s) const {
       "# TYPE vireo_mtp_drafts_total counter\n";
   out += "vireo_mtp_drafts_total{outcome=\"kept\"} " + std::to_string(st.drafts_kept) + "\n";
   out += "vireo_mtp_drafts_total{outcome=\"rejected\"} " + std::to_string(st.drafted - st.drafts_kept) + "\n";
+  out +=
+      "# HELP vireo_prefix_tokens_reused_total Prompt tokens whose cache entries a request found kept by an earlier "
+      "one (serve --prefix-reuse).\n# TYPE vireo_prefix_tokens_reused_total counter\n";
+  out += "vireo_prefix_tokens_reused_total " + std::to_string(st.prefix_tokens_reused) + "\n";
   ttft_.render(out, "vireo_time_to_first_token_seconds", "Time from request arrival to its first generated token.");
   itl_.render(out, "vireo_inter_token_latency_seconds", "Time between consecutive generated tokens of a request.");
   return out;

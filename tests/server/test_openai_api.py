@@ -385,6 +385,26 @@ def test_token_id_model_without_tokenizer(fixture_server):
     assert status == 400 and err["param"] == "max_tokens"
 
 
+def test_prefix_reuse_gives_the_same_logprobs(fixture_server):
+    """serve reuses a finished request's whole prompt chunks (--prefill-chunk 8 here) for a request
+    whose prompt starts the same: the metrics count the reused tokens, and the tokens and logprobs
+    are the first request's, to the bit (the CPU)."""
+    from conftest import FIXTURES
+    e = json.loads((FIXTURES / "glm_dsa_shared_f32" / "expected.json").read_text())
+    s = fixture_server
+    client = s.client()
+    model = client.models.list().data[0].id
+    prompt = e["tokens"][:30]
+    kw = dict(model=model, prompt=prompt, max_tokens=6, logprobs=2, **GREEDY)
+    first = client.completions.create(**kw)
+    before = s.metrics()["vireo_prefix_tokens_reused_total"]
+    again = client.completions.create(**kw)
+    assert s.metrics()["vireo_prefix_tokens_reused_total"] - before == 24  # whole chunks of the 29 before the last
+    assert again.choices[0].model_extra["token_ids"] == first.choices[0].model_extra["token_ids"]
+    assert again.choices[0].logprobs.token_logprobs == first.choices[0].logprobs.token_logprobs
+    assert again.choices[0].logprobs.top_logprobs == first.choices[0].logprobs.top_logprobs
+
+
 def test_client_disconnect_cancels_non_streaming_request(demo):
     import socket
     import time
