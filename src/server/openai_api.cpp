@@ -82,18 +82,25 @@ std::vector<int32_t> encode(const ServedModel& m, const std::string& text, bool 
   return std::vector<int32_t>(u.begin(), u.end());
 }
 
-std::vector<int32_t> completion_prompt(const ojson& body, const ServedModel& m) {
+// /v1/completions' prompt: a string, a list of token ids, or a list of either (one choice each),
+// with the text each came as (empty for ids).
+std::vector<std::pair<std::vector<int32_t>, std::string>> completion_prompts(const ojson& body, const ServedModel& m) {
   const ojson* p = field(body, "prompt");
   if (!p) bad("prompt", "is required");
-  if (p->is_string()) return encode(m, p->get<std::string>(), true, "prompt");
+  if (p->is_string()) return {{encode(m, p->get<std::string>(), true, "prompt"), p->get<std::string>()}};
   if (!p->is_array()) bad("prompt", "must be a string or a list of token ids, got " + type_of(*p));
   if (p->empty()) bad("prompt", "is empty");
-  if ((*p)[0].is_number()) return token_ids(*p, "prompt", m);
-  if (p->size() != 1) bad("prompt", "only one prompt per request is supported");
-  const ojson& one = (*p)[0];
-  if (one.is_string()) return encode(m, one.get<std::string>(), true, "prompt");
-  if (one.is_array()) return token_ids(one, "prompt", m);
-  bad("prompt", "must be a string or a list of token ids, got a list of " + std::string(one.type_name()));
+  if ((*p)[0].is_number()) return {{token_ids(*p, "prompt", m), ""}};
+  if (p->size() > 64) bad("prompt", str("at most 64 prompts a request, got ", p->size()));
+  std::vector<std::pair<std::vector<int32_t>, std::string>> out;
+  for (size_t i = 0; i < p->size(); ++i) {
+    const ojson& one = (*p)[i];
+    const std::string at = str("prompt[", i, "]");
+    if (one.is_string()) out.push_back({encode(m, one.get<std::string>(), true, at), one.get<std::string>()});
+    else if (one.is_array() && !one.empty()) out.push_back({token_ids(one, at, m), ""});
+    else bad(at, "must be a string or a non-empty list of token ids, got " + type_of(one));
+  }
+  return out;
 }
 
 std::vector<int32_t> chat_prompt(const ojson& body, const ServedModel& m) {
@@ -265,20 +272,33 @@ ApiRequest parse_request(const std::string& body_text, bool chat, const ServedMo
     if (!r.stop.empty() && !m.tokenizer) bad("stop", "stop strings need a tokenizer, and this model has none");
   }
 
-  r.sched.prompt = chat ? chat_prompt(body, m) : completion_prompt(body, m);
+  if (chat) {
+    r.prompts.push_back(chat_prompt(body, m));
+  } else {
+    for (auto& [ids, text] : completion_prompts(body, m)) {
+      r.prompts.push_back(std::move(ids));
+      r.prompt_texts.push_back(std::move(text));
+    }
+  }
+  if (int64_t(r.prompts.size()) * r.n > 128)
+    bad("n", str(r.prompts.size(), " prompts x n = ", r.n, " is more than 128 choices"));
   const char* prompt_field = chat ? "messages" : "prompt";
-  const int64_t P = int64_t(r.sched.prompt.size());
-  if (P == 0) bad(prompt_field, "encodes to no tokens");
-  if (P >= m.context)
-    bad(prompt_field, str("the prompt has ", P, " tokens, but this server's context is ", m.context,
-                          " tokens (prompt + max_tokens must fit)"));
+  int64_t P = 0;  // the longest prompt
+  for (size_t i = 0; i < r.prompts.size(); ++i) {
+    const std::string at = r.prompts.size() > 1 ? str(prompt_field, "[", i, "]") : std::string(prompt_field);
+    const int64_t n = int64_t(r.prompts[i].size());
+    if (n == 0) bad(at, "encodes to no tokens");
+    if (n >= m.context)
+      bad(at, str("the prompt has ", n, " tokens, but this server's context is ", m.context,
+                  " tokens (prompt + max_tokens must fit)"));
+    P = std::max(P, n);
+  }
+  r.sched.prompt = r.prompts[0];
   if (r.echo) {
     r.sched.prompt_logprobs = r.sched.logprobs;
-    const ojson* p = field(body, "prompt");
-    if (p->is_string()) r.echo_text = p->get<std::string>();
-    else if (p->is_array() && p->size() == 1 && (*p)[0].is_string()) r.echo_text = (*p)[0].get<std::string>();
-    else if (m.tokenizer)
-      r.echo_text = m.tokenizer->decode(std::vector<uint32_t>(r.sched.prompt.begin(), r.sched.prompt.end()), false);
+    for (size_t i = 0; i < r.prompts.size(); ++i)  // a prompt sent as ids is echoed decoded
+      if (r.prompt_texts[i].empty() && m.tokenizer)
+        r.prompt_texts[i] = m.tokenizer->decode(std::vector<uint32_t>(r.prompts[i].begin(), r.prompts[i].end()), false);
   }
   const char* max_field = chat && field(body, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
   // echo with logprobs scores the prompt: max_tokens 0 asks for nothing more (lm-eval's loglikelihood).

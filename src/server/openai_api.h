@@ -47,11 +47,14 @@ struct ApiRequest {
   bool stream = false;
   bool include_usage = false;        // stream_options.include_usage
   bool return_token_ids = false;     // extension: choices[].token_ids (and in stream chunks)
-  int n = 1;                         // choices: n scheduler requests, choice i sampled with seed + i
-  // /v1/completions `echo`: the text starts with the prompt's (this, as sent, or decoded from its
-  // ids), and with logprobs the prompt's tokens lead them (the first with none: sched.prompt_logprobs).
+  int n = 1;                         // choices a prompt: n scheduler requests, choice i sampled with seed + i
+  // Every prompt (/v1/completions takes a list: choice p * n + i is prompt p's i-th); sched.prompt
+  // is the first. prompt_texts: each as sent ("" for ids; with echo, decoded).
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<std::string> prompt_texts;
+  // /v1/completions `echo`: the text starts with the prompt's, and with logprobs the prompt's
+  // tokens lead them (the first with none: sched.prompt_logprobs).
   bool echo = false;
-  std::string echo_text;
 };
 
 // Throws ApiError (status 400 naming the field, 404 for an unknown model).

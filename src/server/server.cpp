@@ -225,12 +225,17 @@ struct HttpServer::Impl {
     auto choices = std::make_shared<Choices>();
     try {
       ApiRequest r = parse_request(http.body, chat, model);
-      for (int i = 0; i < r.n; ++i) {
-        ApiRequest one = r;
-        one.sched.sampling.seed = r.sched.sampling.seed + uint64_t(i);
-        choices->push_back(std::make_shared<Session>(std::move(one), model.tokenizer.get()));
-        choices->back()->index = i;
-      }
+      for (size_t p = 0; p < r.prompts.size(); ++p)
+        for (int i = 0; i < r.n; ++i) {
+          ApiRequest one = r;
+          one.sched.prompt = r.prompts[p];
+          one.prompts.clear();
+          one.prompt_texts.clear();
+          if (r.echo) one.prompt_texts = {r.prompt_texts[p]};
+          one.sched.sampling.seed = r.sched.sampling.seed + uint64_t(i);
+          choices->push_back(std::make_shared<Session>(std::move(one), model.tokenizer.get()));
+          choices->back()->index = int(p) * r.n + i;
+        }
       for (auto& s : *choices) s->handle = scheduler->submit(s->req.sched);
     } catch (const ApiError& e) {
       cancel_all(*choices);
@@ -251,7 +256,7 @@ struct HttpServer::Impl {
     }
     const ApiRequest& req = choices->front()->req;
     metrics.request(200);
-    metrics.prompt_tokens(int64_t(req.sched.prompt.size()));
+    for (size_t i = 0; i < choices->size(); i += size_t(req.n)) metrics.prompt_tokens(int64_t((*choices)[i]->req.sched.prompt.size()));
     if (req.stream) {
       res.set_header("Cache-Control", "no-cache");
       res.set_header("X-Accel-Buffering", "no");
@@ -328,11 +333,13 @@ struct HttpServer::Impl {
     return r;
   }
 
-  // The prompt once, every choice's completion tokens.
+  // Each prompt once (the n choices of a prompt share it), every choice's completion tokens.
   static ojson usage(const Choices& choices) {
-    const int64_t p = int64_t(choices.front()->req.sched.prompt.size());
-    int64_t c = 0;
-    for (const auto& s : choices) c += int64_t(s->ids.size());
+    int64_t p = 0, c = 0;
+    for (size_t i = 0; i < choices.size(); ++i) {
+      if (i % size_t(choices.front()->req.n) == 0) p += int64_t(choices[i]->req.sched.prompt.size());
+      c += int64_t(choices[i]->ids.size());
+    }
     return {{"prompt_tokens", p}, {"completion_tokens", c}, {"total_tokens", p + c}};
   }
 
@@ -355,9 +362,9 @@ struct HttpServer::Impl {
       for (auto& s : choices) {
         if (s->req.sched.prompt_logprobs) s->add_prompt_logprob(s->req.sched.prompt[0], nullptr);
         if (stream) {
-          if (!send_chunk(*s, sink, s->req.echo_text, nullptr)) return false;
+          if (!send_chunk(*s, sink, s->req.prompt_texts[0], nullptr)) return false;
         } else {
-          s->content = s->req.echo_text;
+          s->content = s->req.prompt_texts[0];
         }
       }
     // One choice waits on its events kPoll at a time; several poll each other in turn, waiting
@@ -430,7 +437,7 @@ struct HttpServer::Impl {
       s.add_prompt_logprob(ev.token, &ev);
       return Step::Go;
     }
-    if (s.req.echo && s.ids.empty()) s.text_offset = s.req.echo_text.size();  // the completion's offsets
+    if (s.req.echo && s.ids.empty()) s.text_offset = s.req.prompt_texts[0].size();  // the completion's offsets
     if (ev.kind == SchedEvent::Kind::Token) {
       const double since =
           std::chrono::duration<double>(ev.time - (s.ids.empty() ? s.handle->submitted() : s.last_token)).count();

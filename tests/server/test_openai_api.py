@@ -210,6 +210,17 @@ def test_n_choices(demo):
         for c in ch.choices:
             streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
     assert streamed == {0: chat.choices[0].message.content, 1: chat.choices[1].message.content}
+    # Several prompts, n each: choice p * n + i; usage counts each prompt once.
+    c0, c1 = demo_cases()[0], demo_cases()[1]
+    r = client.completions.create(model=MODEL, prompt=[c0["prompt_ids"], c1["prompt_ids"]], n=2, max_tokens=48,
+                                  **GREEDY)
+    got = [ch.model_extra["token_ids"] for ch in r.choices]
+    assert got == [c0["continuation_ids"]] * 2 + [c1["continuation_ids"]] * 2
+    assert r.usage.prompt_tokens == len(c0["prompt_ids"]) + len(c1["prompt_ids"]) and r.usage.completion_tokens == 192
+    status, err = error_of(demo.http("POST", "/v1/completions", {"model": MODEL, "prompt": ["a", 5]}))
+    assert status == 400 and err["param"] == "prompt[1]", err
+    status, err = error_of(demo.http("POST", "/v1/completions", {"model": MODEL, "prompt": ["a"] * 20, "n": 8}))
+    assert status == 400 and err["param"] == "n" and "128 choices" in err["message"], err
     still_serving(demo)
 
 
@@ -267,6 +278,14 @@ def test_echo_scores_the_prompt(demo):
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == echoed.choices[0].text
     status, err = error_of(demo.http("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}))
     assert status == 400 and err["param"] == "max_tokens", err
+    # A list of prompts (lm-eval batches its loglikelihood requests so): one choice each, in order.
+    batch = client.completions.create(model=MODEL, prompt=[ids[:10], ids[:25], c["prompt"]], max_tokens=0, echo=True,
+                                      logprobs=0, temperature=0)
+    assert [ch.index for ch in batch.choices] == [0, 1, 2]
+    assert batch.choices[1].logprobs.token_logprobs[:10] == batch.choices[0].logprobs.token_logprobs
+    assert batch.choices[1].logprobs.token_logprobs == lp.token_logprobs[:25]
+    assert batch.choices[2].text == c["prompt"]
+    assert batch.usage.prompt_tokens == 10 + 25 + len(c["prompt_ids"]) and batch.usage.completion_tokens == 0
 
 
 def test_logprobs(demo):
