@@ -2,6 +2,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <vector>
+#include <numeric>
+#include <algorithm>
 #include <random>
 
 #include "backend/backend.h"
@@ -239,6 +242,58 @@ TEST(Ops, IndexerWeightScaleEqualsScaledWeights) {
     EXPECT_EQ(select(w, s), select(scaled, 1.0f)) << "weight scale " << s;
   }
   EXPECT_NE(select(w, -0.5f), select(w, 1.0f)) << "a negative weight scale must reverse the ranking";
+}
+
+// The selection against a plain statement of it: each key's score its heads' w * relu(dot * scale)
+// summed in head order, each dot a sequential sum, then the top-k by score, ties by lower
+// position. The backend interleaves eight keys' sums, splits a decoding row's keys over threads
+// and selects by nth_element: none of that may change a selected position (duplicated keys make
+// exact ties; the scores must keep their bits for the near ones).
+TEST(Ops, IndexerSelectIsThePlainSelection) {
+  auto be = make_cpu_backend();
+  const int64_t N = 2003, nI = 4, d = 32, topk = 64;
+  auto keys = random_vec(size_t(N * d), 31), q = random_vec(size_t(8 * nI * d), 32), w = random_vec(size_t(8 * nI), 33);
+  for (int64_t u = 100; u < N; u += 97)  // copies of earlier keys: equal scores
+    std::copy(keys.begin() + (u - 90) * d, keys.begin() + (u - 89) * d, keys.begin() + u * d);
+  for (int64_t T : {1, 5, 8}) {
+    const int64_t pos0 = N - T;
+    std::vector<int32_t> sel(size_t(T * topk), -1), cnt(size_t(T), -1);
+    IndexerArgs a;
+    a.q = q.data();
+    a.weights = w.data();
+    a.keys = keys.data();
+    a.T = T;
+    a.n_heads = nI;
+    a.head_dim = d;
+    a.n_keys = N;
+    a.pos0 = pos0;
+    a.topk = topk;
+    a.scale = 1.0f / std::sqrt(float(d));
+    a.weight_scale = 0.5f;
+    a.selected = sel.data();
+    a.counts = cnt.data();
+    be->indexer_select(a);
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t n = pos0 + t + 1;
+      std::vector<float> score(static_cast<size_t>(n));
+      for (int64_t u = 0; u < n; ++u) {
+        float sc = 0;
+        for (int64_t j = 0; j < nI; ++j) {
+          float dt = 0;
+          for (int64_t i = 0; i < d; ++i) dt += q[size_t((t * nI + j) * d + i)] * keys[size_t(u * d + i)];
+          sc += (w[size_t(t * nI + j)] * 0.5f) * std::max(dt * a.scale, 0.0f);
+        }
+        score[size_t(u)] = sc;
+      }
+      std::vector<int32_t> order(static_cast<size_t>(n));
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(), [&](int32_t x, int32_t y) { return score[size_t(x)] > score[size_t(y)]; });
+      std::vector<int32_t> want(order.begin(), order.begin() + topk);
+      std::sort(want.begin(), want.end());
+      EXPECT_EQ(std::vector<int32_t>(sel.begin() + t * topk, sel.begin() + (t + 1) * topk), want) << "T " << T << " row " << t;
+      EXPECT_EQ(cnt[size_t(t)], topk);
+    }
+  }
 }
 
 TEST(Ops, IndexerSelectsAllCausalKeysBelowTopk) {

@@ -251,44 +251,81 @@ class CpuBackend final : public Backend {
     for (int64_t r = 0; r < rows; ++r) out[r] = sample_row(x + r * n, n, args[r], sample_ws_);
   }
 
+  // Each key's score is its heads' w_j * relu(dot(q_j, k) * scale) summed in head order, each dot
+  // in dot()'s order (the exact CUDA kernel reproduces these bits), eight keys' chains at a time.
+  // Decode (fewer rows than threads) splits a row's keys over the threads; prefill splits rows.
   void indexer_select(const IndexerArgs& args) override {
     IndexerArgs a = args;
     if (a.pos0_dev) {
       a.pos0 = *a.pos0_dev;
       a.n_keys = a.pos0 + a.T;
     }
+    auto score_keys = [&a](int64_t t, int64_t u0, int64_t u1, float* score) {
+      const float* qt = a.q + t * a.n_heads * a.head_dim;
+      const float* wt = a.weights + t * a.n_heads;
+      const int64_t hd = a.head_dim;
+      int64_t u = u0;
+      for (; u + 8 <= u1; u += 8) {
+        const float* rows[8];
+        for (int k = 0; k < 8; ++k) rows[k] = a.keys + (u + k) * hd;
+        float s[8] = {0, 0, 0, 0, 0, 0, 0, 0}, d[8];
+        for (int64_t j = 0; j < a.n_heads; ++j) {
+          dots8(qt + j * hd, rows, hd, d);
+          const float w = wt[j] * a.weight_scale;
+          for (int k = 0; k < 8; ++k) s[k] += w * std::max(d[k] * a.scale, 0.0f);
+        }
+        std::copy(s, s + 8, score + u);
+      }
+      for (; u < u1; ++u) {
+        const float* k = a.keys + u * hd;
+        float s = 0;
+        for (int64_t j = 0; j < a.n_heads; ++j) {
+          float d = dot(qt + j * hd, k, hd) * a.scale;
+          const float w = wt[j] * a.weight_scale;
+          s += w * std::max(d, 0.0f);
+        }
+        score[u] = s;
+      }
+    };
+    // The top-k of the row's causal scores: higher first, equal scores by lower position (one strict
+    // order, so the set nth_element leaves first is the one set), written in ascending position.
+    auto select = [&a](int64_t t, const float* score, std::vector<int32_t>& order) {
+      const int64_t n_causal = a.pos0 + t + 1;
+      order.resize(size_t(n_causal));
+      std::iota(order.begin(), order.end(), 0);
+      std::nth_element(order.begin(), order.begin() + (a.topk - 1), order.end(), [&](int32_t x, int32_t y) {
+        return score[x] != score[y] ? score[x] > score[y] : x < y;
+      });
+      int32_t* sel = a.selected + t * a.topk;
+      std::copy(order.begin(), order.begin() + a.topk, sel);
+      std::sort(sel, sel + a.topk);
+      a.counts[t] = int32_t(a.topk);
+    };
+    auto dense = [&a](int64_t t) {  // every causal key: sparse equals dense
+      const int64_t n_causal = a.pos0 + t + 1;
+      if (n_causal > a.topk) return false;
+      for (int64_t u = 0; u < n_causal; ++u) a.selected[t * a.topk + u] = int32_t(u);
+      a.counts[t] = int32_t(n_causal);
+      return true;
+    };
+    if (a.T < pool().size()) {
+      std::vector<float> score(static_cast<size_t>(a.n_keys));
+      std::vector<int32_t> order;
+      for (int64_t t = 0; t < a.T; ++t) {
+        if (dense(t)) continue;
+        pool().parallel_for(
+            a.pos0 + t + 1, [&](int64_t b, int64_t e, int) { score_keys(t, b, e, score.data()); }, 64);
+        select(t, score.data(), order);
+      }
+      return;
+    }
     pool().parallel_for(a.T, [&](int64_t b, int64_t e, int) {
       std::vector<float> score(static_cast<size_t>(a.n_keys));
-      std::vector<int32_t> order(static_cast<size_t>(a.n_keys));
+      std::vector<int32_t> order;
       for (int64_t t = b; t < e; ++t) {
-        const int64_t n_causal = a.pos0 + t + 1;
-        int32_t* sel = a.selected + t * a.topk;
-        if (n_causal <= a.topk) {  // every causal key: sparse equals dense
-          for (int64_t u = 0; u < n_causal; ++u) sel[u] = int32_t(u);
-          a.counts[t] = int32_t(n_causal);
-          continue;
-        }
-        const float* qt = a.q + t * a.n_heads * a.head_dim;
-        const float* wt = a.weights + t * a.n_heads;
-        for (int64_t u = 0; u < n_causal; ++u) {
-          const float* k = a.keys + u * a.head_dim;
-          float s = 0;
-          for (int64_t j = 0; j < a.n_heads; ++j) {
-            float d = dot(qt + j * a.head_dim, k, a.head_dim) * a.scale;
-            const float w = wt[j] * a.weight_scale;
-            s += w * std::max(d, 0.0f);
-          }
-          score[size_t(u)] = s;
-        }
-        std::iota(order.begin(), order.begin() + n_causal, 0);
-        // Higher score first; equal scores: lower position first.
-        std::partial_sort(order.begin(), order.begin() + a.topk, order.begin() + n_causal,
-                          [&](int32_t x, int32_t y) {
-                            return score[size_t(x)] != score[size_t(y)] ? score[size_t(x)] > score[size_t(y)] : x < y;
-                          });
-        std::copy(order.begin(), order.begin() + a.topk, sel);
-        std::sort(sel, sel + a.topk);
-        a.counts[t] = int32_t(a.topk);
+        if (dense(t)) continue;
+        score_keys(t, 0, a.pos0 + t + 1, score.data());
+        select(t, score.data(), order);
       }
     });
   }
