@@ -208,6 +208,31 @@ TEST(Ops, IndexerTopkTiesPickLowerPosition) {
   EXPECT_EQ(sel, (std::vector<int32_t>{0, 3, 7}));
 }
 
+namespace {
+
+// The indexer over keys [N = pos0 + T, d] for T queries of nI heads (scale d^-1/2), into sel / cnt.
+IndexerArgs indexer_args(const std::vector<float>& q, const std::vector<float>& w, const std::vector<float>& keys,
+                         int64_t T, int64_t nI, int64_t d, int64_t pos0, int64_t topk, float weight_scale,
+                         std::vector<int32_t>& sel, std::vector<int32_t>& cnt) {
+  IndexerArgs a;
+  a.q = q.data();
+  a.weights = w.data();
+  a.keys = keys.data();
+  a.T = T;
+  a.n_heads = nI;
+  a.head_dim = d;
+  a.n_keys = pos0 + T;
+  a.pos0 = pos0;
+  a.topk = topk;
+  a.scale = 1.0f / std::sqrt(float(d));
+  a.weight_scale = weight_scale;
+  a.selected = sel.data();
+  a.counts = cnt.data();
+  return a;
+}
+
+}  // namespace
+
 // weight_scale multiplies each head weight before it weighs that head's scores, the same float
 // product as weights scaled beforehand: the same selection, and a negative scale reverses the
 // ranking (so a backend that ignored it would choose other keys).
@@ -219,20 +244,7 @@ TEST(Ops, IndexerWeightScaleEqualsScaledWeights) {
   for (float& x : w) x = std::fabs(x) + 0.1f;  // every head counts with the same sign
   auto select = [&](const std::vector<float>& weights, float weight_scale) {
     std::vector<int32_t> sel(static_cast<size_t>(T * topk), -1), cnt(static_cast<size_t>(T));
-    IndexerArgs a;
-    a.q = q.data();
-    a.weights = weights.data();
-    a.keys = keys.data();
-    a.T = T;
-    a.n_heads = nI;
-    a.head_dim = d;
-    a.n_keys = N;
-    a.pos0 = N - T;
-    a.topk = topk;
-    a.scale = 1.0f / std::sqrt(float(d));
-    a.weight_scale = weight_scale;
-    a.selected = sel.data();
-    a.counts = cnt.data();
+    IndexerArgs a = indexer_args(q, weights, keys, T, nI, d, N - T, topk, weight_scale, sel, cnt);
     be->indexer_select(a);
     return sel;
   };
@@ -258,20 +270,7 @@ TEST(Ops, IndexerSelectIsThePlainSelection) {
   for (int64_t T : {1, 5, 8}) {
     const int64_t pos0 = N - T;
     std::vector<int32_t> sel(size_t(T * topk), -1), cnt(size_t(T), -1);
-    IndexerArgs a;
-    a.q = q.data();
-    a.weights = w.data();
-    a.keys = keys.data();
-    a.T = T;
-    a.n_heads = nI;
-    a.head_dim = d;
-    a.n_keys = N;
-    a.pos0 = pos0;
-    a.topk = topk;
-    a.scale = 1.0f / std::sqrt(float(d));
-    a.weight_scale = 0.5f;
-    a.selected = sel.data();
-    a.counts = cnt.data();
+    IndexerArgs a = indexer_args(q, w, keys, T, nI, d, pos0, topk, 0.5f, sel, cnt);
     be->indexer_select(a);
     for (int64_t t = 0; t < T; ++t) {
       const int64_t n = pos0 + t + 1;
