@@ -286,10 +286,12 @@ TEST(Ops, IndexerSelectIsThePlainSelection) {
       }
       std::vector<int32_t> order(static_cast<size_t>(n));
       std::iota(order.begin(), order.end(), 0);
-      std::stable_sort(order.begin(), order.end(), [&](int32_t x, int32_t y) { return score[size_t(x)] > score[size_t(y)]; });
+      std::stable_sort(order.begin(), order.end(),
+                       [&](int32_t x, int32_t y) { return score[size_t(x)] > score[size_t(y)]; });
       std::vector<int32_t> want(order.begin(), order.begin() + topk);
       std::sort(want.begin(), want.end());
-      EXPECT_EQ(std::vector<int32_t>(sel.begin() + t * topk, sel.begin() + (t + 1) * topk), want) << "T " << T << " row " << t;
+      EXPECT_EQ(std::vector<int32_t>(sel.begin() + t * topk, sel.begin() + (t + 1) * topk), want)
+          << "T " << T << " row " << t;
       EXPECT_EQ(cnt[size_t(t)], topk);
     }
   }

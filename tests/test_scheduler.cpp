@@ -362,7 +362,8 @@ void prompt_logprobs_are_the_teacher_forced_log_softmax(bool cuda) {
   const SchedRequest other = greedy({toks.begin() + 3, toks.begin() + 20}, 6);
   Scheduler s(*m.model, *m.backend, manual(3, 256, 8));
   auto h0 = s.submit(echo), h1 = s.submit(other), h2 = s.submit(echo_more);
-  for (int i = 0; i < 1000 && s.step(); ++i) {}
+  for (int i = 0; i < 1000 && s.step(); ++i) {
+  }
   double worst = 0;
   auto check = [&](RequestHandle& h, size_t P, size_t tokens) {
     SchedEvent ev;
@@ -405,10 +406,12 @@ void prompt_logprobs_are_the_teacher_forced_log_softmax(bool cuda) {
   plain.top_logprobs = 0;
   Scheduler s2(*m.model, *m.backend, manual(1, 256, 8));
   auto h3 = s2.submit(plain);
-  while (s2.step()) {}
+  while (s2.step()) {
+  }
   Scheduler s3(*m.model, *m.backend, manual(1, 256, 8));
   auto h4 = s3.submit(echo_more);
-  while (s3.step()) {}
+  while (s3.step()) {
+  }
   std::vector<int32_t> echoed;
   SchedEvent ev;
   while (h4->next(ev, std::chrono::milliseconds(0)))
@@ -418,7 +421,9 @@ void prompt_logprobs_are_the_teacher_forced_log_softmax(bool cuda) {
   EXPECT_THROW(s3.submit(zero), Error);
 }
 
-TEST(Scheduler, PromptLogprobsAreTheTeacherForcedLogSoftmax) { prompt_logprobs_are_the_teacher_forced_log_softmax(false); }
+TEST(Scheduler, PromptLogprobsAreTheTeacherForcedLogSoftmax) {
+  prompt_logprobs_are_the_teacher_forced_log_softmax(false);
+}
 
 TEST(Scheduler, PromptLogprobsAreTheTeacherForcedLogSoftmaxOnCuda) {
   REQUIRE_CUDA();
@@ -438,7 +443,8 @@ TEST(Scheduler, MinTokensHoldsBackEos) {
   auto h0 = s.submit(r);
   r.sampling.min_tokens = 5;
   auto h1 = s.submit(r);
-  while (s.step()) {}
+  while (s.step()) {
+  }
   const Outcome at_once = drain(*h0), held = drain(*h1);
   EXPECT_EQ(at_once.ids, std::vector<int32_t>{eos});
   ASSERT_EQ(held.ids.size(), 6u);
@@ -485,13 +491,15 @@ TEST(Scheduler, ReusedPrefixesKeepTheBits) {
   uint64_t before = 0;
   for (const auto& [prompt, reused] : runs) {
     auto h = s.submit(request(prompt));
-    while (s.step()) {}
+    while (s.step()) {
+    }
     const Outcome got = drain(*h);
     EXPECT_EQ(s.stats().prefix_tokens_reused - before, reused);
     before = s.stats().prefix_tokens_reused;
     Scheduler fresh(*m.model, *m.backend, manual(2, 256, 8));
     auto hf = fresh.submit(request(prompt));
-    while (fresh.step()) {}
+    while (fresh.step()) {
+    }
     const Outcome want = drain(*hf);
     EXPECT_EQ(got.ids, want.ids);
     ASSERT_EQ(got.logprobs.size(), want.logprobs.size());
@@ -499,7 +507,8 @@ TEST(Scheduler, ReusedPrefixesKeepTheBits) {
         << "reused " << reused;
     EXPECT_EQ(s.stats().cache_bytes_in_use, 0u);
     // The matching row is taken each time; the unrelated prompt takes the empty one.
-    EXPECT_EQ(s.stats().cache_bytes_kept, 40 * MlaCache::bytes_per_token(m.model->cache_shape()) * (prompt == d ? 2 : 1))
+    EXPECT_EQ(s.stats().cache_bytes_kept,
+              40 * MlaCache::bytes_per_token(m.model->cache_shape()) * (prompt == d ? 2 : 1))
         << "reused " << reused;
   }
   EXPECT_EQ(before, 80u);

@@ -164,9 +164,8 @@ void Scheduler::fill_logprobs(SchedEvent& ev, const float* logits, int top) {
   const int k = int(std::min<int64_t>(top, vocab_));
   if (k > 0) {
     std::iota(idx_scratch_.begin(), idx_scratch_.end(), 0);
-    std::partial_sort(idx_scratch_.begin(), idx_scratch_.begin() + k, idx_scratch_.end(), [&](int32_t a, int32_t b) {
-      return logits[a] != logits[b] ? logits[a] > logits[b] : a < b;
-    });
+    std::partial_sort(idx_scratch_.begin(), idx_scratch_.begin() + k, idx_scratch_.end(),
+                      [&](int32_t a, int32_t b) { return logits[a] != logits[b] ? logits[a] > logits[b] : a < b; });
     for (int i = 0; i < k; ++i) ev.top.push_back({idx_scratch_[size_t(i)], logits[idx_scratch_[size_t(i)]] - lse});
   }
 }

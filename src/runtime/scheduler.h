@@ -48,9 +48,9 @@ struct SchedEvent {
   // tokens before it, in order, all before the first Token.
   enum class Kind : uint8_t { Token, Finish, Error, PromptToken };
   Kind kind = Kind::Token;
-  int32_t token = -1;                // Token, PromptToken
-  float logprob = 0;                 // Token when logprobs were asked for; PromptToken
-  std::vector<TokenLogprob> top;     // Token, PromptToken: the top_logprobs most likely ids, best first
+  int32_t token = -1;                        // Token, PromptToken
+  float logprob = 0;                         // Token when logprobs were asked for; PromptToken
+  std::vector<TokenLogprob> top;             // Token, PromptToken: the top_logprobs most likely ids, best first
   FinishReason reason = FinishReason::Stop;  // Finish
   std::string message;               // Error
   std::chrono::steady_clock::time_point time;  // when the engine produced it

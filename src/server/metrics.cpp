@@ -70,7 +70,8 @@ std::string Metrics::render(const SchedulerStats* s) const {
   };
   gauge("vireo_queue_depth", "Requests waiting for admission.", double(st.waiting));
   gauge("vireo_running_batch_size", "Sequences in the running batch.", double(st.running));
-  gauge("vireo_cache_bytes_in_use", "MLA cache bytes holding running requests' entries.", double(st.cache_bytes_in_use));
+  gauge("vireo_cache_bytes_in_use", "MLA cache bytes holding running requests' entries.",
+        double(st.cache_bytes_in_use));
   gauge("vireo_cache_bytes_kept", "MLA cache bytes free rows keep for requests sharing their prompts' prefixes.",
         double(st.cache_bytes_kept));
   gauge("vireo_cache_bytes_reserved", "MLA cache bytes reserved by admitted requests (prompt + max_tokens).",

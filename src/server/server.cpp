@@ -256,7 +256,8 @@ struct HttpServer::Impl {
     }
     const ApiRequest& req = choices->front()->req;
     metrics.request(200);
-    for (size_t i = 0; i < choices->size(); i += size_t(req.n)) metrics.prompt_tokens(int64_t((*choices)[i]->req.sched.prompt.size()));
+    for (size_t i = 0; i < choices->size(); i += size_t(req.n))
+      metrics.prompt_tokens(int64_t((*choices)[i]->req.sched.prompt.size()));
     if (req.stream) {
       res.set_header("Cache-Control", "no-cache");
       res.set_header("X-Accel-Buffering", "no");
@@ -326,8 +327,11 @@ struct HttpServer::Impl {
       if (s.req.return_token_ids) choice["token_ids"] = s.ids;
       all.push_back(std::move(choice));
     }
-    ojson r = {{"id", first.id}, {"object", first.req.chat ? "chat.completion" : "text_completion"},
-               {"created", first.created}, {"model", first.model}, {"choices", std::move(all)},
+    ojson r = {{"id", first.id},
+               {"object", first.req.chat ? "chat.completion" : "text_completion"},
+               {"created", first.created},
+               {"model", first.model},
+               {"choices", std::move(all)},
                {"usage", usage(choices)}};
     if (first.req.return_token_ids) r["prompt_token_ids"] = first.req.sched.prompt;
     return r;

@@ -293,9 +293,8 @@ class CpuBackend final : public Backend {
       const int64_t n_causal = a.pos0 + t + 1;
       order.resize(size_t(n_causal));
       std::iota(order.begin(), order.end(), 0);
-      std::nth_element(order.begin(), order.begin() + (a.topk - 1), order.end(), [&](int32_t x, int32_t y) {
-        return score[x] != score[y] ? score[x] > score[y] : x < y;
-      });
+      std::nth_element(order.begin(), order.begin() + (a.topk - 1), order.end(),
+                       [&](int32_t x, int32_t y) { return score[x] != score[y] ? score[x] > score[y] : x < y; });
       int32_t* sel = a.selected + t * a.topk;
       std::copy(order.begin(), order.begin() + a.topk, sel);
       std::sort(sel, sel + a.topk);
