@@ -31,8 +31,15 @@ double total_variation(const std::vector<double>& a, const std::vector<double>& 
 }
 
 // A uniform stream independent of the code under test (Sampler's, seeded).
+SamplingParams seeded(uint64_t seed) {
+  SamplingParams p;
+  p.temperature = 1.0f;
+  p.seed = seed;
+  return p;
+}
+
 struct Uniforms {
-  explicit Uniforms(uint64_t seed) : s(SamplingParams{1.0f, 0, 1.0f, 0.0f, seed}) {}
+  explicit Uniforms(uint64_t seed) : s(seeded(seed)) {}
   double operator()() { return s.next_uniform(); }
   Sampler s;
 };
