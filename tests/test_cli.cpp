@@ -179,7 +179,7 @@ TEST(Cli, BadFlagsAreRejected) {
   EXPECT_NE(r.exit_code, 0);
   EXPECT_EQ(count_lines(r.err), 1) << r.err;
   EXPECT_NE(r.err.find("--logit-bias: 'x=2' is not ID=BIAS"), std::string::npos) << r.err;
-  r = run_vireo("run --model " + kFixture + " --prompt-ids 1,2 -n 3 --logit-bias 77=100");
+  r = run_vireo("run --model " + kFixture + " --prompt-ids 1,2 -n 3 --logit-bias 77=-100,77=100");  // the last one
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("77,77,77"), std::string::npos) << r.out;
   r = run_vireo("bench");

@@ -83,6 +83,7 @@ void add_sampling_flags(CLI::App& app, SamplingParams& s) {
           }
           if (eq == std::string::npos || used_id != eq || used_bias != item.size() - eq - 1 || id < 0 || id > INT32_MAX)
             throw CLI::ValidationError("--logit-bias", "'" + item + "' is not ID=BIAS (e.g. 13=-100,220=2.5)");
+          std::erase_if(s.logit_bias, [&](const auto& b) { return b.first == int32_t(id); });  // the last one given
           s.logit_bias.push_back({int32_t(id), bias});
           at = end + 1;
         }

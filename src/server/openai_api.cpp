@@ -233,6 +233,7 @@ ApiRequest parse_request(const std::string& body_text, bool chat, const ServedMo
         bad("logit_bias", "key '" + key + "' is not a token id (expected {\"13\": -100, ...})");
       if (!value.is_number() || !(value.get<double>() >= -100 && value.get<double>() <= 100))
         bad("logit_bias", "the bias of token " + key + " must be a number in [-100, 100]");
+      std::erase_if(s.logit_bias, [&](const auto& b) { return b.first == int32_t(id); });  // "13" and "013"
       s.logit_bias.push_back({int32_t(id), float(value.get<double>())});
     }
   }
