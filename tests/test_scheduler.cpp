@@ -465,6 +465,29 @@ TEST(Scheduler, MinTokensHoldsBackEos) {
   } catch (const Error& e) {
     EXPECT_EQ(std::string(e.what()).rfind("min_tokens: 13 is more than max_tokens (12)", 0), 0u) << e.what();
   }
+  // stop_token_ids (vLLM's): the request ends at the first of them it emits (ignore_eos or not);
+  // min_tokens holds them back as it does the EOS ids.
+  const Json e = read_json_file(kFixtures + "/demo/expected.json");
+  const Json& c = e["greedy"]["cases"][0];
+  const auto cont = c["continuation_ids"].get<std::vector<int32_t>>();
+  const int32_t x = cont[4];
+  const size_t first = size_t(std::find(cont.begin(), cont.end(), x) - cont.begin());
+  SchedRequest st = greedy(c["prompt_ids"].get<std::vector<int32_t>>(), 20);
+  st.stop_token_ids = {x};
+  auto h2 = s.submit(st);
+  st.sampling.min_tokens = int64_t(first) + 3;
+  auto h3 = s.submit(st);
+  while (s.step()) {}
+  const Outcome stopped = drain(*h2), held2 = drain(*h3);
+  EXPECT_EQ(stopped.ids, std::vector<int32_t>(cont.begin(), cont.begin() + long(first) + 1));
+  EXPECT_EQ(stopped.reason, FinishReason::Stop);
+  ASSERT_GE(held2.ids.size(), first + 3);
+  EXPECT_EQ(std::count(held2.ids.begin(), held2.ids.begin() + long(first) + 3, x), 0);
+  if (held2.reason == FinishReason::Stop) {
+    EXPECT_EQ(held2.ids.back(), x);
+  }
+  st.stop_token_ids = {int32_t(m.model->config().vocab_size)};
+  EXPECT_THROW(s.submit(st), Error);
 }
 
 // reuse_prefixes: requests whose prompts start as finished ones' did reuse the kept entries of the

@@ -129,7 +129,7 @@ GenerateResult generate_on_host(GlmDsaModel& model, MlaCache& cache, int row, co
   GenerateResult r;
   r.prompt_tokens = int64_t(prompt.size());
   SamplingParams sp = opt.sampling;
-  if (sp.min_tokens > 0) sp.eos_ids.assign(c.eos_ids.begin(), c.eos_ids.end());  // the ids min_tokens holds back
+  if (sp.min_tokens > 0 && opt.stop_at_eos) sp.eos_ids.assign(c.eos_ids.begin(), c.eos_ids.end());  // min_tokens' ids
   Sampler sampler(sp);
   std::vector<int32_t> context = opt.history;
   context.insert(context.end(), prompt.begin(), prompt.end());

@@ -92,6 +92,8 @@ std::shared_ptr<RequestHandle> Scheduler::submit(SchedRequest r) {
     fail("max_tokens: prompt + max_tokens need ", need, " cache bytes, over the admission budget of ",
          opt_.cache_budget_bytes);
   if (r.top_logprobs < 0 || r.top_logprobs > 20) fail("top_logprobs: must be in [0, 20], got ", r.top_logprobs);
+  for (int32_t id : r.stop_token_ids)
+    if (id < 0 || id >= vocab_) fail("stop_token_ids: token id ", id, " is out of range (vocabulary of ", vocab_, ")");
   validate_sampling(r.sampling);
   if (r.sampling.min_tokens > r.max_tokens)
     fail("min_tokens: ", r.sampling.min_tokens, " is more than max_tokens (", r.max_tokens, ")");
@@ -192,7 +194,7 @@ void Scheduler::emit_chosen(Running& r, int32_t id_chosen, const float* logits) 
   r.handle->push(std::move(ev));
   r.last = id;
   ++r.generated;
-  if (r.req.stop_at_eos && model_.config().eos_ids.count(id)) {
+  if (stops_at(r, id)) {
     SchedEvent f;
     f.kind = SchedEvent::Kind::Finish;
     f.reason = FinishReason::Stop;
@@ -237,7 +239,12 @@ void Scheduler::count_cache_bytes() {
 }
 
 bool Scheduler::ends_request(const Running& r, int32_t id) const {
-  return (r.req.stop_at_eos && model_.config().eos_ids.count(id)) || r.generated + 1 >= r.req.max_tokens;
+  return stops_at(r, id) || r.generated + 1 >= r.req.max_tokens;
+}
+
+bool Scheduler::stops_at(const Running& r, int32_t id) const {
+  const auto& extra = r.req.stop_token_ids;
+  return (r.req.stop_at_eos && model_.config().eos_ids.count(id)) || std::find(extra.begin(), extra.end(), id) != extra.end();
 }
 
 bool Scheduler::lone_decoding(bool waiting) const {
@@ -354,8 +361,12 @@ bool Scheduler::step() {
       Running r;
       r.handle = w.handle;
       r.req = std::move(waiting_.front().req);
-      if (r.req.sampling.min_tokens > 0)  // the ids min_tokens holds back
-        r.req.sampling.eos_ids.assign(model_.config().eos_ids.begin(), model_.config().eos_ids.end());
+      if (r.req.sampling.min_tokens > 0) {  // the ids min_tokens holds back: every id the request stops at
+        if (r.req.stop_at_eos)
+          r.req.sampling.eos_ids.assign(model_.config().eos_ids.begin(), model_.config().eos_ids.end());
+        r.req.sampling.eos_ids.insert(r.req.sampling.eos_ids.end(), r.req.stop_token_ids.begin(),
+                                      r.req.stop_token_ids.end());
+      }
       r.sampler = std::make_unique<Sampler>(r.req.sampling);
       r.sampler->set_prompt(r.req.prompt);
       r.row = row;

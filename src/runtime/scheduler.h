@@ -66,6 +66,9 @@ struct SchedRequest {
   // The logprob of every prompt token after the first (PromptToken events; top_logprobs
   // alternatives each): the prompt's chunks return all their rows. max_tokens may then be 0.
   bool prompt_logprobs = false;
+  // vLLM's stop_token_ids: more ids that end the request (finish reason Stop, the id emitted),
+  // whatever stop_at_eos says; min_tokens holds them back too.
+  std::vector<int32_t> stop_token_ids;
 };
 
 // A submitted request as its caller sees it: a queue of events, and cancel().
@@ -206,6 +209,8 @@ class Scheduler {
   void mtp_pass(std::vector<MtpItem>& items, const std::vector<Running*>& owners);
   // Whether emitting `id` ends r (EOS, or its max_tokens-th token).
   bool ends_request(const Running& r, int32_t id) const;
+  // Whether `id` is one r stops at: an EOS id (stop_at_eos) or one of its stop_token_ids.
+  bool stops_at(const Running& r, int32_t id) const;
   // Pipelined decoding of a lone sequence (GlmDsaModel::queue_step), as `vireo run` decodes: while
   // one request runs, decoding, with no logits wanted and none waiting, each step queues the step
   // after it before its own pick is read, so the host's work between steps overlaps the GPU's

@@ -246,6 +246,11 @@ ApiRequest parse_request(const std::string& body_text, bool chat, const ServedMo
     s.seed = gen();
   }
   r.sched.stop_at_eos = !get_bool(body, "ignore_eos", false);
+  if (const ojson* ids = field(body, "stop_token_ids"); ids && !ids->is_null()) {  // vLLM's
+    if (!ids->is_array()) bad("stop_token_ids", "must be a list of token ids, got " + type_of(*ids));
+    if (ids->size() > 64) bad("stop_token_ids", str("at most 64 ids, got ", ids->size()));
+    r.sched.stop_token_ids = token_ids(*ids, "stop_token_ids", m);
+  }
 
   if (chat) {
     r.sched.logprobs = get_bool(body, "logprobs", false);

@@ -169,6 +169,14 @@ def test_logit_bias(demo):
     r = client.completions.create(model=MODEL, prompt=c["prompt_ids"], max_tokens=8, temperature=0,
                                   logit_bias={"8172": 100}, extra_body={"return_token_ids": True, "min_tokens": 3})
     assert r.choices[0].model_extra["token_ids"][3:] == [8172] and r.choices[0].finish_reason == "stop"
+    # stop_token_ids (vLLM's): the request ends at the first of them it emits.
+    cont = c["continuation_ids"]
+    r = client.completions.create(model=MODEL, prompt=c["prompt_ids"], max_tokens=20, temperature=0,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True, "stop_token_ids": [cont[4]]})
+    assert r.choices[0].model_extra["token_ids"] == cont[:cont.index(cont[4]) + 1]
+    assert r.choices[0].finish_reason == "stop"
+    status, err = error_of(demo.http("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [-1]}))
+    assert status == 400 and err["param"] == "stop_token_ids", err
     for bias, needle in [({"x": 1}, "not a token id"), ({"5": 101}, "[-100, 100]"), ({"99999": 1}, "out of range"),
                          ([1], "must be an object")]:
         status, err = error_of(demo.http("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": bias}))
