@@ -477,7 +477,8 @@ TEST(Scheduler, MinTokensHoldsBackEos) {
   auto h2 = s.submit(st);
   st.sampling.min_tokens = int64_t(first) + 3;
   auto h3 = s.submit(st);
-  while (s.step()) {}
+  while (s.step()) {
+  }
   const Outcome stopped = drain(*h2), held2 = drain(*h3);
   EXPECT_EQ(stopped.ids, std::vector<int32_t>(cont.begin(), cont.begin() + long(first) + 1));
   EXPECT_EQ(stopped.reason, FinishReason::Stop);

@@ -244,7 +244,8 @@ bool Scheduler::ends_request(const Running& r, int32_t id) const {
 
 bool Scheduler::stops_at(const Running& r, int32_t id) const {
   const auto& extra = r.req.stop_token_ids;
-  return (r.req.stop_at_eos && model_.config().eos_ids.count(id)) || std::find(extra.begin(), extra.end(), id) != extra.end();
+  return (r.req.stop_at_eos && model_.config().eos_ids.count(id)) ||
+         std::find(extra.begin(), extra.end(), id) != extra.end();
 }
 
 bool Scheduler::lone_decoding(bool waiting) const {
