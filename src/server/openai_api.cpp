@@ -103,7 +103,33 @@ std::vector<std::pair<std::vector<int32_t>, std::string>> completion_prompts(con
   return out;
 }
 
-std::vector<int32_t> chat_prompt(const ojson& body, const ServedModel& m) {
+// `tools` (OpenAI's function tools), checked; null when the request has none, or tool_choice is
+// "none" (then they are not described to the model either).
+const ojson* chat_tools(const ojson& body, const ServedModel& m) {
+  const ojson* tools = field(body, "tools");
+  if (!tools || tools->is_null()) return nullptr;
+  if (!tools->is_array()) bad("tools", "must be a list of tools, got " + type_of(*tools));
+  for (size_t i = 0; i < tools->size(); ++i) {
+    const ojson& t = (*tools)[i];
+    const std::string at = str("tools[", i, "]");
+    const ojson* type = t.is_object() ? field(t, "type") : nullptr;
+    if (!type || !type->is_string() || type->get<std::string>() != "function")
+      bad(at + ".type", "only function tools are supported");
+    const ojson* fn = field(t, "function");
+    const ojson* name = fn && fn->is_object() ? field(*fn, "name") : nullptr;
+    if (!name || !name->is_string() || name->get<std::string>().empty())
+      bad(at + ".function.name", "is required (a non-empty string)");
+    if (const ojson* params = field(*fn, "parameters"); params && !params->is_object())
+      bad(at + ".function.parameters", "must be an object (a JSON schema), got " + type_of(*params));
+  }
+  if (!m.tokenizer || !m.tokenizer->token_to_id("<tool_call>"))
+    bad("tools", "model '" + m.name + "' has no <tool_call> token: tool calls are read in GLM-5's format");
+  const ojson* choice = field(body, "tool_choice");
+  if (choice && choice->is_string() && choice->get<std::string>() == "none") return nullptr;
+  return tools;
+}
+
+std::vector<int32_t> chat_prompt(const ojson& body, const ServedModel& m, const ojson* tools) {
   const ojson* msgs = field(body, "messages");
   if (!msgs) bad("messages", "is required");
   if (!msgs->is_array()) bad("messages", "must be a list of messages, got " + type_of(*msgs));
@@ -137,7 +163,6 @@ std::vector<int32_t> chat_prompt(const ojson& body, const ServedModel& m) {
       if (!text || !text->is_string()) bad(pat + ".text", "must be a string");
     }
   }
-  if (field(body, "tools")) bad("tools", "tool calling is not supported by this server");
   if (!m.chat_template)
     throw ApiError(400, "messages: model '" + m.name + "' has no usable chat template (" + m.template_error +
                             "); use /v1/completions", "messages");
@@ -146,9 +171,30 @@ std::vector<int32_t> chat_prompt(const ojson& body, const ServedModel& m) {
     if (!kw->is_object()) bad("chat_template_kwargs", "must be an object, got " + type_of(*kw));
     extra = *kw;
   }
+  // OpenAI's assistant tool calls carry their arguments as a JSON string; the template writes
+  // each argument, so it gets them as an object.
+  ojson messages = *msgs;
+  for (size_t i = 0; i < messages.size(); ++i) {
+    ojson* calls = messages[i].contains("tool_calls") ? &messages[i]["tool_calls"] : nullptr;
+    if (!calls || calls->is_null()) continue;
+    if (!calls->is_array()) bad(str("messages[", i, "].tool_calls"), "must be a list, got " + type_of(*calls));
+    for (size_t j = 0; j < calls->size(); ++j) {
+      ojson& c = (*calls)[j];
+      const std::string at = str("messages[", i, "].tool_calls[", j, "]");
+      if (!c.is_object() || !c.contains("function") || !c["function"].is_object() || !c["function"].contains("name"))
+        bad(at + ".function", "must be an object with a name");
+      ojson& args = c["function"]["arguments"];
+      if (args.is_string()) {
+        ojson parsed = ojson::parse(args.get<std::string>(), nullptr, /*allow_exceptions=*/false);
+        if (!parsed.is_object()) bad(at + ".function.arguments", "must be a JSON object (as a string)");
+        args = parsed;
+      }
+    }
+  }
+  if (tools) extra["tools"] = *tools;
   std::string text;
   try {
-    text = m.chat_template->render(*msgs, true, extra);
+    text = m.chat_template->render(messages, true, extra);
   } catch (const Error& e) {
     bad("messages", std::string("the chat template rejected them: ") + e.what());
   }
@@ -192,7 +238,8 @@ ApiRequest parse_request(const std::string& body_text, bool chat, const ServedMo
     bad(field(body, "functions") ? "functions" : "function_call", "function calling is not supported by this server");
   if (const ojson* tc = field(body, "tool_choice");
       tc && !(tc->is_string() && (tc->get<std::string>() == "none" || tc->get<std::string>() == "auto")))
-    bad("tool_choice", "tool calling is not supported by this server");
+    bad("tool_choice", "only \"auto\" or \"none\" (forcing a call needs constrained decoding, which this server does "
+        "not do)");
   if (!chat) {
     r.echo = get_bool(body, "echo", false);
     if (get_int(body, "best_of", 1, 1, 128) != 1) bad("best_of", "only best_of = 1 is supported");
@@ -279,7 +326,9 @@ ApiRequest parse_request(const std::string& body_text, bool chat, const ServedMo
   }
 
   if (chat) {
-    r.prompts.push_back(chat_prompt(body, m));
+    const ojson* tools = chat_tools(body, m);
+    r.parse_tools = tools != nullptr;
+    r.prompts.push_back(chat_prompt(body, m, tools));
   } else {
     for (auto& [ids, text] : completion_prompts(body, m)) {
       r.prompts.push_back(std::move(ids));

@@ -55,6 +55,9 @@ struct ApiRequest {
   // /v1/completions `echo`: the text starts with the prompt's, and with logprobs the prompt's
   // tokens lead them (the first with none: sched.prompt_logprobs).
   bool echo = false;
+  // Chat with `tools` (tool_choice not "none"): the output is read for GLM-5 tool calls
+  // (server/tool_calls.h), and while streaming it is held until the end.
+  bool parse_tools = false;
 };
 
 // Throws ApiError (status 400 naming the field, 404 for an unknown model).

@@ -1,8 +1,10 @@
 #include "server/server.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -10,6 +12,7 @@
 
 #include "server/metrics.h"
 #include "server/text_output.h"
+#include "server/tool_calls.h"
 
 namespace vireo::server {
 
@@ -314,16 +317,35 @@ struct HttpServer::Impl {
     return sse(sink, c);
   }
 
+  // With tools, the choice's GLM-5 tool calls as OpenAI's tool_calls (empty: none), *content then
+  // the text before the first <tool_call> (the calls are special tokens, which the text skips).
+  static ojson tool_calls(const Session& s, std::string* content) {
+    ojson out = ojson::array();
+    if (!s.req.parse_tools || !s.tokenizer) return out;
+    for (const ToolCall& c : split_tool_calls(*s.tokenizer, s.ids, content))
+      out.push_back({{"id", random_id("call_")},
+                     {"type", "function"},
+                     {"function", {{"name", c.name}, {"arguments", c.arguments.dump()}}}});
+    return out;
+  }
+
   ojson whole_response(Choices& choices) {
     const Session& first = *choices.front();
     ojson all = ojson::array();
     for (auto& sp : choices) {
       Session& s = *sp;
       ojson choice = {{"index", s.index}};
-      if (s.req.chat) choice["message"] = {{"role", "assistant"}, {"content", s.content}};
-      else choice["text"] = s.content;
+      std::string content = s.content, finish = s.finish_reason;
+      ojson calls = tool_calls(s, &content);
+      if (!calls.empty()) finish = "tool_calls";
+      if (s.req.chat) {
+        choice["message"] = {{"role", "assistant"}, {"content", calls.empty() || !content.empty() ? ojson(content) : ojson(nullptr)}};
+        if (!calls.empty()) choice["message"]["tool_calls"] = calls;
+      } else {
+        choice["text"] = content;
+      }
       choice["logprobs"] = s.take_logprobs();
-      choice["finish_reason"] = s.finish_reason;
+      choice["finish_reason"] = finish;
       if (s.req.return_token_ids) choice["token_ids"] = s.ids;
       all.push_back(std::move(choice));
     }
@@ -470,7 +492,24 @@ struct HttpServer::Impl {
       sink.done();
       return Step::Failed;
     }
-    if (stream) {
+    if (stream && s.req.parse_tools) {  // held to the end: the text, then the calls read from it
+      s.content += piece;
+      if (!finish) return Step::Go;
+      std::string content = s.content;
+      const ojson calls = tool_calls(s, &content);
+      if (!content.empty() || s.has_pending_logprobs() || s.req.return_token_ids)
+        if (!send_chunk(s, sink, content, nullptr)) return Step::Abort;
+      for (size_t i = 0; i < calls.size(); ++i) {
+        ojson c = chunk_base(s), call = calls[i];
+        call["index"] = int(i);
+        c["choices"] = ojson::array({{{"index", s.index},
+                                      {"delta", {{"tool_calls", ojson::array({call})}}},
+                                      {"logprobs", nullptr},
+                                      {"finish_reason", nullptr}}});
+        if (!sse(sink, c)) return Step::Abort;
+      }
+      if (!send_chunk(s, sink, "", calls.empty() ? finish : "tool_calls")) return Step::Abort;
+    } else if (stream) {
       if (finish) {
         if (!piece.empty() || s.has_pending_logprobs() || (s.req.return_token_ids && !s.pending_ids.empty()))
           if (!send_chunk(s, sink, piece, nullptr)) return Step::Abort;

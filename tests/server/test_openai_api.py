@@ -296,6 +296,48 @@ def test_echo_scores_the_prompt(demo):
     assert batch.usage.prompt_tokens == 10 + 25 + len(c["prompt_ids"]) and batch.usage.completion_tokens == 0
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def test_tools_are_described_and_calls_rendered(demo):
+    """tools reach the chat template (the prompt grows by their description; tool_choice none leaves
+    them out), earlier assistant tool calls (arguments as a JSON string) and tool results render,
+    and bad tools are refused by name. A generation cut off inside a call returns no tool_calls."""
+    client = demo.client()
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    plain = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1, temperature=0)
+    with_tools = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1, temperature=0, tools=[WEATHER])
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + 20
+    none = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1, temperature=0, tools=[WEATHER],
+                                          tool_choice="none")
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens
+    turn = msgs + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    r = client.chat.completions.create(model=MODEL, messages=turn, max_tokens=4, temperature=0, tools=[WEATHER])
+    assert r.usage.prompt_tokens > with_tools.usage.prompt_tokens and r.choices[0].finish_reason == "length"
+    # Forced into an unterminated call (<tool_call> is id 8184): no tool_calls, no text (the tags are special).
+    for stream in (False, True):
+        kw = dict(model=MODEL, messages=msgs, max_tokens=2, temperature=0, tools=[WEATHER], logit_bias={"8184": 100})
+        if stream:
+            chunks = list(client.chat.completions.create(stream=True, **kw))
+            assert not any(c.choices and c.choices[0].delta.tool_calls for c in chunks)
+            assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+        else:
+            cut = client.chat.completions.create(**kw)
+            assert cut.choices[0].message.tool_calls is None and cut.choices[0].finish_reason == "length"
+    for tools, param in [([{"type": "retrieval"}], "tools[0].type"), ([{"type": "function", "function": {}}],
+                                                                       "tools[0].function.name"),
+                         ("get_weather", "tools")]:
+        status, err = error_of(demo.http("POST", "/v1/chat/completions", {"model": MODEL, "messages": msgs, "tools": tools}))
+        assert status == 400 and err["param"] == param, err
+    bad_turn = [msgs[0], {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]
+    status, err = error_of(demo.http("POST", "/v1/chat/completions", {"model": MODEL, "messages": bad_turn}))
+    assert status == 400 and err["param"] == "messages[1].tool_calls[0].function.arguments", err
+    still_serving(demo)
+
+
 def test_logprobs(demo):
     c = demo_cases()[1]
     client = demo.client()
@@ -346,7 +388,7 @@ def error_of(status_body):
     ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "(0, 100]"),
     ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format", "no constrained decoding"),
     ({"prompt": "x", "guided_regex": "a+"}, "guided_regex", "constrained decoding"),
-    ({"prompt": "x", "tool_choice": "required"}, "tool_choice", "tool calling"),
+    ({"prompt": "x", "tool_choice": "required"}, "tool_choice", "constrained decoding"),
     ({"prompt": "x", "min_tokens": 4, "max_tokens": 2}, "min_tokens", "more than max_tokens"),
 ])
 def test_completions_rejects_bad_fields(demo, body, param, needle):

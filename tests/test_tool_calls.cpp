@@ -1,0 +1,80 @@
+// GLM-5 tool calls read out of a generation's text (server/tool_calls.h): names, arguments as JSON
+// values where they parse and strings where not, several calls, and the malformed or cut-off
+// rest left unread.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <string>
+
+#include "server/tool_calls.h"
+#include "text/tokenizer.h"
+
+using namespace vireo::server;
+using json = nlohmann::ordered_json;
+using vireo::Tokenizer;
+
+TEST(ToolCalls, ParsesGlmBlocks) {
+  std::string rest;
+  auto calls = parse_tool_calls(
+      "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>"
+      "<arg_value>3</arg_value><arg_key>opts</arg_key><arg_value>{\"units\": \"C\", \"hourly\": true}</arg_value>"
+      "</tool_call>\n<tool_call>now</tool_call><|endoftext|>",
+      &rest);
+  ASSERT_EQ(calls.size(), 2u);
+  EXPECT_EQ(calls[0].name, "get_weather");
+  EXPECT_EQ(calls[0].arguments.dump(), R"({"city":"Paris","days":3,"opts":{"units":"C","hourly":true}})");
+  EXPECT_EQ(calls[1].name, "now");
+  EXPECT_EQ(calls[1].arguments, json::object());
+  EXPECT_EQ(rest, "<|endoftext|>");
+  // A value that is not JSON stays a string, spaces and all; "true" and "null" are JSON.
+  calls = parse_tool_calls("<tool_call>f<arg_key>q</arg_key><arg_value> two words </arg_value><arg_key>b</arg_key>"
+                           "<arg_value>true</arg_value><arg_key>n</arg_key><arg_value>null</arg_value></tool_call>",
+                           nullptr);
+  ASSERT_EQ(calls.size(), 1u);
+  EXPECT_EQ(calls[0].arguments.dump(), R"({"q":" two words ","b":true,"n":null})");
+}
+
+TEST(ToolCalls, LeavesWhatIsNotACompleteCall) {
+  std::string rest;
+  // Cut off by max_tokens: nothing read, all of it left.
+  EXPECT_TRUE(parse_tool_calls("<tool_call>f<arg_key>a</arg_key><arg_value>1", &rest).empty());
+  EXPECT_EQ(rest, "<tool_call>f<arg_key>a</arg_key><arg_value>1");
+  // The first call complete, the second cut off.
+  auto calls = parse_tool_calls("<tool_call>f</tool_call><tool_call>g<arg_key>", &rest);
+  ASSERT_EQ(calls.size(), 1u);
+  EXPECT_EQ(rest, "<tool_call>g<arg_key>");
+  // No name, a key without its value, text between the pairs, text between calls: not this format.
+  EXPECT_TRUE(parse_tool_calls("<tool_call><arg_key>a</arg_key><arg_value>1</arg_value></tool_call>", nullptr).empty());
+  EXPECT_TRUE(parse_tool_calls("<tool_call>f<arg_key>a</arg_key></tool_call>", nullptr).empty());
+  EXPECT_TRUE(
+      parse_tool_calls("<tool_call>f<arg_key>a</arg_key><arg_value>1</arg_value> and <arg_key>b</arg_key>"
+                       "<arg_value>2</arg_value></tool_call>",
+                       nullptr)
+          .empty());
+  calls = parse_tool_calls("<tool_call>f</tool_call> so then <tool_call>g</tool_call>", &rest);
+  ASSERT_EQ(calls.size(), 1u);
+  EXPECT_EQ(rest, " so then <tool_call>g</tool_call>");
+}
+
+// The token-level split on the demo model's tokenizer, whose tool tags are special tokens: the text
+// before the first <tool_call> (special tokens skipped, as the server's text), then the calls.
+TEST(ToolCalls, SplitsAGenerationsIds) {
+  const Tokenizer tok = Tokenizer::from_file(std::string(VIREO_SOURCE_DIR) + "/models/vireo-demo/tokenizer.json");
+  auto ids_of = [&](const std::string& text) {
+    const std::vector<uint32_t> u = tok.encode(text, false);
+    return std::vector<int32_t>(u.begin(), u.end());
+  };
+  const auto ids = ids_of("</think>Let me look.<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris"
+                          "</arg_value></tool_call><|endoftext|>");
+  ASSERT_NE(std::find(ids.begin(), ids.end(), int32_t(*tok.token_to_id("<tool_call>"))), ids.end());
+  std::string content = "unchanged";
+  const auto calls = split_tool_calls(tok, ids, &content);
+  ASSERT_EQ(calls.size(), 1u);
+  EXPECT_EQ(calls[0].name, "get_weather");
+  EXPECT_EQ(calls[0].arguments.dump(), R"({"city":"Paris"})");
+  EXPECT_EQ(content, "Let me look.");
+  content = "unchanged";  // no call, or one cut off: nothing read, the content left alone
+  EXPECT_TRUE(split_tool_calls(tok, ids_of("Just text."), &content).empty());
+  EXPECT_TRUE(split_tool_calls(tok, ids_of("Text<tool_call>get_weather<arg_key>city"), &content).empty());
+  EXPECT_EQ(content, "unchanged");
+}
