@@ -27,9 +27,10 @@ TEST(ToolCalls, ParsesGlmBlocks) {
   EXPECT_EQ(calls[1].arguments, json::object());
   EXPECT_EQ(rest, "<|endoftext|>");
   // A value that is not JSON stays a string, spaces and all; "true" and "null" are JSON.
-  calls = parse_tool_calls("<tool_call>f<arg_key>q</arg_key><arg_value> two words </arg_value><arg_key>b</arg_key>"
-                           "<arg_value>true</arg_value><arg_key>n</arg_key><arg_value>null</arg_value></tool_call>",
-                           nullptr);
+  calls = parse_tool_calls(
+      "<tool_call>f<arg_key>q</arg_key><arg_value> two words </arg_value><arg_key>b</arg_key>"
+      "<arg_value>true</arg_value><arg_key>n</arg_key><arg_value>null</arg_value></tool_call>",
+      nullptr);
   ASSERT_EQ(calls.size(), 1u);
   EXPECT_EQ(calls[0].arguments.dump(), R"({"q":" two words ","b":true,"n":null})");
 }
@@ -46,11 +47,10 @@ TEST(ToolCalls, LeavesWhatIsNotACompleteCall) {
   // No name, a key without its value, text between the pairs, text between calls: not this format.
   EXPECT_TRUE(parse_tool_calls("<tool_call><arg_key>a</arg_key><arg_value>1</arg_value></tool_call>", nullptr).empty());
   EXPECT_TRUE(parse_tool_calls("<tool_call>f<arg_key>a</arg_key></tool_call>", nullptr).empty());
-  EXPECT_TRUE(
-      parse_tool_calls("<tool_call>f<arg_key>a</arg_key><arg_value>1</arg_value> and <arg_key>b</arg_key>"
-                       "<arg_value>2</arg_value></tool_call>",
-                       nullptr)
-          .empty());
+  EXPECT_TRUE(parse_tool_calls("<tool_call>f<arg_key>a</arg_key><arg_value>1</arg_value> and <arg_key>b</arg_key>"
+                               "<arg_value>2</arg_value></tool_call>",
+                               nullptr)
+                  .empty());
   calls = parse_tool_calls("<tool_call>f</tool_call> so then <tool_call>g</tool_call>", &rest);
   ASSERT_EQ(calls.size(), 1u);
   EXPECT_EQ(rest, " so then <tool_call>g</tool_call>");
@@ -64,8 +64,9 @@ TEST(ToolCalls, SplitsAGenerationsIds) {
     const std::vector<uint32_t> u = tok.encode(text, false);
     return std::vector<int32_t>(u.begin(), u.end());
   };
-  const auto ids = ids_of("</think>Let me look.<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris"
-                          "</arg_value></tool_call><|endoftext|>");
+  const auto ids = ids_of(
+      "</think>Let me look.<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris"
+      "</arg_value></tool_call><|endoftext|>");
   ASSERT_NE(std::find(ids.begin(), ids.end(), int32_t(*tok.token_to_id("<tool_call>"))), ids.end());
   std::string content = "unchanged";
   const auto calls = split_tool_calls(tok, ids, &content);

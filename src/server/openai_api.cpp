@@ -238,7 +238,8 @@ ApiRequest parse_request(const std::string& body_text, bool chat, const ServedMo
     bad(field(body, "functions") ? "functions" : "function_call", "function calling is not supported by this server");
   if (const ojson* tc = field(body, "tool_choice");
       tc && !(tc->is_string() && (tc->get<std::string>() == "none" || tc->get<std::string>() == "auto")))
-    bad("tool_choice", "only \"auto\" or \"none\" (forcing a call needs constrained decoding, which this server does "
+    bad("tool_choice",
+        "only \"auto\" or \"none\" (forcing a call needs constrained decoding, which this server does "
         "not do)");
   if (!chat) {
     r.echo = get_bool(body, "echo", false);

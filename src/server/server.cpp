@@ -339,7 +339,8 @@ struct HttpServer::Impl {
       ojson calls = tool_calls(s, &content);
       if (!calls.empty()) finish = "tool_calls";
       if (s.req.chat) {
-        choice["message"] = {{"role", "assistant"}, {"content", calls.empty() || !content.empty() ? ojson(content) : ojson(nullptr)}};
+        choice["message"] = {{"role", "assistant"},
+                             {"content", calls.empty() || !content.empty() ? ojson(content) : ojson(nullptr)}};
         if (!calls.empty()) choice["message"]["tool_calls"] = calls;
       } else {
         choice["text"] = content;

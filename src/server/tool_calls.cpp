@@ -40,7 +40,8 @@ std::vector<ToolCall> parse_tool_calls(const std::string& text, std::string* res
       nlohmann::ordered_json parsed = nlohmann::ordered_json::parse(value, nullptr, /*allow_exceptions=*/false);
       call.arguments[key] = parsed.is_discarded() ? nlohmann::ordered_json(value) : parsed;
       k = body.find(kKey, ve);
-      if (trim(body.substr(ve + kValueEnd.size(), (k == std::string::npos ? body.size() : k) - ve - kValueEnd.size())) != "")
+      if (trim(body.substr(ve + kValueEnd.size(),
+                           (k == std::string::npos ? body.size() : k) - ve - kValueEnd.size())) != "")
         ok = false;  // text between the pairs: not this format
     }
     if (!ok) break;
