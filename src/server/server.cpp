@@ -398,39 +398,35 @@ struct HttpServer::Impl {
     // briefly on the first unfinished one when none had an event.
     const auto wait = choices.size() == 1 ? kPoll : std::chrono::milliseconds(2);
     auto last_check = clock::now();
-    for (;;) {
-      bool got = false, all_done = true;
-      for (auto& sp : choices) {
-        Session& s = *sp;
-        if (s.done) continue;
-        all_done = false;
-        SchedEvent ev;
-        if (!s.handle->next(ev, std::chrono::milliseconds(0))) continue;
-        got = true;
-        const Step step = on_event(s, std::move(ev), sink);
-        if (step == Step::Abort) return false;
-        if (step == Step::Failed) {
-          cancel_all(choices);
-          return true;
-        }
+    std::optional<bool> ended;  // set by an event that ends the response: run's return value
+    auto take = [&](Session& s, SchedEvent ev) {
+      const Step step = on_event(s, std::move(ev), sink);
+      if (step == Step::Abort) ended = false;
+      if (step == Step::Failed) {
+        cancel_all(choices);
+        ended = true;
       }
-      if (all_done) break;
+      return !ended;
+    };
+    for (;;) {
+      Session* first = nullptr;  // the first unfinished choice
+      bool got = false;
+      for (auto& sp : choices) {
+        if (sp->done) continue;
+        if (!first) first = sp.get();
+        SchedEvent ev;
+        if (!sp->handle->next(ev, std::chrono::milliseconds(0))) continue;
+        got = true;
+        if (!take(*sp, std::move(ev))) return *ended;
+      }
+      if (!first) break;
       if (stopping.load()) return false;
-      if (!got) {
-        for (auto& sp : choices)
-          if (!sp->done) {
-            SchedEvent ev;
-            if (sp->handle->next(ev, wait)) {
-              const Step step = on_event(*sp, std::move(ev), sink);
-              if (step == Step::Abort) return false;
-              if (step == Step::Failed) {
-                cancel_all(choices);
-                return true;
-              }
-              got = true;
-            }
-            break;
-          }
+      if (!got && !first->done) {
+        SchedEvent ev;
+        if (first->handle->next(ev, wait)) {
+          got = true;
+          if (!take(*first, std::move(ev))) return *ended;
+        }
       }
       if (!got || clock::now() - last_check > kPoll) {
         if (!sink.is_writable()) return false;
