@@ -129,7 +129,7 @@ namespace {
 // prob[i] = the weight of the candidate with key keys[i] (sample_weight against keys[0]'s logit).
 // Compiled twice: where the CPU has FMA instructions pm::exp's fmas are one instruction each
 // instead of a call into libm (this build targets x86-64 without FMA). Each fma is one rounding
-// either way, so both give the same bits (SamplingReference.WeightsAreTheGatheredLogitsWeights).
+// either way, so both give the same bits (SamplingReference.WarpIsTheStraightforwardComputationBitForBit).
 [[gnu::always_inline]] inline void candidate_weights_body(const uint32_t* keys, int64_t n, float inv_t, float* prob) {
   const float x0 = sample_order_logit(keys[0]);
   for (int64_t i = 0; i < n; ++i) prob[i] = sample_weight(sample_order_logit(keys[i]), x0, inv_t);
