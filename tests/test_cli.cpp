@@ -247,6 +247,15 @@ TEST(Cli, UnknownFlagsNameTheFlagMeant) {
   EXPECT_EQ(r.exit_code, 0) << r.err;
 }
 
+// serve --reasoning-parser needs <think> / </think> tokens: refused before the server listens
+// where the model has no tokenizer (the f32 fixture) or is synthetic.
+TEST(Cli, ServeRefusesAReasoningParserItCannotServe) {
+  expect_clean_error(run_vireo("serve --model " + kFixture + " --port 0 --reasoning-parser glm45"),
+                     "--reasoning-parser glm45: the model has no tokenizer.json");
+  expect_clean_error(run_vireo("serve --synthetic glm5 --port 0 --reasoning-parser deepseek_r1"),
+                     "--reasoning-parser needs a model with a tokenizer (--model), not --synthetic");
+}
+
 // tools/ab-bench.sh reads `vireo bench`'s decode lines: two variants, two rounds each, interleaved,
 // then one median line a variant with a percentage; a bad variant is refused by name.
 // An executable shell script: a stand-in for vireo in the tools' tests.

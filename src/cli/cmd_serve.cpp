@@ -39,6 +39,15 @@ void load_text(const std::string& dir, server::ServedModel& m) {
   }
 }
 
+// --reasoning-parser's markers in the served tokenizer.
+server::ThinkTokens think_tokens(const server::ServedModel& m, const std::string& parser) {
+  if (!m.tokenizer) fail("--reasoning-parser ", parser, ": the model has no tokenizer.json");
+  const std::optional<uint32_t> open = m.tokenizer->token_to_id("<think>"),
+                                close = m.tokenizer->token_to_id("</think>");
+  if (!open || !close) fail("--reasoning-parser ", parser, ": the tokenizer has no <think> and </think> tokens");
+  return {int32_t(*open), int32_t(*close)};
+}
+
 }  // namespace
 
 Action add_serve(CLI::App& app) {
@@ -52,6 +61,7 @@ Action add_serve(CLI::App& app) {
     int decode_steps = 1;
     bool mtp = false;
     std::string prefix_reuse = "on";
+    std::string reasoning_parser = "none";
     StreamingFlags sf;
   };
   auto o = std::make_shared<Opts>();
@@ -93,6 +103,11 @@ Action add_serve(CLI::App& app) {
                  "whole --prefill-chunk chunks (on the CPU the same bits as running them; off with --mtp)")
       ->check(CLI::IsMember({"on", "off"}))
       ->capture_default_str();
+  app.add_option("--reasoning-parser", o->reasoning_parser,
+                 "Chat replies split at the model's </think> into message.reasoning_content and content (the "
+                 "<think> / </think> special tokens of GLM-5 and DeepSeek-R1, as vLLM's parsers of these names)")
+      ->check(CLI::IsMember({"none", "glm45", "deepseek_r1"}))
+      ->capture_default_str();
   app.add_option("--cache-budget", o->cache_budget,
                  "Admission budget in cache bytes (e.g. 2G) for prompt + max_tokens of running requests "
                  "(default: the whole cache, max-batch x context)");
@@ -109,8 +124,17 @@ Action add_serve(CLI::App& app) {
       GlmDsaConfig c = load_glm_dsa_config(o->model);
       enable_mtp(c, o->model + "/config.json");
     }
+    if (!o->synthetic.empty() && o->reasoning_parser != "none")
+      fail("--reasoning-parser needs a model with a tokenizer (--model), not --synthetic");
     if (!o->synthetic.empty() && !o->sf.budget.empty()) fail("--memory-budget needs a checkpoint on disk (--model)");
     if (!o->synthetic.empty() && !o->sf.gpu_budget.empty()) fail("--gpu-budget needs a checkpoint on disk (--model)");
+    // The text side first (small): a --reasoning-parser the tokenizer cannot serve is refused
+    // before the server listens.
+    server::ServedModel sm;
+    if (o->synthetic.empty()) {
+      load_text(o->model, sm);
+      if (o->reasoning_parser != "none") sm.think = think_tokens(sm, o->reasoning_parser);
+    }
     // Signals go to a sigwait below, never to a handler racing the server's threads.
     sigset_t sigs;
     sigemptyset(&sigs);
@@ -129,7 +153,6 @@ Action add_serve(CLI::App& app) {
     auto backend = make_cli_backend(o->device, o->math);
     LoadedModel lm;
     int64_t context = o->context;
-    server::ServedModel sm;
     if (!o->synthetic.empty()) {
       GlmDsaConfig c = glm5_synthetic_config(o->layers, o->experts);
       if (context == 0) context = 4096;
@@ -148,7 +171,6 @@ Action add_serve(CLI::App& app) {
       sm.name = o->name.empty() ? std::filesystem::path(o->model).lexically_normal().filename().string() : o->name;
       if (sm.name.empty())
         sm.name = std::filesystem::path(o->model).lexically_normal().parent_path().filename().string();
-      load_text(o->model, sm);
     }
     sm.context = context;
     sm.vocab = lm.model->config().vocab_size;

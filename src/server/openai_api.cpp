@@ -330,6 +330,9 @@ ApiRequest parse_request(const std::string& body_text, bool chat, const ServedMo
     const ojson* tools = chat_tools(body, m);
     r.parse_tools = tools != nullptr;
     r.prompts.push_back(chat_prompt(body, m, tools));
+    r.think = m.think;
+    r.starts_in_reasoning = m.think.splits() && !r.prompts[0].empty() && r.prompts[0].back() == m.think.open;
+    r.include_reasoning = get_bool(body, "include_reasoning", true);
   } else {
     for (auto& [ids, text] : completion_prompts(body, m)) {
       r.prompts.push_back(std::move(ids));

@@ -12,6 +12,7 @@
 
 #include "core/error.h"
 #include "runtime/scheduler.h"
+#include "server/text_output.h"
 #include "text/chat_template.h"
 #include "text/tokenizer.h"
 
@@ -38,6 +39,9 @@ struct ServedModel {
   std::shared_ptr<const Tokenizer> tokenizer;       // null: token-id prompts only, no text out
   std::shared_ptr<const ChatTemplate> chat_template;  // null: chat answers 400 with template_error
   std::string template_error;                 // why there is no chat template
+  // Chat replies split into reasoning_content and content at these markers (serve
+  // --reasoning-parser; none by default, as in vLLM).
+  ThinkTokens think;
 };
 
 struct ApiRequest {
@@ -58,6 +62,12 @@ struct ApiRequest {
   // Chat with `tools` (tool_choice not "none"): the output is read for GLM-5 tool calls
   // (server/tool_calls.h), and while streaming it is held until the end.
   bool parse_tools = false;
+  // Chat under a reasoning split (ServedModel::think): the markers, whether the prompt ends with
+  // <think> (the reply starts inside the reasoning), and vLLM's include_reasoning (false: the
+  // reasoning is left out of the response).
+  ThinkTokens think;
+  bool starts_in_reasoning = false;
+  bool include_reasoning = true;
 };
 
 // Throws ApiError (status 400 naming the field, 404 for an unknown model).

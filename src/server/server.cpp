@@ -61,7 +61,8 @@ struct Session {
   const Tokenizer* tokenizer = nullptr;
   TextOutput text;
   std::vector<int32_t> ids;
-  std::string content;        // non-streaming: the whole text
+  std::string content;                // non-streaming: the whole text (with tools: streaming too)
+  std::string reasoning;              // non-streaming, under a reasoning split: the reasoning's text
   ojson lp_content = ojson::array();  // chat logprobs entries (non-streaming: all; streaming: pending)
   ojson lp_tokens = ojson::array(), lp_values = ojson::array(), lp_top = ojson::array(), lp_offsets = ojson::array();
   size_t text_offset = 0;
@@ -73,7 +74,7 @@ struct Session {
   clock::time_point last_token;
 
   Session(ApiRequest r, const Tokenizer* tok)
-      : req(std::move(r)), tokenizer(tok), text(tok, req.stop) {}
+      : req(std::move(r)), tokenizer(tok), text(tok, req.stop, req.think, req.starts_in_reasoning) {}
 
   std::string token_string(int32_t id) const {
     if (!tokenizer) return "token_id:" + std::to_string(id);
@@ -295,7 +296,9 @@ struct HttpServer::Impl {
   }
 
   // A streaming chunk carrying `piece` (and pending logprobs / ids); finish_reason when final.
-  bool send_chunk(Session& s, httplib::DataSink& sink, const std::string& piece, const char* finish) {
+  // reasoning: the piece is the reply's reasoning (delta.reasoning_content).
+  bool send_chunk(Session& s, httplib::DataSink& sink, const std::string& piece, const char* finish,
+                  bool reasoning = false) {
     ojson c = chunk_base(s);
     ojson choice = {{"index", s.index}};
     if (s.req.chat) {
@@ -304,7 +307,7 @@ struct HttpServer::Impl {
         delta["role"] = "assistant";
         s.sent_role = true;
       }
-      if (!piece.empty() || !finish) delta["content"] = piece;
+      if (!piece.empty() || (!finish && !reasoning)) delta[reasoning ? "reasoning_content" : "content"] = piece;
       choice["delta"] = delta;
     } else {
       choice["text"] = piece;
@@ -319,10 +322,12 @@ struct HttpServer::Impl {
 
   // With tools, the choice's GLM-5 tool calls as OpenAI's tool_calls (empty: none), *content then
   // the text before the first <tool_call> (the calls are special tokens, which the text skips).
+  // Calls are read in the content only, not in the reasoning before it.
   static ojson tool_calls(const Session& s, std::string* content) {
     ojson out = ojson::array();
     if (!s.req.parse_tools || !s.tokenizer) return out;
-    for (const ToolCall& c : split_tool_calls(*s.tokenizer, s.ids, content))
+    const std::vector<int32_t> ids(s.ids.begin() + std::ptrdiff_t(s.text.content_start()), s.ids.end());
+    for (const ToolCall& c : split_tool_calls(*s.tokenizer, ids, content))
       out.push_back({{"id", random_id("call_")},
                      {"type", "function"},
                      {"function", {{"name", c.name}, {"arguments", c.arguments.dump()}}}});
@@ -341,6 +346,8 @@ struct HttpServer::Impl {
       if (s.req.chat) {
         choice["message"] = {{"role", "assistant"},
                              {"content", calls.empty() || !content.empty() ? ojson(content) : ojson(nullptr)}};
+        if (s.req.think.splits() && s.req.include_reasoning)
+          choice["message"]["reasoning_content"] = s.reasoning.empty() ? ojson(nullptr) : ojson(s.reasoning);
         if (!calls.empty()) choice["message"]["tool_calls"] = calls;
       } else {
         choice["text"] = content;
@@ -454,7 +461,7 @@ struct HttpServer::Impl {
   // failure (written as the response's end: Failed).
   Step on_event(Session& s, SchedEvent ev, httplib::DataSink& sink) {
     const bool stream = s.req.stream;
-    std::string piece;
+    TextPiece out;  // this event's text
     const char* finish = nullptr;
     if (ev.kind == SchedEvent::Kind::PromptToken) {  // echo: sent with the next chunk
       s.add_prompt_logprob(ev.token, &ev);
@@ -469,8 +476,8 @@ struct HttpServer::Impl {
       s.last_token = ev.time;
       s.ids.push_back(ev.token);
       s.pending_ids.push_back(ev.token);
-      piece = s.text.token(ev.token);
-      s.add_logprobs(ev, piece);
+      out = s.text.token(ev.token);
+      s.add_logprobs(ev, out.text);
       if (s.text.stopped()) {
         s.handle->cancel();  // a stop string: the engine frees the row at its next step
         end(s, "stop");
@@ -478,7 +485,7 @@ struct HttpServer::Impl {
       }
     } else if (ev.kind == SchedEvent::Kind::Finish) {
       if (ev.reason == FinishReason::Cancelled) return Step::Abort;
-      piece = s.text.finish();
+      out = s.text.finish();
       const char* reason = ev.reason == FinishReason::Length && !s.text.stopped() ? "length" : "stop";
       end(s, reason);
       finish = reason;
@@ -489,7 +496,17 @@ struct HttpServer::Impl {
       sink.done();
       return Step::Failed;
     }
-    if (stream && s.req.parse_tools) {  // held to the end: the text, then the calls read from it
+    // The reasoning's text: sent as it comes (the tool calls are read in the content only), or kept,
+    // or left out (include_reasoning false); the chunk then carries no text, only what is pending.
+    const bool reasoning = out.reasoning;
+    if (reasoning && !s.req.include_reasoning) out.text.clear();
+    if (reasoning && !stream) s.reasoning += out.text;
+    const std::string piece = reasoning && !stream ? std::string() : std::move(out.text);
+    if (stream && s.req.parse_tools && reasoning) {
+      if (!piece.empty() || s.has_pending_logprobs() || (s.req.return_token_ids && !s.pending_ids.empty()))
+        if (!send_chunk(s, sink, piece, nullptr, true)) return Step::Abort;
+      if (finish && !send_chunk(s, sink, "", finish)) return Step::Abort;
+    } else if (stream && s.req.parse_tools) {  // held to the end: the text, then the calls read from it
       s.content += piece;
       if (!finish) return Step::Go;
       std::string content = s.content;
@@ -509,10 +526,10 @@ struct HttpServer::Impl {
     } else if (stream) {
       if (finish) {
         if (!piece.empty() || s.has_pending_logprobs() || (s.req.return_token_ids && !s.pending_ids.empty()))
-          if (!send_chunk(s, sink, piece, nullptr)) return Step::Abort;
+          if (!send_chunk(s, sink, piece, nullptr, reasoning)) return Step::Abort;
         if (!send_chunk(s, sink, "", finish)) return Step::Abort;
       } else if (!piece.empty() || s.has_pending_logprobs() || s.req.return_token_ids) {
-        if (!send_chunk(s, sink, piece, nullptr)) return Step::Abort;
+        if (!send_chunk(s, sink, piece, nullptr, reasoning)) return Step::Abort;
       }
     } else {
       s.content += piece;

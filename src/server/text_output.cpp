@@ -35,20 +35,36 @@ std::string StopMatcher::flush() {
   return std::exchange(held_, {});
 }
 
-TextOutput::TextOutput(const Tokenizer* tokenizer, std::vector<std::string> stops) : matcher_(std::move(stops)) {
+TextOutput::TextOutput(const Tokenizer* tokenizer, std::vector<std::string> stops, ThinkTokens think,
+                       bool starts_in_reasoning)
+    : matcher_(std::move(stops)), think_(think), in_reasoning_(think.splits() && starts_in_reasoning) {
   if (tokenizer) decoder_.emplace(*tokenizer, /*skip_special_tokens=*/true);
 }
 
-std::string TextOutput::token(int32_t id) {
-  if (!decoder_) return {};
-  return matcher_.feed(decoder_->step(uint32_t(id)));
+TextPiece TextOutput::token(int32_t id) {
+  ++fed_;
+  if (in_reasoning_) content_start_ = fed_;
+  if (!decoder_) return {{}, in_reasoning_};
+  TextPiece out{matcher_.feed(decoder_->step(uint32_t(id))), in_reasoning_};
+  if (think_.splits() && in_reasoning_ && id == think_.close) {
+    out.text += settle();
+    in_reasoning_ = false;
+  } else if (think_.splits() && fed_ == 1 && id == think_.open) {
+    in_reasoning_ = true;  // (nothing was withheld before the first id)
+    content_start_ = fed_;
+  }
+  return out;
 }
 
-std::string TextOutput::finish() {
-  if (!decoder_) return {};
+std::string TextOutput::settle() {
   std::string out = matcher_.feed(decoder_->finish());
   if (matcher_.stopped()) return out;
   return out + matcher_.flush();
+}
+
+TextPiece TextOutput::finish() {
+  if (!decoder_) return {{}, in_reasoning_};
+  return {settle(), in_reasoning_};
 }
 
 }  // namespace vireo::server

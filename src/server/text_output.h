@@ -27,17 +27,43 @@ class StopMatcher {
   bool stopped_ = false;
 };
 
+// A reasoning model's thinking markers (special tokens): GLM-5's and DeepSeek-R1's <think> and
+// </think>. -1: none (no reasoning split).
+struct ThinkTokens {
+  int32_t open = -1, close = -1;
+  bool splits() const { return close >= 0; }
+};
+
+// Text pieces, each wholly reasoning or content: with ThinkTokens, what comes before </think> is
+// the reasoning (a generation starts inside it where the prompt ends with <think>, or enters it
+// where its first token is <think>), the rest the content, as vLLM's glm45 / deepseek_r1
+// reasoning parsers split a chat reply. At </think> the withheld text (an incomplete character, a
+// possible stop string's start) is settled into the reasoning: a stop string spanning the marker
+// is not matched.
+struct TextPiece {
+  std::string text;
+  bool reasoning = false;
+};
+
 class TextOutput {
  public:
   // `tokenizer` may be null: the model has no tokenizer, and there is no text.
-  TextOutput(const Tokenizer* tokenizer, std::vector<std::string> stops);
-  std::string token(int32_t id);  // text made final by this id (possibly empty)
-  std::string finish();           // the rest at the end
+  TextOutput(const Tokenizer* tokenizer, std::vector<std::string> stops, ThinkTokens think = {},
+             bool starts_in_reasoning = false);
+  TextPiece token(int32_t id);  // text made final by this id (possibly empty)
+  TextPiece finish();           // the rest at the end
   bool stopped() const { return matcher_.stopped(); }
+  // How many of the ids fed so far are reasoning (with </think>): the content's ids start here.
+  size_t content_start() const { return content_start_; }
 
  private:
+  std::string settle();  // the decoder's and the matcher's withheld text, made final
+
   std::optional<DecodeStream> decoder_;
   StopMatcher matcher_;
+  ThinkTokens think_;
+  bool in_reasoning_ = false;
+  size_t fed_ = 0, content_start_ = 0;
 };
 
 }  // namespace vireo::server

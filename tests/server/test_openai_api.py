@@ -526,3 +526,57 @@ def test_mtp_serving_keeps_greedy_tokens_and_counts_drafts(demo_mtp):
     assert kept > 0 and rejected > 0
     # Each kept draft is a second token from one step.
     assert m["vireo_generation_tokens_total"] >= kept
+
+
+@pytest.fixture(scope="module")
+def demo_reasoning():
+    from conftest import DEMO, Server
+    if not (DEMO / "config.json").exists():
+        pytest.skip("models/vireo-demo is not present")
+    s = Server(DEMO, "--max-batch", "4", "--prefill-chunk", "64", "--reasoning-parser", "glm45")
+    yield s
+    s.stop()
+
+
+def test_reasoning_parser_splits_chat_replies(demo, demo_reasoning):
+    """--reasoning-parser glm45: the demo's chat template ends its generation prompt with <think>,
+    so a reply is reasoning until </think>; the demo model does not write one within 16 tokens, so
+    the plain server's content comes back whole as reasoning_content (streamed as
+    delta.reasoning_content) with the same tokens. enable_thinking false makes it content again,
+    include_reasoning false leaves it out, a forced </think> (id 8183) ends the reasoning at once,
+    and /v1/completions is never split. (tests/test_text_output.cpp splits mid-reply.)"""
+    msgs = [{"role": "user", "content": "What is Unicode?"}]
+    kw = dict(model=MODEL, messages=msgs, max_tokens=16, temperature=0)
+    ids = {"return_token_ids": True}
+    plain = demo.client().chat.completions.create(**kw, extra_body=ids)
+    text = plain.choices[0].message.content
+    assert text and "reasoning_content" not in plain.choices[0].message.model_extra
+    client = demo_reasoning.client()
+    r = client.chat.completions.create(**kw, extra_body=ids)
+    m = r.choices[0].message
+    assert m.model_extra["reasoning_content"] == text and m.content == ""
+    assert r.choices[0].model_extra["token_ids"] == plain.choices[0].model_extra["token_ids"]
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == text
+    assert not any(d.content for d in deltas)
+    # Tools do not hold the reasoning back: it streams as it comes, and no call is read from it.
+    tool_chunks = list(client.chat.completions.create(**kw, stream=True, tools=[WEATHER]))
+    assert sum(1 for c in tool_chunks if c.choices and c.choices[0].delta.model_extra.get("reasoning_content")) > 1
+    # Thinking off: the prompt ends with </think>, and the reply is content.
+    off = dict(kw, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    want = demo.client().chat.completions.create(**off).choices[0].message.content
+    got = client.chat.completions.create(**off).choices[0].message
+    assert got.content == want and want and got.model_extra["reasoning_content"] is None
+    hidden = client.chat.completions.create(**kw, extra_body={"include_reasoning": False}).choices[0].message
+    assert hidden.content == "" and "reasoning_content" not in hidden.model_extra
+    hidden_chunks = list(client.chat.completions.create(**kw, stream=True, extra_body={"include_reasoning": False}))
+    assert not any(c.choices and (c.choices[0].delta.content or c.choices[0].delta.model_extra.get("reasoning_content"))
+                   for c in hidden_chunks)
+    forced = client.chat.completions.create(**dict(kw, max_tokens=3), logit_bias={"8183": 100}, extra_body=ids)
+    assert forced.choices[0].model_extra["token_ids"] == [8183] * 3
+    assert forced.choices[0].message.model_extra["reasoning_content"] is None and forced.choices[0].message.content == ""
+    comp = client.completions.create(model=MODEL, prompt=r.model_extra["prompt_token_ids"], max_tokens=16, temperature=0)
+    assert comp.choices[0].text == text
+    status, err = error_of(demo_reasoning.http("POST", "/v1/chat/completions", dict(kw, include_reasoning="no")))
+    assert status == 400 and err["param"] == "include_reasoning", err

@@ -1,0 +1,128 @@
+// A generation's ids -> the text a client sees (server/text_output.h): stop strings withheld until
+// they cannot match, and a reasoning model's reply split at </think> into reasoning and content,
+// token by token as the server streams it.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "server/text_output.h"
+#include "text/tokenizer.h"
+
+using namespace vireo::server;
+using vireo::Tokenizer;
+
+namespace {
+
+const Tokenizer& demo_tokenizer() {
+  static const Tokenizer tok =
+      Tokenizer::from_file(std::string(VIREO_SOURCE_DIR) + "/models/vireo-demo/tokenizer.json");
+  return tok;
+}
+
+std::vector<int32_t> ids_of(const std::string& text) {
+  const std::vector<uint32_t> u = demo_tokenizer().encode(text, false);
+  return std::vector<int32_t>(u.begin(), u.end());
+}
+
+ThinkTokens demo_think() {
+  return {int32_t(*demo_tokenizer().token_to_id("<think>")), int32_t(*demo_tokenizer().token_to_id("</think>"))};
+}
+
+// Every piece of feeding `ids` then finishing, joined by part.
+struct Parts {
+  std::string reasoning, content;
+  size_t content_start = 0;
+  bool stopped = false;
+};
+Parts run(TextOutput& out, const std::vector<int32_t>& ids) {
+  Parts p;
+  auto take = [&](const TextPiece& piece) { (piece.reasoning ? p.reasoning : p.content) += piece.text; };
+  for (int32_t id : ids) {
+    take(out.token(id));
+    if (out.stopped()) break;
+  }
+  take(out.finish());
+  p.content_start = out.content_start();
+  p.stopped = out.stopped();
+  return p;
+}
+
+}  // namespace
+
+TEST(TextOutput, SplitsTheReplyAtThinkEnd) {
+  const ThinkTokens think = demo_think();
+  const std::vector<int32_t> reasoning = ids_of("Paris is the capital. ü"), content = ids_of(" It is Paris.");
+  std::vector<int32_t> ids = reasoning;
+  ids.push_back(think.close);
+  ids.insert(ids.end(), content.begin(), content.end());
+
+  // The prompt ended with <think>: everything before </think> is reasoning.
+  TextOutput inside(&demo_tokenizer(), {}, think, true);
+  Parts p = run(inside, ids);
+  EXPECT_EQ(p.reasoning, "Paris is the capital. ü");
+  EXPECT_EQ(p.content, " It is Paris.");
+  EXPECT_EQ(p.content_start, reasoning.size() + 1);
+
+  // Started outside (thinking off): no split, the markers skipped as special tokens.
+  TextOutput outside(&demo_tokenizer(), {}, think, false);
+  p = run(outside, ids);
+  EXPECT_EQ(p.reasoning, "");
+  EXPECT_EQ(p.content, "Paris is the capital. ü It is Paris.");
+  EXPECT_EQ(p.content_start, 0u);
+
+  // A reply that opens its own reasoning with <think> as its first token enters it.
+  std::vector<int32_t> opened = {think.open};
+  opened.insert(opened.end(), ids.begin(), ids.end());
+  TextOutput self(&demo_tokenizer(), {}, think, false);
+  p = run(self, opened);
+  EXPECT_EQ(p.reasoning, "Paris is the capital. ü");
+  EXPECT_EQ(p.content, " It is Paris.");
+  EXPECT_EQ(p.content_start, reasoning.size() + 2);
+
+  // <think> later on is not an opening; no markers at all: no split.
+  TextOutput later(&demo_tokenizer(), {}, think, false);
+  std::vector<int32_t> late = content;
+  late.push_back(think.open);
+  late.insert(late.end(), reasoning.begin(), reasoning.end());
+  p = run(later, late);
+  EXPECT_EQ(p.reasoning, "");
+  EXPECT_EQ(p.content, " It is Paris.Paris is the capital. ü");
+  TextOutput plain(&demo_tokenizer(), {}, {}, true);
+  p = run(plain, ids);
+  EXPECT_EQ(p.reasoning, "");
+  EXPECT_EQ(p.content, "Paris is the capital. ü It is Paris.");
+}
+
+TEST(TextOutput, SettlesWithheldTextIntoTheReasoning) {
+  const ThinkTokens think = demo_think();
+  // A stop string's start withheld at </think> belongs to the reasoning (the stop does not span
+  // the marker); after it, stop strings match in the content.
+  std::vector<int32_t> ids = ids_of("We are do");
+  ids.push_back(think.close);
+  const std::vector<int32_t> after = ids_of("ne. Done here.");
+  ids.insert(ids.end(), after.begin(), after.end());
+  TextOutput out(&demo_tokenizer(), {"done", "Done"}, think, true);
+  Parts p = run(out, ids);
+  EXPECT_EQ(p.reasoning, "We are do");
+  EXPECT_EQ(p.content, "ne. ");
+  EXPECT_TRUE(p.stopped);
+
+  // A stop string inside the reasoning stops there.
+  TextOutput early(&demo_tokenizer(), {"are"}, think, true);
+  p = run(early, ids);
+  EXPECT_EQ(p.reasoning, "We ");
+  EXPECT_EQ(p.content, "");
+  EXPECT_TRUE(p.stopped);
+
+  // A character whose bytes span two tokens, cut by </think>, is settled with the reasoning.
+  const std::vector<int32_t> emoji = ids_of("🙂");
+  ASSERT_GE(emoji.size(), 2u) << "the test needs a character of several byte tokens";
+  std::vector<int32_t> cut = {emoji[0], think.close};
+  const std::vector<int32_t> tail = ids_of("ok");
+  cut.insert(cut.end(), tail.begin(), tail.end());
+  TextOutput split(&demo_tokenizer(), {}, think, true);
+  p = run(split, cut);
+  EXPECT_EQ(p.reasoning, demo_tokenizer().decode(std::vector<uint32_t>{uint32_t(emoji[0])}, true));
+  EXPECT_EQ(p.content, "ok");
+}
