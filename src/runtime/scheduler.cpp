@@ -463,15 +463,17 @@ bool Scheduler::step() {
       r.prefilled += n;
       if (r.req.prompt_logprobs) {
         emit_prompt_logprobs(r, at, n, items[k].logits);
-        if (r.prefilled < P) continue;
-        if (r.req.max_tokens > 0) {
+        if (r.prefilled == P && r.req.max_tokens > 0) {
           emit_token(r, items[k].logits + (n - 1) * vocab_);
-        } else {  // echo: the prompt's logprobs only
+        } else if (r.prefilled == P) {  // echo: the prompt's logprobs only
           SchedEvent f;
           f.kind = SchedEvent::Kind::Finish;
           f.reason = FinishReason::Length;
           finish(r, std::move(f));
         }
+        // The chunk's [T, vocab] rows are spent: a list of prompts then holds one step's rows at
+        // most, not a chunk's each until it ends (GLM-5's vocabulary: 159 MB a 256-token chunk).
+        std::vector<float>().swap(r.prompt_rows);
         continue;
       }
       if (r.prefilled < P || opt_.mtp_drafts) {
