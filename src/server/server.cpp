@@ -69,7 +69,8 @@ struct Session {
   std::vector<int32_t> pending_ids;  // streaming: ids not yet sent (return_token_ids)
   std::string finish_reason;  // set when done
   bool done = false;
-  bool sent_role = false;
+  bool sent_role = false;        // chat streaming: the first chunk (the role) is out
+  bool sent_prompt_ids = false;  // completions streaming with return_token_ids: the prompt's ids are out
   int index = 0;  // the choice's index (n > 1)
   clock::time_point last_token;
 
@@ -314,6 +315,10 @@ struct HttpServer::Impl {
     }
     choice["logprobs"] = s.take_logprobs();
     choice["finish_reason"] = finish ? ojson(finish) : ojson(nullptr);
+    if (s.req.return_token_ids && !s.req.chat && !s.sent_prompt_ids) {
+      choice["prompt_token_ids"] = s.req.sched.prompt;
+      s.sent_prompt_ids = true;
+    }
     if (s.req.return_token_ids) choice["token_ids"] = std::exchange(s.pending_ids, {});
     c["choices"] = ojson::array({choice});
     if (s.req.include_usage) c["usage"] = nullptr;
@@ -354,6 +359,7 @@ struct HttpServer::Impl {
       }
       choice["logprobs"] = s.take_logprobs();
       choice["finish_reason"] = finish;
+      if (s.req.return_token_ids && !s.req.chat) choice["prompt_token_ids"] = s.req.sched.prompt;  // its own (vLLM's)
       if (s.req.return_token_ids) choice["token_ids"] = s.ids;
       all.push_back(std::move(choice));
     }

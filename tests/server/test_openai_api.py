@@ -224,6 +224,16 @@ def test_n_choices(demo):
                                   **GREEDY)
     got = [ch.model_extra["token_ids"] for ch in r.choices]
     assert got == [c0["continuation_ids"]] * 2 + [c1["continuation_ids"]] * 2
+    # return_token_ids: each choice names its own prompt's ids (vLLM's), streamed in its first chunk.
+    assert [ch.model_extra["prompt_token_ids"] for ch in r.choices] == [c0["prompt_ids"]] * 2 + [c1["prompt_ids"]] * 2
+    firsts = {}
+    for ch in client.completions.create(model=MODEL, prompt=[c0["prompt_ids"], c1["prompt_ids"]], max_tokens=3,
+                                        stream=True, **GREEDY):
+        for c in ch.choices:
+            if "prompt_token_ids" in c.model_extra:
+                assert c.index not in firsts
+                firsts[c.index] = c.model_extra["prompt_token_ids"]
+    assert firsts == {0: c0["prompt_ids"], 1: c1["prompt_ids"]}
     assert r.usage.prompt_tokens == len(c0["prompt_ids"]) + len(c1["prompt_ids"]) and r.usage.completion_tokens == 192
     status, err = error_of(demo.http("POST", "/v1/completions", {"model": MODEL, "prompt": ["a", 5]}))
     assert status == 400 and err["param"] == "prompt[1]", err
