@@ -60,7 +60,7 @@ struct ApiRequest {
   // tokens lead them (the first with none: sched.prompt_logprobs).
   bool echo = false;
   // Chat with `tools` (tool_choice not "none"): the output is read for GLM-5 tool calls
-  // (server/tool_calls.h), and while streaming it is held until the end.
+  // (server/tool_calls.h); while streaming, the text from the first <tool_call> on is held to the end.
   bool parse_tools = false;
   // Chat under a reasoning split (ServedModel::think): the markers, whether the prompt ends with
   // <think> (the reply starts inside the reasoning), and vLLM's include_reasoning (false: the

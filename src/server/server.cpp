@@ -71,11 +71,16 @@ struct Session {
   bool done = false;
   bool sent_role = false;        // chat streaming: the first chunk (the role) is out
   bool sent_prompt_ids = false;  // completions streaming with return_token_ids: the prompt's ids are out
+  int32_t tool_call_open = -1;   // with tools: the <tool_call> token's id
+  bool in_calls = false;         // streaming with tools: past the first <tool_call> (the rest is held)
   int index = 0;  // the choice's index (n > 1)
   clock::time_point last_token;
 
   Session(ApiRequest r, const Tokenizer* tok)
-      : req(std::move(r)), tokenizer(tok), text(tok, req.stop, req.think, req.starts_in_reasoning) {}
+      : req(std::move(r)), tokenizer(tok), text(tok, req.stop, req.think, req.starts_in_reasoning) {
+    if (req.parse_tools && tok)
+      if (const std::optional<uint32_t> id = tok->token_to_id("<tool_call>")) tool_call_open = int32_t(*id);
+  }
 
   std::string token_string(int32_t id) const {
     if (!tokenizer) return "token_id:" + std::to_string(id);
@@ -502,23 +507,25 @@ struct HttpServer::Impl {
       sink.done();
       return Step::Failed;
     }
-    // The reasoning's text: sent as it comes (the tool calls are read in the content only), or kept,
-    // or left out (include_reasoning false); the chunk then carries no text, only what is pending.
+    // The reasoning's text: streamed as it comes (tools or not), or kept, or left out
+    // (include_reasoning false; a chunk then carries only what is pending).
     const bool reasoning = out.reasoning;
     if (reasoning && !s.req.include_reasoning) out.text.clear();
     if (reasoning && !stream) s.reasoning += out.text;
     const std::string piece = reasoning && !stream ? std::string() : std::move(out.text);
-    if (stream && s.req.parse_tools && reasoning) {
-      if (!piece.empty() || s.has_pending_logprobs() || (s.req.return_token_ids && !s.pending_ids.empty()))
-        if (!send_chunk(s, sink, piece, nullptr, true)) return Step::Abort;
-      if (finish && !send_chunk(s, sink, "", finish)) return Step::Abort;
-    } else if (stream && s.req.parse_tools) {  // held to the end: the text, then the calls read from it
+    // Streaming with tools: the content goes out as it comes up to the first <tool_call> token; from
+    // there on it is held to the end, which sends the calls read from it (or, where none is
+    // complete, the held text, as a reply that does not stream has it).
+    if (stream && s.req.parse_tools && !reasoning && ev.kind == SchedEvent::Kind::Token &&
+        ev.token == s.tool_call_open)
+      s.in_calls = true;
+    if (stream && s.in_calls) {
       s.content += piece;
       if (!finish) return Step::Go;
-      std::string content = s.content;
-      const ojson calls = tool_calls(s, &content);
-      if (!content.empty() || s.has_pending_logprobs() || s.req.return_token_ids)
-        if (!send_chunk(s, sink, content, nullptr)) return Step::Abort;
+      const ojson calls = tool_calls(s, nullptr);
+      const std::string held = calls.empty() ? s.content : std::string();
+      if (!held.empty() || s.has_pending_logprobs() || (s.req.return_token_ids && !s.pending_ids.empty()))
+        if (!send_chunk(s, sink, held, nullptr)) return Step::Abort;
       for (size_t i = 0; i < calls.size(); ++i) {
         ojson c = chunk_base(s), call = calls[i];
         call["index"] = int(i);

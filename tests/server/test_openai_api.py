@@ -327,6 +327,12 @@ def test_tools_are_described_and_calls_rendered(demo):
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
     r = client.chat.completions.create(model=MODEL, messages=turn, max_tokens=4, temperature=0, tools=[WEATHER])
     assert r.usage.prompt_tokens > with_tools.usage.prompt_tokens and r.choices[0].finish_reason == "length"
+    # Text before any call streams as it comes (not held to the end), the same text as without streaming.
+    kw = dict(model=MODEL, messages=msgs, max_tokens=12, temperature=0, tools=[WEATHER])
+    whole = client.chat.completions.create(**kw).choices[0].message.content
+    parts = [c.choices[0].delta.content for c in client.chat.completions.create(stream=True, **kw)
+             if c.choices and c.choices[0].delta.content]
+    assert len(parts) > 1 and "".join(parts) == whole
     # Forced into an unterminated call (<tool_call> is id 8184): no tool_calls, no text (the tags are special).
     for stream in (False, True):
         kw = dict(model=MODEL, messages=msgs, max_tokens=2, temperature=0, tools=[WEATHER], logit_bias={"8184": 100})
