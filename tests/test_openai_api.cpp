@@ -1,7 +1,7 @@
-// The OpenAI request parser (server/openai_api.h) under fuzzing: bodies built from valid requests
-// with values swapped for others of any type, keys dropped or added, and bytes edited, must either
-// parse into a request within its limits or be refused with an ApiError naming the field (one
-// line): never another exception, a crash or a hang. tests/server covers each rule end to end.
+// The OpenAI request parser (server/openai_api.h; and /tokenize's and /detokenize's) under fuzzing: bodies built from
+// valid requests with values swapped for others of any type, keys dropped or added, and bytes edited, must either parse
+// into a request within its limits or be refused with an ApiError naming the field (one line): never another exception,
+// a crash or a hang. tests/server covers each rule end to end.
 #include <gtest/gtest.h>
 
 #include <memory>
@@ -201,6 +201,16 @@ TEST(OpenAiApi, FuzzedBodiesParseOrNameTheField) {
       ASSERT_TRUE(e.status == 400 || e.status == 404) << e.status;
     } catch (const std::exception& e) {
       FAIL() << "not an ApiError: " << e.what();
+    }
+    // /tokenize and /detokenize read the same bodies (and refuse most).
+    for (auto read : {tokenize, detokenize}) {
+      try {
+        read(text, m);
+      } catch (const ApiError& e) {
+        ASSERT_EQ(std::string(e.what()).find('\n'), std::string::npos) << e.what();
+      } catch (const std::exception& e) {
+        FAIL() << "not an ApiError: " << e.what();
+      }
     }
   }
   // Both outcomes happen often (the mutations are not all refused, nor all harmless).

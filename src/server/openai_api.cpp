@@ -129,7 +129,8 @@ const ojson* chat_tools(const ojson& body, const ServedModel& m) {
   return tools;
 }
 
-std::vector<int32_t> chat_prompt(const ojson& body, const ServedModel& m, const ojson* tools) {
+std::vector<int32_t> chat_prompt(const ojson& body, const ServedModel& m, const ojson* tools,
+                                 bool add_generation_prompt = true) {
   const ojson* msgs = field(body, "messages");
   if (!msgs) bad("messages", "is required");
   if (!msgs->is_array()) bad("messages", "must be a list of messages, got " + type_of(*msgs));
@@ -194,7 +195,7 @@ std::vector<int32_t> chat_prompt(const ojson& body, const ServedModel& m, const 
   if (tools) extra["tools"] = *tools;
   std::string text;
   try {
-    text = m.chat_template->render(messages, true, extra);
+    text = m.chat_template->render(messages, add_generation_prompt, extra);
   } catch (const Error& e) {
     bad("messages", std::string("the chat template rejected them: ") + e.what());
   }
@@ -202,7 +203,60 @@ std::vector<int32_t> chat_prompt(const ojson& body, const ServedModel& m, const 
   return encode(m, text, false, "messages");
 }
 
+ojson parse_body(const std::string& text) {
+  ojson body = ojson::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (body.is_discarded()) throw ApiError(400, "the request body is not valid JSON");
+  if (!body.is_object()) throw ApiError(400, "the request body must be a JSON object, got " + type_of(body));
+  return body;
+}
+
+void check_model(const ojson& body, const ServedModel& m) {
+  if (const ojson* model = field(body, "model")) {
+    if (!model->is_string()) bad("model", "must be a string, got " + type_of(*model));
+    if (model->get<std::string>() != m.name)
+      throw ApiError(
+          404, "The model '" + model->get<std::string>() + "' does not exist (this server serves '" + m.name + "')",
+          "model", "invalid_request_error", "model_not_found");
+  }
+}
+
 }  // namespace
+
+ojson tokenize(const std::string& body_text, const ServedModel& m) {
+  const ojson body = parse_body(body_text);
+  check_model(body, m);
+  std::vector<int32_t> ids;
+  if (field(body, "messages")) {
+    if (field(body, "prompt")) bad("prompt", "send either prompt or messages, not both");
+    if (!m.chat_template)
+      throw ApiError(400, "messages: model '" + m.name + "' has no usable chat template (" + m.template_error + ")",
+                     "messages");
+    ids = chat_prompt(body, m, chat_tools(body, m), get_bool(body, "add_generation_prompt", true));
+  } else {
+    const ojson* p = field(body, "prompt");
+    if (!p) bad("prompt", "is required (or messages)");
+    if (!p->is_string()) bad("prompt", "must be a string, got " + type_of(*p));
+    ids = encode(m, p->get<std::string>(), get_bool(body, "add_special_tokens", true), "prompt");
+  }
+  ojson out = {{"count", ids.size()}, {"max_model_len", m.context}, {"tokens", ids}, {"token_strs", nullptr}};
+  if (get_bool(body, "return_token_strs", false)) {
+    ojson strs = ojson::array();
+    for (int32_t id : ids) strs.push_back(m.tokenizer->decode(std::vector<uint32_t>{uint32_t(id)}, false));
+    out["token_strs"] = strs;
+  }
+  return out;
+}
+
+ojson detokenize(const std::string& body_text, const ServedModel& m) {
+  const ojson body = parse_body(body_text);
+  check_model(body, m);
+  const ojson* t = field(body, "tokens");
+  if (!t) bad("tokens", "is required");
+  if (!t->is_array()) bad("tokens", "must be a list of token ids, got " + type_of(*t));
+  const std::vector<int32_t> ids = token_ids(*t, "tokens", m);
+  if (!m.tokenizer) bad("tokens", "model '" + m.name + "' has no tokenizer (tokenizer.json)");
+  return {{"prompt", m.tokenizer->decode(std::vector<uint32_t>(ids.begin(), ids.end()), false)}};
+}
 
 std::string error_body(int status, const std::string& message, const std::string& param, const std::string& type,
                        const std::string& code) {
@@ -214,17 +268,10 @@ std::string error_body(int status, const std::string& message, const std::string
 }
 
 ApiRequest parse_request(const std::string& body_text, bool chat, const ServedModel& m) {
-  ojson body = ojson::parse(body_text, nullptr, /*allow_exceptions=*/false);
-  if (body.is_discarded()) throw ApiError(400, "the request body is not valid JSON");
-  if (!body.is_object()) throw ApiError(400, "the request body must be a JSON object, got " + type_of(body));
+  const ojson body = parse_body(body_text);
   ApiRequest r;
   r.chat = chat;
-  if (const ojson* model = field(body, "model")) {
-    if (!model->is_string()) bad("model", "must be a string, got " + type_of(*model));
-    if (model->get<std::string>() != m.name)
-      throw ApiError(404, "The model '" + model->get<std::string>() + "' does not exist (this server serves '" +
-                              m.name + "')", "model", "invalid_request_error", "model_not_found");
-  }
+  check_model(body, m);
   // Unsupported knobs fail loudly rather than being silently ignored.
   r.n = int(get_int(body, "n", 1, 1, 16));
   if (const ojson* rf = field(body, "response_format")) {

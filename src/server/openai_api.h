@@ -73,4 +73,12 @@ struct ApiRequest {
 // Throws ApiError (status 400 naming the field, 404 for an unknown model).
 ApiRequest parse_request(const std::string& body, bool chat, const ServedModel& m);
 
+// vLLM's /tokenize and /detokenize (the model does not run). tokenize: a `prompt` string
+// (add_special_tokens, default true) or chat `messages` (rendered as /v1/chat/completions renders
+// them, with add_generation_prompt, default true; tools and chat_template_kwargs too) ->
+// {count, max_model_len, tokens, token_strs (return_token_strs)}. detokenize: `tokens` ->
+// {prompt}, special tokens spelled. Throw ApiError as parse_request does.
+ojson tokenize(const std::string& body, const ServedModel& m);
+ojson detokenize(const std::string& body, const ServedModel& m);
+
 }  // namespace vireo::server

@@ -170,7 +170,8 @@ struct HttpServer::Impl {
     svr.set_payload_max_length(opt.max_body_bytes);
     svr.set_keep_alive_timeout(5);
     svr.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
-      if (req.path.rfind("/v1/", 0) == 0 && !authorized(req, res)) {
+      const bool guarded = req.path.rfind("/v1/", 0) == 0 || req.path == "/tokenize" || req.path == "/detokenize";
+      if (guarded && !authorized(req, res)) {
         metrics.request(res.status);
         return httplib::Server::HandlerResponse::Handled;
       }
@@ -218,6 +219,20 @@ struct HttpServer::Impl {
       res.set_content(ojson{{"object", "list"}, {"data", ojson::array({m})}}.dump(), "application/json");
       metrics.request(200);
     });
+    // vLLM's token counting endpoints: the tokenizer and chat template alone.
+    for (const bool to_ids : {true, false})
+      svr.Post(to_ids ? "/tokenize" : "/detokenize",
+               [this, to_ids](const httplib::Request& req, httplib::Response& res) {
+                 if (!is_ready.load()) return send_error(res, 503, "the model is loading", "", "service_unavailable");
+                 try {
+                   res.set_content((to_ids ? tokenize(req.body, model) : detokenize(req.body, model)).dump(),
+                                   "application/json");
+                   metrics.request(200);
+                 } catch (const ApiError& e) {
+                   send_error(res, e.status, e.what(), e.param, e.type, e.code);
+                   metrics.request(e.status);
+                 }
+               });
     svr.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) { generate(req, res, false); });
     svr.Post("/v1/chat/completions",
              [this](const httplib::Request& req, httplib::Response& res) { generate(req, res, true); });

@@ -4,8 +4,8 @@
 // server-sent events when stream is true. A client that goes away (a failed write, or a dead
 // socket found while waiting) has its request cancelled, which frees its cache row.
 //
-// Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (503
-// while loading), GET /metrics (Prometheus text).
+// Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize and
+// /detokenize (vLLM's), GET /health (503 while loading), GET /metrics (Prometheus text).
 #include <chrono>
 #include <cstddef>
 #include <memory>

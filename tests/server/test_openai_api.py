@@ -596,3 +596,33 @@ def test_reasoning_parser_splits_chat_replies(demo, demo_reasoning):
     assert comp.choices[0].text == text
     status, err = error_of(demo_reasoning.http("POST", "/v1/chat/completions", dict(kw, include_reasoning="no")))
     assert status == 400 and err["param"] == "include_reasoning", err
+
+
+def test_tokenize_and_detokenize(demo):
+    """vLLM's /tokenize and /detokenize: a prompt's ids as /v1/completions reads it, chat messages'
+    as /v1/chat/completions renders them (with or without the generation prompt), the text back
+    with special tokens spelled; bad bodies refused by field; the API key guards them."""
+    c = demo_cases()[0]
+    status, body = demo.http("POST", "/tokenize", {"model": MODEL, "prompt": c["prompt"], "return_token_strs": True})
+    t = json.loads(body)
+    assert status == 200 and t["tokens"] == c["prompt_ids"] and t["count"] == len(c["prompt_ids"])
+    assert t["max_model_len"] > 0 and "".join(t["token_strs"]) == c["prompt"]
+    msgs = [{"role": "user", "content": "What is Unicode?"}]
+    chat = demo.client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=1,
+                                                 extra_body={"return_token_ids": True})
+    t = json.loads(demo.http("POST", "/tokenize", {"model": MODEL, "messages": msgs})[1])
+    assert t["tokens"] == chat.model_extra["prompt_token_ids"] and t["token_strs"] is None
+    bare = json.loads(demo.http("POST", "/tokenize", {"messages": msgs, "add_generation_prompt": False})[1])["tokens"]
+    assert len(bare) < len(t["tokens"]) and t["tokens"][:len(bare)] == bare
+    status, body = demo.http("POST", "/detokenize", {"model": MODEL, "tokens": t["tokens"]})
+    text = json.loads(body)["prompt"]
+    assert status == 200 and "<|user|>" in text and "What is Unicode?" in text
+    for path, req, param in [("/tokenize", {"prompt": 5}, "prompt"), ("/tokenize", {}, "prompt"),
+                             ("/tokenize", {"prompt": "x", "messages": msgs}, "prompt"),
+                             ("/tokenize", {"messages": [{"role": "bot", "content": "x"}]}, "messages[0].role"),
+                             ("/detokenize", {"tokens": [1, 99999]}, "tokens"), ("/detokenize", {}, "tokens")]:
+        status, err = error_of(demo.http("POST", path, req))
+        assert status == 400 and err["param"] == param, (path, req, err)
+    status, err = error_of(demo.http("POST", "/tokenize", {"model": "other", "prompt": "x"}))
+    assert status == 404 and err["code"] == "model_not_found"
+    assert demo.http("POST", "/tokenize", {"prompt": "x"}, auth=False)[0] == 401
