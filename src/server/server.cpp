@@ -393,14 +393,18 @@ struct HttpServer::Impl {
     return r;
   }
 
-  // Each prompt once (the n choices of a prompt share it), every choice's completion tokens.
+  // Each prompt once (the n choices of a prompt share it), every choice's completion tokens; under
+  // a reasoning split, how many of them were reasoning (OpenAI's completion_tokens_details).
   static ojson usage(const Choices& choices) {
-    int64_t p = 0, c = 0;
+    int64_t p = 0, c = 0, reasoning = 0;
     for (size_t i = 0; i < choices.size(); ++i) {
       if (i % size_t(choices.front()->req.n) == 0) p += int64_t(choices[i]->req.sched.prompt.size());
       c += int64_t(choices[i]->ids.size());
+      reasoning += int64_t(std::min(choices[i]->text.content_start(), choices[i]->ids.size()));
     }
-    return {{"prompt_tokens", p}, {"completion_tokens", c}, {"total_tokens", p + c}};
+    ojson u = {{"prompt_tokens", p}, {"completion_tokens", c}, {"total_tokens", p + c}};
+    if (choices.front()->req.think.splits()) u["completion_tokens_details"] = {{"reasoning_tokens", reasoning}};
+    return u;
   }
 
   void end(Session& s, const std::string& reason) {

@@ -572,6 +572,8 @@ def test_reasoning_parser_splits_chat_replies(demo, demo_reasoning):
     m = r.choices[0].message
     assert m.model_extra["reasoning_content"] == text and m.content == ""
     assert r.choices[0].model_extra["token_ids"] == plain.choices[0].model_extra["token_ids"]
+    assert r.usage.completion_tokens_details.reasoning_tokens == r.usage.completion_tokens == 16
+    assert plain.usage.completion_tokens_details is None
     chunks = list(client.chat.completions.create(**kw, stream=True))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == text
@@ -584,6 +586,7 @@ def test_reasoning_parser_splits_chat_replies(demo, demo_reasoning):
     want = demo.client().chat.completions.create(**off).choices[0].message.content
     got = client.chat.completions.create(**off).choices[0].message
     assert got.content == want and want and got.model_extra["reasoning_content"] is None
+    assert client.chat.completions.create(**off).usage.completion_tokens_details.reasoning_tokens == 0
     hidden = client.chat.completions.create(**kw, extra_body={"include_reasoning": False}).choices[0].message
     assert hidden.content == "" and "reasoning_content" not in hidden.model_extra
     hidden_chunks = list(client.chat.completions.create(**kw, stream=True, extra_body={"include_reasoning": False}))
@@ -591,6 +594,7 @@ def test_reasoning_parser_splits_chat_replies(demo, demo_reasoning):
                    for c in hidden_chunks)
     forced = client.chat.completions.create(**dict(kw, max_tokens=3), logit_bias={"8183": 100}, extra_body=ids)
     assert forced.choices[0].model_extra["token_ids"] == [8183] * 3
+    assert forced.usage.completion_tokens_details.reasoning_tokens == 1  # the </think> itself
     assert forced.choices[0].message.model_extra["reasoning_content"] is None and forced.choices[0].message.content == ""
     comp = client.completions.create(model=MODEL, prompt=r.model_extra["prompt_token_ids"], max_tokens=16, temperature=0)
     assert comp.choices[0].text == text
