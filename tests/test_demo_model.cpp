@@ -310,6 +310,28 @@ TEST(DemoModel, ChatReplOverPipedStdin) {
   EXPECT_EQ(r.out.find(alone.out), std::string::npos);
 }
 
+// A reasoning template (the demo's is GLM-5's: its generation prompt ends with <think>): the reply
+// is shown as reasoning between <think> and </think> (the demo model does not close it within 12
+// tokens); --thinking off renders the prompt ending with </think>, and the reply is plain content;
+// on is the template's default here.
+TEST(DemoModel, ChatShowsTheReasoningAndTakesThinkingOff) {
+  const std::string chat = "chat --model " + kModel + " -n 12";
+  RunResult deflt = run_vireo(chat, "What is Unicode?\n"),
+            on = run_vireo(chat + " --thinking on", "What is Unicode?\n"),
+            off = run_vireo(chat + " --thinking off", "What is Unicode?\n");
+  ASSERT_EQ(deflt.exit_code, 0) << deflt.err;
+  ASSERT_EQ(off.exit_code, 0) << off.err;
+  EXPECT_EQ(deflt.out.rfind("<think>", 0), 0u) << deflt.out;
+  EXPECT_EQ(deflt.out.find("</think>"), std::string::npos) << deflt.out;
+  EXPECT_EQ(on.out, deflt.out);
+  EXPECT_EQ(off.out.find("<think>"), std::string::npos) << off.out;
+  EXPECT_GT(off.out.size(), 2u);
+  EXPECT_NE(off.out, deflt.out.substr(7));
+  RunResult bad = run_vireo(chat + " --thinking maybe");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.err.find("--thinking"), std::string::npos) << bad.err;
+}
+
 TEST(DemoModel, TokenizeAndDetokenizeCommands) {
   RunResult r = run_vireo("tokenize --model " + kModel + " --jsonl", "\"The Python interpreter\"\n\"x\"\n");
   ASSERT_EQ(r.exit_code, 0) << r.err;

@@ -20,9 +20,10 @@ TextModel TextModel::load(const std::string& dir, bool need_template) {
   return m;
 }
 
-std::vector<int32_t> TextModel::chat_prompt(const nlohmann::ordered_json& messages) const {
+std::vector<int32_t> TextModel::chat_prompt(const nlohmann::ordered_json& messages,
+                                            const nlohmann::ordered_json& extra) const {
   if (!chat_template) fail("this model has no chat template");
-  return to_i32(tokenizer.encode(chat_template->render(messages, true), false));
+  return to_i32(tokenizer.encode(chat_template->render(messages, true, extra), false));
 }
 
 }  // namespace vireo::cli

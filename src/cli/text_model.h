@@ -18,7 +18,9 @@ struct TextModel {
   static TextModel load(const std::string& dir, bool need_template = false);
   // The chat prompt for `messages` with the generation prompt appended, as token ids (the
   // template writes its own special tokens, so none are added, as apply_chat_template does).
-  std::vector<int32_t> chat_prompt(const nlohmann::ordered_json& messages) const;
+  // `extra`: the template's keyword arguments (enable_thinking).
+  std::vector<int32_t> chat_prompt(const nlohmann::ordered_json& messages,
+                                   const nlohmann::ordered_json& extra = nlohmann::ordered_json::object()) const;
 };
 
 std::vector<int32_t> to_i32(const std::vector<uint32_t>& ids);
