@@ -299,6 +299,7 @@ ApiRequest parse_request(const std::string& body_text, bool chat, const ServedMo
     if (!so->is_object()) bad("stream_options", "must be an object, got " + type_of(*so));
     if (!r.stream) bad("stream_options", "is only allowed when stream is true");
     r.include_usage = get_bool(*so, "include_usage", false);
+    r.continuous_usage = get_bool(*so, "continuous_usage_stats", false);
   }
   r.return_token_ids = get_bool(body, "return_token_ids", false);
 

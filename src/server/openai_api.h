@@ -50,6 +50,7 @@ struct ApiRequest {
   std::vector<std::string> stop;     // stop strings (non-empty)
   bool stream = false;
   bool include_usage = false;        // stream_options.include_usage
+  bool continuous_usage = false;     // stream_options.continuous_usage_stats (vLLM's): usage in every chunk
   bool return_token_ids = false;     // extension: choices[].token_ids (and in stream chunks)
   int n = 1;                         // choices a prompt: n scheduler requests, choice i sampled with seed + i
   // Every prompt (/v1/completions takes a list: choice p * n + i is prompt p's i-th); sched.prompt

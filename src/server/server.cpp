@@ -341,7 +341,12 @@ struct HttpServer::Impl {
     }
     if (s.req.return_token_ids) choice["token_ids"] = std::exchange(s.pending_ids, {});
     c["choices"] = ojson::array({choice});
-    if (s.req.include_usage) c["usage"] = nullptr;
+    if (s.req.continuous_usage) {  // this choice's so far
+      const int64_t p = int64_t(s.req.sched.prompt.size()), n = int64_t(s.ids.size());
+      c["usage"] = {{"prompt_tokens", p}, {"completion_tokens", n}, {"total_tokens", p + n}};
+    } else if (s.req.include_usage) {
+      c["usage"] = nullptr;
+    }
     return sse(sink, c);
   }
 

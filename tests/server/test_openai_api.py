@@ -61,6 +61,12 @@ def test_completions_text_prompt_and_streaming(demo):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
     assert chunks[-1].usage.prompt_tokens == len(c["prompt_ids"])
     assert all(ch.usage is None for ch in chunks[:-1])
+    # vLLM's continuous_usage_stats: every chunk carries the choice's usage so far.
+    cont = list(client.completions.create(model=MODEL, prompt=c["prompt"], max_tokens=5, temperature=0, stream=True,
+                                          stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [ch.usage.completion_tokens for ch in cont if ch.choices]
+    assert counts == sorted(counts) and counts[-1] == 5 and all(ch.usage is not None for ch in cont)
+    assert cont[-1].usage.completion_tokens == 5 and not cont[-1].choices
     # Without include_usage there is no usage chunk.
     plain = list(client.completions.create(model=MODEL, prompt=c["prompt"], max_tokens=5, temperature=0, stream=True))
     assert all(ch.usage is None and ch.choices for ch in plain)
