@@ -107,11 +107,15 @@ def demo_cases():
     return json.loads((FIXTURES / "demo" / "expected.json").read_text())["greedy"]["cases"]
 
 
-@pytest.fixture(scope="session")
-def demo():
+def demo_server(*args):
     if not (DEMO / "config.json").exists():
         pytest.skip("models/vireo-demo is not present")
-    s = Server(DEMO, "--max-batch", "8", "--prefill-chunk", "64", "--max-body", "65536")
+    return Server(DEMO, *args)
+
+
+@pytest.fixture(scope="session")
+def demo():
+    s = demo_server("--max-batch", "8", "--prefill-chunk", "64", "--max-body", "65536")
     yield s
     s.stop()
 
@@ -119,9 +123,15 @@ def demo():
 @pytest.fixture(scope="session")
 def demo_mtp():
     """The demo model served with --mtp (speculative decoding with its MTP layer)."""
-    if not (DEMO / "config.json").exists():
-        pytest.skip("models/vireo-demo is not present")
-    s = Server(DEMO, "--max-batch", "4", "--prefill-chunk", "32", "--mtp")
+    s = demo_server("--max-batch", "4", "--prefill-chunk", "32", "--mtp")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def demo_reasoning():
+    """The demo model served with --reasoning-parser glm45 (chat replies split at </think>)."""
+    s = demo_server("--max-batch", "4", "--prefill-chunk", "64", "--reasoning-parser", "glm45")
     yield s
     s.stop()
 

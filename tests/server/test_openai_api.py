@@ -550,16 +550,6 @@ def test_mtp_serving_keeps_greedy_tokens_and_counts_drafts(demo_mtp):
     assert m["vireo_generation_tokens_total"] >= kept
 
 
-@pytest.fixture(scope="module")
-def demo_reasoning():
-    from conftest import DEMO, Server
-    if not (DEMO / "config.json").exists():
-        pytest.skip("models/vireo-demo is not present")
-    s = Server(DEMO, "--max-batch", "4", "--prefill-chunk", "64", "--reasoning-parser", "glm45")
-    yield s
-    s.stop()
-
-
 def test_reasoning_parser_splits_chat_replies(demo, demo_reasoning):
     """--reasoning-parser glm45: the demo's chat template ends its generation prompt with <think>,
     so a reply is reasoning until </think>; the demo model does not write one within 16 tokens, so
