@@ -313,7 +313,7 @@ TEST(DemoModel, ChatReplOverPipedStdin) {
 // A reasoning template (the demo's is GLM-5's: its generation prompt ends with <think>): the reply
 // is shown as reasoning between <think> and </think> (the demo model does not close it within 12
 // tokens); --thinking off renders the prompt ending with </think>, and the reply is plain content;
-// on is the template's default here.
+// on is the template's default here. run --chat prints the same.
 TEST(DemoModel, ChatShowsTheReasoningAndTakesThinkingOff) {
   const std::string chat = "chat --model " + kModel + " -n 12";
   RunResult deflt = run_vireo(chat, "What is Unicode?\n"),
@@ -327,6 +327,12 @@ TEST(DemoModel, ChatShowsTheReasoningAndTakesThinkingOff) {
   EXPECT_EQ(off.out.find("<think>"), std::string::npos) << off.out;
   EXPECT_GT(off.out.size(), 2u);
   EXPECT_NE(off.out, deflt.out.substr(7));
+  // run --chat prints the same reply for the same one-turn conversation.
+  const std::string run = "run --model " + kModel + " -n 12 --chat --prompt 'What is Unicode?'";
+  EXPECT_EQ(run_vireo(run).out, deflt.out);
+  EXPECT_EQ(run_vireo(run + " --thinking off").out, off.out);
+  expect_clean_error(run_vireo("run --model " + kModel + " -n 2 --prompt hi --thinking off"),
+                     "--thinking needs --chat");
   RunResult bad = run_vireo(chat + " --thinking maybe");
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.err.find("--thinking"), std::string::npos) << bad.err;

@@ -99,6 +99,7 @@ Action add_run(CLI::App& app) {
     int decode_steps = GenerateOptions{}.decode_steps;
     SamplingParams s;
     bool ignore_eos = false, chat = false, mtp = false;
+    std::string thinking = "auto";
     StreamingFlags sf;
     std::string device = "cpu";
     std::string math = "exact";  // --math: CUDA prefill products
@@ -112,6 +113,7 @@ Action add_run(CLI::App& app) {
   ids_opt->excludes(text_opt)->excludes(file_opt);
   text_opt->excludes(file_opt);
   app.add_flag("--chat", o->chat, "Apply the model's chat template to the prompt as one user message");
+  add_thinking_flag(app, o->thinking);
   app.add_option("-n,--max-tokens", o->n, "Tokens to generate at most")->check(CLI::Range(int64_t(1), int64_t(1) << 30));
   add_sampling_flags(app, o->s);
   app.add_flag("--ignore-eos", o->ignore_eos, "Do not stop at end-of-sequence tokens");
@@ -128,6 +130,7 @@ Action add_run(CLI::App& app) {
     if (text_mode && o->prompt.empty() && o->prompt_file.empty())
       fail("run needs a prompt: --prompt TEXT, --prompt-file FILE or --prompt-ids 1,2,3");
     if (!text_mode && o->chat) fail("--chat needs a text prompt (--prompt or --prompt-file)");
+    if (!o->chat && o->thinking != "auto") fail("--thinking needs --chat (it is the chat template's switch)");
     std::optional<TextModel> text;
     std::vector<int32_t> prompt;
     if (text_mode) {
@@ -137,7 +140,9 @@ Action add_run(CLI::App& app) {
         body = read_text_file(o->prompt_file);
       }
       text = TextModel::load(o->model, o->chat);
-      if (o->chat) prompt = text->chat_prompt(nlohmann::ordered_json::array({{{"role", "user"}, {"content", body}}}));
+      if (o->chat)
+        prompt = text->chat_prompt(nlohmann::ordered_json::array({{{"role", "user"}, {"content", body}}}),
+                                   thinking_args(o->thinking));
       else prompt = to_i32(text->tokenizer.encode(body, true));
       if (prompt.empty()) fail("the prompt encodes to no tokens");
     } else {
@@ -167,10 +172,14 @@ Action add_run(CLI::App& app) {
     opt.decode_steps = o->sf.stats ? 1 : o->decode_steps;
     opt.mtp_drafts = o->mtp;
     bool first = true;
+    // Text as it comes; a chat reply of a reasoning model with its reasoning between <think> and </think>.
     std::optional<DecodeStream> stream;
-    if (text) stream.emplace(text->tokenizer, true);
+    std::optional<ChatReply> reply;
+    if (text && o->chat) reply.emplace(*text, prompt);
+    else if (text) stream.emplace(text->tokenizer, true);
     GenerateResult r = generate(*model, cache, 0, prompt, opt, [&](int32_t id) {
-      if (stream) std::fputs(stream->step(uint32_t(id)).c_str(), stdout);
+      if (reply) reply->token(id);
+      else if (stream) std::fputs(stream->step(uint32_t(id)).c_str(), stdout);
       else std::printf(first ? "%d" : ",%d", id);
       std::fflush(stdout);
       first = false;
@@ -181,8 +190,12 @@ Action add_run(CLI::App& app) {
       }
       return true;
     });
-    if (stream) std::fputs(stream->finish().c_str(), stdout);
-    std::printf("\n");
+    if (reply) {
+      reply->finish();
+    } else {
+      if (stream) std::fputs(stream->finish().c_str(), stdout);
+      std::printf("\n");
+    }
     std::fflush(stdout);  // the text ends before the timing line on stderr
     const int64_t decoded = int64_t(r.tokens.size()) - 1;
     std::fprintf(stderr, "prompt: %lld tokens in %.3f s (%.1f tok/s); generated: %zu tokens, %.1f tok/s%s\n",

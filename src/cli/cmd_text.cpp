@@ -14,7 +14,6 @@
 #include "model/glm_dsa/model.h"
 #include "runtime/generate.h"
 #include "runtime/sampler.h"
-#include "server/text_output.h"
 
 namespace vireo::cli {
 
@@ -98,12 +97,7 @@ Action add_chat(CLI::App& app) {
   auto o = std::make_shared<Opts>();
   app.add_option("--model,-m", o->model, "Model directory")->required();
   app.add_option("--system", o->system, "System message");
-  app.add_option("--thinking", o->thinking,
-                 "A reasoning model's thinking (the template's enable_thinking): on, off, or auto (the template's "
-                 "default). The reasoning is printed between <think> and </think> and kept apart from the reply's "
-                 "content in the conversation")
-      ->check(CLI::IsMember({"auto", "on", "off"}))
-      ->capture_default_str();
+  add_thinking_flag(app, o->thinking);
   app.add_option("-n,--max-tokens", o->n, "Tokens per reply at most")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
   app.add_option("--context", o->context, "Context length in tokens")->check(CLI::Range(int64_t(16), int64_t(1) << 22));
   add_sampling_flags(app, o->s);
@@ -126,13 +120,7 @@ Action add_chat(CLI::App& app) {
                      .model;
     MlaCache cache(*backend, model->cache_shape(), 1, o->context);
     const bool tty = ::isatty(0);
-    nlohmann::ordered_json template_args = nlohmann::ordered_json::object();
-    if (o->thinking != "auto") template_args["enable_thinking"] = o->thinking == "on";
-    // A reasoning model's markers: its replies are split at </think> (server/text_output.h).
-    server::ThinkTokens think;
-    if (const auto open = tm.tokenizer.token_to_id("<think>"), close = tm.tokenizer.token_to_id("</think>");
-        open && close)
-      think = {int32_t(*open), int32_t(*close)};
+    const nlohmann::ordered_json template_args = thinking_args(o->thinking);
     nlohmann::ordered_json messages = nlohmann::ordered_json::array();
     auto reset = [&]() {
       messages = nlohmann::ordered_json::array();
@@ -179,27 +167,16 @@ Action add_chat(CLI::App& app) {
       opt.decode_steps = o->decode_steps;
       opt.mtp_drafts = o->mtp;
       opt.history = cached;  // the earlier turns, for --repetition-penalty
-      server::TextOutput text(&tm.tokenizer, {}, think, think.splits() && prompt.back() == think.open);
-      std::string reply, reasoning;
-      bool in_reasoning = false;
-      auto show = [&](const server::TextPiece& piece) {
-        if (piece.reasoning && !in_reasoning) std::fputs("<think>", stdout);
-        if (!piece.reasoning && in_reasoning) std::fputs("</think>", stdout);
-        in_reasoning = piece.reasoning;
-        (piece.reasoning ? reasoning : reply) += piece.text;
-        std::fputs(piece.text.c_str(), stdout);
-        std::fflush(stdout);
-      };
+      ChatReply reply(tm, prompt);
       GenerateResult r = generate(*model, cache, 0, fresh, opt, [&](int32_t id) {
-        show(text.token(id));
+        reply.token(id);
         return true;
       });
-      show(text.finish());
-      std::printf("\n");
+      reply.finish();
       cached.insert(cached.end(), fresh.begin(), fresh.end());
       cached.insert(cached.end(), r.tokens.begin(), r.tokens.end() - (r.tokens.empty() ? 0 : 1));
-      messages.push_back({{"role", "assistant"}, {"content", reply}});
-      if (!reasoning.empty()) messages.back()["reasoning_content"] = reasoning;
+      messages.push_back({{"role", "assistant"}, {"content", reply.content()}});
+      if (!reply.reasoning().empty()) messages.back()["reasoning_content"] = reply.reasoning();
       if (tty)
         std::fprintf(stderr, "[%zu tokens, %.1f tok/s]\n", r.tokens.size(),
                      r.tokens.size() > 1 ? double(r.tokens.size() - 1) / r.decode_seconds : 0.0);

@@ -1,5 +1,7 @@
 #include "cli/text_model.h"
 
+#include <cstdio>
+
 #include "core/error.h"
 #include "io/json_file.h"
 
@@ -24,6 +26,49 @@ std::vector<int32_t> TextModel::chat_prompt(const nlohmann::ordered_json& messag
                                             const nlohmann::ordered_json& extra) const {
   if (!chat_template) fail("this model has no chat template");
   return to_i32(tokenizer.encode(chat_template->render(messages, true, extra), false));
+}
+
+void add_thinking_flag(CLI::App& app, std::string& thinking) {
+  app.add_option("--thinking", thinking,
+                 "A reasoning model's thinking (the template's enable_thinking): on, off, or auto (the template's "
+                 "default). The reasoning is printed between <think> and </think> and kept apart from the reply's "
+                 "content")
+      ->check(CLI::IsMember({"auto", "on", "off"}))
+      ->capture_default_str();
+}
+
+nlohmann::ordered_json thinking_args(const std::string& thinking) {
+  nlohmann::ordered_json args = nlohmann::ordered_json::object();
+  if (thinking != "auto") args["enable_thinking"] = thinking == "on";
+  return args;
+}
+
+namespace {
+server::ThinkTokens think_tokens(const Tokenizer& tok) {
+  const std::optional<uint32_t> open = tok.token_to_id("<think>"), close = tok.token_to_id("</think>");
+  if (!open || !close) return {};
+  return {int32_t(*open), int32_t(*close)};
+}
+}  // namespace
+
+ChatReply::ChatReply(const TextModel& tm, const std::vector<int32_t>& prompt)
+    : text_(
+          &tm.tokenizer, {}, think_tokens(tm.tokenizer),
+          !prompt.empty() && think_tokens(tm.tokenizer).splits() && prompt.back() == think_tokens(tm.tokenizer).open) {}
+
+void ChatReply::show(const server::TextPiece& piece) {
+  if (piece.reasoning && !in_reasoning_) std::fputs("<think>", stdout);
+  if (!piece.reasoning && in_reasoning_) std::fputs("</think>", stdout);
+  in_reasoning_ = piece.reasoning;
+  (piece.reasoning ? reasoning_ : content_) += piece.text;
+  std::fputs(piece.text.c_str(), stdout);
+  std::fflush(stdout);
+}
+
+void ChatReply::finish() {
+  show(text_.finish());
+  std::fputs("\n", stdout);
+  std::fflush(stdout);
 }
 
 }  // namespace vireo::cli

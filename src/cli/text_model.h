@@ -2,8 +2,11 @@
 // The text side of a model directory: tokenizer.json and, where present, the chat template in
 // tokenizer_config.json.
 #include <optional>
+
+#include <CLI/CLI.hpp>
 #include <string>
 
+#include "server/text_output.h"
 #include "text/chat_template.h"
 #include "text/tokenizer.h"
 
@@ -24,5 +27,28 @@ struct TextModel {
 };
 
 std::vector<int32_t> to_i32(const std::vector<uint32_t>& ids);
+
+// --thinking auto|on|off of run --chat and chat: the chat template's enable_thinking (auto: not
+// passed, the template's default).
+void add_thinking_flag(CLI::App& app, std::string& thinking);
+nlohmann::ordered_json thinking_args(const std::string& thinking);
+
+// A chat reply printed to stdout as it is generated. A reasoning model's reply (its tokenizer has
+// <think> and </think>) is split as the server splits it (server/text_output.h): the reasoning is
+// printed between <think> and </think>, as the model wrote it, and kept apart from the content.
+class ChatReply {
+ public:
+  ChatReply(const TextModel& tm, const std::vector<int32_t>& prompt);
+  void token(int32_t id) { show(text_.token(id)); }
+  void finish();  // the rest, then a newline
+  const std::string& reasoning() const { return reasoning_; }
+  const std::string& content() const { return content_; }
+
+ private:
+  void show(const server::TextPiece& piece);
+  server::TextOutput text_;
+  std::string reasoning_, content_;
+  bool in_reasoning_ = false;
+};
 
 }  // namespace vireo::cli
