@@ -49,12 +49,15 @@ server::ThinkTokens think_tokens(const Tokenizer& tok) {
   if (!open || !close) return {};
   return {int32_t(*open), int32_t(*close)};
 }
+// Whether the prompt ends by opening the reasoning (a template with thinking on).
+bool starts_in_reasoning(const Tokenizer& tok, const std::vector<int32_t>& prompt) {
+  const server::ThinkTokens t = think_tokens(tok);
+  return t.splits() && !prompt.empty() && prompt.back() == t.open;
+}
 }  // namespace
 
 ChatReply::ChatReply(const TextModel& tm, const std::vector<int32_t>& prompt)
-    : text_(
-          &tm.tokenizer, {}, think_tokens(tm.tokenizer),
-          !prompt.empty() && think_tokens(tm.tokenizer).splits() && prompt.back() == think_tokens(tm.tokenizer).open) {}
+    : text_(&tm.tokenizer, {}, think_tokens(tm.tokenizer), starts_in_reasoning(tm.tokenizer, prompt)) {}
 
 void ChatReply::show(const server::TextPiece& piece) {
   if (piece.reasoning && !in_reasoning_) std::fputs("<think>", stdout);
