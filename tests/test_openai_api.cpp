@@ -53,6 +53,7 @@ std::vector<std::pair<bool, ojson>> seed_bodies() {
                     {{"role", "user"}, {"content", "And tomorrow?"}}}},
                   {"tools", {tool}},
                   {"tool_choice", "auto"},
+                  {"parallel_tool_calls", false},
                   {"max_completion_tokens", 8},
                   {"temperature", 0.7},
                   {"top_p", 0.9},

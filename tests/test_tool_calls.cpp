@@ -74,6 +74,13 @@ TEST(ToolCalls, SplitsAGenerationsIds) {
   EXPECT_EQ(calls[0].name, "get_weather");
   EXPECT_EQ(calls[0].arguments.dump(), R"({"city":"Paris"})");
   EXPECT_EQ(content, "Let me look.");
+  // Two calls; parallel_tool_calls false keeps the first.
+  const auto two =
+      ids_of("<tool_call>a</tool_call><tool_call>b<arg_key>x</arg_key><arg_value>1</arg_value></tool_call>");
+  EXPECT_EQ(split_tool_calls(tok, two, nullptr).size(), 2u);
+  const auto first = split_tool_calls(tok, two, nullptr, 1);
+  ASSERT_EQ(first.size(), 1u);
+  EXPECT_EQ(first[0].name, "a");
   content = "unchanged";  // no call, or one cut off: nothing read, the content left alone
   EXPECT_TRUE(split_tool_calls(tok, ids_of("Just text."), &content).empty());
   EXPECT_TRUE(split_tool_calls(tok, ids_of("Text<tool_call>get_weather<arg_key>city"), &content).empty());

@@ -377,6 +377,7 @@ ApiRequest parse_request(const std::string& body_text, bool chat, const ServedMo
   if (chat) {
     const ojson* tools = chat_tools(body, m);
     r.parse_tools = tools != nullptr;
+    r.parallel_tool_calls = get_bool(body, "parallel_tool_calls", true);
     r.prompts.push_back(chat_prompt(body, m, tools));
     r.think = m.think;
     r.starts_in_reasoning = m.think.splits() && !r.prompts[0].empty() && r.prompts[0].back() == m.think.open;

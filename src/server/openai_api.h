@@ -63,6 +63,7 @@ struct ApiRequest {
   // Chat with `tools` (tool_choice not "none"): the output is read for GLM-5 tool calls
   // (server/tool_calls.h); while streaming, the text from the first <tool_call> on is held to the end.
   bool parse_tools = false;
+  bool parallel_tool_calls = true;  // false: at most the first call is returned (OpenAI's)
   // Chat under a reasoning split (ServedModel::think): the markers, whether the prompt ends with
   // <think> (the reply starts inside the reasoning), and vLLM's include_reasoning (false: the
   // reasoning is left out of the response).

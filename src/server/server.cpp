@@ -357,7 +357,7 @@ struct HttpServer::Impl {
     ojson out = ojson::array();
     if (!s.req.parse_tools || !s.tokenizer) return out;
     const std::vector<int32_t> ids(s.ids.begin() + std::ptrdiff_t(s.text.content_start()), s.ids.end());
-    for (const ToolCall& c : split_tool_calls(*s.tokenizer, ids, content))
+    for (const ToolCall& c : split_tool_calls(*s.tokenizer, ids, content, s.req.parallel_tool_calls ? SIZE_MAX : 1))
       out.push_back({{"id", random_id("call_")},
                      {"type", "function"},
                      {"function", {{"name", c.name}, {"arguments", c.arguments.dump()}}}});

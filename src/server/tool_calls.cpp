@@ -53,12 +53,13 @@ std::vector<ToolCall> parse_tool_calls(const std::string& text, std::string* res
 }
 
 std::vector<ToolCall> split_tool_calls(const Tokenizer& tokenizer, const std::vector<int32_t>& ids,
-                                       std::string* content) {
+                                       std::string* content, size_t max_calls) {
   const std::optional<uint32_t> open = tokenizer.token_to_id("<tool_call>");
   const auto at = open ? std::find(ids.begin(), ids.end(), int32_t(*open)) : ids.end();
   if (at == ids.end()) return {};
   const std::vector<uint32_t> before(ids.begin(), at), calls(at, ids.end());
   std::vector<ToolCall> out = parse_tool_calls(tokenizer.decode(calls, false), nullptr);
+  if (out.size() > max_calls) out.resize(max_calls);
   if (!out.empty() && content) *content = tokenizer.decode(before, true);
   return out;
 }

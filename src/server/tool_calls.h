@@ -6,6 +6,7 @@
 // <tool_call> on (decoded with the special tokens spelled) into OpenAI's tool_calls: each value
 // that parses as JSON (a number, true, an object...) is that JSON value, any other one a string,
 // as vLLM's GLM-4.5 parser does.
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -26,8 +27,9 @@ std::vector<ToolCall> parse_tool_calls(const std::string& text, std::string* res
 
 // A generation's ids read for calls: from the first <tool_call> token on, decoded with the special
 // tokens spelled; where there is a complete call, *content becomes the text before it (special
-// tokens skipped, as the rest of the server's text). No <tool_call> token: no calls.
+// tokens skipped, as the rest of the server's text). No <tool_call> token: no calls. At most
+// max_calls are returned (OpenAI's parallel_tool_calls false: the first).
 std::vector<ToolCall> split_tool_calls(const Tokenizer& tokenizer, const std::vector<int32_t>& ids,
-                                       std::string* content);
+                                       std::string* content, size_t max_calls = SIZE_MAX);
 
 }  // namespace vireo::server

@@ -354,6 +354,9 @@ def test_tools_are_described_and_calls_rendered(demo):
                          ("get_weather", "tools")]:
         status, err = error_of(demo.http("POST", "/v1/chat/completions", {"model": MODEL, "messages": msgs, "tools": tools}))
         assert status == 400 and err["param"] == param, err
+    status, err = error_of(demo.http("POST", "/v1/chat/completions", {"model": MODEL, "messages": msgs, "tools": [WEATHER],
+                                                                      "parallel_tool_calls": "no"}))
+    assert status == 400 and err["param"] == "parallel_tool_calls", err
     bad_turn = [msgs[0], {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]
     status, err = error_of(demo.http("POST", "/v1/chat/completions", {"model": MODEL, "messages": bad_turn}))
     assert status == 400 and err["param"] == "messages[1].tool_calls[0].function.arguments", err
