@@ -73,6 +73,8 @@ std::vector<std::pair<bool, ojson>> seed_bodies() {
                   {"stream_options", {{"include_usage", true}}},
                   {"chat_template_kwargs", {{"enable_thinking", false}}},
                   {"include_reasoning", false},
+                  {"include_stop_str_in_output", true},
+                  {"add_generation_prompt", true},
                   {"return_token_ids", true},
                   {"n", 2}}});
   out.push_back({false,

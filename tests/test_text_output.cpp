@@ -126,3 +126,22 @@ TEST(TextOutput, SettlesWithheldTextIntoTheReasoning) {
   EXPECT_EQ(p.reasoning, demo_tokenizer().decode(std::vector<uint32_t>{uint32_t(emoji[0])}, true));
   EXPECT_EQ(p.content, "ok");
 }
+
+// Stop strings on text fed in pieces: the earliest wins (of two starting there, the one listed
+// first), withheld text is released once it cannot start one, and include_stop keeps the string.
+TEST(TextOutput, StopMatcherTakesTheEarliestStop) {
+  StopMatcher m({"cd", "bcd", "x"});
+  EXPECT_EQ(m.feed("ab"), "a");  // "b" may start "bcd"
+  EXPECT_EQ(m.feed("cde"), "");  // "bcd" starts before "cd"
+  EXPECT_TRUE(m.stopped());
+  StopMatcher kept({"cd", "bcd"}, true);
+  std::string out = kept.feed("ab");
+  out += kept.feed("cde");
+  EXPECT_EQ(out, "abcd");
+  StopMatcher tie({"ab", "abc"}, true);
+  EXPECT_EQ(tie.feed("zabcz"), "zab");
+  StopMatcher none({"zz"});
+  EXPECT_EQ(none.feed("az"), "a");
+  EXPECT_EQ(none.flush(), "z");
+  EXPECT_FALSE(none.stopped());
+}

@@ -283,6 +283,23 @@ ApiRequest parse_request(const std::string& body_text, bool chat, const ServedMo
     if (field(body, guided)) bad(guided, "constrained decoding is not supported by this server");
   if (field(body, "functions") || field(body, "function_call"))
     bad(field(body, "functions") ? "functions" : "function_call", "function calling is not supported by this server");
+  // vLLM's and OpenAI's other knobs that would change the output, refused unless at their default.
+  if (get_bool(body, "use_beam_search", false)) bad("use_beam_search", "beam search is not supported by this server");
+  if (!get_bool(body, "skip_special_tokens", true))
+    bad("skip_special_tokens", "only true is supported (return_token_ids gives every id, special ones too)");
+  if (field(body, "truncate_prompt_tokens"))
+    bad("truncate_prompt_tokens",
+        "is not supported (a prompt is never truncated; one longer than the context is refused)");
+  if (field(body, "prompt_logprobs"))
+    bad("prompt_logprobs", chat ? "is not supported for chat" : "use echo with logprobs (the prompt's tokens scored)");
+  if (field(body, "audio")) bad("audio", "audio output is not supported by this server");
+  if (const ojson* mod = field(body, "modalities"))
+    if (!mod->is_array() || std::any_of(mod->begin(), mod->end(), [](const ojson& x) { return x != "text"; }))
+      bad("modalities", "only [\"text\"] is supported");
+  if (chat && get_bool(body, "echo", false)) bad("echo", "is not supported for chat (only /v1/completions echoes)");
+  if (chat && get_bool(body, "continue_final_message", false))
+    bad("continue_final_message", "is not supported (the reply always starts a new assistant message)");
+  r.include_stop = get_bool(body, "include_stop_str_in_output", false);
   if (const ojson* tc = field(body, "tool_choice");
       tc && !(tc->is_string() && (tc->get<std::string>() == "none" || tc->get<std::string>() == "auto")))
     bad("tool_choice",
@@ -378,7 +395,7 @@ ApiRequest parse_request(const std::string& body_text, bool chat, const ServedMo
     const ojson* tools = chat_tools(body, m);
     r.parse_tools = tools != nullptr;
     r.parallel_tool_calls = get_bool(body, "parallel_tool_calls", true);
-    r.prompts.push_back(chat_prompt(body, m, tools));
+    r.prompts.push_back(chat_prompt(body, m, tools, get_bool(body, "add_generation_prompt", true)));
     r.think = m.think;
     r.starts_in_reasoning = m.think.splits() && !r.prompts[0].empty() && r.prompts[0].back() == m.think.open;
     r.include_reasoning = get_bool(body, "include_reasoning", true);

@@ -48,6 +48,7 @@ struct ApiRequest {
   bool chat = false;
   SchedRequest sched;                // prompt ids, max_tokens, sampling, logprobs
   std::vector<std::string> stop;     // stop strings (non-empty)
+  bool include_stop = false;         // vLLM's include_stop_str_in_output: the text ends with the stop string
   bool stream = false;
   bool include_usage = false;        // stream_options.include_usage
   bool continuous_usage = false;     // stream_options.continuous_usage_stats (vLLM's): usage in every chunk

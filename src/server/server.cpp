@@ -77,7 +77,7 @@ struct Session {
   clock::time_point last_token;
 
   Session(ApiRequest r, const Tokenizer* tok)
-      : req(std::move(r)), tokenizer(tok), text(tok, req.stop, req.think, req.starts_in_reasoning) {
+      : req(std::move(r)), tokenizer(tok), text(tok, req.stop, req.think, req.starts_in_reasoning, req.include_stop) {
     if (req.parse_tools && tok)
       if (const std::optional<uint32_t> id = tok->token_to_id("<tool_call>")) tool_call_open = int32_t(*id);
   }

@@ -9,11 +9,12 @@ std::string StopMatcher::feed(std::string_view text) {
   if (stopped_) return {};
   held_.append(text);
   if (stops_.empty()) return std::exchange(held_, {});
-  size_t first = std::string::npos;
-  for (const std::string& s : stops_) first = std::min(first, held_.find(s));
+  size_t first = std::string::npos, len = 0;
+  for (const std::string& s : stops_)
+    if (const size_t at = held_.find(s); at < first) first = at, len = s.size();
   if (first != std::string::npos) {
     stopped_ = true;
-    std::string out = held_.substr(0, first);
+    std::string out = held_.substr(0, first + (include_stop_ ? len : 0));
     held_.clear();
     return out;
   }
@@ -36,8 +37,8 @@ std::string StopMatcher::flush() {
 }
 
 TextOutput::TextOutput(const Tokenizer* tokenizer, std::vector<std::string> stops, ThinkTokens think,
-                       bool starts_in_reasoning)
-    : matcher_(std::move(stops)), think_(think), in_reasoning_(think.splits() && starts_in_reasoning) {
+                       bool starts_in_reasoning, bool include_stop)
+    : matcher_(std::move(stops), include_stop), think_(think), in_reasoning_(think.splits() && starts_in_reasoning) {
   if (tokenizer) decoder_.emplace(*tokenizer, /*skip_special_tokens=*/true);
 }
 

@@ -14,15 +14,20 @@ namespace vireo::server {
 
 class StopMatcher {
  public:
-  explicit StopMatcher(std::vector<std::string> stops) : stops_(std::move(stops)) {}
+  // include_stop: the text returned at a stop ends with the stop string (vLLM's
+  // include_stop_str_in_output), else just before it.
+  explicit StopMatcher(std::vector<std::string> stops, bool include_stop = false)
+      : stops_(std::move(stops)), include_stop_(include_stop) {}
   // Appends `text`; returns what may be emitted now. After a stop string is found, stopped() is
-  // true and the returned text is everything before it.
+  // true and the returned text is everything before it (and it, with include_stop). The earliest
+  // stop string wins; of two starting there, the one listed first.
   std::string feed(std::string_view text);
   std::string flush();  // the withheld rest (at the end of generation)
   bool stopped() const { return stopped_; }
 
  private:
   std::vector<std::string> stops_;
+  bool include_stop_ = false;
   std::string held_;
   bool stopped_ = false;
 };
@@ -49,7 +54,7 @@ class TextOutput {
  public:
   // `tokenizer` may be null: the model has no tokenizer, and there is no text.
   TextOutput(const Tokenizer* tokenizer, std::vector<std::string> stops, ThinkTokens think = {},
-             bool starts_in_reasoning = false);
+             bool starts_in_reasoning = false, bool include_stop = false);
   TextPiece token(int32_t id);  // text made final by this id (possibly empty)
   TextPiece finish();           // the rest at the end
   bool stopped() const { return matcher_.stopped(); }

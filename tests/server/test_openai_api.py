@@ -116,6 +116,14 @@ def test_stop_sequences(demo):
                                                 stream=True, temperature=0, stream_options={"include_usage": True}))
         assert "".join(x.choices[0].text for x in chunks if x.choices) == cont[:first]
         assert chunks[-1].usage.completion_tokens == n
+    # vLLM's include_stop_str_in_output: the text ends with the stop string, streamed or not.
+    first = cont.find("to build.")
+    for stream in (False, True):
+        kw = dict(model=MODEL, prompt=c["prompt_ids"], max_tokens=48, stop=["to build."], temperature=0,
+                  extra_body={"include_stop_str_in_output": True})
+        text = ("".join(x.choices[0].text for x in client.completions.create(stream=True, **kw) if x.choices)
+                if stream else client.completions.create(**kw).choices[0].text)
+        assert text == cont[:first + len("to build.")], stream
     # A stop string that never occurs: the whole continuation, finish_reason length.
     r = client.completions.create(model=MODEL, prompt=c["prompt_ids"], max_tokens=48, stop=["@@@"], **GREEDY)
     assert r.choices[0].text == cont and r.choices[0].finish_reason == "length"
@@ -415,6 +423,12 @@ def error_of(status_body):
     ({"prompt": "x", "guided_regex": "a+"}, "guided_regex", "constrained decoding"),
     ({"prompt": "x", "tool_choice": "required"}, "tool_choice", "constrained decoding"),
     ({"prompt": "x", "min_tokens": 4, "max_tokens": 2}, "min_tokens", "more than max_tokens"),
+    ({"prompt": "x", "use_beam_search": True}, "use_beam_search", "beam search"),
+    ({"prompt": "x", "skip_special_tokens": False}, "skip_special_tokens", "only true"),
+    ({"prompt": "x", "truncate_prompt_tokens": 4}, "truncate_prompt_tokens", "never truncated"),
+    ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs", "echo with logprobs"),
+    ({"prompt": "x", "modalities": ["text", "audio"]}, "modalities", "only"),
+    ({"prompt": "x", "include_stop_str_in_output": "yes"}, "include_stop_str_in_output", "boolean"),
 ])
 def test_completions_rejects_bad_fields(demo, body, param, needle):
     status, err = error_of(demo.http("POST", "/v1/completions", {"model": MODEL, **body}))
@@ -599,6 +613,20 @@ def test_reasoning_parser_splits_chat_replies(demo, demo_reasoning):
     assert comp.choices[0].text == text
     status, err = error_of(demo_reasoning.http("POST", "/v1/chat/completions", dict(kw, include_reasoning="no")))
     assert status == 400 and err["param"] == "include_reasoning", err
+
+
+def test_chat_knobs(demo):
+    """add_generation_prompt false renders the conversation without the assistant's opening (the
+    prompt /tokenize counts); chat echo, continue_final_message and audio are refused by name."""
+    msgs = [{"role": "user", "content": "What is Unicode?"}]
+    bare = json.loads(demo.http("POST", "/tokenize", {"messages": msgs, "add_generation_prompt": False})[1])["tokens"]
+    r = demo.client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=1,
+                                              extra_body={"add_generation_prompt": False, "return_token_ids": True})
+    assert r.model_extra["prompt_token_ids"] == bare
+    for extra, param in [({"echo": True}, "echo"), ({"continue_final_message": True}, "continue_final_message"),
+                         ({"audio": {"voice": "x"}}, "audio"), ({"prompt_logprobs": 1}, "prompt_logprobs")]:
+        status, err = error_of(demo.http("POST", "/v1/chat/completions", {"model": MODEL, "messages": msgs, **extra}))
+        assert status == 400 and err["param"] == param, err
 
 
 def test_tokenize_and_detokenize(demo):
