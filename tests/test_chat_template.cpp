@@ -126,3 +126,26 @@ TEST(ChatTemplate, BadConfigsAreErrors) {
   ChatTemplate ct("{{ messages[0].content }}", {});
   EXPECT_THROW(ct.render(ojson::array(), true), Error);
 }
+
+// A model directory as transformers >= 4.49 saves it: the template in chat_template.jinja (named
+// ones in additional_chat_templates/), the special tokens still in tokenizer_config.json. The file
+// wins over a config's own chat_template; without either there is no template.
+TEST(ChatTemplate, FromModelDirReadsChatTemplateJinja) {
+  vireo::test::TempDir dir("chat_dir");
+  const ojson msgs = ojson::parse(R"([{"role":"user","content":"hi"}])");
+  EXPECT_FALSE(ChatTemplate::model_dir_has_template(dir.str()));
+  EXPECT_THROW(ChatTemplate::from_model_dir(dir.str()), Error);
+  vireo::test::write_file(dir / "tokenizer_config.json",
+                          R"({"bos_token": "<s>", "chat_template": "CONFIG{{ messages[0].content }}"})");
+  EXPECT_TRUE(ChatTemplate::model_dir_has_template(dir.str()));
+  EXPECT_EQ(ChatTemplate::from_model_dir(dir.str()).render(msgs, false), "CONFIGhi");
+  vireo::test::write_file(dir / "chat_template.jinja", "{{ bos_token }}FILE{{ messages[0].content }}");
+  EXPECT_EQ(ChatTemplate::from_model_dir(dir.str()).render(msgs, false), "<s>FILEhi");
+  fs::create_directories(dir / "additional_chat_templates");
+  vireo::test::write_file(dir / "additional_chat_templates/tool_use.jinja", "TOOLS{{ tools | length }}");
+  const ChatTemplate ct = ChatTemplate::from_model_dir(dir.str());
+  EXPECT_TRUE(ct.has_tool_use_template());
+  EXPECT_EQ(ct.render(msgs, false, {{"tools", ojson::array({{{"name", "f"}}})}}), "TOOLS1");
+  vireo::test::write_file(dir / "chat_template.jinja", "{% if %}");
+  EXPECT_THROW(ChatTemplate::from_model_dir(dir.str()), Error);
+}

@@ -19,20 +19,20 @@ namespace vireo::cli {
 
 namespace {
 
-// The served model's text side: tokenizer.json and the chat template of tokenizer_config.json,
-// each optional (a fixture without them serves token-id prompts on /v1/completions only).
+// The served model's text side: tokenizer.json and the chat template (chat_template.jinja, else
+// tokenizer_config.json's), each optional (a fixture without them serves token-id prompts on
+// /v1/completions only).
 void load_text(const std::string& dir, server::ServedModel& m) {
   namespace fs = std::filesystem;
   const fs::path tok = fs::path(dir) / "tokenizer.json";
   if (fs::exists(tok)) m.tokenizer = std::make_shared<Tokenizer>(Tokenizer::from_file(tok.string()));
-  const fs::path cfg = fs::path(dir) / "tokenizer_config.json";
   if (!m.tokenizer) {
     m.template_error = "no tokenizer.json";
-  } else if (!fs::exists(cfg)) {
-    m.template_error = "no tokenizer_config.json";
+  } else if (!ChatTemplate::model_dir_has_template(dir)) {
+    m.template_error = "neither chat_template.jinja nor a chat_template in tokenizer_config.json";
   } else {
     try {
-      m.chat_template = std::make_shared<ChatTemplate>(ChatTemplate::from_tokenizer_config(cfg.string()));
+      m.chat_template = std::make_shared<ChatTemplate>(ChatTemplate::from_model_dir(dir));
     } catch (const Error& e) {
       m.template_error = e.what();
     }

@@ -10,15 +10,12 @@ namespace vireo::cli {
 std::vector<int32_t> to_i32(const std::vector<uint32_t>& ids) { return std::vector<int32_t>(ids.begin(), ids.end()); }
 
 TextModel TextModel::load(const std::string& dir, bool need_template) {
-  const std::string tj = dir + "/tokenizer.json", tc = dir + "/tokenizer_config.json";
+  const std::string tj = dir + "/tokenizer.json";
   if (!file_exists(tj)) fail(dir, ": no tokenizer.json (text input needs the model's tokenizer; use --prompt-ids)");
   TextModel m{Tokenizer::from_file(tj), std::nullopt};
-  if (file_exists(tc)) {
-    Json cfg = read_json_file(tc);
-    if (cfg.contains("chat_template") && !cfg["chat_template"].is_null())
-      m.chat_template = ChatTemplate::from_tokenizer_config(tc);
-  }
-  if (need_template && !m.chat_template) fail(tc, ": no chat_template (needed for chat)");
+  if (ChatTemplate::model_dir_has_template(dir)) m.chat_template = ChatTemplate::from_model_dir(dir);
+  if (need_template && !m.chat_template)
+    fail(dir, ": no chat template (neither chat_template.jinja nor a chat_template in tokenizer_config.json)");
   return m;
 }
 

@@ -1,6 +1,6 @@
 #pragma once
-// The text side of a model directory: tokenizer.json and, where present, the chat template in
-// tokenizer_config.json.
+// The text side of a model directory: tokenizer.json and, where present, the chat template
+// (chat_template.jinja, else tokenizer_config.json's: ChatTemplate::from_model_dir).
 #include <optional>
 
 #include <CLI/CLI.hpp>
@@ -14,7 +14,7 @@ namespace vireo::cli {
 
 struct TextModel {
   Tokenizer tokenizer;
-  std::optional<ChatTemplate> chat_template;  // absent when tokenizer_config.json has none
+  std::optional<ChatTemplate> chat_template;  // chat_template.jinja's, else tokenizer_config.json's; may be absent
 
   // Throws a one-line Error naming the missing file; `need_template` makes a missing chat
   // template an error too.

@@ -1,5 +1,7 @@
 #include "text/chat_template.h"
 
+#include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -89,6 +91,55 @@ ChatTemplate ChatTemplate::from_tokenizer_config_json(const ojson& config, const
   }
   if (!ct.default_) fail(origin, ": chat_template has several named templates but none named \"default\"");
   return ct;
+}
+
+namespace {
+std::string read_text(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) fail(path, ": cannot open");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+}  // namespace
+
+bool ChatTemplate::model_dir_has_template(const std::string& dir) {
+  namespace fs = std::filesystem;
+  if (fs::exists(fs::path(dir) / "chat_template.jinja")) return true;
+  const fs::path cfg = fs::path(dir) / "tokenizer_config.json";
+  if (!fs::exists(cfg)) return false;
+  const ojson config = ojson::parse(read_text(cfg.string()), nullptr, /*allow_exceptions=*/false);
+  return config.is_object() && config.contains("chat_template") && !config["chat_template"].is_null();
+}
+
+ChatTemplate ChatTemplate::from_model_dir(const std::string& dir) {
+  namespace fs = std::filesystem;
+  const fs::path cfg = fs::path(dir) / "tokenizer_config.json", file = fs::path(dir) / "chat_template.jinja";
+  if (!fs::exists(file)) {
+    if (!fs::exists(cfg)) fail(dir, ": no chat template (neither chat_template.jinja nor tokenizer_config.json)");
+    return from_tokenizer_config(cfg.string());
+  }
+  ojson config = ojson::object();
+  if (fs::exists(cfg)) {
+    try {
+      config = ojson::parse(read_text(cfg.string()));
+    } catch (const nlohmann::json::exception& e) {
+      fail(cfg.string(), ": invalid JSON: ", e.what());
+    }
+    if (!config.is_object()) fail(cfg.string(), ": tokenizer config must be a JSON object");
+  }
+  // The file's template as the config's, named ones beside it ("default" is the file's).
+  ojson named = ojson::array({{{"name", "default"}, {"template", read_text(file.string())}}});
+  const fs::path extra = fs::path(dir) / "additional_chat_templates";
+  if (fs::is_directory(extra)) {
+    std::vector<fs::path> files;
+    for (const auto& e : fs::directory_iterator(extra))
+      if (e.path().extension() == ".jinja") files.push_back(e.path());
+    std::sort(files.begin(), files.end());
+    for (const fs::path& f : files) named.push_back({{"name", f.stem().string()}, {"template", read_text(f.string())}});
+  }
+  config["chat_template"] = named.size() == 1 ? named[0]["template"] : named;
+  return from_tokenizer_config_json(config, file.string());
 }
 
 const std::string& ChatTemplate::bos_token() const {

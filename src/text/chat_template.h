@@ -21,6 +21,14 @@ class ChatTemplate {
   // (bos_token, eos_token, ...; plain strings or AddedToken dicts) from a tokenizer_config.json.
   static ChatTemplate from_tokenizer_config(const std::string& path);
   static ChatTemplate from_tokenizer_config_json(const nlohmann::ordered_json& config, const std::string& origin);
+  // A model directory's template as transformers loads it: chat_template.jinja where the directory
+  // has one (transformers >= 4.49 saves the template there; it wins over the config's), with any
+  // named ones in additional_chat_templates/NAME.jinja, else tokenizer_config.json's chat_template;
+  // the special tokens from tokenizer_config.json either way. Throws a one-line Error naming
+  // what is missing.
+  static ChatTemplate from_model_dir(const std::string& dir);
+  // Whether from_model_dir finds a template in `dir` (without parsing it).
+  static bool model_dir_has_template(const std::string& dir);
 
   // One template; `special_tokens` maps names such as "bos_token" to their text.
   ChatTemplate(const std::string& source, std::map<std::string, std::string> special_tokens,
