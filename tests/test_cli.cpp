@@ -248,12 +248,20 @@ TEST(Cli, UnknownFlagsNameTheFlagMeant) {
 }
 
 // serve --reasoning-parser needs <think> / </think> tokens: refused before the server listens
-// where the model has no tokenizer (the f32 fixture) or is synthetic.
-TEST(Cli, ServeRefusesAReasoningParserItCannotServe) {
+// where the model has no tokenizer (the f32 fixture) or is synthetic; --chat-template must load.
+TEST(Cli, ServeRefusesTextOptionsItCannotServe) {
   expect_clean_error(run_vireo("serve --model " + kFixture + " --port 0 --reasoning-parser glm45"),
                      "--reasoning-parser glm45: the model has no tokenizer.json");
   expect_clean_error(run_vireo("serve --synthetic glm5 --port 0 --reasoning-parser deepseek_r1"),
                      "--reasoning-parser needs a model with a tokenizer (--model), not --synthetic");
+  // --chat-template: a file that is not there, or a template that does not parse, before listening.
+  const std::string demo = std::string(VIREO_SOURCE_DIR) + "/models/vireo-demo";
+  expect_clean_error(run_vireo("serve --model " + demo + " --port 0 --chat-template /nonexistent.jinja"),
+                     "--chat-template /nonexistent.jinja: /nonexistent.jinja: no such template file");
+  vireo::test::TempDir t("tmpl");
+  vireo::test::write_file(t / "bad.jinja", "{% if %}");
+  const RunResult bad = run_vireo("serve --model " + demo + " --port 0 --chat-template " + (t / "bad.jinja"));
+  expect_clean_error(bad, "--chat-template " + (t / "bad.jinja"));
 }
 
 // tools/ab-bench.sh reads `vireo bench`'s decode lines: two variants, two rounds each, interleaved,

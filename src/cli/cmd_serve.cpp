@@ -22,17 +22,17 @@ namespace {
 // The served model's text side: tokenizer.json and the chat template (chat_template.jinja, else
 // tokenizer_config.json's), each optional (a fixture without them serves token-id prompts on
 // /v1/completions only).
-void load_text(const std::string& dir, server::ServedModel& m) {
+void load_text(const std::string& dir, const std::string& template_file, server::ServedModel& m) {
   namespace fs = std::filesystem;
   const fs::path tok = fs::path(dir) / "tokenizer.json";
   if (fs::exists(tok)) m.tokenizer = std::make_shared<Tokenizer>(Tokenizer::from_file(tok.string()));
   if (!m.tokenizer) {
     m.template_error = "no tokenizer.json";
-  } else if (!ChatTemplate::model_dir_has_template(dir)) {
+  } else if (template_file.empty() && !ChatTemplate::model_dir_has_template(dir)) {
     m.template_error = "neither chat_template.jinja nor a chat_template in tokenizer_config.json";
   } else {
     try {
-      m.chat_template = std::make_shared<ChatTemplate>(ChatTemplate::from_model_dir(dir));
+      m.chat_template = std::make_shared<ChatTemplate>(ChatTemplate::from_model_dir(dir, template_file));
     } catch (const Error& e) {
       m.template_error = e.what();
     }
@@ -62,6 +62,7 @@ Action add_serve(CLI::App& app) {
     bool mtp = false;
     std::string prefix_reuse = "on";
     std::string reasoning_parser = "none";
+    std::string chat_template;
     StreamingFlags sf;
   };
   auto o = std::make_shared<Opts>();
@@ -103,6 +104,9 @@ Action add_serve(CLI::App& app) {
                  "whole --prefill-chunk chunks (on the CPU the same bits as running them; off with --mtp)")
       ->check(CLI::IsMember({"on", "off"}))
       ->capture_default_str();
+  app.add_option("--chat-template", o->chat_template,
+                 "A Jinja chat template file used instead of the model's (its special tokens still from "
+                 "tokenizer_config.json)");
   app.add_option("--reasoning-parser", o->reasoning_parser,
                  "Chat replies split at the model's </think> into message.reasoning_content and content (the "
                  "<think> / </think> special tokens of GLM-5 and DeepSeek-R1, as vLLM's parsers of these names)")
@@ -124,6 +128,8 @@ Action add_serve(CLI::App& app) {
       GlmDsaConfig c = load_glm_dsa_config(o->model);
       enable_mtp(c, o->model + "/config.json");
     }
+    if (!o->synthetic.empty() && !o->chat_template.empty())
+      fail("--chat-template needs a model with a tokenizer (--model), not --synthetic");
     if (!o->synthetic.empty() && o->reasoning_parser != "none")
       fail("--reasoning-parser needs a model with a tokenizer (--model), not --synthetic");
     if (!o->synthetic.empty() && !o->sf.budget.empty()) fail("--memory-budget needs a checkpoint on disk (--model)");
@@ -132,7 +138,10 @@ Action add_serve(CLI::App& app) {
     // before the server listens.
     server::ServedModel sm;
     if (o->synthetic.empty()) {
-      load_text(o->model, sm);
+      load_text(o->model, o->chat_template, sm);
+      // A template given by name must load (the model's own may be absent: chat then answers 400).
+      if (!o->chat_template.empty() && !sm.chat_template)
+        fail("--chat-template ", o->chat_template, ": ", sm.template_error);
       if (o->reasoning_parser != "none") sm.think = think_tokens(sm, o->reasoning_parser);
     }
     // Signals go to a sigwait below, never to a handler racing the server's threads.

@@ -112,9 +112,11 @@ bool ChatTemplate::model_dir_has_template(const std::string& dir) {
   return config.is_object() && config.contains("chat_template") && !config["chat_template"].is_null();
 }
 
-ChatTemplate ChatTemplate::from_model_dir(const std::string& dir) {
+ChatTemplate ChatTemplate::from_model_dir(const std::string& dir, const std::string& template_file) {
   namespace fs = std::filesystem;
-  const fs::path cfg = fs::path(dir) / "tokenizer_config.json", file = fs::path(dir) / "chat_template.jinja";
+  const fs::path cfg = fs::path(dir) / "tokenizer_config.json",
+                 file = template_file.empty() ? fs::path(dir) / "chat_template.jinja" : fs::path(template_file);
+  if (!template_file.empty() && !fs::is_regular_file(file)) fail(template_file, ": no such template file");
   if (!fs::exists(file)) {
     if (!fs::exists(cfg)) fail(dir, ": no chat template (neither chat_template.jinja nor tokenizer_config.json)");
     return from_tokenizer_config(cfg.string());
@@ -131,7 +133,7 @@ ChatTemplate ChatTemplate::from_model_dir(const std::string& dir) {
   // The file's template as the config's, named ones beside it ("default" is the file's).
   ojson named = ojson::array({{{"name", "default"}, {"template", read_text(file.string())}}});
   const fs::path extra = fs::path(dir) / "additional_chat_templates";
-  if (fs::is_directory(extra)) {
+  if (template_file.empty() && fs::is_directory(extra)) {
     std::vector<fs::path> files;
     for (const auto& e : fs::directory_iterator(extra))
       if (e.path().extension() == ".jinja") files.push_back(e.path());

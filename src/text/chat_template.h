@@ -26,7 +26,8 @@ class ChatTemplate {
   // named ones in additional_chat_templates/NAME.jinja, else tokenizer_config.json's chat_template;
   // the special tokens from tokenizer_config.json either way. Throws a one-line Error naming
   // what is missing.
-  static ChatTemplate from_model_dir(const std::string& dir);
+  // template_file: a .jinja file used instead of the directory's template (serve --chat-template).
+  static ChatTemplate from_model_dir(const std::string& dir, const std::string& template_file = "");
   // Whether from_model_dir finds a template in `dir` (without parsing it).
   static bool model_dir_has_template(const std::string& dir);
 

@@ -657,3 +657,18 @@ def test_tokenize_and_detokenize(demo):
     status, err = error_of(demo.http("POST", "/tokenize", {"model": "other", "prompt": "x"}))
     assert status == 404 and err["code"] == "model_not_found"
     assert demo.http("POST", "/tokenize", {"prompt": "x"}, auth=False)[0] == 401
+
+
+def test_chat_template_override(tmp_path):
+    """serve --chat-template FILE renders chat with that template (the special tokens still from
+    tokenizer_config.json): /tokenize's ids are the template's text's."""
+    from conftest import demo_server
+    (tmp_path / "t.jinja").write_text("{{ eos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}")
+    s = demo_server("--max-batch", "2", "--chat-template", str(tmp_path / "t.jinja"))
+    try:
+        got = json.loads(s.http("POST", "/tokenize", {"messages": [{"role": "user", "content": "Hi there"}]})[1])
+        want = json.loads(s.http("POST", "/tokenize", {"prompt": "<|endoftext|>[user] Hi there",
+                                                      "add_special_tokens": False})[1])
+        assert got["tokens"] == want["tokens"] and got["count"] > 3
+    finally:
+        s.stop()
