@@ -1,5 +1,6 @@
 // `vireo serve`: the OpenAI-compatible server. The port is bound first and /health answers 503
 // while the model loads; SIGINT/SIGTERM stop it cleanly.
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -48,6 +49,19 @@ server::ThinkTokens think_tokens(const server::ServedModel& m, const std::string
   return {int32_t(*open), int32_t(*close)};
 }
 
+// One --log-interval line: the rates over the interval, the gauges now.
+std::string throughput_line(const SchedulerStats& a, const SchedulerStats& b, std::chrono::steady_clock::duration d) {
+  const double secs = std::chrono::duration<double>(d).count();
+  char buf[256];
+  std::snprintf(buf, sizeof buf,
+                "prompt %.1f tok/s, generation %.1f tok/s, running %zu, waiting %zu, cache %.1f%% of %.1f MiB in use",
+                double(b.prompt_tokens_run - a.prompt_tokens_run) / secs,
+                double(b.tokens_generated - a.tokens_generated) / secs, b.running, b.waiting,
+                b.cache_bytes_allocated ? 100.0 * double(b.cache_bytes_in_use) / double(b.cache_bytes_allocated) : 0.0,
+                double(b.cache_bytes_allocated) / (1 << 20));
+  return buf;
+}
+
 }  // namespace
 
 Action add_serve(CLI::App& app) {
@@ -63,6 +77,7 @@ Action add_serve(CLI::App& app) {
     std::string prefix_reuse = "on";
     std::string reasoning_parser = "none";
     std::string chat_template;
+    double log_interval = 10;
     StreamingFlags sf;
   };
   auto o = std::make_shared<Opts>();
@@ -111,6 +126,11 @@ Action add_serve(CLI::App& app) {
                  "Chat replies split at the model's </think> into message.reasoning_content and content (the "
                  "<think> / </think> special tokens of GLM-5 and DeepSeek-R1, as vLLM's parsers of these names)")
       ->check(CLI::IsMember({"none", "glm45", "deepseek_r1"}))
+      ->capture_default_str();
+  app.add_option("--log-interval", o->log_interval,
+                 "Seconds between the throughput lines on stderr (prompt and generation tok/s, requests running "
+                 "and waiting, cache in use), printed only after work; 0: none")
+      ->check(CLI::Range(0.0, 86400.0))
       ->capture_default_str();
   app.add_option("--cache-budget", o->cache_budget,
                  "Admission budget in cache bytes (e.g. 2G) for prompt + max_tokens of running requests "
@@ -199,7 +219,23 @@ Action add_serve(CLI::App& app) {
                  sm.tokenizer ? "" : ", no tokenizer: token-id prompts only",
                  sm.chat_template ? "" : ", no chat template");
     int sig = 0;
-    sigwait(&sigs, &sig);
+    SchedulerStats last = scheduler.stats();
+    auto last_at = std::chrono::steady_clock::now();
+    for (;;) {  // a signal ends it; every --log-interval seconds with work done, a throughput line
+      if (o->log_interval <= 0) {
+        sigwait(&sigs, &sig);
+        break;
+      }
+      const auto ns = int64_t(o->log_interval * 1e9);
+      const timespec wait{time_t(ns / 1000000000), long(ns % 1000000000)};
+      if ((sig = sigtimedwait(&sigs, nullptr, &wait)) > 0) break;
+      const SchedulerStats now = scheduler.stats();
+      const auto at = std::chrono::steady_clock::now();
+      if (now.steps != last.steps)
+        std::fprintf(stderr, "vireo: %s\n", throughput_line(last, now, at - last_at).c_str());
+      last = now;
+      last_at = at;
+    }
     std::fprintf(stderr, "vireo: signal %d, shutting down\n", sig);
     if (!http.stop(std::chrono::seconds(2))) {
       // Idle keep-alive connections hold httplib's threads; every request is already cancelled.

@@ -194,6 +194,7 @@ void Scheduler::emit_chosen(Running& r, int32_t id_chosen, const float* logits) 
   r.handle->push(std::move(ev));
   r.last = id;
   ++r.generated;
+  ++tokens_generated_;
   if (stops_at(r, id)) {
     SchedEvent f;
     f.kind = SchedEvent::Kind::Finish;
@@ -425,6 +426,7 @@ bool Scheduler::step() {
     if (T > budget) break;
     budget -= T;
     chunk[i] = T;
+    prompt_tokens_run_ += uint64_t(T);
     BatchItem it;
     it.row = r.row;
     it.tokens = r.req.prompt.data() + r.prefilled;
@@ -590,6 +592,8 @@ bool Scheduler::end_step() {
   ++stats_.steps;
   stats_.drafted = drafted_;
   stats_.drafts_kept = drafts_kept_;
+  stats_.prompt_tokens_run = prompt_tokens_run_;
+  stats_.tokens_generated = tokens_generated_;
   stats_.running = running_.size();
   stats_.cache_bytes_reserved = reserved_;
   count_cache_bytes();

@@ -133,6 +133,8 @@ struct SchedulerStats {
   uint64_t steps = 0;
   uint64_t drafted = 0, drafts_kept = 0;  // mtp_drafts: drafts verified, and kept
   uint64_t prefix_tokens_reused = 0;      // reuse_prefixes: prompt tokens admitted already cached
+  uint64_t prompt_tokens_run = 0;         // prompt tokens prefilled (reused ones not counted)
+  uint64_t tokens_generated = 0;          // tokens emitted
 };
 
 class Scheduler {
@@ -262,6 +264,7 @@ class Scheduler {
   void count_cache_bytes();  // stats_'s in-use and kept bytes (under mu_)
   size_t reserved_ = 0;
   uint64_t drafted_ = 0, drafts_kept_ = 0;  // mtp_drafts, copied into stats_ by end_step
+  uint64_t prompt_tokens_run_ = 0, tokens_generated_ = 0;  // likewise
   int queued_ = 0;  // steps queued by pipelined_step for running_[0] (every step of its chunks), picks not yet read
   std::thread thread_;
 };

@@ -672,3 +672,25 @@ def test_chat_template_override(tmp_path):
         assert got["tokens"] == want["tokens"] and got["count"] > 3
     finally:
         s.stop()
+
+
+def test_throughput_lines_after_work():
+    """--log-interval: a stderr line of prompt and generation rates and the gauges after an interval
+    with work, none while idle."""
+    import re
+    import time
+    from conftest import demo_server
+    s = demo_server("--max-batch", "2", "--log-interval", "0.5")
+    try:
+        time.sleep(1.2)
+        assert not any("tok/s" in line for line in s.log), s.log
+        r = s.client().completions.create(model=MODEL, prompt=[440, 435, 1131], max_tokens=8, temperature=0)
+        assert r.usage.completion_tokens == 8
+        time.sleep(1.2)
+        lines = [line for line in s.log if "generation" in line]
+        assert lines, s.log
+        m = re.search(r"prompt ([\d.]+) tok/s, generation ([\d.]+) tok/s, running (\d+), waiting (\d+), "
+                      r"cache ([\d.]+)% of ([\d.]+) MiB in use", lines[0])
+        assert m and float(m.group(2)) > 0 and float(m.group(1)) > 0, lines[0]
+    finally:
+        s.stop()
