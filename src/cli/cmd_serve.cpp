@@ -95,10 +95,10 @@ Action add_serve(CLI::App& app) {
   app.add_option("--port", o->srv.port, "Port (0: any free port; the chosen one is printed)")
       ->check(CLI::Range(0, 65535))->capture_default_str();
   app.add_option("--api-key", o->srv.api_key, "Require 'Authorization: Bearer KEY' on /v1/ endpoints");
-  app.add_option("--max-batch", o->max_batch, "Sequences decoded together (cache rows)")
+  app.add_option("--max-batch,--max-num-seqs", o->max_batch, "Sequences decoded together (cache rows; vLLM's name too)")
       ->check(CLI::Range(1, 4096))->capture_default_str();
-  app.add_option("--context", o->context,
-                 "Cache positions per sequence: prompt + max_tokens must fit (default: the model's "
+  app.add_option("--context,--max-model-len", o->context,
+                 "Cache positions per sequence (vLLM's --max-model-len): prompt + max_tokens must fit (default: the model's "
                  "max_position_embeddings, at most 4096)")->check(CLI::Range(int64_t(2), int64_t(1) << 24));
   app.add_option("--prefill-chunk", o->prefill_chunk,
                  "Prompt tokens run per step, interleaved with decodes; each prompt is read in chunks of this many "

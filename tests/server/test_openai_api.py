@@ -676,12 +676,13 @@ def test_chat_template_override(tmp_path):
 
 def test_throughput_lines_after_work():
     """--log-interval: a stderr line of prompt and generation rates and the gauges after an interval
-    with work, none while idle."""
+    with work, none while idle. (The server takes vLLM's --max-num-seqs and --max-model-len.)"""
     import re
     import time
     from conftest import demo_server
-    s = demo_server("--max-batch", "2", "--log-interval", "0.5")
+    s = demo_server("--max-num-seqs", "2", "--max-model-len", "300", "--log-interval", "0.5")  # (vLLM's names)
     try:
+        assert json.loads(s.http("GET", "/v1/models")[1])["data"][0]["max_model_len"] == 300
         time.sleep(1.2)
         assert not any("tok/s" in line for line in s.log), s.log
         r = s.client().completions.create(model=MODEL, prompt=[440, 435, 1131], max_tokens=8, temperature=0)
