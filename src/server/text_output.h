@@ -3,6 +3,7 @@
 // stop strings matched on the text. Text that could still turn out to be the start of a stop string
 // is withheld until it cannot, so a stop string never leaks into the output, even when it spans
 // several tokens.
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
