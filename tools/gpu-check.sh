@@ -57,7 +57,7 @@ want=$(strings "$BIN/vireo_tests" | grep -m1 -E '^/.*/vireo$' || true)
 if [ -n "$want" ] && [ ! -x "$want" ]; then mkdir -p "$(dirname "$want")" && cp "$BIN/vireo" "$want"; fi
 
 set -o pipefail
-timeout 240 "$BIN/vireo_tests" --gtest_filter='*Cuda*:*DeviceStore*:MemoryPlan.Gpu*:DemoModel.*:Branches.*:Mtp.*' \
+timeout 300 "$BIN/vireo_tests" --gtest_filter='*Cuda*:*DeviceStore*:MemoryPlan.Gpu*:DemoModel.*:Branches.*:Mtp.*:ModelFixtures.*:Generate*:Scheduler.*' \
   >"$OUT/tests.log" 2>&1
 log "tests: exit $?"
 grep -E "^\[  FAILED|Failure|Expected|actual|^(F32|BF16|F16|F8_E4M3) " "$OUT/tests.log" | cut -c1-200 | head -60
