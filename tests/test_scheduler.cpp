@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <thread>
 
@@ -421,6 +422,14 @@ void prompt_logprobs_are_the_teacher_forced_log_softmax(bool cuda) {
   EXPECT_EQ(echoed, drain(*h3).ids);
   SchedRequest zero = greedy(toks, 0);  // max_tokens 0 only with prompt_logprobs
   EXPECT_THROW(s3.submit(zero), Error);
+  // max_tokens near 2^63 is refused by name (prompt + max_tokens overflowed before: UBSan, session 57).
+  SchedRequest huge = greedy(toks, std::numeric_limits<int64_t>::max());
+  try {
+    s3.submit(huge);
+    ADD_FAILURE() << "accepted max_tokens 2^63 - 1";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("max_tokens: prompt (", 0), 0u) << e.what();
+  }
 }
 
 TEST(Scheduler, PromptLogprobsAreTheTeacherForcedLogSoftmax) {

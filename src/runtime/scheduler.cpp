@@ -84,7 +84,7 @@ std::shared_ptr<RequestHandle> Scheduler::submit(SchedRequest r) {
     fail("prompt_logprobs: not supported with speculative decoding (this server drafts with --mtp)");
   const int64_t P = int64_t(r.prompt.size());
   if (P >= opt_.context) fail("prompt: ", P, " tokens do not fit the context of ", opt_.context, " tokens");
-  if (P + r.max_tokens > opt_.context)
+  if (r.max_tokens > opt_.context - P)  // (not P + max_tokens: a request's max_tokens may be near 2^63)
     fail("max_tokens: prompt (", P, " tokens) + max_tokens (", r.max_tokens, ") exceed the context of ",
          opt_.context, " tokens");
   const size_t need = size_t(P + r.max_tokens) * bytes_per_token_;

@@ -430,7 +430,7 @@ ApiRequest parse_request(const std::string& body_text, bool chat, const ServedMo
   const int64_t max_tokens = get_int(body, max_field, -1, r.sched.prompt_logprobs ? 0 : 1, INT64_MAX);
   if (max_tokens < 0) {
     r.sched.max_tokens = m.context - P;  // as much as the context allows
-  } else if (P + max_tokens > m.context) {
+  } else if (max_tokens > m.context - P) {  // (P + max_tokens could overflow: max_tokens may be 2^63 - 1)
     bad(max_field, str("prompt (", P, " tokens) + ", max_field, " (", max_tokens, ") exceed this server's context of ",
                        m.context, " tokens"));
   } else {

@@ -413,6 +413,7 @@ def error_of(status_body):
     ({"prompt": "x", "n": 17}, "n", "[1, 16]"),
     ({"prompt": "x", "logprobs": 21}, "logprobs", "[0, 20]"),
     ({"prompt": "x", "max_tokens": 5000}, "max_tokens", "context"),
+    ({"prompt": "x", "max_tokens": 2**63 - 1}, "max_tokens", "context"),  # (prompt + it overflowed once)
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", "[1,"),
     ({"prompt": list(range(2048))}, "prompt", "context"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream is true"),
