@@ -42,6 +42,14 @@ ojson normalize_message(const ojson& msg, size_t index) {
   return out;
 }
 
+std::string read_text(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) fail(path, ": cannot open");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
 std::string token_text(const ojson& v, const std::string& key, const std::string& origin) {
   if (v.is_string()) return v.get<std::string>();
   if (v.is_object() && v.contains("content") && v["content"].is_string()) return v["content"].get<std::string>();
@@ -55,13 +63,10 @@ ChatTemplate::ChatTemplate(const std::string& source, std::map<std::string, std:
     : default_(std::make_shared<jinja::Template>(source, name)), special_tokens_(std::move(special_tokens)) {}
 
 ChatTemplate ChatTemplate::from_tokenizer_config(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) fail(path, ": cannot open tokenizer config");
-  std::stringstream ss;
-  ss << f.rdbuf();
+  const std::string text = read_text(path);
   ojson config;
   try {
-    config = ojson::parse(ss.str());
+    config = ojson::parse(text);
   } catch (const nlohmann::json::exception& e) {
     fail(path, ": invalid JSON: ", e.what());
   }
@@ -92,16 +97,6 @@ ChatTemplate ChatTemplate::from_tokenizer_config_json(const ojson& config, const
   if (!ct.default_) fail(origin, ": chat_template has several named templates but none named \"default\"");
   return ct;
 }
-
-namespace {
-std::string read_text(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) fail(path, ": cannot open");
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-}  // namespace
 
 bool ChatTemplate::model_dir_has_template(const std::string& dir) {
   namespace fs = std::filesystem;
