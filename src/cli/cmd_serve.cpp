@@ -94,7 +94,7 @@ Action add_serve(CLI::App& app) {
   app.add_option("--host", o->srv.host, "Address to listen on")->capture_default_str();
   app.add_option("--port", o->srv.port, "Port (0: any free port; the chosen one is printed)")
       ->check(CLI::Range(0, 65535))->capture_default_str();
-  app.add_option("--api-key", o->srv.api_key, "Require 'Authorization: Bearer KEY' on /v1/ endpoints");
+  app.add_option("--api-key", o->srv.api_key, "Require 'Authorization: Bearer KEY' on /v1/ endpoints, /tokenize and /detokenize");
   app.add_option("--max-batch,--max-num-seqs", o->max_batch, "Sequences decoded together (cache rows; vLLM's name too)")
       ->check(CLI::Range(1, 4096))->capture_default_str();
   app.add_option("--context,--max-model-len", o->context,
@@ -154,8 +154,8 @@ Action add_serve(CLI::App& app) {
       fail("--reasoning-parser needs a model with a tokenizer (--model), not --synthetic");
     if (!o->synthetic.empty() && !o->sf.budget.empty()) fail("--memory-budget needs a checkpoint on disk (--model)");
     if (!o->synthetic.empty() && !o->sf.gpu_budget.empty()) fail("--gpu-budget needs a checkpoint on disk (--model)");
-    // The text side first (small): a --reasoning-parser the tokenizer cannot serve is refused
-    // before the server listens.
+    // The text side first (small): a --chat-template that does not load, or a --reasoning-parser
+    // the tokenizer cannot serve, is refused before the server listens.
     server::ServedModel sm;
     if (o->synthetic.empty()) {
       load_text(o->model, o->chat_template, sm);
