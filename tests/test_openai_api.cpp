@@ -26,7 +26,8 @@ ServedModel demo_served() {
   m.tokenizer = std::make_shared<vireo::Tokenizer>(vireo::Tokenizer::from_file(dir + "/tokenizer.json"));
   m.chat_template =
       std::make_shared<vireo::ChatTemplate>(vireo::ChatTemplate::from_tokenizer_config(dir + "/tokenizer_config.json"));
-  m.think = {int32_t(*m.tokenizer->token_to_id("<think>")), int32_t(*m.tokenizer->token_to_id("</think>"))};
+  m.think = think_tokens_of(*m.tokenizer);
+  EXPECT_TRUE(m.think.splits());
   return m;
 }
 

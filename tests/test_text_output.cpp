@@ -26,7 +26,10 @@ std::vector<int32_t> ids_of(const std::string& text) {
 }
 
 ThinkTokens demo_think() {
-  return {int32_t(*demo_tokenizer().token_to_id("<think>")), int32_t(*demo_tokenizer().token_to_id("</think>"))};
+  const ThinkTokens t = think_tokens_of(demo_tokenizer());
+  EXPECT_EQ(t.open, int32_t(*demo_tokenizer().token_to_id("<think>")));
+  EXPECT_EQ(t.close, int32_t(*demo_tokenizer().token_to_id("</think>")));
+  return t;
 }
 
 // Every piece of feeding `ids` then finishing, joined by part.

@@ -43,10 +43,9 @@ void load_text(const std::string& dir, const std::string& template_file, server:
 // --reasoning-parser's markers in the served tokenizer.
 server::ThinkTokens think_tokens(const server::ServedModel& m, const std::string& parser) {
   if (!m.tokenizer) fail("--reasoning-parser ", parser, ": the model has no tokenizer.json");
-  const std::optional<uint32_t> open = m.tokenizer->token_to_id("<think>"),
-                                close = m.tokenizer->token_to_id("</think>");
-  if (!open || !close) fail("--reasoning-parser ", parser, ": the tokenizer has no <think> and </think> tokens");
-  return {int32_t(*open), int32_t(*close)};
+  const server::ThinkTokens think = server::think_tokens_of(*m.tokenizer);
+  if (!think.splits()) fail("--reasoning-parser ", parser, ": the tokenizer has no <think> and </think> tokens");
+  return think;
 }
 
 // One --log-interval line: the rates over the interval, the gauges now.

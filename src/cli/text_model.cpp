@@ -40,21 +40,10 @@ nlohmann::ordered_json thinking_args(const std::string& thinking) {
   return args;
 }
 
-namespace {
-server::ThinkTokens think_tokens(const Tokenizer& tok) {
-  const std::optional<uint32_t> open = tok.token_to_id("<think>"), close = tok.token_to_id("</think>");
-  if (!open || !close) return {};
-  return {int32_t(*open), int32_t(*close)};
-}
-// Whether the prompt ends by opening the reasoning (a template with thinking on).
-bool starts_in_reasoning(const Tokenizer& tok, const std::vector<int32_t>& prompt) {
-  const server::ThinkTokens t = think_tokens(tok);
-  return t.splits() && !prompt.empty() && prompt.back() == t.open;
-}
-}  // namespace
-
 ChatReply::ChatReply(const TextModel& tm, const std::vector<int32_t>& prompt)
-    : text_(&tm.tokenizer, {}, think_tokens(tm.tokenizer), starts_in_reasoning(tm.tokenizer, prompt)) {}
+    : ChatReply(tm, prompt, server::think_tokens_of(tm.tokenizer)) {}
+ChatReply::ChatReply(const TextModel& tm, const std::vector<int32_t>& prompt, server::ThinkTokens think)
+    : text_(&tm.tokenizer, {}, think, think.opened_by(prompt)) {}
 
 void ChatReply::show(const server::TextPiece& piece) {
   if (piece.reasoning && !in_reasoning_) std::fputs("<think>", stdout);

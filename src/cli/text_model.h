@@ -2,9 +2,9 @@
 // The text side of a model directory: tokenizer.json and, where present, the chat template
 // (chat_template.jinja, else tokenizer_config.json's: ChatTemplate::from_model_dir).
 #include <optional>
+#include <string>
 
 #include <CLI/CLI.hpp>
-#include <string>
 
 #include "server/text_output.h"
 #include "text/chat_template.h"
@@ -45,6 +45,7 @@ class ChatReply {
   const std::string& content() const { return content_; }
 
  private:
+  ChatReply(const TextModel& tm, const std::vector<int32_t>& prompt, server::ThinkTokens think);
   void show(const server::TextPiece& piece);
   server::TextOutput text_;
   std::string reasoning_, content_;

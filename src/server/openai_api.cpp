@@ -228,9 +228,6 @@ ojson tokenize(const std::string& body_text, const ServedModel& m) {
   std::vector<int32_t> ids;
   if (field(body, "messages")) {
     if (field(body, "prompt")) bad("prompt", "send either prompt or messages, not both");
-    if (!m.chat_template)
-      throw ApiError(400, "messages: model '" + m.name + "' has no usable chat template (" + m.template_error + ")",
-                     "messages");
     ids = chat_prompt(body, m, chat_tools(body, m), get_bool(body, "add_generation_prompt", true));
   } else {
     const ojson* p = field(body, "prompt");
@@ -397,7 +394,7 @@ ApiRequest parse_request(const std::string& body_text, bool chat, const ServedMo
     r.parallel_tool_calls = get_bool(body, "parallel_tool_calls", true);
     r.prompts.push_back(chat_prompt(body, m, tools, get_bool(body, "add_generation_prompt", true)));
     r.think = m.think;
-    r.starts_in_reasoning = m.think.splits() && !r.prompts[0].empty() && r.prompts[0].back() == m.think.open;
+    r.starts_in_reasoning = m.think.opened_by(r.prompts[0]);
     r.include_reasoning = get_bool(body, "include_reasoning", true);
   } else {
     for (auto& [ids, text] : completion_prompts(body, m)) {

@@ -36,6 +36,12 @@ std::string StopMatcher::flush() {
   return std::exchange(held_, {});
 }
 
+ThinkTokens think_tokens_of(const Tokenizer& tokenizer) {
+  const std::optional<uint32_t> open = tokenizer.token_to_id("<think>"), close = tokenizer.token_to_id("</think>");
+  if (!open || !close) return {};
+  return {int32_t(*open), int32_t(*close)};
+}
+
 TextOutput::TextOutput(const Tokenizer* tokenizer, std::vector<std::string> stops, ThinkTokens think,
                        bool starts_in_reasoning, bool include_stop)
     : matcher_(std::move(stops), include_stop), think_(think), in_reasoning_(think.splits() && starts_in_reasoning) {

@@ -38,7 +38,14 @@ class StopMatcher {
 struct ThinkTokens {
   int32_t open = -1, close = -1;
   bool splits() const { return close >= 0; }
+  // Whether a reply to `prompt` starts inside the reasoning (the prompt ends with <think>: a
+  // template with thinking on).
+  bool opened_by(const std::vector<int32_t>& prompt) const {
+    return splits() && !prompt.empty() && prompt.back() == open;
+  }
 };
+// The tokenizer's <think> and </think> (none where it lacks either).
+ThinkTokens think_tokens_of(const Tokenizer& tokenizer);
 
 // Text pieces, each wholly reasoning or content: with ThinkTokens, what comes before </think> is
 // the reasoning (a generation starts inside it where the prompt ends with <think>, or enters it
