@@ -50,6 +50,16 @@ std::string read_text(const std::string& path) {
   return ss.str();
 }
 
+// A JSON file, or a one-line Error naming it.
+ojson read_json(const std::string& path) {
+  const std::string text = read_text(path);
+  try {
+    return ojson::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    fail(path, ": invalid JSON: ", e.what());
+  }
+}
+
 std::string token_text(const ojson& v, const std::string& key, const std::string& origin) {
   if (v.is_string()) return v.get<std::string>();
   if (v.is_object() && v.contains("content") && v["content"].is_string()) return v["content"].get<std::string>();
@@ -63,14 +73,7 @@ ChatTemplate::ChatTemplate(const std::string& source, std::map<std::string, std:
     : default_(std::make_shared<jinja::Template>(source, name)), special_tokens_(std::move(special_tokens)) {}
 
 ChatTemplate ChatTemplate::from_tokenizer_config(const std::string& path) {
-  const std::string text = read_text(path);
-  ojson config;
-  try {
-    config = ojson::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    fail(path, ": invalid JSON: ", e.what());
-  }
-  return from_tokenizer_config_json(config, path);
+  return from_tokenizer_config_json(read_json(path), path);
 }
 
 ChatTemplate ChatTemplate::from_tokenizer_config_json(const ojson& config, const std::string& origin) {
@@ -116,15 +119,8 @@ ChatTemplate ChatTemplate::from_model_dir(const std::string& dir, const std::str
     if (!fs::exists(cfg)) fail(dir, ": no chat template (neither chat_template.jinja nor tokenizer_config.json)");
     return from_tokenizer_config(cfg.string());
   }
-  ojson config = ojson::object();
-  if (fs::exists(cfg)) {
-    try {
-      config = ojson::parse(read_text(cfg.string()));
-    } catch (const nlohmann::json::exception& e) {
-      fail(cfg.string(), ": invalid JSON: ", e.what());
-    }
-    if (!config.is_object()) fail(cfg.string(), ": tokenizer config must be a JSON object");
-  }
+  ojson config = fs::exists(cfg) ? read_json(cfg.string()) : ojson::object();
+  if (!config.is_object()) fail(cfg.string(), ": tokenizer config must be a JSON object");
   // The file's template as the config's, named ones beside it ("default" is the file's).
   ojson named = ojson::array({{{"name", "default"}, {"template", read_text(file.string())}}});
   const fs::path extra = fs::path(dir) / "additional_chat_templates";
