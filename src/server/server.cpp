@@ -139,8 +139,10 @@ struct Session {
     }
     return out;
   }
-  bool has_pending_logprobs() const {
-    return req.sched.logprobs && (req.chat ? !lp_content.empty() : !lp_tokens.empty());
+  // Something a chunk must carry even with no text: logprobs, or ids (return_token_ids).
+  bool has_pending() const {
+    return (req.sched.logprobs && (req.chat ? !lp_content.empty() : !lp_tokens.empty())) ||
+           (req.return_token_ids && !pending_ids.empty());
   }
 };
 
@@ -548,7 +550,7 @@ struct HttpServer::Impl {
       if (!finish) return Step::Go;
       const ojson calls = tool_calls(s, nullptr);
       const std::string held = calls.empty() ? s.content : std::string();
-      if (!held.empty() || s.has_pending_logprobs() || (s.req.return_token_ids && !s.pending_ids.empty()))
+      if (!held.empty() || s.has_pending())
         if (!send_chunk(s, sink, held, nullptr)) return Step::Abort;
       for (size_t i = 0; i < calls.size(); ++i) {
         ojson c = chunk_base(s), call = calls[i];
@@ -562,10 +564,10 @@ struct HttpServer::Impl {
       if (!send_chunk(s, sink, "", calls.empty() ? finish : "tool_calls")) return Step::Abort;
     } else if (stream) {
       if (finish) {
-        if (!piece.empty() || s.has_pending_logprobs() || (s.req.return_token_ids && !s.pending_ids.empty()))
+        if (!piece.empty() || s.has_pending())
           if (!send_chunk(s, sink, piece, nullptr, reasoning)) return Step::Abort;
         if (!send_chunk(s, sink, "", finish)) return Step::Abort;
-      } else if (!piece.empty() || s.has_pending_logprobs() || s.req.return_token_ids) {
+      } else if (!piece.empty() || s.has_pending()) {
         if (!send_chunk(s, sink, piece, nullptr, reasoning)) return Step::Abort;
       }
     } else {
