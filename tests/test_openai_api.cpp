@@ -4,9 +4,11 @@
 // a crash or a hang. tests/server covers each rule end to end.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <memory>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "server/openai_api.h"
@@ -222,34 +224,79 @@ TEST(OpenAiApi, FuzzedBodiesParseOrNameTheField) {
   EXPECT_GT(refused, 1000);
 }
 
-// Generated text is anyone's: the tool-call reader takes any bytes without throwing, and what it
-// reads is complete calls with a name.
-TEST(ToolCalls, FuzzedTextNeverThrows) {
-  const std::string seed =
+namespace {
+
+// Generated text is anyone's: seed calls edited by inserting tags and bytes (invalid UTF-8 among
+// them), erasing runs and overwriting bytes.
+std::string mutated_tool_text(std::mt19937& rng) {
+  std::string s =
       "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>d</arg_key>"
       "<arg_value>{\"a\": [1, 2]}</arg_value></tool_call><tool_call>now</tool_call>";
   const std::vector<std::string> fragments = {
       "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "{",
-      "}",           "\"",           "[",         "\xff",       "\n"};
+      "}",           "\"",           "[",         "\xff",       "\n",          "\xc3\xa9",     "</arg_va"};
+  for (int e = 0, edits = 1 + int(rng() % 5); e < edits; ++e) {
+    const size_t pos = rng() % (s.size() + 1);
+    switch (rng() % 3) {
+      case 0: s.insert(pos, fragments[rng() % fragments.size()]); break;
+      case 1: s.erase(std::min(pos, s.size()), 1 + rng() % 12); break;
+      default:
+        if (!s.empty()) s[std::min(pos, s.size() - 1)] = char(rng() % 256);
+    }
+  }
+  return s;
+}
+
+}  // namespace
+
+// The tool-call reader takes any bytes without throwing, and what it reads is complete calls with
+// a name and a JSON object's arguments.
+TEST(ToolCalls, FuzzedTextNeverThrows) {
   std::mt19937 rng(uint32_t(vireo::test::fuzz_seed(77)));
   for (int iter = 0; iter < vireo::test::fuzz_iterations(3000); ++iter) {
-    std::string s = seed;
-    for (int e = 0, edits = 1 + int(rng() % 5); e < edits; ++e) {
-      const size_t pos = rng() % (s.size() + 1);
-      switch (rng() % 3) {
-        case 0: s.insert(pos, fragments[rng() % fragments.size()]); break;
-        case 1: s.erase(std::min(pos, s.size()), 1 + rng() % 12); break;
-        default:
-          if (!s.empty()) s[std::min(pos, s.size() - 1)] = char(rng() % 256);
-      }
-    }
+    const std::string s = mutated_tool_text(rng);
     SCOPED_TRACE(s);
     std::string rest;
     std::vector<ToolCall> calls;
-    ASSERT_NO_THROW(calls = parse_tool_calls(s, &rest));
+    ASSERT_NO_THROW(calls = parse_tool_calls(s, &rest, {{"get_weather", {"city"}}}));
     for (const ToolCall& c : calls) {
       EXPECT_FALSE(c.name.empty());
-      EXPECT_TRUE(c.arguments.is_object());
+      EXPECT_TRUE(ojson::parse(c.arguments).is_object()) << c.arguments;
+    }
+  }
+}
+
+// Streamed in pieces of any size, the same text gives each complete call's name first and
+// arguments whose pieces add up to the call read whole, whatever the bytes (a string parameter's
+// value sent as it comes included).
+TEST(ToolCalls, FuzzedTextStreamsTheCallsItReadsWhole) {
+  std::mt19937 rng(uint32_t(vireo::test::fuzz_seed(78)));
+  const StringParams strings = {{"get_weather", {"city"}}};
+  for (int iter = 0; iter < vireo::test::fuzz_iterations(3000); ++iter) {
+    const std::string s = mutated_tool_text(rng);
+    SCOPED_TRACE(s);
+    const std::vector<ToolCall> whole = parse_tool_calls(s, nullptr, strings);
+    ToolCallReader reader(strings);
+    std::vector<std::string> names, args;
+    for (size_t at = 0; at < s.size();) {
+      const size_t n = std::min(s.size() - at, size_t(1 + rng() % 17));
+      for (const ToolCallDelta& d : reader.feed(std::string_view(s).substr(at, n))) {
+        ASSERT_EQ(d.starts, d.index == names.size());  // a call starts once, before its arguments
+        if (d.starts) {
+          names.push_back(d.name);
+          args.emplace_back();
+        }
+        args[d.index] += d.arguments;
+      }
+      at += n;
+    }
+    ASSERT_EQ(reader.calls().size(), whole.size());
+    ASSERT_GE(names.size(), whole.size());  // a call cut off or leaving the format: started, not read
+    ASSERT_LE(names.size(), whole.size() + 1);
+    for (size_t i = 0; i < whole.size(); ++i) {
+      EXPECT_EQ(names[i], whole[i].name);
+      EXPECT_EQ(args[i], whole[i].arguments);
+      EXPECT_EQ(reader.calls()[i].arguments, whole[i].arguments);
     }
   }
 }

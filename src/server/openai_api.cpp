@@ -129,6 +129,24 @@ const ojson* chat_tools(const ojson& body, const ServedModel& m) {
   return tools;
 }
 
+// Each tool's parameters its JSON schema declares strings (`"type": "string"` under
+// parameters.properties): their values are read as written, not as JSON (server/tool_calls.h).
+StringParams string_params_of(const ojson& tools) {
+  StringParams out;
+  for (const ojson& t : tools) {
+    const ojson& fn = t.at("function");
+    const ojson* params = field(fn, "parameters");
+    const ojson* props = params ? field(*params, "properties") : nullptr;
+    if (!props || !props->is_object()) continue;
+    std::vector<std::string>& names = out[fn.at("name").get<std::string>()];
+    for (const auto& [name, schema] : props->items())
+      if (const ojson* type = schema.is_object() ? field(schema, "type") : nullptr;
+          type && type->is_string() && type->get<std::string>() == "string")
+        names.push_back(name);
+  }
+  return out;
+}
+
 std::vector<int32_t> chat_prompt(const ojson& body, const ServedModel& m, const ojson* tools,
                                  bool add_generation_prompt = true) {
   const ojson* msgs = field(body, "messages");
@@ -391,6 +409,7 @@ ApiRequest parse_request(const std::string& body_text, bool chat, const ServedMo
   if (chat) {
     const ojson* tools = chat_tools(body, m);
     r.parse_tools = tools != nullptr;
+    if (tools) r.tool_string_params = string_params_of(*tools);
     r.parallel_tool_calls = get_bool(body, "parallel_tool_calls", true);
     r.prompts.push_back(chat_prompt(body, m, tools, get_bool(body, "add_generation_prompt", true)));
     r.think = m.think;

@@ -13,6 +13,7 @@
 #include "core/error.h"
 #include "runtime/scheduler.h"
 #include "server/text_output.h"
+#include "server/tool_calls.h"
 #include "text/chat_template.h"
 #include "text/tokenizer.h"
 
@@ -62,9 +63,11 @@ struct ApiRequest {
   // tokens lead them (the first with none: sched.prompt_logprobs).
   bool echo = false;
   // Chat with `tools` (tool_choice not "none"): the output is read for GLM-5 tool calls
-  // (server/tool_calls.h); while streaming, the text from the first <tool_call> on is held to the end.
+  // (server/tool_calls.h); while streaming, the calls go out as OpenAI's tool-call deltas as they
+  // are read, and the text from the first <tool_call> on is not sent as content.
   bool parse_tools = false;
   bool parallel_tool_calls = true;  // false: at most the first call is returned (OpenAI's)
+  StringParams tool_string_params;  // the tools' parameters declared strings (read as written)
   // Chat under a reasoning split (ServedModel::think): the markers, whether the prompt ends with
   // <think> (the reply starts inside the reasoning), and vLLM's include_reasoning (false: the
   // reasoning is left out of the response).

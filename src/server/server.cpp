@@ -72,7 +72,12 @@ struct Session {
   bool sent_role = false;        // chat streaming: the first chunk (the role) is out
   bool sent_prompt_ids = false;  // completions streaming with return_token_ids: the prompt's ids are out
   int32_t tool_call_open = -1;   // with tools: the <tool_call> token's id
-  bool in_calls = false;         // streaming with tools: past the first <tool_call> (the rest is held)
+  // Streaming with tools, past the first <tool_call> token: that text decoded with the special
+  // tokens spelled, read for calls as it comes; each started call's id.
+  bool in_calls = false;
+  std::optional<DecodeStream> call_text;
+  std::optional<ToolCallReader> call_reader;
+  std::vector<std::string> call_ids;
   int index = 0;  // the choice's index (n > 1)
   clock::time_point last_token;
 
@@ -359,11 +364,39 @@ struct HttpServer::Impl {
     ojson out = ojson::array();
     if (!s.req.parse_tools || !s.tokenizer) return out;
     const std::vector<int32_t> ids(s.ids.begin() + std::ptrdiff_t(s.text.content_start()), s.ids.end());
-    for (const ToolCall& c : split_tool_calls(*s.tokenizer, ids, content, s.req.parallel_tool_calls ? SIZE_MAX : 1))
+    for (const ToolCall& c : split_tool_calls(*s.tokenizer, ids, content, s.req.parallel_tool_calls ? SIZE_MAX : 1,
+                                              s.req.tool_string_params))
       out.push_back({{"id", random_id("call_")},
                      {"type", "function"},
-                     {"function", {{"name", c.name}, {"arguments", c.arguments.dump()}}}});
+                     {"function", {{"name", c.name}, {"arguments", c.arguments}}}});
     return out;
+  }
+
+  // Streaming with tools: the text of `token` (past the first <tool_call>) read for calls, and
+  // their deltas sent, a chunk a call; a null token: the end of generation.
+  bool send_call_deltas(Session& s, httplib::DataSink& sink, const int32_t* token) {
+    const std::string text = token ? s.call_text->step(uint32_t(*token)) : s.call_text->finish();
+    for (const ToolCallDelta& d : s.call_reader->feed(text)) {
+      ojson call = {{"index", d.index}};
+      if (d.starts) {
+        s.call_ids.push_back(random_id("call_"));
+        call["id"] = s.call_ids.back();
+        call["type"] = "function";
+        call["function"] = {{"name", d.name}, {"arguments", d.arguments}};
+      } else {
+        call["function"] = {{"arguments", d.arguments}};
+      }
+      ojson c = chunk_base(s);
+      ojson delta = {{"tool_calls", ojson::array({call})}};
+      if (!s.sent_role) {
+        delta["role"] = "assistant";
+        s.sent_role = true;
+      }
+      c["choices"] = ojson::array(
+          {{{"index", s.index}, {"delta", std::move(delta)}, {"logprobs", nullptr}, {"finish_reason", nullptr}}});
+      if (!sse(sink, c)) return false;
+    }
+    return true;
   }
 
   ojson whole_response(Choices& choices) {
@@ -540,28 +573,24 @@ struct HttpServer::Impl {
     if (reasoning && !stream) s.reasoning += out.text;
     const std::string piece = reasoning && !stream ? std::string() : std::move(out.text);
     // Streaming with tools: the content goes out as it comes up to the first <tool_call> token; from
-    // there on it is held to the end, which sends the calls read from it (or, where none is
-    // complete, the held text, as a reply that does not stream has it).
+    // there on the text is read for calls, whose deltas go out as they are read (a call's name,
+    // then its arguments in pieces). The text itself is held: at the end, where no call started,
+    // it is sent as content, as a reply that does not stream has it.
     if (stream && s.req.parse_tools && !reasoning && ev.kind == SchedEvent::Kind::Token &&
-        ev.token == s.tool_call_open)
+        ev.token == s.tool_call_open && !s.in_calls) {
       s.in_calls = true;
+      s.call_text.emplace(*s.tokenizer, /*skip_special_tokens=*/false);
+      s.call_reader.emplace(s.req.tool_string_params, s.req.parallel_tool_calls ? SIZE_MAX : 1);
+    }
     if (stream && s.in_calls) {
       s.content += piece;
+      if (ev.kind == SchedEvent::Kind::Token && !send_call_deltas(s, sink, &ev.token)) return Step::Abort;
       if (!finish) return Step::Go;
-      const ojson calls = tool_calls(s, nullptr);
-      const std::string held = calls.empty() ? s.content : std::string();
+      if (!send_call_deltas(s, sink, nullptr)) return Step::Abort;
+      const std::string held = s.call_reader->calls_started() == 0 ? s.content : std::string();
       if (!held.empty() || s.has_pending())
         if (!send_chunk(s, sink, held, nullptr)) return Step::Abort;
-      for (size_t i = 0; i < calls.size(); ++i) {
-        ojson c = chunk_base(s), call = calls[i];
-        call["index"] = int(i);
-        c["choices"] = ojson::array({{{"index", s.index},
-                                      {"delta", {{"tool_calls", ojson::array({call})}}},
-                                      {"logprobs", nullptr},
-                                      {"finish_reason", nullptr}}});
-        if (!sse(sink, c)) return Step::Abort;
-      }
-      if (!send_chunk(s, sink, "", calls.empty() ? finish : "tool_calls")) return Step::Abort;
+      if (!send_chunk(s, sink, "", s.call_reader->calls().empty() ? finish : "tool_calls")) return Step::Abort;
     } else if (stream) {
       if (finish) {
         if (!piece.empty() || s.has_pending())
