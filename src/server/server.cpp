@@ -348,7 +348,13 @@ struct HttpServer::Impl {
     }
     if (s.req.return_token_ids) choice["token_ids"] = std::exchange(s.pending_ids, {});
     c["choices"] = ojson::array({choice});
-    if (s.req.continuous_usage) {  // this choice's so far
+    return send_with_usage(s, sink, c);
+  }
+
+  // A chunk sent with the usage stream_options ask of every chunk: continuous_usage_stats, this
+  // choice's so far; include_usage, null (the usage comes in a last chunk of its own).
+  static bool send_with_usage(const Session& s, httplib::DataSink& sink, ojson& c) {
+    if (s.req.continuous_usage) {
       const int64_t p = int64_t(s.req.sched.prompt.size()), n = int64_t(s.ids.size());
       c["usage"] = {{"prompt_tokens", p}, {"completion_tokens", n}, {"total_tokens", p + n}};
     } else if (s.req.include_usage) {
@@ -394,7 +400,7 @@ struct HttpServer::Impl {
       }
       c["choices"] = ojson::array(
           {{{"index", s.index}, {"delta", std::move(delta)}, {"logprobs", nullptr}, {"finish_reason", nullptr}}});
-      if (!sse(sink, c)) return false;
+      if (!send_with_usage(s, sink, c)) return false;
     }
     return true;
   }
