@@ -14,6 +14,8 @@ using ojson = nlohmann::ordered_json;
 constexpr std::string_view kOpen = "<tool_call>", kClose = "</tool_call>", kKey = "<arg_key>", kKeyEnd = "</arg_key>",
                            kValue = "<arg_value>", kValueEnd = "</arg_value>";
 
+constexpr size_t kLongestTag = std::max(kClose.size(), kValueEnd.size());  // 12
+
 bool is_space(char c) { return c == ' ' || c == '\t' || c == '\r' || c == '\n'; }
 
 std::string trim(std::string_view s) {
@@ -98,6 +100,14 @@ std::vector<ToolCallDelta> ToolCallReader::feed(std::string_view text) {
 
 void ToolCallReader::step(std::vector<ToolCallDelta>& out) {
   const std::string_view t = text_;
+  // The earliest of `tags` from at_, searched from where the last search left off (less a tag's
+  // length: one may straddle the old end), so a long value waiting for its end is not read again
+  // at every piece.
+  auto find = [&](std::initializer_list<std::string_view> tags) {
+    const Found f = find_first(t, std::max(at_, scanned_), tags);
+    scanned_ = f.pos == std::string::npos && t.size() >= kLongestTag ? t.size() - kLongestTag + 1 : 0;
+    return f;
+  };
   auto end_call = [&] {
     emit(out, first_arg_ ? "{}" : "}");
     calls_.push_back(std::move(call_));
@@ -120,7 +130,7 @@ void ToolCallReader::step(std::vector<ToolCallDelta>& out) {
         break;
       }
       case State::Name: {  // up to the first <arg_key> or </tool_call>
-        const Found f = find_first(t, at_, {kKey, kClose});
+        const Found f = find({kKey, kClose});
         if (f.pos == std::string::npos) return;
         call_.name = trim(t.substr(at_, f.pos - at_));
         if (call_.name.empty()) {
@@ -139,7 +149,7 @@ void ToolCallReader::step(std::vector<ToolCallDelta>& out) {
         break;
       }
       case State::Key: {  // the key, up to </arg_key> (any other tag first: not this format)
-        const Found f = find_first(t, at_, {kKeyEnd, kValue, kValueEnd, kClose});
+        const Found f = find({kKeyEnd, kValue, kValueEnd, kClose});
         if (f.pos == std::string::npos) return;
         if (f.which != 0) {
           state_ = State::Done;
@@ -151,7 +161,7 @@ void ToolCallReader::step(std::vector<ToolCallDelta>& out) {
         break;
       }
       case State::KeyEnd: {  // then <arg_value> (what lies between is not read)
-        const Found f = find_first(t, at_, {kValue, kValueEnd, kClose});
+        const Found f = find({kValue, kValueEnd, kClose});
         if (f.pos == std::string::npos) return;
         if (f.which != 0) {
           state_ = State::Done;
@@ -167,7 +177,7 @@ void ToolCallReader::step(std::vector<ToolCallDelta>& out) {
         break;
       }
       case State::Value: {  // up to </arg_value>; a string parameter's text goes out as it comes
-        const Found f = find_first(t, at_, {kValueEnd, kClose});
+        const Found f = find({kValueEnd, kClose});
         if (f.pos == std::string::npos) {
           if (streaming_value_) {
             // Held back: what may still become a tag, and the bytes of a character not yet whole

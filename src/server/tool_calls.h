@@ -67,6 +67,7 @@ class ToolCallReader {
   std::string text_;     // everything fed
   size_t at_ = 0;        // where reading goes on
   size_t consumed_ = 0;  // the end of the last complete call
+  size_t scanned_ = 0;   // where the next search for a tag may start (none ends before it)
   State state_ = State::Between;
   size_t started_ = 0;  // calls named so far
   ToolCall call_;       // the call being read
