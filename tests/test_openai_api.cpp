@@ -80,6 +80,11 @@ std::vector<std::pair<bool, ojson>> seed_bodies() {
                   {"add_generation_prompt", true},
                   {"return_token_ids", true},
                   {"n", 2}}});
+  out.push_back({true,
+                 {{"messages", {{{"role", "user"}, {"content", "Hi"}}, {{"role", "assistant"}, {"content", "Hello, "}}}},
+                  {"add_generation_prompt", false},
+                  {"continue_final_message", true},
+                  {"max_tokens", 4}}});
   out.push_back({false,
                  {{"model", "vireo-demo"},
                   {"prompt", {"Hello there", {440, 435, 1131}}},

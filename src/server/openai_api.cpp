@@ -147,8 +147,39 @@ StringParams string_params_of(const ojson& tools) {
   return out;
 }
 
+// transformers' continue_final_message (vLLM's too): the rendered conversation cut right after the
+// final message's text, so the reply continues that message (an assistant's prefill) instead of
+// starting a new one. The text is found from the end of the rendering, as transformers finds it:
+// with its trailing spaces where the template kept them, without where it trimmed them.
+std::string continued_final_message(const std::string& rendered, const ojson& messages) {
+  const ojson& content = messages.back().contains("content") ? messages.back()["content"] : ojson();
+  std::string last;
+  if (content.is_string()) last = content.get<std::string>();
+  else if (content.is_array())
+    for (auto it = content.rbegin(); it != content.rend(); ++it)
+      if (it->is_object() && it->contains("text")) {
+        last = (*it)["text"].get<std::string>();
+        break;
+      }
+  auto is_space = [](char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; };
+  size_t a = 0, b = last.size();
+  while (a < b && is_space(last[a])) ++a;
+  while (b > a && is_space(last[b - 1])) --b;
+  const std::string stripped = last.substr(a, b - a), lstripped = last.substr(a);
+  const std::string at = str("messages[", messages.size() - 1, "].content");
+  if (stripped.empty()) bad(at, "continue_final_message needs text in the final message to continue");
+  const size_t loc = rendered.rfind(stripped);
+  if (loc == std::string::npos)
+    bad(at, "continue_final_message: the chat template does not write the final message's text as given");
+  const bool kept = rendered.compare(loc, lstripped.size(), lstripped) == 0;
+  return rendered.substr(0, loc + (kept ? lstripped.size() : stripped.size()));
+}
+
 std::vector<int32_t> chat_prompt(const ojson& body, const ServedModel& m, const ojson* tools,
                                  bool add_generation_prompt = true) {
+  const bool continue_final = get_bool(body, "continue_final_message", false);
+  if (continue_final && add_generation_prompt)
+    bad("continue_final_message", "needs add_generation_prompt false (the reply continues the final message)");
   const ojson* msgs = field(body, "messages");
   if (!msgs) bad("messages", "is required");
   if (!msgs->is_array()) bad("messages", "must be a list of messages, got " + type_of(*msgs));
@@ -217,6 +248,7 @@ std::vector<int32_t> chat_prompt(const ojson& body, const ServedModel& m, const 
   } catch (const Error& e) {
     bad("messages", std::string("the chat template rejected them: ") + e.what());
   }
+  if (continue_final) text = continued_final_message(text, messages);
   // The template writes the special tokens itself (transformers tokenizes it without adding any).
   return encode(m, text, false, "messages");
 }
@@ -312,8 +344,6 @@ ApiRequest parse_request(const std::string& body_text, bool chat, const ServedMo
     if (!mod->is_array() || std::any_of(mod->begin(), mod->end(), [](const ojson& x) { return x != "text"; }))
       bad("modalities", "only [\"text\"] is supported");
   if (chat && get_bool(body, "echo", false)) bad("echo", "is not supported for chat (only /v1/completions echoes)");
-  if (chat && get_bool(body, "continue_final_message", false))
-    bad("continue_final_message", "is not supported (the reply always starts a new assistant message)");
   r.include_stop = get_bool(body, "include_stop_str_in_output", false);
   if (const ojson* tc = field(body, "tool_choice");
       tc && !(tc->is_string() && (tc->get<std::string>() == "none" || tc->get<std::string>() == "auto")))

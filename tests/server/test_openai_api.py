@@ -618,7 +618,8 @@ def test_reasoning_parser_splits_chat_replies(demo, demo_reasoning):
 
 def test_chat_knobs(demo):
     """add_generation_prompt false renders the conversation without the assistant's opening (the
-    prompt /tokenize counts); chat echo, continue_final_message and audio are refused by name."""
+    prompt /tokenize counts); chat echo and audio are refused by name, and continue_final_message
+    with the generation prompt on."""
     msgs = [{"role": "user", "content": "What is Unicode?"}]
     bare = json.loads(demo.http("POST", "/tokenize", {"messages": msgs, "add_generation_prompt": False})[1])["tokens"]
     r = demo.client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=1,
@@ -658,6 +659,42 @@ def test_tokenize_and_detokenize(demo):
     status, err = error_of(demo.http("POST", "/tokenize", {"model": "other", "prompt": "x"}))
     assert status == 404 and err["code"] == "model_not_found"
     assert demo.http("POST", "/tokenize", {"prompt": "x"}, auth=False)[0] == 401
+
+
+def test_continue_final_message(tmp_path):
+    """continue_final_message (add_generation_prompt false) cuts the rendered conversation right
+    after the final message's text, as transformers does (its trailing space kept where the
+    template keeps it, the end-of-turn mark after it gone), so the reply continues that message:
+    its tokens are what /v1/completions generates from that prompt; a final message with no text
+    to continue is refused by field. (The demo's own template ends an assistant turn with its
+    text, so a template that closes turns shows the cut.)"""
+    from conftest import demo_server
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|endoftext|>{% endfor %}"
+                                      "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    s = demo_server("--max-batch", "2", "--chat-template", str(tmp_path / "t.jinja"))
+    try:
+        msgs = [{"role": "user", "content": "What is Unicode?"}, {"role": "assistant", "content": "Unicode is a "}]
+        kw = {"messages": msgs, "add_generation_prompt": False}
+        closed = json.loads(s.http("POST", "/tokenize", kw)[1])["tokens"]
+        cont = json.loads(s.http("POST", "/tokenize", dict(kw, continue_final_message=True))[1])["tokens"]
+        want = json.loads(s.http("POST", "/tokenize", {"prompt": "<|user|>What is Unicode?<|endoftext|>"
+                                                                "<|assistant|>Unicode is a ", "add_special_tokens": False})[1])
+        assert cont == want["tokens"] and closed[:len(cont)] == cont and len(closed) > len(cont)
+        client = s.client()
+        r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0,
+                                           extra_body={"add_generation_prompt": False, "continue_final_message": True,
+                                                       "return_token_ids": True})
+        assert r.model_extra["prompt_token_ids"] == cont
+        comp = client.completions.create(model=MODEL, prompt=cont, max_tokens=8, temperature=0,
+                                         extra_body={"return_token_ids": True})
+        assert r.choices[0].message.content == comp.choices[0].text
+        assert r.choices[0].model_extra["token_ids"] == comp.choices[0].model_extra["token_ids"]
+        status, err = error_of(s.http("POST", "/v1/chat/completions", {
+            "model": MODEL, "add_generation_prompt": False, "continue_final_message": True,
+            "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " \n "}]}))
+        assert status == 400 and err["param"] == "messages[1].content", err
+    finally:
+        s.stop()
 
 
 def test_chat_template_override(tmp_path):
