@@ -876,25 +876,49 @@ __device__ __forceinline__ U block_exclusive_sum_1024(U mine, U* warp_tot, int l
   return warp_tot[warp] + inc - mine;
 }
 
+// The placement of one chunk of 32 consecutive positions, lane l holding position u = c0 + l (its
+// key k under the passes' mask; `valid` false past the row or the warp's span): every key above K
+// and the first `need` keys equal to K in position order. G and E are the keys above / equal to K
+// at positions before the chunk (warp-uniform), advanced past it. A lane's rank among the chunk's
+// keys comes from two ballots.
+__device__ __forceinline__ void topk_place_chunk(uint32_t k, bool valid, int u, uint32_t K, int need, int lane, int& G,
+                                                 int& E, int32_t* __restrict__ sel) {
+  const bool above = valid && k > K, equal = valid && k == K;
+  const unsigned ba = __ballot_sync(0xffffffffu, above), be = __ballot_sync(0xffffffffu, equal);
+  const unsigned lower = (1u << lane) - 1u;
+  const int g = G + __popc(ba & lower), e = E + __popc(be & lower);
+  if (above) sel[g + (e < need ? e : need)] = u;
+  else if (equal && e < need) sel[g + e] = u;
+  G += __popc(ba);
+  E += __popc(be);
+}
+
 // The top `topk` of a row's n causal scores, exactly the CPU's choice (higher score first, equal
 // scores by lower position), written in ascending position order. One 1024-thread block per row;
-// thread i holds keys i re .. i re + re - 1 in registers, re = ceil(n / 1024) <= R. A radix
-// select over the 32 score bits (4 passes of 8 bits, 2 barriers each) finds the threshold key K
-// and how many keys equal to K are taken (`need`); the position tie-break then needs no passes of
-// its own: the selection is every key above K plus the first `need` keys equal to K in position
-// order, placed by one block-wide scan of (above, equal) counts. The passes stop early when every
-// key left in the threshold bin is taken (then K is the bits found so far, compared under their
+// the row is read in chunks of 32 consecutive positions, chunk c = 32 j + w held by lane l of warp
+// w in key[j] (position 1024 j + 32 w + l): every load of a warp is one 128-byte line, and every
+// warp holds re = ceil(n / 1024) <= R chunks or one fewer, however short the row is against the
+// bound R was sized for. A radix select over the 32 score bits (4 passes of 8 bits, 2 barriers
+// each) finds the threshold key K and how many keys equal to K are taken (`need`); the position
+// tie-break then needs no passes of its own: the selection is every key above K plus the first
+// `need` keys equal to K in position order, placed by ballots within a chunk and one block-wide
+// scan of the chunks' (above, equal) counts in chunk order. The passes stop early when every key
+// left in the threshold bin is taken (then K is the bits found so far, compared under their
 // mask): +0.3 points of decode at 4096 cached (H200, 8 layers; session 14).
+// Before session 58 thread i held positions i re .. i re + re - 1, so a warp's load touched up to
+// 32 lines (lanes re keys apart; ~17 at 16384 cached): H100, fp8 8 layers, 16384 cached 2617.4 ->
+// 2583.7 us a step, 4096 even (BENCHMARKS "Session 58").
 template <int R>
-__global__ void __launch_bounds__(1024)
+__global__ void __launch_bounds__(1024, 1)
     indexer_topk_reg_kernel(const float* __restrict__ scores, int64_t n_keys, int64_t pos0,
                             const int32_t* __restrict__ pos0_dev, int topk, int32_t* __restrict__ selected,
                             int32_t* __restrict__ counts, bool early) {
   pdl_begin();
-  static_assert(R % 4 == 0 && 1024 * R < 65536, "16-bit packed counts");
+  static_assert(R >= 1 && R <= 32 && 1024 * R < 65536, "a chunk count a thread of the scan; 16-bit packed counts");
   __shared__ unsigned hist[2][256];
   __shared__ int s_bin, s_rem, s_all;
   __shared__ unsigned warp_tot[32];
+  __shared__ unsigned chunk_counts[32 * R];  // (above K) << 16 | (equal to K) a chunk, then their exclusive sums
   if (pos0_dev) pos0 = *pos0_dev;
   const int64_t t = blockIdx.x;
   const int n = int(pos0 + t + 1);
@@ -906,28 +930,10 @@ __global__ void __launch_bounds__(1024)
     return;
   }
   const float* sr = scores + t * n_keys;
-  // Keys a thread holds: R is sized for the longest row a recorded step may see, the row itself
-  // may be far shorter, so its keys are spread over all 1024 threads (re of them each) rather than
-  // over the first n / R threads, whose warps would take every pass's slots one after another
-  // (4096 keys under a bound of 4160, R = 8: 9.0 -> 7.9 us, ncu, H200, session 15).
   const int re = min(R, (n + 1023) / 1024);
-  const bool vec = re % 4 == 0 && (n_keys & 3) == 0 && (reinterpret_cast<uintptr_t>(scores) & 15) == 0;
-  const int u0 = tid * re;
   uint32_t key[R];
 #pragma unroll
-  for (int r4 = 0; r4 < R; r4 += 4) {
-    const int u = u0 + r4;
-    float s[4];
-    if (vec && r4 < re && u + 3 < n) {
-      const float4 v = *reinterpret_cast<const float4*>(sr + u);
-      s[0] = v.x, s[1] = v.y, s[2] = v.z, s[3] = v.w;
-    } else {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) s[i] = r4 + i < re && u + i < n ? sr[u + i] : 0.0f;
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) key[r4 + i] = score_key(s[i]);
-  }
+  for (int j = 0; j < R; ++j) key[j] = j < re ? score_key(sr[min(1024 * j + tid, n - 1)]) : 0u;
   if (tid < 256) hist[0][tid] = 0;
   __syncthreads();
   uint32_t prefix = 0, pmask = 0;
@@ -940,10 +946,10 @@ __global__ void __launch_bounds__(1024)
     // (__match_any_sync, one atomic per distinct bin) measured slower: 9.0 us for the kernel at
     // 4096 keys (ncu), and -0.9 points of fp8 decode at 4096 cached against this (H200, session 39).
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      if (r >= re || warp * 32 * re + r >= n) break;  // this warp's lowest key in slot r: past the row
-      const bool in = u0 + r < n && (key[r] & pmask) == prefix;
-      if (in) atomicAdd(&cur[(key[r] >> shift) & 255u], 1u);
+    for (int j = 0; j < R; ++j) {
+      if (j >= re || 1024 * j + 32 * warp >= n) break;  // this warp's chunk j: past the row
+      const bool in = 1024 * j + tid < n && (key[j] & pmask) == prefix;
+      if (in) atomicAdd(&cur[(key[j] >> shift) & 255u], 1u);
     }
     if (tid < 256) hist[(pass + 1) & 1][tid] = 0;  // last read by the previous pass's scan
     __syncthreads();
@@ -958,38 +964,54 @@ __global__ void __launch_bounds__(1024)
   // positions first (all of them when the passes stopped early).
   const uint32_t K = prefix;
   const int need = rem;
-  unsigned mine = 0;  // (above K) << 16 | (equal to K), this thread's keys
 #pragma unroll
-  for (int r = 0; r < R; ++r)
-    if (r < re && u0 + r < n) mine += (key[r] & pmask) > K ? 0x10000u : (key[r] & pmask) == K ? 1u : 0u;
+  for (int j = 0; j < R; ++j) {
+    if (j >= re) break;
+    const int u = 1024 * j + tid;
+    const uint32_t k = key[j] & pmask;
+    const unsigned a = __popc(__ballot_sync(0xffffffffu, u < n && k > K));
+    const unsigned e = __popc(__ballot_sync(0xffffffffu, u < n && k == K));
+    if (lane == 0) chunk_counts[32 * j + warp] = a << 16 | e;
+  }
+  __syncthreads();
+  // Chunk c = tid's count, summed over the chunks before it (thread order is chunk order).
+  const unsigned mine = tid < 32 * re ? chunk_counts[tid] : 0u;
   const unsigned before = block_exclusive_sum_1024(mine, warp_tot, lane, warp);
-  int G = int(before >> 16), E = int(before & 0xffffu);
+  if (tid < 32 * re) chunk_counts[tid] = before;
+  __syncthreads();
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    if (r >= re || u0 + r >= n) continue;
-    if ((key[r] & pmask) > K) {
-      sel[G + (E < need ? E : need)] = u0 + r;
-      ++G;
-    } else if ((key[r] & pmask) == K) {
-      if (E < need) sel[G + E] = u0 + r;
-      ++E;
-    }
+  for (int j = 0; j < R; ++j) {
+    if (j >= re) break;
+    const unsigned b = chunk_counts[32 * j + warp];
+    int G = int(b >> 16), E = int(b & 0xffffu);
+    const int u = 1024 * j + tid;
+    topk_place_chunk(key[j] & pmask, u < n, u, K, need, lane, G, E, sel);
   }
   if (tid == 0) counts[t] = topk;
 }
 
 // The same selection for rows of any length, past what the register kernel holds (32768 keys):
-// every pass reads the row's scores again, coalesced (from L2: the scores kernel has just written
-// them), and lanes of a warp with one bin combine their counts first (most keys of a long row
-// share a few bins of the first passes); the placement walks each thread's contiguous run of
-// positions, as the register kernel's does, with 32-bit counts. Before session 55 such rows took
-// the shared-memory kernel (8 passes of 64-bit keys, read from global memory past 12288 keys):
-// H200, fp8 8 layers, 32768 cached, 3509 us a step against 1987 at 16384 (BENCHMARKS "Session 55").
+// every pass reads the row's scores again from L2 (the scores kernel has just written them), and
+// lanes of a warp with one bin combine their counts first (most keys of a long row share a few bins
+// of the first passes). Warp w walks its own span of the row, a 32nd rounded up to chunks of 32
+// positions, kTopkStreamBatch chunks at a time: each lane issues that many loads (one 128-byte line
+// a warp each) before using any, so a pass waits on ~n / (1024 kTopkStreamBatch) round trips to L2
+// rather than one a chunk; the placement walks the span twice in the same batches (the warp's
+// counts, one block-wide scan over the warps, then the chunks placed by ballots), with 32-bit
+// counts. Before session 58 a pass loaded one score a lane at a time and the placement walked each
+// thread's contiguous run of positions (a warp's load touching 32 lines): H100, 65536 cached,
+// 3380.0 -> 3264.9 us a step; the kernel still takes ~80-95 us a layer there, most of it not the
+// loads (the trace: BENCHMARKS "Session 58"). Before session 55 such rows took the shared-memory
+// kernel (8 passes of 64-bit keys): H200, fp8 8 layers, 32768 cached, 3509 us a step against 1987
+// at 16384 (BENCHMARKS "Session 55").
+constexpr int kTopkStreamBatch = 16;
+
 __global__ void __launch_bounds__(1024)
     indexer_topk_stream_kernel(const float* __restrict__ scores, int64_t n_keys, int64_t pos0,
                                const int32_t* __restrict__ pos0_dev, int topk, int32_t* __restrict__ selected,
                                int32_t* __restrict__ counts, bool early) {
   pdl_begin();
+  constexpr int B = kTopkStreamBatch;
   __shared__ unsigned hist[2][256];
   __shared__ int s_bin, s_rem, s_all;
   __shared__ unsigned long long warp_tot[32];
@@ -1004,6 +1026,15 @@ __global__ void __launch_bounds__(1024)
     return;
   }
   const float* sr = scores + t * n_keys;
+  const int span = ((n + 31) / 32 + 31) / 32 * 32;  // positions a warp walks: a multiple of 32
+  const int w0 = min(warp * span, n), w1 = min(w0 + span, n);
+  // Loads a batch: lane l's scores at c0 + 32 b + l (clamped into the row; what lies past the span
+  // is loaded and not used).
+  float v[B];
+  auto load_batch = [&](int c0) {
+#pragma unroll
+    for (int b = 0; b < B; ++b) v[b] = sr[min(c0 + 32 * b + lane, n - 1)];
+  };
   if (tid < 256) hist[0][tid] = 0;
   __syncthreads();
   uint32_t prefix = 0, pmask = 0;
@@ -1012,15 +1043,19 @@ __global__ void __launch_bounds__(1024)
   for (int pass = 0; pass < 4; ++pass) {
     const int shift = 24 - 8 * pass;
     unsigned* cur = hist[pass & 1];
-    for (int c0 = 0; c0 < n; c0 += 1024) {  // c0 is the block's: __match_any_sync sees every lane
-      const int u = c0 + tid;
-      int bin = -1;
-      if (u < n) {
-        const uint32_t k = score_key(sr[u]);
-        if ((k & pmask) == prefix) bin = int((k >> shift) & 255u);
+    for (int c0 = w0; c0 < w1; c0 += 32 * B) {  // warp-uniform: __match_any_sync sees every lane
+      load_batch(c0);
+#pragma unroll
+      for (int b = 0; b < B; ++b) {
+        if (c0 + 32 * b >= w1) break;
+        int bin = -1;
+        if (c0 + 32 * b + lane < w1) {
+          const uint32_t k = score_key(v[b]);
+          if ((k & pmask) == prefix) bin = int((k >> shift) & 255u);
+        }
+        const unsigned same = __match_any_sync(0xffffffffu, bin);
+        if (bin >= 0 && lane == __ffs(same) - 1) atomicAdd(&cur[bin], unsigned(__popc(same)));
       }
-      const unsigned same = __match_any_sync(0xffffffffu, bin);
-      if (bin >= 0 && lane == __ffs(same) - 1) atomicAdd(&cur[bin], unsigned(__popc(same)));
     }
     if (tid < 256) hist[(pass + 1) & 1][tid] = 0;  // last read by the previous pass's pick
     __syncthreads();
@@ -1033,22 +1068,29 @@ __global__ void __launch_bounds__(1024)
   }
   const uint32_t K = prefix;
   const int need = rem;
-  const int re = (n + 1023) / 1024, u0 = min(tid * re, n), u1 = min(u0 + re, n);
-  unsigned long long mine = 0;  // (above K) << 32 | (equal to K), this thread's keys
-  for (int u = u0; u < u1; ++u) {
-    const uint32_t k = score_key(sr[u]) & pmask;
-    mine += k > K ? (1ull << 32) : k == K ? 1ull : 0ull;
+  unsigned above = 0, equal = 0;  // the warp's, in every lane
+  for (int c0 = w0; c0 < w1; c0 += 32 * B) {
+    load_batch(c0);
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      if (c0 + 32 * b >= w1) break;
+      const bool valid = c0 + 32 * b + lane < w1;
+      const uint32_t k = score_key(v[b]) & pmask;
+      above += __popc(__ballot_sync(0xffffffffu, valid && k > K));
+      equal += __popc(__ballot_sync(0xffffffffu, valid && k == K));
+    }
   }
-  const unsigned long long before = block_exclusive_sum_1024(mine, warp_tot, lane, warp);
+  // The warps before this one, in position order: lane 0 carries the warp's (above, equal).
+  const unsigned long long mine = lane == 0 ? (static_cast<unsigned long long>(above) << 32) | equal : 0ull;
+  const unsigned long long before = __shfl_sync(0xffffffffu, block_exclusive_sum_1024(mine, warp_tot, lane, warp), 0);
   int G = int(before >> 32), E = int(before & 0xffffffffu);
-  for (int u = u0; u < u1; ++u) {
-    const uint32_t k = score_key(sr[u]) & pmask;
-    if (k > K) {
-      sel[G + (E < need ? E : need)] = u;
-      ++G;
-    } else if (k == K) {
-      if (E < need) sel[G + E] = u;
-      ++E;
+  for (int c0 = w0; c0 < w1; c0 += 32 * B) {
+    load_batch(c0);
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      if (c0 + 32 * b >= w1) break;
+      const int u = c0 + 32 * b + lane;
+      topk_place_chunk(score_key(v[b]) & pmask, u < w1, u, K, need, lane, G, E, sel);
     }
   }
   if (tid == 0) counts[t] = topk;
