@@ -73,11 +73,10 @@ struct Session {
   bool sent_prompt_ids = false;  // completions streaming with return_token_ids: the prompt's ids are out
   int32_t tool_call_open = -1;   // with tools: the <tool_call> token's id
   // Streaming with tools, past the first <tool_call> token: that text decoded with the special
-  // tokens spelled, read for calls as it comes; each started call's id.
+  // tokens spelled, read for calls as it comes.
   bool in_calls = false;
   std::optional<DecodeStream> call_text;
   std::optional<ToolCallReader> call_reader;
-  std::vector<std::string> call_ids;
   int index = 0;  // the choice's index (n > 1)
   clock::time_point last_token;
 
@@ -385,8 +384,7 @@ struct HttpServer::Impl {
     for (const ToolCallDelta& d : s.call_reader->feed(text)) {
       ojson call = {{"index", d.index}};
       if (d.starts) {
-        s.call_ids.push_back(random_id("call_"));
-        call["id"] = s.call_ids.back();
+        call["id"] = random_id("call_");
         call["type"] = "function";
         call["function"] = {{"name", d.name}, {"arguments", d.arguments}};
       } else {
