@@ -322,6 +322,13 @@ struct HttpServer::Impl {
             {"model", s.model}};
   }
 
+  // A chat chunk's delta: the role in the choice's first one.
+  static ojson new_delta(Session& s) {
+    ojson delta = ojson::object();
+    if (!std::exchange(s.sent_role, true)) delta["role"] = "assistant";
+    return delta;
+  }
+
   // A streaming chunk carrying `piece` (and pending logprobs / ids); finish_reason when final.
   // reasoning: the piece is the reply's reasoning (delta.reasoning_content).
   bool send_chunk(Session& s, httplib::DataSink& sink, const std::string& piece, const char* finish,
@@ -329,11 +336,7 @@ struct HttpServer::Impl {
     ojson c = chunk_base(s);
     ojson choice = {{"index", s.index}};
     if (s.req.chat) {
-      ojson delta = ojson::object();
-      if (!s.sent_role) {
-        delta["role"] = "assistant";
-        s.sent_role = true;
-      }
+      ojson delta = new_delta(s);
       if (!piece.empty() || (!finish && !reasoning)) delta[reasoning ? "reasoning_content" : "content"] = piece;
       choice["delta"] = delta;
     } else {
@@ -391,11 +394,8 @@ struct HttpServer::Impl {
         call["function"] = {{"arguments", d.arguments}};
       }
       ojson c = chunk_base(s);
-      ojson delta = {{"tool_calls", ojson::array({call})}};
-      if (!s.sent_role) {
-        delta["role"] = "assistant";
-        s.sent_role = true;
-      }
+      ojson delta = new_delta(s);
+      delta["tool_calls"] = ojson::array({call});
       c["choices"] = ojson::array(
           {{{"index", s.index}, {"delta", std::move(delta)}, {"logprobs", nullptr}, {"finish_reason", nullptr}}});
       if (!send_with_usage(s, sink, c)) return false;
