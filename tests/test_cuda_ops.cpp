@@ -1832,11 +1832,12 @@ TEST(CudaOps, IndexerSelectLongRowsIsIdentical) {
   REQUIRE_CUDA();
   Pair p;
   const int64_t nI = 4, d = 32, topk = 2048;
-  // (Fast top-k: keys a thread in registers under the bound, 4 up to 4096, 8, 16, 32 at 20000 and
-  // 32700 (full registers); past 32768 keys (the bounds of 3N + 64, and N = 70000) the streaming
-  // kernel.)
-  for (int64_t N :
-       {int64_t(3000), int64_t(4096), int64_t(5000), int64_t(12000), int64_t(20000), int64_t(32700), int64_t(70000)})
+  // (Fast top-k: keys a thread in registers under the bound, on one block 4 up to 4096, 8, 16 at
+  // 12000; past 16384 keys on a cluster of 8 blocks, each a slice of the row in registers: 4 keys a
+  // thread at N = 20000 and 32700, 8 at N = 50000, 16 at N = 70000, 32 at the bounds of 3N + 64;
+  // past 262144 (4N + 64 at N = 70000) the streaming kernel.)
+  for (int64_t N : {int64_t(3000), int64_t(4096), int64_t(5000), int64_t(12000), int64_t(20000), int64_t(32700),
+                    int64_t(50000), int64_t(70000)})
     for (int ties = 0; ties < 3; ++ties) {  // 2: none (the radix passes usually stop after two)
       const int64_t T = 2, pos0 = N - T;
       auto q = randv(size_t(T * nI * d), uint32_t(41 + N)), w = randv(size_t(T * nI), uint32_t(42 + N), 0.5f);
@@ -1851,14 +1852,15 @@ TEST(CudaOps, IndexerSelectLongRowsIsIdentical) {
       const IndexerArgs a = indexer_shape(T, nI, d, N, pos0, topk);
       const Selection want = cpu_select(p, a, q, w, keys);
       std::vector<float> kbound(keys);
-      kbound.resize(size_t((3 * N + 64) * d), 0.0f);
+      kbound.resize(size_t((4 * N + 64) * d), 0.0f);
       IndexerArgs g = a;
       g.q = p.g.up(q);
       g.weights = p.g.up(w);
       g.keys = p.g.up(kbound);
       int32_t* gpos = p.g.up_i({int32_t(pos0)});
       for (bool fast : {true, false})
-        for (int64_t bound : {int64_t(0), N + 64, 3 * N + 64}) {  // 0: host positions; else a recorded step's
+        for (int64_t bound :
+             {int64_t(0), N + 64, 3 * N + 64, 4 * N + 64}) {      // 0: host positions; else a recorded step's
           cuda_set_fast_decode(*p.gpu, true, fast, fast);         // bound, the row far shorter in the second
           IndexerArgs gg = g;
           if (bound > 0) {

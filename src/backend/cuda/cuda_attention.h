@@ -124,7 +124,8 @@ bool indexer_scores_bf16(const float* q, const float* wts, const float* keys, in
 bool indexer_scores_decode_tc(const float* q, const float* wts, const float* keys, int64_t T, int64_t nI, int64_t d,
                               int64_t n_keys, int64_t pos0, const int32_t* pos0_dev, int64_t topk, float scale,
                               float wscale, float* scores, cudaStream_t st);
-// fast: the register-resident 1024-thread kernel where every row fits it (n_keys <= 16384).
+// fast: rows' keys held in registers (one 1024-thread block a row to 16384 keys, a cluster of 8 to
+// 262144), longer rows streamed by one block (indexer_topk_fast); else the shared-memory kernel.
 void indexer_topk(const float* scores, int64_t T, int64_t n_keys, int64_t pos0, const int32_t* pos0_dev, int64_t topk,
                   int32_t* selected, int32_t* counts, cudaStream_t st, bool fast = true);
 // False (nothing launched) when a row could have more keys than the kernel holds.

@@ -894,46 +894,63 @@ __device__ __forceinline__ void topk_place_chunk(uint32_t k, bool valid, int u, 
 }
 
 // The top `topk` of a row's n causal scores, exactly the CPU's choice (higher score first, equal
-// scores by lower position), written in ascending position order. One 1024-thread block per row;
-// the row is read in chunks of 32 consecutive positions, chunk c = 32 j + w held by lane l of warp
-// w in key[j] (position 1024 j + 32 w + l): every load of a warp is one 128-byte line, and every
-// warp holds re = ceil(n / 1024) <= R chunks or one fewer, however short the row is against the
-// bound R was sized for. A radix select over the 32 score bits (4 passes of 8 bits, 2 barriers
-// each) finds the threshold key K and how many keys equal to K are taken (`need`); the position
-// tie-break then needs no passes of its own: the selection is every key above K plus the first
-// `need` keys equal to K in position order, placed by ballots within a chunk and one block-wide
-// scan of the chunks' (above, equal) counts in chunk order. The passes stop early when every key
-// left in the threshold bin is taken (then K is the bits found so far, compared under their
-// mask): +0.3 points of decode at 4096 cached (H200, 8 layers; session 14).
+// scores by lower position), written in ascending position order. C 1024-thread blocks per row (a
+// cluster when C > 1), block b of the row taking its b-th slice of positions (a multiple of 32);
+// within a slice chunk c = 32 j + w is held by lane l of warp w in key[j] (slice position
+// 1024 j + 32 w + l): every load of a warp is one 128-byte line, and every warp holds
+// re = ceil(slice / 1024) <= R chunks or one fewer, however short the row is against the bound R
+// was sized for. A radix select over the 32 score bits (4 passes of 8 bits) finds the threshold
+// key K and how many keys equal to K are taken (`need`); with C > 1 each pass's histograms meet
+// through distributed shared memory, summed by every block alike (the same pick everywhere). The
+// position tie-break then needs no passes of its own: the selection is every key above K plus the
+// first `need` keys equal to K in position order, placed by ballots within a chunk, one block-wide
+// scan of the chunks' (above, equal) counts in chunk order, and the counts of the slices before
+// (C > 1). The passes stop early when every key left in the threshold bin is taken (then K is the
+// bits found so far, compared under their mask): +0.3 points of decode at 4096 cached (H200, 8
+// layers; session 14).
 // Before session 58 thread i held positions i re .. i re + re - 1, so a warp's load touched up to
 // 32 lines (lanes re keys apart; ~17 at 16384 cached): H100, fp8 8 layers, 16384 cached 2617.4 ->
-// 2583.7 us a step, 4096 even (BENCHMARKS "Session 58").
-template <int R>
+// 2583.7 us a step, 4096 even (BENCHMARKS "Session 58"). Rows past 32768 keys took one block
+// streaming the row from L2 each pass (indexer_topk_stream_kernel: ~88 us a layer at 65536 cached,
+// H100), now a cluster of 8 (~15 us a layer there: 3266.2 -> 2665.8 us a step, fp8 8 layers, H100;
+// BENCHMARKS "Session 59"), as are rows past 16384 keys. With C = 1 the kernel is the one-block
+// kernel as before (the same PTX).
+template <int R, int C>
 __global__ void __launch_bounds__(1024, 1)
     indexer_topk_reg_kernel(const float* __restrict__ scores, int64_t n_keys, int64_t pos0,
                             const int32_t* __restrict__ pos0_dev, int topk, int32_t* __restrict__ selected,
                             int32_t* __restrict__ counts, bool early) {
   pdl_begin();
   static_assert(R >= 1 && R <= 32 && 1024 * R < 65536, "a chunk count a thread of the scan; 16-bit packed counts");
-  __shared__ unsigned hist[2][256];
+  // Three histograms in turn: with C > 1 the other blocks read this pass's while this block may
+  // already clear the next one (the one read two passes ago, before the last cluster barrier).
+  constexpr int kHists = C > 1 ? 3 : 2;
+  __shared__ unsigned hist[kHists][256];
+  __shared__ unsigned total[C > 1 ? 256 : 1];
   __shared__ int s_bin, s_rem, s_all;
   __shared__ unsigned warp_tot[32];
   __shared__ unsigned chunk_counts[32 * R];  // (above K) << 16 | (equal to K) a chunk, then their exclusive sums
+  __shared__ int s_above, s_equal;           // this slice's (C > 1)
   if (pos0_dev) pos0 = *pos0_dev;
-  const int64_t t = blockIdx.x;
+  const int64_t t = C > 1 ? blockIdx.y : blockIdx.x;  // the grid: C x T, or T
   const int n = int(pos0 + t + 1);
   const int tid = int(threadIdx.x), lane = tid & 31, warp = tid >> 5;
+  const int rank = C > 1 ? int(blockIdx.x) : 0;  // the block's rank in its cluster
   int32_t* sel = selected + t * topk;
-  if (n <= topk) {  // every causal key: sparse equals dense
-    for (int u = tid; u < n; u += 1024) sel[u] = u;
-    if (tid == 0) counts[t] = n;
+  if (n <= topk) {  // every causal key: sparse equals dense (every block of the row returns here)
+    if (rank == 0) {
+      for (int u = tid; u < n; u += 1024) sel[u] = u;
+      if (tid == 0) counts[t] = n;
+    }
     return;
   }
-  const float* sr = scores + t * n_keys;
-  const int re = min(R, (n + 1023) / 1024);
+  const int per = ((n + 31) / 32 + C - 1) / C * 32;  // a slice: whole chunks
+  const int s0 = C > 1 ? min(rank * per, n) : 0, len = C > 1 ? min(per, n - s0) : n;
+  const float* sr = scores + t * n_keys + s0;
+  const int re = min(R, (len + 1023) / 1024);
   uint32_t key[R];
 #pragma unroll
-  for (int j = 0; j < R; ++j) key[j] = j < re ? score_key(sr[min(1024 * j + tid, n - 1)]) : 0u;
+  for (int j = 0; j < R; ++j) key[j] = j < re ? score_key(sr[min(1024 * j + tid, len - 1)]) : 0u;
   if (tid < 256) hist[0][tid] = 0;
   __syncthreads();
   uint32_t prefix = 0, pmask = 0;
@@ -941,19 +958,31 @@ __global__ void __launch_bounds__(1024, 1)
 #pragma unroll 1
   for (int pass = 0; pass < 4; ++pass) {
     const int shift = 24 - 8 * pass;
-    unsigned* cur = hist[pass & 1];
+    unsigned* cur = hist[pass % kHists];
     // One shared-memory atomic per candidate key. Lanes of a warp combining their counts first
     // (__match_any_sync, one atomic per distinct bin) measured slower: 9.0 us for the kernel at
     // 4096 keys (ncu), and -0.9 points of fp8 decode at 4096 cached against this (H200, session 39).
 #pragma unroll
     for (int j = 0; j < R; ++j) {
-      if (j >= re || 1024 * j + 32 * warp >= n) break;  // this warp's chunk j: past the row
-      const bool in = 1024 * j + tid < n && (key[j] & pmask) == prefix;
+      if (j >= re || 1024 * j + 32 * warp >= len) break;  // this warp's chunk j: past the slice
+      const bool in = 1024 * j + tid < len && (key[j] & pmask) == prefix;
       if (in) atomicAdd(&cur[(key[j] >> shift) & 255u], 1u);
     }
-    if (tid < 256) hist[(pass + 1) & 1][tid] = 0;  // last read by the previous pass's scan
+    if (tid < 256) hist[(pass + 1) % kHists][tid] = 0;  // with C = 1 last read by the previous pass's scan
+    const unsigned* counted = cur;
+    if constexpr (C > 1) {
+      namespace cg = cooperative_groups;
+      const cg::cluster_group cl = cg::this_cluster();
+      cl.sync();  // every slice's counts of this pass are in
+      if (tid < 256) {
+        unsigned sum = 0;
+        for (int r = 0; r < C; ++r) sum += cl.map_shared_rank(cur, r)[tid];  // rank order: the same sum everywhere
+        total[tid] = sum;
+      }
+      counted = total;
+    }
     __syncthreads();
-    if (warp == 0) radix_pick_bin(cur, rem, lane, &s_bin, &s_rem, &s_all);
+    if (warp == 0) radix_pick_bin(counted, rem, lane, &s_bin, &s_rem, &s_all);
     __syncthreads();
     prefix |= uint32_t(s_bin) << shift;
     pmask |= 255u << shift;
@@ -969,8 +998,8 @@ __global__ void __launch_bounds__(1024, 1)
     if (j >= re) break;
     const int u = 1024 * j + tid;
     const uint32_t k = key[j] & pmask;
-    const unsigned a = __popc(__ballot_sync(0xffffffffu, u < n && k > K));
-    const unsigned e = __popc(__ballot_sync(0xffffffffu, u < n && k == K));
+    const unsigned a = __popc(__ballot_sync(0xffffffffu, u < len && k > K));
+    const unsigned e = __popc(__ballot_sync(0xffffffffu, u < len && k == K));
     if (lane == 0) chunk_counts[32 * j + warp] = a << 16 | e;
   }
   __syncthreads();
@@ -978,19 +1007,30 @@ __global__ void __launch_bounds__(1024, 1)
   const unsigned mine = tid < 32 * re ? chunk_counts[tid] : 0u;
   const unsigned before = block_exclusive_sum_1024(mine, warp_tot, lane, warp);
   if (tid < 32 * re) chunk_counts[tid] = before;
-  __syncthreads();
+  int G0 = 0, E0 = 0;  // the keys above / equal to K in the slices before this one
+  if constexpr (C > 1) {
+    if (tid == 1023) s_above = int((before + mine) >> 16), s_equal = int((before + mine) & 0xffffu);
+    namespace cg = cooperative_groups;
+    const cg::cluster_group cl = cg::this_cluster();
+    cl.sync();
+    for (int r = 0; r < rank; ++r) G0 += *cl.map_shared_rank(&s_above, r), E0 += *cl.map_shared_rank(&s_equal, r);
+  } else {
+    __syncthreads();
+  }
 #pragma unroll
   for (int j = 0; j < R; ++j) {
     if (j >= re) break;
     const unsigned b = chunk_counts[32 * j + warp];
-    int G = int(b >> 16), E = int(b & 0xffffu);
+    int G = G0 + int(b >> 16), E = E0 + int(b & 0xffffu);
     const int u = 1024 * j + tid;
-    topk_place_chunk(key[j] & pmask, u < n, u, K, need, lane, G, E, sel);
+    topk_place_chunk(key[j] & pmask, u < len, s0 + u, K, need, lane, G, E, sel);
   }
-  if (tid == 0) counts[t] = topk;
+  if (rank == 0 && tid == 0) counts[t] = topk;
+  if constexpr (C > 1) cooperative_groups::this_cluster().sync();  // no block leaves while another reads its counts
 }
 
-// The same selection for rows of any length, past what the register kernel holds (32768 keys):
+// The same selection for rows of any length, past what the register kernels hold (262144 keys on a
+// cluster, 32768 on one block):
 // every pass reads the row's scores again from L2 (the scores kernel has just written them), and
 // lanes of a warp with one bin combine their counts first (most keys of a long row share a few bins
 // of the first passes). Warp w walks its own span of the row, a 32nd rounded up to chunks of 32
@@ -1222,8 +1262,8 @@ bool mla_decode_fast(const DecodeAttnArgs& a, cudaStream_t st) {
   return true;
 }
 
-// VIREO_TOPK_REG32=0: rows of 16385-32768 keys on the shared-memory top-k (indexer_topk_kernel), as
-// before session 55 (A/B runs).
+// VIREO_TOPK_REG32=0 (with VIREO_TOPK_CLUSTER=0): rows of 16385-32768 keys on the shared-memory
+// top-k (indexer_topk_kernel), as before session 55 (A/B runs).
 static bool topk_reg32() {
   static const bool on = env_switch("VIREO_TOPK_REG32");
   return on;
@@ -1235,6 +1275,45 @@ static bool topk_stream() {
   return on;
 }
 
+// VIREO_TOPK_CLUSTER=0: rows of 16385 .. 32768 keys on one block (32 keys a thread), longer ones on
+// the one-block streaming kernel, as before session 59 (A/B runs; the same selection).
+static bool topk_cluster() {
+  static const bool on = env_switch("VIREO_TOPK_CLUSTER");
+  return on;
+}
+
+// Rows of 16385 .. 262144 keys: each over a cluster of kTopkCluster blocks, a slice each held in
+// registers (R keys a thread for the slice's share of the bound). Shorter rows stay on one block:
+// at 4096 cached (bounds of 8192 keys) a cluster of 8 holding 2 keys a thread cost 2.5 us a layer
+// more than one block holding 8; at 16384 cached (bounds of 32768) it saved 5.8 (H100, fp8 8
+// layers, BENCHMARKS "Session 59").
+constexpr int kTopkCluster = 8;
+template <typename... Args>
+void launch_topk_cluster(int64_t bound, int64_t T, cudaStream_t st, Args... args) {
+  auto go = [&](auto kernel) {
+    if (skipping_kernels() && skip_launch(reinterpret_cast<const void*>(kernel), st)) return;
+    cudaLaunchAttribute attr[2];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = programmatic_launch() ? 1 : 0;
+    attr[1].id = cudaLaunchAttributeClusterDimension;
+    attr[1].val.clusterDim.x = kTopkCluster;
+    attr[1].val.clusterDim.y = 1;
+    attr[1].val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(kTopkCluster, unsigned(T));
+    cfg.blockDim = dim3(1024);
+    cfg.stream = st;
+    cfg.attrs = attr;
+    cfg.numAttrs = 2;
+    VIREO_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+  };
+  const int64_t slice = (bound + kTopkCluster - 1) / kTopkCluster;
+  if (slice <= 1024 * 4) go(indexer_topk_reg_kernel<4, kTopkCluster>);
+  else if (slice <= 1024 * 8) go(indexer_topk_reg_kernel<8, kTopkCluster>);
+  else if (slice <= 1024 * 16) go(indexer_topk_reg_kernel<16, kTopkCluster>);
+  else go(indexer_topk_reg_kernel<32, kTopkCluster>);
+}
+
 bool indexer_topk_fast(const float* scores, int64_t T, int64_t n_keys, int64_t pos0, const int32_t* pos0_dev,
                        int64_t topk, int32_t* selected, int32_t* counts, cudaStream_t st) {
   // n_keys bounds every row's causal count (pos0 + T with host positions, the bound with run-time ones).
@@ -1242,17 +1321,19 @@ bool indexer_topk_fast(const float* scores, int64_t T, int64_t n_keys, int64_t p
   if (topk < 1) return false;
   static const bool early = env_switch("VIREO_TOPK_EARLY");  // 0: every pass (A/B runs; the same selection)
   if (bound <= 1024 * 4)
-    launch(indexer_topk_reg_kernel<4>, unsigned(T), 1024, 0, st, scores, n_keys, pos0, pos0_dev, int(topk), selected,
+    launch(indexer_topk_reg_kernel<4, 1>, unsigned(T), 1024, 0, st, scores, n_keys, pos0, pos0_dev, int(topk), selected,
            counts, early);
   else if (bound <= 1024 * 8)
-    launch(indexer_topk_reg_kernel<8>, unsigned(T), 1024, 0, st, scores, n_keys, pos0, pos0_dev, int(topk), selected,
+    launch(indexer_topk_reg_kernel<8, 1>, unsigned(T), 1024, 0, st, scores, n_keys, pos0, pos0_dev, int(topk), selected,
            counts, early);
   else if (bound <= 1024 * 16)
-    launch(indexer_topk_reg_kernel<16>, unsigned(T), 1024, 0, st, scores, n_keys, pos0, pos0_dev, int(topk), selected,
-           counts, early);
+    launch(indexer_topk_reg_kernel<16, 1>, unsigned(T), 1024, 0, st, scores, n_keys, pos0, pos0_dev, int(topk),
+           selected, counts, early);
+  else if (bound <= kTopkCluster * 1024 * 32 && T <= 65535 && topk_cluster())  // T: the grid's y
+    launch_topk_cluster(bound, T, st, scores, n_keys, pos0, pos0_dev, int(topk), selected, counts, early);
   else if (bound <= 1024 * 32 && topk_reg32())
-    launch(indexer_topk_reg_kernel<32>, unsigned(T), 1024, 0, st, scores, n_keys, pos0, pos0_dev, int(topk), selected,
-           counts, early);
+    launch(indexer_topk_reg_kernel<32, 1>, unsigned(T), 1024, 0, st, scores, n_keys, pos0, pos0_dev, int(topk),
+           selected, counts, early);
   else if (topk_stream() && bound < (int64_t(1) << 31))
     launch(indexer_topk_stream_kernel, unsigned(T), 1024, 0, st, scores, n_keys, pos0, pos0_dev, int(topk), selected,
            counts, early);
