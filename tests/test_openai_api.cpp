@@ -80,11 +80,13 @@ std::vector<std::pair<bool, ojson>> seed_bodies() {
                   {"add_generation_prompt", true},
                   {"return_token_ids", true},
                   {"n", 2}}});
-  out.push_back({true,
-                 {{"messages", {{{"role", "user"}, {"content", "Hi"}}, {{"role", "assistant"}, {"content", "Hello, "}}}},
-                  {"add_generation_prompt", false},
-                  {"continue_final_message", true},
-                  {"max_tokens", 4}}});
+  out.push_back(
+      {true,
+       {{"messages", {{{"role", "user"}, {"content", "Hi"}}, {{"role", "assistant"}, {"content", "Hello, "}}}},
+        {"add_generation_prompt", false},
+        {"continue_final_message", true},
+        {"truncate_prompt_tokens", 6},
+        {"max_tokens", 4}}});
   out.push_back({false,
                  {{"model", "vireo-demo"},
                   {"prompt", {"Hello there", {440, 435, 1131}}},
@@ -94,6 +96,7 @@ std::vector<std::pair<bool, ojson>> seed_bodies() {
                   {"n", 3},
                   {"best_of", 1},
                   {"ignore_eos", true},
+                  {"truncate_prompt_tokens", 2},
                   {"temperature", 0},
                   {"response_format", {{"type", "text"}}}}});
   out.push_back({false, {{"prompt", "Once upon a time"}, {"max_tokens", 0}, {"echo", true}, {"logprobs", 0}}});
@@ -152,9 +155,9 @@ TEST(OpenAiApi, FuzzedBodiesParseOrNameTheField) {
   const auto seeds = seed_bodies();
   for (const auto& [chat, body] : seeds) ASSERT_NO_THROW(parse_request(body.dump(), chat, m)) << body.dump();
   std::mt19937 rng(uint32_t(vireo::test::fuzz_seed(2026)));
-  const char* extra_keys[] = {"n",           "best_of",  "suffix", "functions",        "guided_json",
-                              "tool_choice", "messages", "prompt", "max_tokens",       "logit_bias",
-                              "stop",        "seed",     "echo",   "include_reasoning"};
+  const char* extra_keys[] = {"n",           "best_of",  "suffix", "functions",         "guided_json",
+                              "tool_choice", "messages", "prompt", "max_tokens",        "logit_bias",
+                              "stop",        "seed",     "echo",   "include_reasoning", "truncate_prompt_tokens"};
   int parsed = 0, refused = 0;
   for (int iter = 0; iter < vireo::test::fuzz_iterations(4000); ++iter) {
     auto [chat, body] = seeds[rng() % seeds.size()];

@@ -314,6 +314,28 @@ std::string error_body(int status, const std::string& message, const std::string
   return ojson{{"error", e}}.dump();
 }
 
+namespace {
+
+// vLLM's truncate_prompt_tokens: k keeps each prompt's last k tokens (a rendered chat's too); -1 as
+// many as leave room for one generated token. A truncated prompt is echoed as the model saw it.
+void truncate_prompts(const ojson& body, const ServedModel& m, ApiRequest& r) {
+  const ojson* v = field(body, "truncate_prompt_tokens");
+  if (!v || v->is_null()) return;
+  const int64_t k = get_int(body, "truncate_prompt_tokens", -1, -1, INT64_MAX);
+  if (k == 0) bad("truncate_prompt_tokens", "must be a number of tokens to keep (at least 1), or -1, got 0");
+  if (k > m.context)
+    bad("truncate_prompt_tokens", str("keeps at most this server's context of ", m.context, " tokens, got ", k));
+  const size_t keep = size_t(k < 0 ? m.context - 1 : k);
+  for (size_t i = 0; i < r.prompts.size(); ++i) {
+    std::vector<int32_t>& ids = r.prompts[i];
+    if (ids.size() <= keep) continue;
+    ids.erase(ids.begin(), ids.end() - ptrdiff_t(keep));
+    if (i < r.prompt_texts.size()) r.prompt_texts[i].clear();
+  }
+}
+
+}  // namespace
+
 ApiRequest parse_request(const std::string& body_text, bool chat, const ServedModel& m) {
   const ojson body = parse_body(body_text);
   ApiRequest r;
@@ -334,9 +356,6 @@ ApiRequest parse_request(const std::string& body_text, bool chat, const ServedMo
   if (get_bool(body, "use_beam_search", false)) bad("use_beam_search", "beam search is not supported by this server");
   if (!get_bool(body, "skip_special_tokens", true))
     bad("skip_special_tokens", "only true is supported (return_token_ids gives every id, special ones too)");
-  if (field(body, "truncate_prompt_tokens"))
-    bad("truncate_prompt_tokens",
-        "is not supported (a prompt is never truncated; one longer than the context is refused)");
   if (field(body, "prompt_logprobs"))
     bad("prompt_logprobs", chat ? "is not supported for chat" : "use echo with logprobs (the prompt's tokens scored)");
   if (field(body, "audio")) bad("audio", "audio output is not supported by this server");
@@ -451,6 +470,7 @@ ApiRequest parse_request(const std::string& body_text, bool chat, const ServedMo
       r.prompt_texts.push_back(std::move(text));
     }
   }
+  truncate_prompts(body, m, r);
   if (int64_t(r.prompts.size()) * r.n > 128)
     bad("n", str(r.prompts.size(), " prompts x n = ", r.n, " is more than 128 choices"));
   const char* prompt_field = chat ? "messages" : "prompt";

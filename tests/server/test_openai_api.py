@@ -320,6 +320,42 @@ def test_echo_scores_the_prompt(demo):
     assert batch.usage.prompt_tokens == 10 + 25 + len(c["prompt_ids"]) and batch.usage.completion_tokens == 0
 
 
+def test_truncate_prompt_tokens(demo):
+    """vLLM's truncate_prompt_tokens keeps a prompt's last k tokens: the reply, its usage and its echo
+    are those of the truncated prompt sent as it is; -1 keeps what leaves room for one token."""
+    c = demo_cases()[3]
+    ids = c["prompt_ids"]
+    client = demo.client()
+    k = 12
+    assert len(ids) > k
+    cut = client.completions.create(model=MODEL, prompt=c["prompt"], max_tokens=8, echo=True,
+                                    **{**GREEDY, "extra_body": {**GREEDY["extra_body"], "truncate_prompt_tokens": k}})
+    plain = client.completions.create(model=MODEL, prompt=ids[-k:], max_tokens=8, echo=True, **GREEDY)
+    whole = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, **GREEDY)
+    assert cut.usage.prompt_tokens == k
+    assert cut.model_extra["prompt_token_ids"] == ids[-k:]
+    assert cut.choices[0].model_extra["token_ids"] == plain.choices[0].model_extra["token_ids"]
+    assert cut.choices[0].text == plain.choices[0].text  # the echo is the truncated prompt's text
+    assert not cut.choices[0].text.startswith(c["prompt"])
+    # A longer k leaves the prompt whole; chat truncates the rendered conversation.
+    same = client.completions.create(model=MODEL, prompt=ids, max_tokens=8,
+                                     **{**GREEDY, "extra_body": {**GREEDY["extra_body"], "truncate_prompt_tokens": 200}})
+    assert same.choices[0].model_extra["token_ids"] == whole.choices[0].model_extra["token_ids"]
+    msgs = [{"role": "user", "content": "Tell me a story about a dragon and a knight."}]
+    full = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1, temperature=0)
+    chat_cut = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1, temperature=0,
+                                              extra_body={"truncate_prompt_tokens": 6})
+    assert full.usage.prompt_tokens > 6 and chat_cut.usage.prompt_tokens == 6
+    # -1: a prompt longer than the context keeps its last context - 1 tokens (refused without it).
+    ctx = json.loads(demo.http("POST", "/tokenize", {"model": MODEL, "prompt": "x"})[1])["max_model_len"]
+    long_ids = (ids * (ctx // len(ids) + 2))[:ctx + 20]
+    status, err = error_of(demo.http("POST", "/v1/completions", {"model": MODEL, "prompt": long_ids, "max_tokens": 1}))
+    assert status == 400 and err["param"] == "prompt", err
+    r = client.completions.create(model=MODEL, prompt=long_ids, max_tokens=1, temperature=0,
+                                  extra_body={"truncate_prompt_tokens": -1})
+    assert r.usage.prompt_tokens == ctx - 1 and r.usage.completion_tokens == 1
+
+
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 
@@ -426,7 +462,9 @@ def error_of(status_body):
     ({"prompt": "x", "min_tokens": 4, "max_tokens": 2}, "min_tokens", "more than max_tokens"),
     ({"prompt": "x", "use_beam_search": True}, "use_beam_search", "beam search"),
     ({"prompt": "x", "skip_special_tokens": False}, "skip_special_tokens", "only true"),
-    ({"prompt": "x", "truncate_prompt_tokens": 4}, "truncate_prompt_tokens", "never truncated"),
+    ({"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "at least 1"),
+    ({"prompt": "x", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens", "[-1,"),
+    ({"prompt": "x", "truncate_prompt_tokens": 100000}, "truncate_prompt_tokens", "context of"),
     ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs", "echo with logprobs"),
     ({"prompt": "x", "modalities": ["text", "audio"]}, "modalities", "only"),
     ({"prompt": "x", "include_stop_str_in_output": "yes"}, "include_stop_str_in_output", "boolean"),
