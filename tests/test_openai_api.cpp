@@ -150,14 +150,81 @@ void collect(ojson& j, std::vector<ojson*>& at) {
 
 }  // namespace
 
+// add_special_tokens (vLLM's): /v1/completions' text gets the tokenizer's BOS unless it is false;
+// a chat's rendering (which writes its own) gets none unless it is true. Gemma 3's tokenizer,
+// whose post-processor adds a BOS.
+TEST(OpenAiApi, AddSpecialTokensIsHonoured) {
+  const std::string dir = std::string(VIREO_SHARED_DIR) + "/data/tokenizers/gemma3";
+  const std::string tok_json = vireo::test::gunzip_file(dir + "/tokenizer.json.gz");
+  const std::string config = vireo::test::gunzip_file(dir + "/tokenizer_config.json.gz");
+  if (tok_json.empty() || config.empty()) GTEST_SKIP() << "shared tokenizers not available in " << dir;
+  ServedModel m;
+  m.name = "g3";
+  m.context = 4096;
+  m.tokenizer = std::make_shared<vireo::Tokenizer>(vireo::Tokenizer::from_json(tok_json));
+  m.vocab = int64_t(m.tokenizer->vocab_size());
+  m.chat_template = std::make_shared<vireo::ChatTemplate>(
+      vireo::ChatTemplate::from_tokenizer_config_json(ojson::parse(config), "gemma3"));
+  auto ids = [](const std::vector<uint32_t>& u) { return std::vector<int32_t>(u.begin(), u.end()); };
+  const auto with = ids(m.tokenizer->encode("Hello there", true)),
+             without = ids(m.tokenizer->encode("Hello there", false));
+  ASSERT_EQ(with.size(), without.size() + 1);  // the BOS
+  EXPECT_EQ(parse_request(R"({"prompt": "Hello there", "max_tokens": 1})", false, m).prompts[0], with);
+  EXPECT_EQ(parse_request(R"({"prompt": ["Hello there"], "add_special_tokens": false, "max_tokens": 1})", false, m)
+                .prompts[0],
+            without);
+  const std::string rendered = m.chat_template->render(ojson::parse(R"([{"role": "user", "content": "hi"}])"), true);
+  const std::string chat = R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1)";
+  EXPECT_EQ(parse_request(chat + "}", true, m).prompts[0], ids(m.tokenizer->encode(rendered, false)));
+  EXPECT_EQ(parse_request(chat + R"(, "add_special_tokens": true})", true, m).prompts[0],
+            ids(m.tokenizer->encode(rendered, true)));
+}
+
+// vLLM's documents reach the chat template (for templates that describe retrieved documents).
+TEST(OpenAiApi, DocumentsReachTheChatTemplate) {
+  ServedModel m = demo_served();
+  m.chat_template = std::make_shared<vireo::ChatTemplate>(
+      "{% for d in documents %}[{{ d.title }}: {{ d.text }}]{% endfor %}{{ messages[0].content }}",
+      std::map<std::string, std::string>{}, "docs");
+  const ApiRequest r = parse_request(
+      R"({"messages": [{"role": "user", "content": "Q"}], "max_tokens": 1,
+          "documents": [{"title": "A", "text": "one"}, {"title": "B", "text": "two"}]})",
+      true, m);
+  const auto& p = r.prompts[0];
+  EXPECT_EQ(m.tokenizer->decode(std::vector<uint32_t>(p.begin(), p.end()), false), "[A: one][B: two]Q");
+  try {
+    parse_request(R"({"messages": [{"role": "user", "content": "Q"}], "documents": ["x"]})", true, m);
+    FAIL() << "a document that is not an object was accepted";
+  } catch (const ApiError& e) {
+    EXPECT_EQ(e.param, "documents");
+  }
+}
+
 TEST(OpenAiApi, FuzzedBodiesParseOrNameTheField) {
   const ServedModel m = demo_served();
   const auto seeds = seed_bodies();
   for (const auto& [chat, body] : seeds) ASSERT_NO_THROW(parse_request(body.dump(), chat, m)) << body.dump();
   std::mt19937 rng(uint32_t(vireo::test::fuzz_seed(2026)));
-  const char* extra_keys[] = {"n",           "best_of",  "suffix", "functions",         "guided_json",
-                              "tool_choice", "messages", "prompt", "max_tokens",        "logit_bias",
-                              "stop",        "seed",     "echo",   "include_reasoning", "truncate_prompt_tokens"};
+  const char* extra_keys[] = {"n",
+                              "best_of",
+                              "suffix",
+                              "functions",
+                              "guided_json",
+                              "tool_choice",
+                              "messages",
+                              "prompt",
+                              "max_tokens",
+                              "logit_bias",
+                              "stop",
+                              "seed",
+                              "echo",
+                              "include_reasoning",
+                              "truncate_prompt_tokens",
+                              "allowed_token_ids",
+                              "add_special_tokens",
+                              "documents",
+                              "priority",
+                              "bad_words"};
   int parsed = 0, refused = 0;
   for (int iter = 0; iter < vireo::test::fuzz_iterations(4000); ++iter) {
     auto [chat, body] = seeds[rng() % seeds.size()];

@@ -352,6 +352,38 @@ TEST(Penalties, ApplyIsTheStatedArithmetic) {
   }
 }
 
+// allowed_token_ids: every other logit -inf, before the biases; the sampler then draws only the
+// allowed ids, greedy or not.
+TEST(Penalties, AllowedIdsMaskEveryOtherToken) {
+  const std::vector<float> row = {2.0f, -2.0f, 0.0f, 3.0f, -1.0f, 4.0f};
+  std::vector<uint8_t> in_context(row.size(), 0);
+  std::vector<int32_t> generated(row.size(), 0);
+  SamplingParams p;
+  p.allowed_ids = {1, 4};
+  p.logit_bias = {{4, 2.0f}, {5, 100.0f}};
+  std::vector<float> x = row;
+  adjust_logits(p, x.data(), in_context, generated, {});
+  EXPECT_EQ(x, (std::vector<float>{-INFINITY, -2.0f, -INFINITY, -INFINITY, 1.0f, -INFINITY}));
+  Sampler greedy(p);
+  EXPECT_EQ(greedy.sample(row.data(), int64_t(row.size())), 4);  // 5 would win unmasked, 3 without the bias
+  p.temperature = 1.0f;
+  p.logit_bias.clear();
+  for (uint64_t seed = 0; seed < 50; ++seed) {
+    p.seed = seed;
+    Sampler s(p);
+    const int32_t t = s.sample(row.data(), int64_t(row.size()));
+    EXPECT_TRUE(t == 1 || t == 4) << t;
+  }
+  p.allowed_ids = {6};
+  Sampler outside(p);
+  try {
+    outside.sample(row.data(), int64_t(row.size()));
+    FAIL() << "an allowed id past the vocabulary was drawn from";
+  } catch (const vireo::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("allowed_token_ids"), std::string::npos) << e.what();
+  }
+}
+
 // Sampler keeps the penalties' history itself: the prompt, then each token it picks.
 TEST(Penalties, SamplerCountsThePromptAndItsOwnPicks) {
   const std::vector<float> row = {3.0f, 2.5f, 2.0f, 0.5f, -1.0f};

@@ -18,6 +18,8 @@ void validate_sampling(const SamplingParams& p) {
   if (!(p.presence_penalty >= -2 && p.presence_penalty <= 2))
     fail("presence_penalty must be in [-2, 2], got ", p.presence_penalty);
   if (p.min_tokens < 0) fail("min_tokens must be >= 0, got ", p.min_tokens);
+  for (const int32_t id : p.allowed_ids)
+    if (id < 0) fail("allowed_token_ids: token id ", id, " is negative");
   for (const auto& [id, bias] : p.logit_bias) {
     if (id < 0) fail("logit_bias: token id ", id, " is negative");
     if (!(bias >= -100 && bias <= 100))
@@ -27,6 +29,13 @@ void validate_sampling(const SamplingParams& p) {
 
 void adjust_logits(const SamplingParams& p, float* logits, const std::vector<uint8_t>& in_context,
                    const std::vector<int32_t>& generated, const std::vector<int32_t>& touched, int64_t drawn) {
+  if (!p.allowed_ids.empty()) {  // every other id -inf: keep the allowed logits, fill, put them back
+    thread_local std::vector<float> kept;
+    kept.resize(p.allowed_ids.size());
+    for (size_t i = 0; i < kept.size(); ++i) kept[i] = logits[p.allowed_ids[i]];
+    std::fill(logits, logits + in_context.size(), -INFINITY);
+    for (size_t i = 0; i < kept.size(); ++i) logits[p.allowed_ids[i]] = kept[i];
+  }
   for (const auto& [id, bias] : p.logit_bias) logits[id] += bias;
   for (const int32_t t : touched) {
     float& x = logits[t];
@@ -94,6 +103,8 @@ int32_t Sampler::sample(const float* logits, int64_t vocab) {
       fail("penalties: a row of ", vocab, " logits after rows of ", in_context_.size());
     for (const auto& bias : params_.logit_bias)
       if (bias.first >= vocab) fail("logit_bias: token id ", bias.first, " is outside the vocabulary of ", vocab);
+    for (const int32_t id : params_.allowed_ids)
+      if (id >= vocab) fail("allowed_token_ids: token id ", id, " is outside the vocabulary of ", vocab);
     adjusted_.assign(logits, logits + vocab);
     for (const int32_t id : params_.eos_ids)
       if (id < 0 || id >= vocab) fail("min_tokens: EOS id ", id, " is outside the vocabulary of ", vocab);

@@ -27,6 +27,9 @@ struct SamplingParams {
   // OpenAI's logit_bias: (token id, bias in [-100, 100]) added to the logit before the penalties
   // (vLLM's order); -100 in effect bans the token.
   std::vector<std::pair<int32_t, float>> logit_bias;
+  // vLLM's allowed_token_ids: only these ids can be drawn (every other logit -inf, before the
+  // biases); empty: every id.
+  std::vector<int32_t> allowed_ids;
   // vLLM's min_tokens: until this many tokens were drawn, the ids in `eos_ids` (the model's EOS
   // ids, which the caller fills in) cannot be (their logits -inf, after everything above).
   int64_t min_tokens = 0;
@@ -35,11 +38,14 @@ struct SamplingParams {
     return repetition_penalty != 1.0f || frequency_penalty != 0.0f || presence_penalty != 0.0f;
   }
   // Penalties or biases: the token is picked on the host from the adjusted logits.
-  bool adjusts_logits() const { return has_penalties() || !logit_bias.empty() || min_tokens > 0; }
+  bool adjusts_logits() const {
+    return has_penalties() || !logit_bias.empty() || !allowed_ids.empty() || min_tokens > 0;
+  }
   // The field speculative decoding refuses, for its message ("" when none).
   const char* first_adjustment() const {
     return min_tokens > 0               ? "min_tokens"
            : !logit_bias.empty()        ? "logit_bias"
+           : !allowed_ids.empty()       ? "allowed_token_ids"
            : repetition_penalty != 1.0f ? "repetition_penalty"
            : frequency_penalty != 0.0f  ? "frequency_penalty"
            : presence_penalty != 0.0f   ? "presence_penalty"
@@ -53,10 +59,10 @@ void validate_sampling(const SamplingParams& p);
 // Index of the largest logit (ties: the lowest index, as torch.argmax).
 int32_t argmax(const float* logits, int64_t n);
 
-// p.logit_bias, then the penalties of `p`, then min_tokens' ban while fewer than p.min_tokens were
-// `drawn`, applied to logits[0..vocab) in place: `in_context` flags the tokens of the prompt or
-// generated (the repetition penalty's), `generated` counts each token's generations, `touched`
-// lists every token flagged or counted (the only logits the penalties change).
+// p.allowed_ids' mask, then p.logit_bias, then the penalties of `p`, then min_tokens' ban while fewer than p.min_tokens
+// were `drawn`, applied to logits[0..vocab) in place (vocab = in_context.size()): `in_context` flags the tokens of the
+// prompt or generated (the repetition penalty's), `generated` counts each token's generations, `touched` lists every
+// token flagged or counted (the only logits the penalties change).
 void adjust_logits(const SamplingParams& p, float* logits, const std::vector<uint8_t>& in_context,
                    const std::vector<int32_t>& generated, const std::vector<int32_t>& touched, int64_t drawn = 0);
 

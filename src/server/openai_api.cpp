@@ -83,11 +83,13 @@ std::vector<int32_t> encode(const ServedModel& m, const std::string& text, bool 
 }
 
 // /v1/completions' prompt: a string, a list of token ids, or a list of either (one choice each),
-// with the text each came as (empty for ids).
+// with the text each came as (empty for ids). Text is encoded with the tokenizer's special tokens
+// (a BOS) unless add_special_tokens is false, as in vLLM.
 std::vector<std::pair<std::vector<int32_t>, std::string>> completion_prompts(const ojson& body, const ServedModel& m) {
   const ojson* p = field(body, "prompt");
   if (!p) bad("prompt", "is required");
-  if (p->is_string()) return {{encode(m, p->get<std::string>(), true, "prompt"), p->get<std::string>()}};
+  const bool add_special = get_bool(body, "add_special_tokens", true);
+  if (p->is_string()) return {{encode(m, p->get<std::string>(), add_special, "prompt"), p->get<std::string>()}};
   if (!p->is_array()) bad("prompt", "must be a string or a list of token ids, got " + type_of(*p));
   if (p->empty()) bad("prompt", "is empty");
   if ((*p)[0].is_number()) return {{token_ids(*p, "prompt", m), ""}};
@@ -96,7 +98,7 @@ std::vector<std::pair<std::vector<int32_t>, std::string>> completion_prompts(con
   for (size_t i = 0; i < p->size(); ++i) {
     const ojson& one = (*p)[i];
     const std::string at = str("prompt[", i, "]");
-    if (one.is_string()) out.push_back({encode(m, one.get<std::string>(), true, at), one.get<std::string>()});
+    if (one.is_string()) out.push_back({encode(m, one.get<std::string>(), add_special, at), one.get<std::string>()});
     else if (one.is_array() && !one.empty()) out.push_back({token_ids(one, at, m), ""});
     else bad(at, "must be a string or a non-empty list of token ids, got " + type_of(one));
   }
@@ -242,6 +244,11 @@ std::vector<int32_t> chat_prompt(const ojson& body, const ServedModel& m, const 
     }
   }
   if (tools) extra["tools"] = *tools;
+  if (const ojson* docs = field(body, "documents"); docs && !docs->is_null()) {  // vLLM's: for RAG templates
+    if (!docs->is_array() || std::any_of(docs->begin(), docs->end(), [](const ojson& d) { return !d.is_object(); }))
+      bad("documents", "must be a list of objects (each a document's fields), got " + type_of(*docs));
+    extra["documents"] = *docs;
+  }
   std::string text;
   try {
     text = m.chat_template->render(messages, add_generation_prompt, extra);
@@ -249,8 +256,9 @@ std::vector<int32_t> chat_prompt(const ojson& body, const ServedModel& m, const 
     bad("messages", std::string("the chat template rejected them: ") + e.what());
   }
   if (continue_final) text = continued_final_message(text, messages);
-  // The template writes the special tokens itself (transformers tokenizes it without adding any).
-  return encode(m, text, false, "messages");
+  // The template writes the special tokens itself: transformers tokenizes it without adding any,
+  // and vLLM too unless add_special_tokens is true.
+  return encode(m, text, get_bool(body, "add_special_tokens", false), "messages");
 }
 
 ojson parse_body(const std::string& text) {
@@ -356,6 +364,16 @@ ApiRequest parse_request(const std::string& body_text, bool chat, const ServedMo
   if (get_bool(body, "use_beam_search", false)) bad("use_beam_search", "beam search is not supported by this server");
   if (!get_bool(body, "skip_special_tokens", true))
     bad("skip_special_tokens", "only true is supported (return_token_ids gives every id, special ones too)");
+  if (const ojson* bw = field(body, "bad_words"); bw && !(bw->is_null() || (bw->is_array() && bw->empty())))
+    bad("bad_words", "is not supported by this server (allowed_token_ids and logit_bias are)");
+  if (get_bool(body, "return_tokens_as_token_ids", false))
+    bad("return_tokens_as_token_ids", "only false is supported (return_token_ids lists the ids)");
+  if (const ojson* pr = field(body, "priority"); pr && !(pr->is_number() && pr->get<double>() == 0))
+    bad("priority", "only 0 is supported (requests are served in arrival order)");
+  if (const ojson* lp = field(body, "logits_processors"); lp && !lp->is_null())
+    bad("logits_processors", "is not supported by this server");
+  if (const ojson* ct = field(body, "chat_template"); ct && !ct->is_null())
+    bad("chat_template", "a request's own template is not accepted (the server's --chat-template sets it)");
   if (field(body, "prompt_logprobs"))
     bad("prompt_logprobs", chat ? "is not supported for chat" : "use echo with logprobs (the prompt's tokens scored)");
   if (field(body, "audio")) bad("audio", "audio output is not supported by this server");
@@ -413,6 +431,13 @@ ApiRequest parse_request(const std::string& body_text, bool chat, const ServedMo
       std::erase_if(s.logit_bias, [&](const auto& b) { return b.first == int32_t(id); });  // "13" and "013"
       s.logit_bias.push_back({int32_t(id), float(value.get<double>())});
     }
+  }
+  if (const ojson* ids = field(body, "allowed_token_ids"); ids && !ids->is_null()) {  // vLLM's
+    if (!ids->is_array()) bad("allowed_token_ids", "must be a list of token ids, got " + type_of(*ids));
+    if (ids->empty()) bad("allowed_token_ids", "must not be empty (leave it out to allow every token)");
+    s.allowed_ids = token_ids(*ids, "allowed_token_ids", m);
+    std::sort(s.allowed_ids.begin(), s.allowed_ids.end());
+    s.allowed_ids.erase(std::unique(s.allowed_ids.begin(), s.allowed_ids.end()), s.allowed_ids.end());
   }
   s.min_tokens = get_int(body, "min_tokens", 0, 0, INT32_MAX);  // vLLM's: no EOS before this many
   if (const ojson* seed = field(body, "seed")) {

@@ -191,6 +191,26 @@ def test_logit_bias(demo):
     assert r.choices[0].finish_reason == "stop"
     status, err = error_of(demo.http("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [-1]}))
     assert status == 400 and err["param"] == "stop_token_ids", err
+    # allowed_token_ids (vLLM's): greedy picks the best of them (the unrestricted pick left out),
+    # sampling draws only them; an empty list or an id past the vocabulary is refused by name.
+    allowed = [cont[1], cont[3], 290]
+    if cont[0] in allowed:
+        allowed.remove(cont[0])
+    r = client.completions.create(model=MODEL, prompt=c["prompt_ids"], max_tokens=6, logprobs=5,
+                                  **{**GREEDY, "extra_body": {**GREEDY["extra_body"], "allowed_token_ids": allowed}})
+    got = r.choices[0].model_extra["token_ids"]
+    assert set(got) <= set(allowed) and got[0] != cont[0], got
+    # (the logprobs stay the model's: the first pick is the best-scored of the allowed ids)
+    first_top = r.choices[0].logprobs.top_logprobs[0]
+    assert r.choices[0].logprobs.token_logprobs[0] < max(first_top.values())
+    r = client.completions.create(model=MODEL, prompt=c["prompt_ids"], max_tokens=12, temperature=1.0, seed=3,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True,
+                                              "allowed_token_ids": allowed})
+    assert set(r.choices[0].model_extra["token_ids"]) <= set(allowed)
+    for ids_, needle in [([], "not be empty"), ([99999], "out of range"), ("5", "list of token ids")]:
+        status, err = error_of(demo.http("POST", "/v1/completions",
+                                         {"model": MODEL, "prompt": "x", "allowed_token_ids": ids_}))
+        assert status == 400 and err["param"] == "allowed_token_ids" and needle in err["message"], err
     for bias, needle in [({"x": 1}, "not a token id"), ({"5": 101}, "[-100, 100]"), ({"99999": 1}, "out of range"),
                          ([1], "must be an object")]:
         status, err = error_of(demo.http("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": bias}))
@@ -466,6 +486,11 @@ def error_of(status_body):
     ({"prompt": "x", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens", "[-1,"),
     ({"prompt": "x", "truncate_prompt_tokens": 100000}, "truncate_prompt_tokens", "context of"),
     ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs", "echo with logprobs"),
+    ({"prompt": "x", "bad_words": ["x"]}, "bad_words", "not supported"),
+    ({"prompt": "x", "return_tokens_as_token_ids": True}, "return_tokens_as_token_ids", "only false"),
+    ({"prompt": "x", "priority": 1}, "priority", "only 0"),
+    ({"prompt": "x", "logits_processors": ["m.f"]}, "logits_processors", "not supported"),
+    ({"prompt": "x", "chat_template": "{{ 1 }}"}, "chat_template", "--chat-template"),
     ({"prompt": "x", "modalities": ["text", "audio"]}, "modalities", "only"),
     ({"prompt": "x", "include_stop_str_in_output": "yes"}, "include_stop_str_in_output", "boolean"),
 ])
