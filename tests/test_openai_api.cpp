@@ -97,6 +97,8 @@ std::vector<std::pair<bool, ojson>> seed_bodies() {
                   {"best_of", 1},
                   {"ignore_eos", true},
                   {"truncate_prompt_tokens", 2},
+                  {"bad_words", {"Hello", " world"}},
+                  {"allowed_token_ids", {440, 435, 7}},
                   {"temperature", 0},
                   {"response_format", {{"type", "text"}}}}});
   out.push_back({false, {{"prompt", "Once upon a time"}, {"max_tokens", 0}, {"echo", true}, {"logprobs", 0}}});

@@ -384,6 +384,34 @@ TEST(Penalties, AllowedIdsMaskEveryOtherToken) {
   }
 }
 
+// bad_words: a word's last token is banned where the tokens drawn so far end with the rest of it;
+// the sampler keeps what it drew, so greedy walks around a word it would otherwise write.
+TEST(Penalties, BadWordsBanTheirLastTokenAfterTheirPrefix) {
+  const std::vector<float> row = {2.0f, -2.0f, 0.0f, 3.0f, -1.0f, 4.0f};
+  std::vector<uint8_t> in_context(row.size(), 0);
+  std::vector<int32_t> generated(row.size(), 0);
+  SamplingParams p;
+  p.bad_words = {{4}, {3, 5}, {1, 3, 0}};
+  auto banned = [&](const std::vector<int32_t>& drawn) {
+    std::vector<float> x = row;
+    adjust_logits(p, x.data(), in_context, generated, {}, int64_t(drawn.size()), drawn);
+    std::vector<int32_t> out;
+    for (int32_t i = 0; i < int32_t(x.size()); ++i)
+      if (x[size_t(i)] == -INFINITY) out.push_back(i);
+      else EXPECT_EQ(x[size_t(i)], row[size_t(i)]) << i;
+    return out;
+  };
+  EXPECT_EQ(banned({}), (std::vector<int32_t>{4}));  // a one-token word always; longer ones need their prefix
+  EXPECT_EQ(banned({0, 3}), (std::vector<int32_t>{4, 5}));
+  EXPECT_EQ(banned({1, 3}), (std::vector<int32_t>{0, 4, 5}));
+  EXPECT_EQ(banned({3, 1}), (std::vector<int32_t>{4}));  // the prefix must end what was drawn
+  p.bad_words = {{4}, {5, 5}};
+  Sampler s(p);  // greedy: 5, then 3 (5 after 5 is banned), then 5 again
+  std::vector<int32_t> picks;
+  for (int i = 0; i < 4; ++i) picks.push_back(s.sample(row.data(), int64_t(row.size())));
+  EXPECT_EQ(picks, (std::vector<int32_t>{5, 3, 5, 3}));
+}
+
 // Sampler keeps the penalties' history itself: the prompt, then each token it picks.
 TEST(Penalties, SamplerCountsThePromptAndItsOwnPicks) {
   const std::vector<float> row = {3.0f, 2.5f, 2.0f, 0.5f, -1.0f};

@@ -1,5 +1,6 @@
 #include "runtime/sampler.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/error.h"
@@ -20,6 +21,9 @@ void validate_sampling(const SamplingParams& p) {
   if (p.min_tokens < 0) fail("min_tokens must be >= 0, got ", p.min_tokens);
   for (const int32_t id : p.allowed_ids)
     if (id < 0) fail("allowed_token_ids: token id ", id, " is negative");
+  for (const auto& word : p.bad_words)
+    for (const int32_t id : word)
+      if (id < 0) fail("bad_words: token id ", id, " is negative");
   for (const auto& [id, bias] : p.logit_bias) {
     if (id < 0) fail("logit_bias: token id ", id, " is negative");
     if (!(bias >= -100 && bias <= 100))
@@ -28,7 +32,8 @@ void validate_sampling(const SamplingParams& p) {
 }
 
 void adjust_logits(const SamplingParams& p, float* logits, const std::vector<uint8_t>& in_context,
-                   const std::vector<int32_t>& generated, const std::vector<int32_t>& touched, int64_t drawn) {
+                   const std::vector<int32_t>& generated, const std::vector<int32_t>& touched, int64_t drawn,
+                   const std::vector<int32_t>& drawn_ids) {
   if (!p.allowed_ids.empty()) {  // every other id -inf: keep the allowed logits, fill, put them back
     thread_local std::vector<float> kept;
     kept.resize(p.allowed_ids.size());
@@ -49,6 +54,11 @@ void adjust_logits(const SamplingParams& p, float* logits, const std::vector<uin
   }
   if (drawn < p.min_tokens)
     for (const int32_t id : p.eos_ids) logits[id] = -INFINITY;
+  for (const std::vector<int32_t>& word : p.bad_words) {  // vLLM's rule: the rest of the word ends what was drawn
+    if (word.empty() || word.size() - 1 > drawn_ids.size()) continue;
+    const size_t rest = word.size() - 1;
+    if (std::equal(word.begin(), word.end() - 1, drawn_ids.end() - ptrdiff_t(rest))) logits[word.back()] = -INFINITY;
+  }
 }
 
 int32_t argmax(const float* x, int64_t n) {
@@ -105,10 +115,13 @@ int32_t Sampler::sample(const float* logits, int64_t vocab) {
       if (bias.first >= vocab) fail("logit_bias: token id ", bias.first, " is outside the vocabulary of ", vocab);
     for (const int32_t id : params_.allowed_ids)
       if (id >= vocab) fail("allowed_token_ids: token id ", id, " is outside the vocabulary of ", vocab);
+    for (const auto& word : params_.bad_words)
+      for (const int32_t id : word)
+        if (id >= vocab) fail("bad_words: token id ", id, " is outside the vocabulary of ", vocab);
     adjusted_.assign(logits, logits + vocab);
     for (const int32_t id : params_.eos_ids)
       if (id < 0 || id >= vocab) fail("min_tokens: EOS id ", id, " is outside the vocabulary of ", vocab);
-    adjust_logits(params_, adjusted_.data(), in_context_, generated_, touched_, drawn_);
+    adjust_logits(params_, adjusted_.data(), in_context_, generated_, touched_, drawn_, drawn_ids_);
     logits = adjusted_.data();
   }
   const int32_t t =
@@ -116,6 +129,7 @@ int32_t Sampler::sample(const float* logits, int64_t vocab) {
   if (params_.adjusts_logits()) {
     note(t, vocab, true);
     ++drawn_;
+    if (!params_.bad_words.empty()) drawn_ids_.push_back(t);
   }
   return t;
 }

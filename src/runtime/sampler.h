@@ -30,6 +30,9 @@ struct SamplingParams {
   // vLLM's allowed_token_ids: only these ids can be drawn (every other logit -inf, before the
   // biases); empty: every id.
   std::vector<int32_t> allowed_ids;
+  // vLLM's bad_words as token sequences: a sequence's last token cannot be drawn where the tokens
+  // drawn so far end with the rest of it (a one-token sequence: never).
+  std::vector<std::vector<int32_t>> bad_words;
   // vLLM's min_tokens: until this many tokens were drawn, the ids in `eos_ids` (the model's EOS
   // ids, which the caller fills in) cannot be (their logits -inf, after everything above).
   int64_t min_tokens = 0;
@@ -39,13 +42,14 @@ struct SamplingParams {
   }
   // Penalties or biases: the token is picked on the host from the adjusted logits.
   bool adjusts_logits() const {
-    return has_penalties() || !logit_bias.empty() || !allowed_ids.empty() || min_tokens > 0;
+    return has_penalties() || !logit_bias.empty() || !allowed_ids.empty() || !bad_words.empty() || min_tokens > 0;
   }
   // The field speculative decoding refuses, for its message ("" when none).
   const char* first_adjustment() const {
     return min_tokens > 0               ? "min_tokens"
            : !logit_bias.empty()        ? "logit_bias"
            : !allowed_ids.empty()       ? "allowed_token_ids"
+           : !bad_words.empty()         ? "bad_words"
            : repetition_penalty != 1.0f ? "repetition_penalty"
            : frequency_penalty != 0.0f  ? "frequency_penalty"
            : presence_penalty != 0.0f   ? "presence_penalty"
@@ -60,11 +64,13 @@ void validate_sampling(const SamplingParams& p);
 int32_t argmax(const float* logits, int64_t n);
 
 // p.allowed_ids' mask, then p.logit_bias, then the penalties of `p`, then min_tokens' ban while fewer than p.min_tokens
-// were `drawn`, applied to logits[0..vocab) in place (vocab = in_context.size()): `in_context` flags the tokens of the
-// prompt or generated (the repetition penalty's), `generated` counts each token's generations, `touched` lists every
-// token flagged or counted (the only logits the penalties change).
+// were `drawn`, then p.bad_words' bans after the tokens drawn so far (`drawn_ids`), applied to logits[0..vocab) in
+// place (vocab = in_context.size()): `in_context` flags the tokens of the prompt or generated (the repetition
+// penalty's), `generated` counts each token's generations, `touched` lists every token flagged or counted (the only
+// logits the penalties change).
 void adjust_logits(const SamplingParams& p, float* logits, const std::vector<uint8_t>& in_context,
-                   const std::vector<int32_t>& generated, const std::vector<int32_t>& touched, int64_t drawn = 0);
+                   const std::vector<int32_t>& generated, const std::vector<int32_t>& touched, int64_t drawn = 0,
+                   const std::vector<int32_t>& drawn_ids = {});
 
 class Sampler {
  public:
@@ -95,7 +101,8 @@ class Sampler {
   std::vector<int32_t> prompt_;
   std::vector<uint8_t> in_context_;
   std::vector<int32_t> generated_, touched_;
-  int64_t drawn_ = 0;  // tokens drawn (min_tokens)
+  int64_t drawn_ = 0;               // tokens drawn (min_tokens)
+  std::vector<int32_t> drawn_ids_;  // with bad_words: every token drawn, in order
   std::vector<float> adjusted_;
 };
 

@@ -99,13 +99,17 @@ std::shared_ptr<RequestHandle> Scheduler::submit(SchedRequest r) {
     fail("min_tokens: ", r.sampling.min_tokens, " is more than max_tokens (", r.max_tokens, ")");
   if (opt_.mtp_drafts && r.sampling.adjusts_logits())
     fail(r.sampling.first_adjustment(),
-         ": penalties, logit biases and allowed ids are not supported with speculative decoding (this server drafts "
+         ": penalties, logit biases, allowed ids and bad words are not supported with speculative decoding (this "
+         "server drafts "
          "with --mtp)");
   for (const auto& bias : r.sampling.logit_bias)
     if (bias.first >= vocab_)
       fail("logit_bias: token id ", bias.first, " is out of range (vocabulary of ", vocab_, ")");
   for (const int32_t id : r.sampling.allowed_ids)
     if (id >= vocab_) fail("allowed_token_ids: token id ", id, " is out of range (vocabulary of ", vocab_, ")");
+  for (const auto& word : r.sampling.bad_words)
+    for (const int32_t id : word)
+      if (id >= vocab_) fail("bad_words: token id ", id, " is out of range (vocabulary of ", vocab_, ")");
   auto h = std::make_shared<RequestHandle>();
   h->submitted_ = std::chrono::steady_clock::now();
   {

@@ -324,6 +324,27 @@ std::string error_body(int status, const std::string& message, const std::string
 
 namespace {
 
+// vLLM's bad_words as token sequences, by its rule: each word (leading spaces dropped) encoded as it
+// is, and with a space before it where that gives as many tokens and another first one (the word
+// in the middle of text).
+std::vector<std::vector<int32_t>> bad_word_ids(const ojson& words, const ServedModel& m) {
+  if (!words.is_array()) bad("bad_words", "must be a list of strings, got " + type_of(words));
+  if (words.size() > 64) bad("bad_words", str("at most 64 words, got ", words.size()));
+  if (!words.empty() && !m.tokenizer) bad("bad_words", "bad words need a tokenizer, and this model has none");
+  std::vector<std::vector<int32_t>> out;
+  for (size_t i = 0; i < words.size(); ++i) {
+    if (!words[i].is_string()) bad("bad_words", str("element ", i, " must be a string, got ", type_of(words[i])));
+    std::string word = words[i].get<std::string>();
+    word.erase(0, word.find_first_not_of(" \t\n\r\f\v"));
+    const std::vector<int32_t> plain = encode(m, word, false, "bad_words");
+    if (plain.empty()) bad("bad_words", str("element ", i, " encodes to no tokens"));
+    out.push_back(plain);
+    const std::vector<int32_t> spaced = encode(m, " " + word, false, "bad_words");
+    if (!spaced.empty() && spaced.size() == plain.size() && spaced[0] != plain[0]) out.push_back(spaced);
+  }
+  return out;
+}
+
 // vLLM's truncate_prompt_tokens: k keeps each prompt's last k tokens (a rendered chat's too); -1 as
 // many as leave room for one generated token. A truncated prompt is echoed as the model saw it.
 void truncate_prompts(const ojson& body, const ServedModel& m, ApiRequest& r) {
@@ -364,8 +385,6 @@ ApiRequest parse_request(const std::string& body_text, bool chat, const ServedMo
   if (get_bool(body, "use_beam_search", false)) bad("use_beam_search", "beam search is not supported by this server");
   if (!get_bool(body, "skip_special_tokens", true))
     bad("skip_special_tokens", "only true is supported (return_token_ids gives every id, special ones too)");
-  if (const ojson* bw = field(body, "bad_words"); bw && !(bw->is_null() || (bw->is_array() && bw->empty())))
-    bad("bad_words", "is not supported by this server (allowed_token_ids and logit_bias are)");
   if (get_bool(body, "return_tokens_as_token_ids", false))
     bad("return_tokens_as_token_ids", "only false is supported (return_token_ids lists the ids)");
   if (const ojson* pr = field(body, "priority"); pr && !(pr->is_number() && pr->get<double>() == 0))
@@ -439,6 +458,7 @@ ApiRequest parse_request(const std::string& body_text, bool chat, const ServedMo
     std::sort(s.allowed_ids.begin(), s.allowed_ids.end());
     s.allowed_ids.erase(std::unique(s.allowed_ids.begin(), s.allowed_ids.end()), s.allowed_ids.end());
   }
+  if (const ojson* bw = field(body, "bad_words"); bw && !bw->is_null()) s.bad_words = bad_word_ids(*bw, m);
   s.min_tokens = get_int(body, "min_tokens", 0, 0, INT32_MAX);  // vLLM's: no EOS before this many
   if (const ojson* seed = field(body, "seed")) {
     if (!seed->is_number_integer()) bad("seed", "must be an integer, got " + type_of(*seed));

@@ -169,7 +169,8 @@ def test_penalties_give_transformers_tokens(demo, case):
 
 def test_logit_bias(demo):
     """-100 bans the token greedy decoding would pick; +100 makes every pick that token; keys that are
-    not token ids, biases out of range and ids past the vocabulary are refused by name."""
+    not token ids, biases out of range and ids past the vocabulary are refused by name. Also vLLM's
+    min_tokens, stop_token_ids, allowed_token_ids and bad_words."""
     c = demo_cases()[0]
     client = demo.client()
     first = c["continuation_ids"][0]
@@ -207,6 +208,13 @@ def test_logit_bias(demo):
                                   extra_body={"ignore_eos": True, "return_token_ids": True,
                                               "allowed_token_ids": allowed})
     assert set(r.choices[0].model_extra["token_ids"]) <= set(allowed)
+    # bad_words (vLLM's): greedy's first word, banned, is not written (at the start or after a space).
+    first_word = client.completions.create(model=MODEL, prompt=c["prompt_ids"], max_tokens=1, **GREEDY).choices[0].text
+    assert first_word.strip()
+    r = client.completions.create(model=MODEL, prompt=c["prompt_ids"], max_tokens=16,
+                                  **{**GREEDY, "extra_body": {**GREEDY["extra_body"], "bad_words": [first_word]}})
+    assert r.choices[0].model_extra["token_ids"][0] != cont[0]
+    assert first_word.strip() not in r.choices[0].text.split(), (first_word, r.choices[0].text)
     for ids_, needle in [([], "not be empty"), ([99999], "out of range"), ("5", "list of token ids")]:
         status, err = error_of(demo.http("POST", "/v1/completions",
                                          {"model": MODEL, "prompt": "x", "allowed_token_ids": ids_}))
@@ -486,7 +494,9 @@ def error_of(status_body):
     ({"prompt": "x", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens", "[-1,"),
     ({"prompt": "x", "truncate_prompt_tokens": 100000}, "truncate_prompt_tokens", "context of"),
     ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs", "echo with logprobs"),
-    ({"prompt": "x", "bad_words": ["x"]}, "bad_words", "not supported"),
+    ({"prompt": "x", "bad_words": "x"}, "bad_words", "list of strings"),
+    ({"prompt": "x", "bad_words": ["x", 3]}, "bad_words", "must be a string"),
+    ({"prompt": "x", "bad_words": ["  "]}, "bad_words", "no tokens"),
     ({"prompt": "x", "return_tokens_as_token_ids": True}, "return_tokens_as_token_ids", "only false"),
     ({"prompt": "x", "priority": 1}, "priority", "only 0"),
     ({"prompt": "x", "logits_processors": ["m.f"]}, "logits_processors", "not supported"),
