@@ -325,14 +325,19 @@ void penalized_requests_get_transformers_tokens(bool cuda) {
   Scheduler s(*drafting.model, *drafting.backend, manual(1, 64, 16, true));
   SchedRequest r = greedy({1, 2}, 4);
   r.sampling.presence_penalty = 0.5f;
-  try {
-    s.submit(r);
-    ADD_FAILURE() << "no error";
-  } catch (const Error& e) {
-    EXPECT_EQ(std::string(e.what()).rfind(
-                  "presence_penalty: penalties and logit biases are not supported with speculative", 0),
-              0u)
-        << e.what();
+  SchedRequest allowed = greedy({1, 2}, 4);
+  allowed.sampling.allowed_ids = {3, 4};
+  for (const auto& [req, name] : {std::pair{r, "presence_penalty"}, std::pair{allowed, "allowed_token_ids"}}) {
+    try {
+      s.submit(req);
+      ADD_FAILURE() << "no error";
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()).rfind(std::string(name) + ": penalties, logit biases, allowed ids and bad words "
+                                                                "are not supported with speculative",
+                                            0),
+                0u)
+          << e.what();
+    }
   }
 }
 

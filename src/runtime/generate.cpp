@@ -167,7 +167,8 @@ GenerateResult generate(GlmDsaModel& model, MlaCache& cache, int row, const std:
     fail("decode steps a chunk must be 1 to ", Backend::kMaxQueuedRead, ", got ", opt.decode_steps);
   if (opt.sampling.adjusts_logits()) {
     if (opt.mtp_drafts)
-      fail(opt.sampling.first_adjustment(), ": penalties and logit biases are not supported with speculative decoding");
+      fail(opt.sampling.first_adjustment(),
+           ": penalties, logit biases, allowed ids and bad words are not supported with speculative decoding");
     return generate_on_host(model, cache, row, prompt, opt, on_token);
   }
   if (opt.mtp_drafts) return generate_with_drafts(model, cache, row, prompt, opt, on_token);
