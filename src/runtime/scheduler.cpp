@@ -99,9 +99,8 @@ std::shared_ptr<RequestHandle> Scheduler::submit(SchedRequest r) {
     fail("min_tokens: ", r.sampling.min_tokens, " is more than max_tokens (", r.max_tokens, ")");
   if (opt_.mtp_drafts && r.sampling.adjusts_logits())
     fail(r.sampling.first_adjustment(),
-         ": penalties, logit biases, allowed ids and bad words are not supported with speculative decoding (this "
-         "server drafts "
-         "with --mtp)");
+         ": penalties, logit biases, allowed ids and bad words are not supported with speculative decoding "
+         "(this server drafts with --mtp)");
   for (const auto& bias : r.sampling.logit_bias)
     if (bias.first >= vocab_)
       fail("logit_bias: token id ", bias.first, " is out of range (vocabulary of ", vocab_, ")");
