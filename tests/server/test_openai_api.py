@@ -7,7 +7,7 @@ import os
 import openai
 import pytest
 
-from conftest import API_KEY, demo_cases
+from conftest import API_KEY, DEMO, Server, demo_cases
 
 MODEL = "vireo-demo"
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
@@ -433,6 +433,95 @@ def test_tools_are_described_and_calls_rendered(demo):
     status, err = error_of(demo.http("POST", "/v1/chat/completions", {"model": MODEL, "messages": bad_turn}))
     assert status == 400 and err["param"] == "messages[1].tool_calls[0].function.arguments", err
     still_serving(demo)
+
+
+def write_scripted_model(dst, successor, first, eos):
+    """A one-layer GLM-DSA model (the demo's shapes and tokenizer) that writes a fixed script: its
+    attention and MLP outputs are zero, so a position's hidden state is its token's embedding, a
+    one-hot of the token's state (0 for every token outside the script); lm_head maps state s to
+    the successor of the token that owns it, state 0 to the script's first token."""
+    import struct
+    src = DEMO
+    with open(src / "model.safetensors", "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+    names = [k for k in header if k != "__metadata__" and (".layers." not in k or k.startswith("model.layers.0."))]
+    tokens = list(successor)
+    state = {t: i + 1 for i, t in enumerate(tokens)}
+    hidden = header["model.embed_tokens.weight"]["shape"][1]
+    assert len(tokens) < hidden
+    out_header, blobs, offset = {}, [], 0
+    for name in sorted(names):
+        shape = header[name]["shape"]
+        count = 1
+        for d in shape:
+            count *= d
+        data = bytearray(4 * count)
+        if name.endswith("norm.weight"):
+            struct.pack_into(f"<{count}f", data, 0, *([1.0] * count))
+        elif name == "model.embed_tokens.weight":
+            for t in range(shape[0]):
+                struct.pack_into("<f", data, 4 * (t * hidden + state.get(t, 0)), 1.0)
+        elif name == "lm_head.weight":
+            struct.pack_into("<f", data, 4 * (first * hidden), 1.0)
+            for t, nxt in successor.items():
+                struct.pack_into("<f", data, 4 * (nxt * hidden + state[t]), 1.0)
+        out_header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    head = json.dumps(out_header).encode()
+    head += b" " * (-len(head) % 8)
+    dst.mkdir(parents=True, exist_ok=True)
+    with open(dst / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head)
+        for b in blobs:
+            f.write(b)
+    config = json.loads((src / "config.json").read_text())
+    config.update(num_hidden_layers=1, indexer_types=["full"], mlp_layer_types=["dense"], num_nextn_predict_layers=0,
+                  dtype="float32", eos_token_id=eos)
+    (dst / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (dst / name).write_bytes((src / name).read_bytes())
+
+
+def test_streamed_tool_call_deltas_end_to_end(demo, tmp_path):
+    """A scripted model writes some text and a GLM-5 tool call: the stream carries the text, then the
+    call's id and name, then its arguments in pieces (the string value among them) that add up to
+    the reply read whole; finish reason tool_calls, streamed or not."""
+    text = "Sure.<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>"
+    tok = lambda s: json.loads(demo.http("POST", "/tokenize", {"model": MODEL, "prompt": s,
+                                                                 "add_special_tokens": False})[1])["tokens"]
+    script = tok(text)
+    assert len(set(script)) == len(script), script  # a token's successor is its own
+    eos = 8172
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    prompt = json.loads(demo.http("POST", "/tokenize", {"model": MODEL, "messages": msgs, "tools": [WEATHER]})[1])
+    assert prompt["tokens"][-1] not in script
+    write_scripted_model(tmp_path / "scripted", dict(zip(script, script[1:] + [eos])), script[0], eos)
+    s = Server(tmp_path / "scripted", "--max-batch", "2")
+    try:
+        client = s.client()
+        kw = dict(model="scripted", messages=msgs, tools=[WEATHER], max_tokens=64, temperature=0)
+        whole = client.chat.completions.create(**kw)
+        ch = whole.choices[0]
+        assert ch.finish_reason == "tool_calls" and ch.message.content == "Sure."
+        (call,) = ch.message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+        assert content == "Sure."
+        assert deltas[0].id and deltas[0].function.name == "get_weather" and deltas[0].type == "function"
+        assert all(d.index == 0 for d in deltas) and all(d.id is None for d in deltas[1:])
+        args = [d.function.arguments for d in deltas if d.function and d.function.arguments]
+        # The string value streams token by token as written: no piece holds it whole.
+        value_tokens = script.index(tok("</arg_value>")[0]) - script.index(tok("<arg_value>")[0]) - 1
+        assert value_tokens >= 2 and len(args) >= value_tokens + 2, args
+        assert not any("Paris" in a for a in args), args
+        assert "".join(args) == call.function.arguments
+        assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    finally:
+        s.stop()
 
 
 def test_logprobs(demo):
