@@ -287,6 +287,33 @@ TEST(DemoModel, RunStreamsTheGreedyText) {
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(r.out, c["continuation"].get<std::string>() + "\n");
   EXPECT_NE(r.err.find("tok/s"), std::string::npos);
+  // --stop: the text ends just before the first stop string, and generation with it (fewer tokens);
+  // an earlier one of two wins. With --chat the reply is cut the same way.
+  const std::string cont = c["continuation"].get<std::string>();
+  auto first_seen_from = [&](size_t from) {  // a 6-byte piece of the text first seen at or after `from`
+    size_t k = from;
+    while (k + 6 < cont.size() && cont.find(cont.substr(k, 6)) != k) ++k;
+    return k;
+  };
+  const size_t at = first_seen_from(cont.size() / 2), later_at = first_seen_from(at + 3);
+  ASSERT_LT(later_at + 6, cont.size()) << cont;
+  const std::string stop = cont.substr(at, 6), later = cont.substr(later_at, 6);
+  RunResult s = run_vireo("run --model " + kModel + " --ignore-eos -n " + std::to_string(n) + " --prompt '" +
+                          c["prompt"].get<std::string>() + "' --stop '" + later + "' --stop '" + stop + "'");
+  ASSERT_EQ(s.exit_code, 0) << s.err;
+  EXPECT_EQ(s.out, cont.substr(0, at) + "\n");
+  EXPECT_NE(s.err.find("(stopped at a --stop string)"), std::string::npos) << s.err;
+  EXPECT_EQ(s.err.find("generated: " + std::to_string(n) + " tokens"), std::string::npos) << s.err;
+  const std::string chat = "run --model " + kModel + " --chat -n 16 --ignore-eos --prompt 'What is a module?'";
+  RunResult whole = run_vireo(chat);
+  ASSERT_EQ(whole.exit_code, 0) << whole.err;
+  const std::string reply = whole.out.substr(0, whole.out.size() - 1);
+  ASSERT_GT(reply.size(), 12u) << whole.out;
+  const std::string chat_stop = reply.substr(reply.size() / 2, 4);
+  RunResult cut = run_vireo(chat + " --stop '" + chat_stop + "'");
+  ASSERT_EQ(cut.exit_code, 0) << cut.err;
+  EXPECT_EQ(cut.out, reply.substr(0, reply.find(chat_stop)) + "\n");
+  expect_clean_error(run_vireo("run --model " + kModel + " --prompt-ids 1,2 --stop x"), "--stop needs a text prompt");
 }
 
 TEST(DemoModel, ChatReplOverPipedStdin) {

@@ -100,6 +100,7 @@ Action add_run(CLI::App& app) {
     SamplingParams s;
     bool ignore_eos = false, chat = false, mtp = false;
     std::string thinking = "auto";
+    std::vector<std::string> stops;
     StreamingFlags sf;
     std::string device = "cpu";
     std::string math = "exact";  // --math: CUDA prefill products
@@ -117,6 +118,9 @@ Action add_run(CLI::App& app) {
   app.add_option("-n,--max-tokens", o->n, "Tokens to generate at most")->check(CLI::Range(int64_t(1), int64_t(1) << 30));
   add_sampling_flags(app, o->s);
   app.add_flag("--ignore-eos", o->ignore_eos, "Do not stop at end-of-sequence tokens");
+  app.add_option("--stop", o->stops,
+                 "Stop at this text (repeatable; a text prompt's): the output ends just before it, as the server's "
+                 "stop strings");
   CLI::Option* decode_steps = add_decode_steps_flag(app, o->decode_steps);
   add_mtp_flag(app, o->mtp);
   add_streaming_flags(app, o->sf);
@@ -131,6 +135,8 @@ Action add_run(CLI::App& app) {
       fail("run needs a prompt: --prompt TEXT, --prompt-file FILE or --prompt-ids 1,2,3");
     if (!text_mode && o->chat) fail("--chat needs a text prompt (--prompt or --prompt-file)");
     if (!o->chat && o->thinking != "auto") fail("--thinking needs --chat (it is the chat template's switch)");
+    std::erase_if(o->stops, [](const std::string& s) { return s.empty(); });
+    if (!text_mode && !o->stops.empty()) fail("--stop needs a text prompt (--prompt or --prompt-file)");
     std::optional<TextModel> text;
     std::vector<int32_t> prompt;
     if (text_mode) {
@@ -172,14 +178,16 @@ Action add_run(CLI::App& app) {
     opt.decode_steps = o->sf.stats ? 1 : o->decode_steps;
     opt.mtp_drafts = o->mtp;
     bool first = true;
-    // Text as it comes; a chat reply of a reasoning model with its reasoning between <think> and </think>.
-    std::optional<DecodeStream> stream;
+    // Text as it comes (up to a --stop string); a chat reply of a reasoning model with its reasoning
+    // between <think> and </think>.
+    std::optional<server::TextOutput> stream;
     std::optional<ChatReply> reply;
-    if (text && o->chat) reply.emplace(*text, prompt);
-    else if (text) stream.emplace(text->tokenizer, true);
+    if (text && o->chat) reply.emplace(*text, prompt, o->stops);
+    else if (text) stream.emplace(&text->tokenizer, o->stops);
+    bool stopped = false;
     GenerateResult r = generate(*model, cache, 0, prompt, opt, [&](int32_t id) {
       if (reply) reply->token(id);
-      else if (stream) std::fputs(stream->step(uint32_t(id)).c_str(), stdout);
+      else if (stream) std::fputs(stream->token(id).text.c_str(), stdout);
       else std::printf(first ? "%d" : ",%d", id);
       std::fflush(stdout);
       first = false;
@@ -188,12 +196,13 @@ Action add_run(CLI::App& app) {
         std::fprintf(stderr, "token %d: %s\n", id, stats_line(now - last).c_str());
         last = now;
       }
-      return true;
+      stopped = reply ? reply->stopped() : stream && stream->stopped();
+      return !stopped;
     });
     if (reply) {
       reply->finish();
     } else {
-      if (stream) std::fputs(stream->finish().c_str(), stdout);
+      if (stream) std::fputs(stream->finish().text.c_str(), stdout);
       std::printf("\n");
     }
     std::fflush(stdout);  // the text ends before the timing line on stderr
@@ -201,7 +210,9 @@ Action add_run(CLI::App& app) {
     std::fprintf(stderr, "prompt: %lld tokens in %.3f s (%.1f tok/s); generated: %zu tokens, %.1f tok/s%s\n",
                  (long long)r.prompt_tokens, r.prefill_seconds, double(r.prompt_tokens) / r.prefill_seconds,
                  r.tokens.size(), decoded > 0 ? double(decoded) / r.decode_seconds : 0.0,
-                 r.stopped_at_eos ? " (stopped at EOS)" : "");
+                 r.stopped_at_eos ? " (stopped at EOS)"
+                 : stopped        ? " (stopped at a --stop string)"
+                                  : "");
     if (o->mtp)
       std::fprintf(stderr, "MTP drafts: %lld of %lld kept (%.1f%%), %.2f tokens a decode step\n", (long long)r.accepted,
                    (long long)r.drafted, r.drafted ? 100.0 * double(r.accepted) / double(r.drafted) : 0.0,

@@ -40,10 +40,12 @@ nlohmann::ordered_json thinking_args(const std::string& thinking) {
   return args;
 }
 
-ChatReply::ChatReply(const TextModel& tm, const std::vector<int32_t>& prompt)
-    : ChatReply(tm, prompt, server::think_tokens_of(tm.tokenizer)) {}
-ChatReply::ChatReply(const TextModel& tm, const std::vector<int32_t>& prompt, server::ThinkTokens think)
-    : text_(&tm.tokenizer, {}, think, think.opened_by(prompt)) {}
+ChatReply::ChatReply(const TextModel& tm, const std::vector<int32_t>& prompt) : ChatReply(tm, prompt, {}) {}
+ChatReply::ChatReply(const TextModel& tm, const std::vector<int32_t>& prompt, std::vector<std::string> stops)
+    : ChatReply(tm, prompt, std::move(stops), server::think_tokens_of(tm.tokenizer)) {}
+ChatReply::ChatReply(const TextModel& tm, const std::vector<int32_t>& prompt, std::vector<std::string> stops,
+                     server::ThinkTokens think)
+    : text_(&tm.tokenizer, std::move(stops), think, think.opened_by(prompt)) {}
 
 void ChatReply::show(const server::TextPiece& piece) {
   if (piece.reasoning && !in_reasoning_) std::fputs("<think>", stdout);

@@ -39,13 +39,17 @@ nlohmann::ordered_json thinking_args(const std::string& thinking);
 class ChatReply {
  public:
   ChatReply(const TextModel& tm, const std::vector<int32_t>& prompt);
+  // stops: stop strings (run --stop): the reply ends before the first (stopped()).
+  ChatReply(const TextModel& tm, const std::vector<int32_t>& prompt, std::vector<std::string> stops);
   void token(int32_t id) { show(text_.token(id)); }
+  bool stopped() const { return text_.stopped(); }
   void finish();  // the rest, then a newline
   const std::string& reasoning() const { return reasoning_; }
   const std::string& content() const { return content_; }
 
  private:
-  ChatReply(const TextModel& tm, const std::vector<int32_t>& prompt, server::ThinkTokens think);
+  ChatReply(const TextModel& tm, const std::vector<int32_t>& prompt, std::vector<std::string> stops,
+            server::ThinkTokens think);
   void show(const server::TextPiece& piece);
   server::TextOutput text_;
   std::string reasoning_, content_;
