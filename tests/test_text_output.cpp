@@ -148,3 +148,28 @@ TEST(TextOutput, StopMatcherTakesTheEarliestStop) {
   EXPECT_EQ(none.flush(), "z");
   EXPECT_FALSE(none.stopped());
 }
+
+// The id that ends a generation (an EOS, a stop token id) is counted but not written, unless
+// include_stop_str_in_output asks for it, as vLLM's detokenizer does.
+TEST(TextOutput, StopTokenIsCountedButNotWritten) {
+  const std::vector<int32_t> ids = ids_of("Hello world.");
+  ASSERT_GE(ids.size(), 2u);
+  const std::vector<int32_t> head(ids.begin(), ids.end() - 1);
+  const std::string all = demo_tokenizer().decode(std::vector<uint32_t>(ids.begin(), ids.end()), true);
+  const std::string before = demo_tokenizer().decode(std::vector<uint32_t>(head.begin(), head.end()), true);
+  ASSERT_NE(all, before);
+  for (bool include : {false, true}) {
+    TextOutput out(&demo_tokenizer(), {}, {}, false, include);
+    std::string text;
+    for (int32_t id : head) text += out.token(id).text;
+    text += out.stop_token(ids.back()).text;
+    text += out.finish().text;
+    EXPECT_EQ(text, include ? all : before) << include;
+  }
+  // In the reasoning it still counts as a reasoning token.
+  const ThinkTokens think = demo_think();
+  TextOutput out(&demo_tokenizer(), {}, think, /*starts_in_reasoning=*/true);
+  for (int32_t id : head) out.token(id);
+  out.stop_token(ids.back());
+  EXPECT_EQ(out.content_start(), ids.size());
+}

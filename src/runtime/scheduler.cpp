@@ -196,12 +196,14 @@ void Scheduler::emit_chosen(Running& r, int32_t id_chosen, const float* logits) 
   ev.token = id_chosen;
   if (logits && (r.req.logprobs || r.req.top_logprobs > 0)) fill_logprobs(ev, logits, r.req.top_logprobs);
   const int32_t id = ev.token;
+  const bool stops = stops_at(r, id);
+  ev.ends_by_id = stops;
   ev.time = std::chrono::steady_clock::now();
   r.handle->push(std::move(ev));
   r.last = id;
   ++r.generated;
   ++tokens_generated_;
-  if (stops_at(r, id)) {
+  if (stops) {
     SchedEvent f;
     f.kind = SchedEvent::Kind::Finish;
     f.reason = FinishReason::Stop;

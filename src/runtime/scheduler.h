@@ -51,6 +51,7 @@ struct SchedEvent {
   int32_t token = -1;                        // Token, PromptToken
   float logprob = 0;                         // Token when logprobs were asked for; PromptToken
   std::vector<TokenLogprob> top;             // Token, PromptToken: the top_logprobs most likely ids, best first
+  bool ends_by_id = false;                   // Token: the id ends the request (an EOS, or one of stop_token_ids)
   FinishReason reason = FinishReason::Stop;  // Finish
   std::string message;               // Error
   std::chrono::steady_clock::time_point time;  // when the engine produced it

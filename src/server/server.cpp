@@ -550,7 +550,7 @@ struct HttpServer::Impl {
       s.last_token = ev.time;
       s.ids.push_back(ev.token);
       s.pending_ids.push_back(ev.token);
-      out = s.text.token(ev.token);
+      out = ev.ends_by_id ? s.text.stop_token(ev.token) : s.text.token(ev.token);
       s.add_logprobs(ev, out.text);
       if (s.text.stopped()) {
         s.handle->cancel();  // a stop string: the engine frees the row at its next step

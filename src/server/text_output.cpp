@@ -44,7 +44,10 @@ ThinkTokens think_tokens_of(const Tokenizer& tokenizer) {
 
 TextOutput::TextOutput(const Tokenizer* tokenizer, std::vector<std::string> stops, ThinkTokens think,
                        bool starts_in_reasoning, bool include_stop)
-    : matcher_(std::move(stops), include_stop), think_(think), in_reasoning_(think.splits() && starts_in_reasoning) {
+    : matcher_(std::move(stops), include_stop),
+      think_(think),
+      in_reasoning_(think.splits() && starts_in_reasoning),
+      include_stop_(include_stop) {
   if (tokenizer) decoder_.emplace(*tokenizer, /*skip_special_tokens=*/true);
 }
 
@@ -61,6 +64,13 @@ TextPiece TextOutput::token(int32_t id) {
     content_start_ = fed_;
   }
   return out;
+}
+
+TextPiece TextOutput::stop_token(int32_t id) {
+  if (include_stop_) return token(id);
+  ++fed_;
+  if (in_reasoning_) content_start_ = fed_;
+  return {{}, in_reasoning_};
 }
 
 std::string TextOutput::settle() {

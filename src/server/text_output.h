@@ -64,6 +64,9 @@ class TextOutput {
   TextOutput(const Tokenizer* tokenizer, std::vector<std::string> stops, ThinkTokens think = {},
              bool starts_in_reasoning = false, bool include_stop = false);
   TextPiece token(int32_t id);  // text made final by this id (possibly empty)
+  // The id that ended the generation (an EOS or a stop token id): counted but not written, as vLLM
+  // leaves a stop token's text out unless include_stop_str_in_output (then it is token(id)).
+  TextPiece stop_token(int32_t id);
   TextPiece finish();           // the rest at the end
   bool stopped() const { return matcher_.stopped(); }
   // How many of the ids fed so far are reasoning (with </think>): the content's ids start here.
@@ -75,7 +78,7 @@ class TextOutput {
   std::optional<DecodeStream> decoder_;
   StopMatcher matcher_;
   ThinkTokens think_;
-  bool in_reasoning_ = false;
+  bool in_reasoning_ = false, include_stop_ = false;
   size_t fed_ = 0, content_start_ = 0;
 };
 

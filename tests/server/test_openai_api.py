@@ -184,12 +184,19 @@ def test_logit_bias(demo):
     r = client.completions.create(model=MODEL, prompt=c["prompt_ids"], max_tokens=8, temperature=0,
                                   logit_bias={"8172": 100}, extra_body={"return_token_ids": True, "min_tokens": 3})
     assert r.choices[0].model_extra["token_ids"][3:] == [8172] and r.choices[0].finish_reason == "stop"
-    # stop_token_ids (vLLM's): the request ends at the first of them it emits.
+    # stop_token_ids (vLLM's): the request ends at the first of them it emits; the id is returned,
+    # its text is not (vLLM's detokenizer skips a stop token's text unless include_stop_str_in_output).
     cont = c["continuation_ids"]
-    r = client.completions.create(model=MODEL, prompt=c["prompt_ids"], max_tokens=20, temperature=0,
-                                  extra_body={"ignore_eos": True, "return_token_ids": True, "stop_token_ids": [cont[4]]})
-    assert r.choices[0].model_extra["token_ids"] == cont[:cont.index(cont[4]) + 1]
-    assert r.choices[0].finish_reason == "stop"
+    detok = lambda ids: json.loads(demo.http("POST", "/detokenize", {"tokens": ids})[1])["prompt"]
+    end = cont.index(cont[4])
+    for include in (False, True):
+        r = client.completions.create(model=MODEL, prompt=c["prompt_ids"], max_tokens=20, temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                  "stop_token_ids": [cont[4]], "include_stop_str_in_output": include})
+        assert r.choices[0].model_extra["token_ids"] == cont[:end + 1]
+        assert r.choices[0].text == detok(cont[:end + 1] if include else cont[:end]), r.choices[0].text
+        assert r.choices[0].finish_reason == "stop"
+    assert detok(cont[:end + 1]) != detok(cont[:end])
     status, err = error_of(demo.http("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [-1]}))
     assert status == 400 and err["param"] == "stop_token_ids", err
     # allowed_token_ids (vLLM's): greedy picks the best of them (the unrestricted pick left out),
