@@ -1291,21 +1291,7 @@ constexpr int kTopkCluster = 8;
 template <typename... Args>
 void launch_topk_cluster(int64_t bound, int64_t T, cudaStream_t st, Args... args) {
   auto go = [&](auto kernel) {
-    if (skipping_kernels() && skip_launch(reinterpret_cast<const void*>(kernel), st)) return;
-    cudaLaunchAttribute attr[2];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = programmatic_launch() ? 1 : 0;
-    attr[1].id = cudaLaunchAttributeClusterDimension;
-    attr[1].val.clusterDim.x = kTopkCluster;
-    attr[1].val.clusterDim.y = 1;
-    attr[1].val.clusterDim.z = 1;
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(kTopkCluster, unsigned(T));
-    cfg.blockDim = dim3(1024);
-    cfg.stream = st;
-    cfg.attrs = attr;
-    cfg.numAttrs = 2;
-    VIREO_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+    launch_clustered(kTopkCluster, kernel, dim3(kTopkCluster, unsigned(T)), 1024, 0, st, args...);
   };
   const int64_t slice = (bound + kTopkCluster - 1) / kTopkCluster;
   if (slice <= 1024 * 4) go(indexer_topk_reg_kernel<4, kTopkCluster>);

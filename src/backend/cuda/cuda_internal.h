@@ -49,21 +49,32 @@ bool skip_launch(const void* kernel, cudaStream_t st);
 
 // kernel<<<grid, block, smem, st>>>(args...), as a programmatic dependent launch when
 // programmatic_launch() is on (the kernel must begin with pdl_begin(); tests/test_cuda_sources.cpp
-// checks that every kernel does). Launch errors fail at once.
+// checks that every kernel does). Launch errors fail at once. launch_clustered puts the blocks in
+// clusters of cluster_x along x (> 0): for a kernel whose cluster size is chosen at its launch (a
+// template whose unclustered instances keep plain launches) rather than by __cluster_dims__.
 template <typename... Params, typename... Args>
-void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, Args&&... args) {
+void launch_clustered(unsigned cluster_x, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                      cudaStream_t st, Args&&... args) {
   if (skipping_kernels() && skip_launch(reinterpret_cast<const void*>(kernel), st)) return;
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = programmatic_launch() ? 1 : 0;
+  attr[1].id = cudaLaunchAttributeClusterDimension;
+  attr[1].val.clusterDim.x = cluster_x;
+  attr[1].val.clusterDim.y = 1;
+  attr[1].val.clusterDim.z = 1;
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = st;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = cluster_x > 0 ? 2 : 1;
   VIREO_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, Args&&... args) {
+  launch_clustered(0, kernel, grid, block, smem, st, std::forward<Args>(args)...);
 }
 
 // Lets `Kernel` take up to Bytes of dynamic shared memory (the attribute is set once per kernel
