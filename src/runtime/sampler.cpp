@@ -104,23 +104,23 @@ void Sampler::note(int32_t token, int64_t vocab, bool generated) {
 
 int32_t Sampler::sample(const float* logits, int64_t vocab) {
   if (params_.adjusts_logits()) {
-    if (in_context_.empty()) {  // the history, sized to the vocabulary: the prompt first
+    if (in_context_.empty()) {  // the first row: the ids checked against its vocabulary, the history sized to it
+      for (const auto& bias : params_.logit_bias)
+        if (bias.first >= vocab) fail("logit_bias: token id ", bias.first, " is outside the vocabulary of ", vocab);
+      for (const int32_t id : params_.allowed_ids)
+        if (id >= vocab) fail("allowed_token_ids: token id ", id, " is outside the vocabulary of ", vocab);
+      for (const auto& word : params_.bad_words)
+        for (const int32_t id : word)
+          if (id >= vocab) fail("bad_words: token id ", id, " is outside the vocabulary of ", vocab);
+      for (const int32_t id : params_.eos_ids)
+        if (id < 0 || id >= vocab) fail("min_tokens: EOS id ", id, " is outside the vocabulary of ", vocab);
       in_context_.assign(size_t(vocab), 0);
       generated_.assign(size_t(vocab), 0);
       for (const int32_t t : prompt_) note(t, vocab, false);
     }
-    if (int64_t(in_context_.size()) != vocab)
+    if (int64_t(in_context_.size()) != vocab)  // (so every later row has the vocabulary checked above)
       fail("penalties: a row of ", vocab, " logits after rows of ", in_context_.size());
-    for (const auto& bias : params_.logit_bias)
-      if (bias.first >= vocab) fail("logit_bias: token id ", bias.first, " is outside the vocabulary of ", vocab);
-    for (const int32_t id : params_.allowed_ids)
-      if (id >= vocab) fail("allowed_token_ids: token id ", id, " is outside the vocabulary of ", vocab);
-    for (const auto& word : params_.bad_words)
-      for (const int32_t id : word)
-        if (id >= vocab) fail("bad_words: token id ", id, " is outside the vocabulary of ", vocab);
     adjusted_.assign(logits, logits + vocab);
-    for (const int32_t id : params_.eos_ids)
-      if (id < 0 || id >= vocab) fail("min_tokens: EOS id ", id, " is outside the vocabulary of ", vocab);
     adjust_logits(params_, adjusted_.data(), in_context_, generated_, touched_, drawn_, drawn_ids_);
     logits = adjusted_.data();
   }
