@@ -337,6 +337,35 @@ TEST(DemoModel, ChatReplOverPipedStdin) {
   EXPECT_EQ(r.out.find(alone.out), std::string::npos);
 }
 
+// chat --stop: each reply ends just before the stop string, as run --chat --stop prints it, and
+// generation stops there; the next turn goes on from the reply as cut (its prompt renders the cut
+// reply, so the cache is trimmed where the tokens past it begin).
+TEST(DemoModel, ChatStopsEachReplyAtAStopString) {
+  // (--thinking off: the replies are content, which the template keeps in the history; it drops
+  // earlier turns' reasoning.)
+  const std::string chat = "chat --model " + kModel + " -n 16 --thinking off";
+  RunResult whole = run_vireo(chat, "What is a module?\n");
+  ASSERT_EQ(whole.exit_code, 0) << whole.err;
+  const std::string reply = whole.out.substr(0, whole.out.size() - 1);
+  ASSERT_GT(reply.size(), 12u) << whole.out;
+  size_t at = reply.size() / 2;
+  while (at + 4 < reply.size() && reply.find(reply.substr(at, 4)) != at) ++at;  // first seen there
+  const std::string stop = reply.substr(at, 4);
+  ASSERT_EQ(stop.find('\''), std::string::npos) << stop;
+  RunResult cut = run_vireo(chat + " --stop '" + stop + "'", "What is a module?\nAnd a package?\n");
+  ASSERT_EQ(cut.exit_code, 0) << cut.err;
+  const std::string first = reply.substr(0, at) + "\n";
+  ASSERT_EQ(cut.out.substr(0, first.size()), first) << cut.out;
+  EXPECT_GT(cut.out.size(), first.size() + 1) << "no second reply: " << cut.out;
+  const std::string run = "run --model " + kModel + " --chat --thinking off -n 16 --prompt 'What is a module?'";
+  EXPECT_EQ(run_vireo(run + " --stop '" + stop + "'").out, first);
+  // The second reply follows the first as cut: it differs from the second reply after the whole
+  // first one.
+  RunResult uncut = run_vireo(chat, "What is a module?\nAnd a package?\n");
+  ASSERT_EQ(uncut.exit_code, 0) << uncut.err;
+  EXPECT_NE(cut.out.substr(first.size()), uncut.out.substr(whole.out.size()));
+}
+
 // A reasoning template (the demo's is GLM-5's: its generation prompt ends with <think>): the reply
 // is shown as reasoning between <think> and </think> (the demo model does not close it within 12
 // tokens); --thinking off renders the prompt ending with </think>, and the reply is plain content;

@@ -93,10 +93,14 @@ Action add_chat(CLI::App& app) {
     PrefillChunkFlag chunk;
     bool mtp = false;
     std::string thinking = "auto";
+    std::vector<std::string> stops;
   };
   auto o = std::make_shared<Opts>();
   app.add_option("--model,-m", o->model, "Model directory")->required();
   app.add_option("--system", o->system, "System message");
+  app.add_option("--stop", o->stops,
+                 "Stop each reply at this text (repeatable): the reply ends just before it, as the server's stop "
+                 "strings and run --stop");
   add_thinking_flag(app, o->thinking);
   app.add_option("-n,--max-tokens", o->n, "Tokens per reply at most")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
   app.add_option("--context", o->context, "Context length in tokens")->check(CLI::Range(int64_t(16), int64_t(1) << 22));
@@ -111,6 +115,7 @@ Action add_chat(CLI::App& app) {
     check_mtp_flag(o->mtp, decode_steps, &o->s);
     const int64_t chunk = resolve_prefill_chunk(o->chunk, o->sf);
     check_device_flags(o->device, o->math, o->sf);
+    std::erase_if(o->stops, [](const std::string& s) { return s.empty(); });
     TextModel tm = TextModel::load(o->model, true);
     auto backend = make_cli_backend(o->device, o->math);
     // A turn's new tokens are prefilled in chunks (or at once: up to the whole context).
@@ -167,10 +172,12 @@ Action add_chat(CLI::App& app) {
       opt.decode_steps = o->decode_steps;
       opt.mtp_drafts = o->mtp;
       opt.history = cached;  // the earlier turns, for --repetition-penalty
-      ChatReply reply(tm, prompt);
+      // The reply kept is the text before a stop string; the next turn's prompt, rendered from
+      // it, parts from the cache where the tokens generated past it begin.
+      ChatReply reply(tm, prompt, o->stops);
       GenerateResult r = generate(*model, cache, 0, fresh, opt, [&](int32_t id) {
         reply.token(id);
-        return true;
+        return !reply.stopped();
       });
       reply.finish();
       cached.insert(cached.end(), fresh.begin(), fresh.end());
