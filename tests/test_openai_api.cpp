@@ -99,6 +99,7 @@ std::vector<std::pair<bool, ojson>> seed_bodies() {
                   {"truncate_prompt_tokens", 2},
                   {"bad_words", {"Hello", " world"}},
                   {"allowed_token_ids", {440, 435, 7}},
+                  {"skip_special_tokens", false},
                   {"temperature", 0},
                   {"response_format", {{"type", "text"}}}}});
   out.push_back({false, {{"prompt", "Once upon a time"}, {"max_tokens", 0}, {"echo", true}, {"logprobs", 0}}});
@@ -226,7 +227,8 @@ TEST(OpenAiApi, FuzzedBodiesParseOrNameTheField) {
                               "add_special_tokens",
                               "documents",
                               "priority",
-                              "bad_words"};
+                              "bad_words",
+                              "skip_special_tokens"};
   int parsed = 0, refused = 0;
   for (int iter = 0; iter < vireo::test::fuzz_iterations(4000); ++iter) {
     auto [chat, body] = seeds[rng() % seeds.size()];

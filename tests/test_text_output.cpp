@@ -97,6 +97,46 @@ TEST(TextOutput, SplitsTheReplyAtThinkEnd) {
   EXPECT_EQ(p.content, "Paris is the capital. ü It is Paris.");
 }
 
+// skip_special false (vLLM's skip_special_tokens): special tokens' text is written, but for the
+// markers where they split the reply (</think> ending the reasoning, <think> opening it), which are
+// in neither part; where they do not split (thinking off, a <think> later on) they are text too.
+TEST(TextOutput, SpecialTokensWrittenWhenNotSkipped) {
+  const ThinkTokens think = demo_think();
+  const int32_t eot = int32_t(*demo_tokenizer().token_to_id("<|endoftext|>"));
+  const std::vector<int32_t> reasoning = ids_of("Paris is the capital. ü"), content = ids_of(" It is Paris.");
+  std::vector<int32_t> ids = reasoning;
+  ids.push_back(think.close);
+  ids.insert(ids.end(), content.begin(), content.end());
+  ids.push_back(eot);
+  ids.push_back(think.open);
+  ids.insert(ids.end(), content.begin(), content.end());
+  TextOutput inside(&demo_tokenizer(), {}, think, true, false, /*skip_special=*/false);
+  Parts p = run(inside, ids);
+  EXPECT_EQ(p.reasoning, "Paris is the capital. ü");
+  EXPECT_EQ(p.content, " It is Paris.<|endoftext|><think> It is Paris.");
+  EXPECT_EQ(p.content_start, reasoning.size() + 1);
+  TextOutput skipped(&demo_tokenizer(), {}, think, true);
+  p = run(skipped, ids);
+  EXPECT_EQ(p.content, " It is Paris. It is Paris.");
+  // Thinking off: no split, every marker is text.
+  TextOutput outside(&demo_tokenizer(), {}, think, false, false, false);
+  p = run(outside, ids);
+  EXPECT_EQ(p.reasoning, "");
+  EXPECT_EQ(p.content, "Paris is the capital. ü</think> It is Paris.<|endoftext|><think> It is Paris.");
+  // A reply opening its reasoning with <think>: that one is in neither part.
+  std::vector<int32_t> opened = {think.open};
+  opened.insert(opened.end(), ids.begin(), ids.end());
+  TextOutput self(&demo_tokenizer(), {}, think, false, false, false);
+  p = run(self, opened);
+  EXPECT_EQ(p.reasoning, "Paris is the capital. ü");
+  EXPECT_EQ(p.content, " It is Paris.<|endoftext|><think> It is Paris.");
+  // A stop string may match special tokens' text when it is written.
+  TextOutput stop(&demo_tokenizer(), {"<|endoftext|>"}, think, true, false, false);
+  p = run(stop, ids);
+  EXPECT_TRUE(p.stopped);
+  EXPECT_EQ(p.content, " It is Paris.");
+}
+
 TEST(TextOutput, SettlesWithheldTextIntoTheReasoning) {
   const ThinkTokens think = demo_think();
   // A stop string's start withheld at </think> belongs to the reasoning (the stop does not span

@@ -383,8 +383,7 @@ ApiRequest parse_request(const std::string& body_text, bool chat, const ServedMo
     bad(field(body, "functions") ? "functions" : "function_call", "function calling is not supported by this server");
   // vLLM's and OpenAI's other knobs that would change the output, refused unless at their default.
   if (get_bool(body, "use_beam_search", false)) bad("use_beam_search", "beam search is not supported by this server");
-  if (!get_bool(body, "skip_special_tokens", true))
-    bad("skip_special_tokens", "only true is supported (return_token_ids gives every id, special ones too)");
+  r.skip_special = get_bool(body, "skip_special_tokens", true);
   if (get_bool(body, "return_tokens_as_token_ids", false))
     bad("return_tokens_as_token_ids", "only false is supported (return_token_ids lists the ids)");
   if (const ojson* pr = field(body, "priority"); pr && !(pr->is_number() && pr->get<double>() == 0))

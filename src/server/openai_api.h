@@ -50,6 +50,9 @@ struct ApiRequest {
   SchedRequest sched;                // prompt ids, max_tokens, sampling, logprobs
   std::vector<std::string> stop;     // stop strings (non-empty)
   bool include_stop = false;         // vLLM's include_stop_str_in_output: the text ends with the stop string
+  // vLLM's skip_special_tokens: false writes special tokens' text too (a reasoning split still drops
+  // its <think> / </think>, as vLLM's reasoning parsers take the markers out of both parts).
+  bool skip_special = true;
   bool stream = false;
   bool include_usage = false;        // stream_options.include_usage
   bool continuous_usage = false;     // stream_options.continuous_usage_stats (vLLM's): usage in every chunk

@@ -81,7 +81,9 @@ struct Session {
   clock::time_point last_token;
 
   Session(ApiRequest r, const Tokenizer* tok)
-      : req(std::move(r)), tokenizer(tok), text(tok, req.stop, req.think, req.starts_in_reasoning, req.include_stop) {
+      : req(std::move(r)),
+        tokenizer(tok),
+        text(tok, req.stop, req.think, req.starts_in_reasoning, req.include_stop, req.skip_special) {
     if (req.parse_tools && tok)
       if (const std::optional<uint32_t> id = tok->token_to_id("<tool_call>")) tool_call_open = int32_t(*id);
   }
@@ -373,7 +375,7 @@ struct HttpServer::Impl {
     if (!s.req.parse_tools || !s.tokenizer) return out;
     const std::vector<int32_t> ids(s.ids.begin() + std::ptrdiff_t(s.text.content_start()), s.ids.end());
     for (const ToolCall& c : split_tool_calls(*s.tokenizer, ids, content, s.req.parallel_tool_calls ? SIZE_MAX : 1,
-                                              s.req.tool_string_params))
+                                              s.req.tool_string_params, s.req.skip_special))
       out.push_back({{"id", random_id("call_")},
                      {"type", "function"},
                      {"function", {{"name", c.name}, {"arguments", c.arguments}}}});

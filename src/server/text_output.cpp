@@ -43,19 +43,24 @@ ThinkTokens think_tokens_of(const Tokenizer& tokenizer) {
 }
 
 TextOutput::TextOutput(const Tokenizer* tokenizer, std::vector<std::string> stops, ThinkTokens think,
-                       bool starts_in_reasoning, bool include_stop)
+                       bool starts_in_reasoning, bool include_stop, bool skip_special)
     : matcher_(std::move(stops), include_stop),
       think_(think),
       in_reasoning_(think.splits() && starts_in_reasoning),
-      include_stop_(include_stop) {
-  if (tokenizer) decoder_.emplace(*tokenizer, /*skip_special_tokens=*/true);
+      include_stop_(include_stop),
+      skip_special_(skip_special) {
+  if (tokenizer) decoder_.emplace(*tokenizer, skip_special);
 }
 
 TextPiece TextOutput::token(int32_t id) {
   ++fed_;
   if (in_reasoning_) content_start_ = fed_;
   if (!decoder_) return {{}, in_reasoning_};
-  TextPiece out{matcher_.feed(decoder_->step(uint32_t(id))), in_reasoning_};
+  // A marker that splits here (</think> ending the reasoning, <think> opening the reply) is text in
+  // neither part: with special tokens written it is not decoded at all (a byte-level vocabulary's
+  // text is then the rest's, as if it were cut out). Elsewhere it is text like any special token.
+  const bool marker = think_.splits() && ((in_reasoning_ && id == think_.close) || (fed_ == 1 && id == think_.open));
+  TextPiece out{matcher_.feed(marker && !skip_special_ ? std::string() : decoder_->step(uint32_t(id))), in_reasoning_};
   if (think_.splits() && in_reasoning_ && id == think_.close) {
     out.text += settle();
     in_reasoning_ = false;

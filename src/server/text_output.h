@@ -1,5 +1,6 @@
 #pragma once
-// Generated ids -> the text a client sees: incremental detokenization (special tokens skipped), and
+// Generated ids -> the text a client sees: incremental detokenization (special tokens skipped, or
+// not: vLLM's skip_special_tokens), and
 // stop strings matched on the text. Text that could still turn out to be the start of a stop string
 // is withheld until it cannot, so a stop string never leaks into the output, even when it spans
 // several tokens.
@@ -60,9 +61,12 @@ struct TextPiece {
 
 class TextOutput {
  public:
-  // `tokenizer` may be null: the model has no tokenizer, and there is no text.
+  // `tokenizer` may be null: the model has no tokenizer, and there is no text. skip_special false:
+  // special tokens' text is written too, but for a reasoning split's markers where they split (the
+  // </think> that ends the reasoning, a <think> that opens the reply), which are in neither part,
+  // as vLLM's reasoning parsers leave them out.
   TextOutput(const Tokenizer* tokenizer, std::vector<std::string> stops, ThinkTokens think = {},
-             bool starts_in_reasoning = false, bool include_stop = false);
+             bool starts_in_reasoning = false, bool include_stop = false, bool skip_special = true);
   TextPiece token(int32_t id);  // text made final by this id (possibly empty)
   // The id that ended the generation (an EOS or a stop token id): counted but not written, as vLLM
   // leaves a stop token's text out unless include_stop_str_in_output (then it is token(id)).
@@ -78,7 +82,7 @@ class TextOutput {
   std::optional<DecodeStream> decoder_;
   StopMatcher matcher_;
   ThinkTokens think_;
-  bool in_reasoning_ = false, include_stop_ = false;
+  bool in_reasoning_ = false, include_stop_ = false, skip_special_ = true;
   size_t fed_ = 0, content_start_ = 0;
 };
 

@@ -235,7 +235,8 @@ std::vector<ToolCall> parse_tool_calls(const std::string& text, std::string* res
 }
 
 std::vector<ToolCall> split_tool_calls(const Tokenizer& tokenizer, const std::vector<int32_t>& ids,
-                                       std::string* content, size_t max_calls, const StringParams& string_params) {
+                                       std::string* content, size_t max_calls, const StringParams& string_params,
+                                       bool skip_special) {
   const std::optional<uint32_t> open = tokenizer.token_to_id("<tool_call>");
   const auto at = open ? std::find(ids.begin(), ids.end(), int32_t(*open)) : ids.end();
   if (at == ids.end()) return {};
@@ -243,7 +244,7 @@ std::vector<ToolCall> split_tool_calls(const Tokenizer& tokenizer, const std::ve
   ToolCallReader reader(string_params, max_calls);
   reader.feed(tokenizer.decode(calls, false));
   std::vector<ToolCall> out = reader.calls();
-  if (!out.empty() && content) *content = tokenizer.decode(before, true);
+  if (!out.empty() && content) *content = tokenizer.decode(before, skip_special);
   return out;
 }
 

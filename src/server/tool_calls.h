@@ -84,10 +84,10 @@ std::vector<ToolCall> parse_tool_calls(const std::string& text, std::string* res
 
 // A generation's ids read for calls: from the first <tool_call> token on, decoded with the special
 // tokens spelled; where there is a complete call, *content becomes the text before it (special
-// tokens skipped, as the rest of the server's text). No <tool_call> token: no calls. At most
-// max_calls are returned (OpenAI's parallel_tool_calls false: the first).
+// tokens skipped unless skip_special is false, as the rest of the request's text). No <tool_call>
+// token: no calls. At most max_calls are returned (OpenAI's parallel_tool_calls false: the first).
 std::vector<ToolCall> split_tool_calls(const Tokenizer& tokenizer, const std::vector<int32_t>& ids,
                                        std::string* content, size_t max_calls = SIZE_MAX,
-                                       const StringParams& string_params = {});
+                                       const StringParams& string_params = {}, bool skip_special = true);
 
 }  // namespace vireo::server

@@ -531,6 +531,44 @@ def test_streamed_tool_call_deltas_end_to_end(demo, tmp_path):
         s.stop()
 
 
+def test_skip_special_tokens_false_end_to_end(demo, tmp_path):
+    """skip_special_tokens false (vLLM's): a scripted model writes reasoning, </think>, then content
+    with a special token in it. /v1/completions returns every token's text, <sop> and </think>
+    included; chat under --reasoning-parser glm45 keeps the </think> that ends the
+    reasoning out of both parts (as vLLM's parser) and writes the content's special tokens, streamed
+    or not; the default skips them. The EOS that ends the reply is not written either way."""
+    text = "Hmm.</think>Yes<sop>ok"
+    tok = lambda s: json.loads(demo.http("POST", "/tokenize", {"model": MODEL, "prompt": s,
+                                                                 "add_special_tokens": False})[1])["tokens"]
+    script = tok(text)
+    assert len(set(script)) == len(script) and 8183 in script, script  # </think> as its special token
+    eos = 8172
+    msgs = [{"role": "user", "content": "Well?"}]
+    write_scripted_model(tmp_path / "scripted", dict(zip(script, script[1:] + [eos])), script[0], eos)
+    s = Server(tmp_path / "scripted", "--max-batch", "2", "--reasoning-parser", "glm45")
+    try:
+        client = s.client()
+        raw = {"skip_special_tokens": False}
+        comp = dict(model="scripted", prompt="Q", max_tokens=32, temperature=0)
+        assert client.completions.create(**comp, extra_body=raw).choices[0].text == text
+        assert client.completions.create(**comp).choices[0].text == "Hmm.Yesok"
+        streamed = client.completions.create(**comp, extra_body=raw, stream=True)
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == text
+        kw = dict(model="scripted", messages=msgs, max_tokens=32, temperature=0)
+        m = client.chat.completions.create(**kw, extra_body=raw).choices[0].message
+        assert m.model_extra["reasoning_content"] == "Hmm." and m.content == "Yes<sop>ok"
+        m = client.chat.completions.create(**kw).choices[0].message
+        assert m.model_extra["reasoning_content"] == "Hmm." and m.content == "Yesok"
+        deltas = [c.choices[0].delta for c in client.chat.completions.create(**kw, extra_body=raw, stream=True)
+                  if c.choices]
+        assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == "Hmm."
+        assert "".join(d.content or "" for d in deltas) == "Yes<sop>ok"
+        status, err = error_of(s.http("POST", "/v1/completions", dict(comp, skip_special_tokens="no")))
+        assert status == 400 and err["param"] == "skip_special_tokens", err
+    finally:
+        s.stop()
+
+
 def test_logprobs(demo):
     c = demo_cases()[1]
     client = demo.client()
@@ -585,7 +623,6 @@ def error_of(status_body):
     ({"prompt": "x", "tool_choice": "required"}, "tool_choice", "constrained decoding"),
     ({"prompt": "x", "min_tokens": 4, "max_tokens": 2}, "min_tokens", "more than max_tokens"),
     ({"prompt": "x", "use_beam_search": True}, "use_beam_search", "beam search"),
-    ({"prompt": "x", "skip_special_tokens": False}, "skip_special_tokens", "only true"),
     ({"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "at least 1"),
     ({"prompt": "x", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens", "[-1,"),
     ({"prompt": "x", "truncate_prompt_tokens": 100000}, "truncate_prompt_tokens", "context of"),
