@@ -40,7 +40,11 @@ struct Parts {
 };
 Parts run(TextOutput& out, const std::vector<int32_t>& ids) {
   Parts p;
-  auto take = [&](const TextPiece& piece) { (piece.reasoning ? p.reasoning : p.content) += piece.text; };
+  auto take = [&](const TextPiece& piece) {
+    EXPECT_TRUE(piece.held_reasoning.empty() || !piece.reasoning);
+    p.reasoning += piece.held_reasoning;
+    (piece.reasoning ? p.reasoning : p.content) += piece.text;
+  };
   for (int32_t id : ids) {
     take(out.token(id));
     if (out.stopped()) break;
@@ -139,17 +143,46 @@ TEST(TextOutput, SpecialTokensWrittenWhenNotSkipped) {
 
 TEST(TextOutput, SettlesWithheldTextIntoTheReasoning) {
   const ThinkTokens think = demo_think();
-  // A stop string's start withheld at </think> belongs to the reasoning (the stop does not span
-  // the marker); after it, stop strings match in the content.
+  // Stop strings are matched on the whole text, as vLLM's detokenizer matches them before its
+  // reasoning parser splits the text: one spanning </think> stops there, the reasoning cut before
+  // it. The reasoning's tail withheld past the marker comes out with the content's ids, still as
+  // reasoning, once it cannot start one.
   std::vector<int32_t> ids = ids_of("We are do");
   ids.push_back(think.close);
   const std::vector<int32_t> after = ids_of("ne. Done here.");
   ids.insert(ids.end(), after.begin(), after.end());
   TextOutput out(&demo_tokenizer(), {"done", "Done"}, think, true);
   Parts p = run(out, ids);
+  EXPECT_EQ(p.reasoning, "We are ");
+  EXPECT_EQ(p.content, "");
+  EXPECT_TRUE(p.stopped);
+  EXPECT_EQ(p.content_start, ids_of("We are do").size() + 1);
+  TextOutput later(&demo_tokenizer(), {"Done"}, think, true);
+  p = run(later, ids);
   EXPECT_EQ(p.reasoning, "We are do");
   EXPECT_EQ(p.content, "ne. ");
   EXPECT_TRUE(p.stopped);
+  TextOutput none(&demo_tokenizer(), {"done!"}, think, true);  // "do" withheld, then released
+  std::vector<TextPiece> pieces;
+  for (int32_t id : ids) pieces.push_back(none.token(id));
+  pieces.push_back(none.finish());
+  std::string reasoning, content;
+  for (const TextPiece& piece : pieces) {
+    reasoning += piece.held_reasoning;
+    (piece.reasoning ? reasoning : content) += piece.text;
+  }
+  EXPECT_EQ(reasoning, "We are do");
+  EXPECT_EQ(content, "ne. Done here.");
+  // "do" is withheld through </think> and "ne" ("done" may still be "done!"), then released as
+  // reasoning with the next content id's piece.
+  const size_t close_at = ids_of("We are do").size();
+  EXPECT_TRUE(pieces[close_at].reasoning);
+  size_t held_at = 0;
+  while (held_at < pieces.size() && pieces[held_at].held_reasoning.empty()) ++held_at;
+  ASSERT_LT(held_at, pieces.size());
+  EXPECT_GT(held_at, close_at + 1);
+  EXPECT_EQ(pieces[held_at].held_reasoning, "do");
+  EXPECT_FALSE(pieces[held_at].reasoning);
 
   // A stop string inside the reasoning stops there.
   TextOutput early(&demo_tokenizer(), {"are"}, think, true);

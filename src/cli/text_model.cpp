@@ -47,17 +47,28 @@ ChatReply::ChatReply(const TextModel& tm, const std::vector<int32_t>& prompt, st
                      server::ThinkTokens think)
     : text_(&tm.tokenizer, std::move(stops), think, think.opened_by(prompt)) {}
 
+// <think> before the reasoning's first piece, </think> before the content's first text (the
+// reasoning's withheld tail may still come with a content id's piece) or at the end.
 void ChatReply::show(const server::TextPiece& piece) {
-  if (piece.reasoning && !in_reasoning_) std::fputs("<think>", stdout);
-  if (!piece.reasoning && in_reasoning_) std::fputs("</think>", stdout);
-  in_reasoning_ = piece.reasoning;
+  if ((piece.reasoning || !piece.held_reasoning.empty()) && !in_reasoning_ && reasoning_.empty()) {
+    std::fputs("<think>", stdout);
+    in_reasoning_ = true;
+  }
+  reasoning_ += piece.held_reasoning;
+  std::fputs(piece.held_reasoning.c_str(), stdout);
+  if (!piece.reasoning && in_reasoning_ && !piece.text.empty()) {
+    std::fputs("</think>", stdout);
+    in_reasoning_ = false;
+  }
   (piece.reasoning ? reasoning_ : content_) += piece.text;
   std::fputs(piece.text.c_str(), stdout);
   std::fflush(stdout);
 }
 
 void ChatReply::finish() {
-  show(text_.finish());
+  const server::TextPiece last = text_.finish();
+  show(last);
+  if (!last.reasoning && in_reasoning_) std::fputs("</think>", stdout);
   std::fputs("\n", stdout);
   std::fflush(stdout);
 }

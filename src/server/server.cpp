@@ -553,7 +553,7 @@ struct HttpServer::Impl {
       s.ids.push_back(ev.token);
       s.pending_ids.push_back(ev.token);
       out = ev.ends_by_id ? s.text.stop_token(ev.token) : s.text.token(ev.token);
-      s.add_logprobs(ev, out.text);
+      s.add_logprobs(ev, out.held_reasoning + out.text);
       if (s.text.stopped()) {
         s.handle->cancel();  // a stop string: the engine frees the row at its next step
         end(s, "stop");
@@ -573,7 +573,12 @@ struct HttpServer::Impl {
       return Step::Failed;
     }
     // The reasoning's text: streamed as it comes (tools or not), or kept, or left out
-    // (include_reasoning false; a chunk then carries only what is pending).
+    // (include_reasoning false; a chunk then carries only what is pending). Reasoning text withheld
+    // past </think> (a possible stop string's start) and released with a content id goes first.
+    if (!out.held_reasoning.empty() && s.req.include_reasoning) {
+      if (!stream) s.reasoning += out.held_reasoning;
+      else if (!send_chunk(s, sink, out.held_reasoning, nullptr, true)) return Step::Abort;
+    }
     const bool reasoning = out.reasoning;
     if (reasoning && !s.req.include_reasoning) out.text.clear();
     if (reasoning && !stream) s.reasoning += out.text;

@@ -55,19 +55,35 @@ TextOutput::TextOutput(const Tokenizer* tokenizer, std::vector<std::string> stop
 TextPiece TextOutput::token(int32_t id) {
   ++fed_;
   if (in_reasoning_) content_start_ = fed_;
-  if (!decoder_) return {{}, in_reasoning_};
+  if (!decoder_) return {{}, in_reasoning_, {}};
   // A marker that splits here (</think> ending the reasoning, <think> opening the reply) is text in
   // neither part: with special tokens written it is not decoded at all (a byte-level vocabulary's
   // text is then the rest's, as if it were cut out). Elsewhere it is text like any special token.
   const bool marker = think_.splits() && ((in_reasoning_ && id == think_.close) || (fed_ == 1 && id == think_.open));
-  TextPiece out{matcher_.feed(marker && !skip_special_ ? std::string() : decoder_->step(uint32_t(id))), in_reasoning_};
-  if (think_.splits() && in_reasoning_ && id == think_.close) {
-    out.text += settle();
-    in_reasoning_ = false;
-  } else if (think_.splits() && fed_ == 1 && id == think_.open) {
-    in_reasoning_ = true;  // (nothing was withheld before the first id)
-    content_start_ = fed_;
+  std::string released = matcher_.feed(marker && !skip_special_ ? std::string() : decoder_->step(uint32_t(id)));
+  if (!in_reasoning_) {
+    TextPiece out = content_piece(std::move(released));
+    if (think_.splits() && fed_ == 1 && id == think_.open) {
+      in_reasoning_ = true;  // (nothing was withheld before the first id)
+      content_start_ = fed_;
+    }
+    return out;
   }
+  TextPiece out{std::move(released), true, {}};
+  if (think_.splits() && id == think_.close) {
+    // The reasoning ends: an incomplete character is settled into it; a possible stop string's
+    // start stays withheld (a stop string may go on in the content).
+    out.text += matcher_.feed(decoder_->finish());
+    in_reasoning_ = false;
+  }
+  reasoning_held_ = matcher_.held();
+  return out;
+}
+
+TextPiece TextOutput::content_piece(std::string released) {
+  const size_t r = std::min(released.size(), reasoning_held_);
+  reasoning_held_ = matcher_.stopped() ? 0 : reasoning_held_ - r;
+  TextPiece out{released.substr(r), false, released.substr(0, r)};
   return out;
 }
 
@@ -75,18 +91,15 @@ TextPiece TextOutput::stop_token(int32_t id) {
   if (include_stop_) return token(id);
   ++fed_;
   if (in_reasoning_) content_start_ = fed_;
-  return {{}, in_reasoning_};
-}
-
-std::string TextOutput::settle() {
-  std::string out = matcher_.feed(decoder_->finish());
-  if (matcher_.stopped()) return out;
-  return out + matcher_.flush();
+  return {{}, in_reasoning_, {}};
 }
 
 TextPiece TextOutput::finish() {
-  if (!decoder_) return {{}, in_reasoning_};
-  return {settle(), in_reasoning_};
+  if (!decoder_) return {{}, in_reasoning_, {}};
+  std::string released = matcher_.feed(decoder_->finish());
+  if (!matcher_.stopped()) released += matcher_.flush();
+  if (in_reasoning_) return {std::move(released), true, {}};
+  return content_piece(std::move(released));
 }
 
 }  // namespace vireo::server

@@ -26,6 +26,7 @@ class StopMatcher {
   std::string feed(std::string_view text);
   std::string flush();  // the withheld rest (at the end of generation)
   bool stopped() const { return stopped_; }
+  size_t held() const { return held_.size(); }  // bytes withheld now
 
  private:
   std::vector<std::string> stops_;
@@ -48,15 +49,17 @@ struct ThinkTokens {
 // The tokenizer's <think> and </think> (none where it lacks either).
 ThinkTokens think_tokens_of(const Tokenizer& tokenizer);
 
-// Text pieces, each wholly reasoning or content: with ThinkTokens, what comes before </think> is
-// the reasoning (a generation starts inside it where the prompt ends with <think>, or enters it
-// where its first token is <think>), the rest the content, as vLLM's glm45 / deepseek_r1
-// reasoning parsers split a chat reply. At </think> the withheld text (an incomplete character, a
-// possible stop string's start) is settled into the reasoning: a stop string spanning the marker
-// is not matched.
+// Text pieces: with ThinkTokens, what comes before </think> is the reasoning (a generation starts
+// inside it where the prompt ends with <think>, or enters it where its first token is <think>),
+// the rest the content, as vLLM's glm45 / deepseek_r1 reasoning parsers split a chat reply. Stop
+// strings are matched on the whole text, as vLLM's detokenizer matches them before any parser
+// splits it: one may span </think>, and the reasoning's tail that could start one is withheld past
+// the marker (an incomplete character is settled into the reasoning there). So a content id's piece
+// may first release such reasoning text (held_reasoning), then its own.
 struct TextPiece {
-  std::string text;
+  std::string text;  // the id's part's text (the reasoning's where `reasoning`)
   bool reasoning = false;
+  std::string held_reasoning;  // (content pieces) reasoning text released before `text`
 };
 
 class TextOutput {
@@ -77,13 +80,16 @@ class TextOutput {
   size_t content_start() const { return content_start_; }
 
  private:
-  std::string settle();  // the decoder's and the matcher's withheld text, made final
+  // Text the matcher released after the reasoning ended: its first reasoning_held_ bytes are the
+  // reasoning's.
+  TextPiece content_piece(std::string released);
 
   std::optional<DecodeStream> decoder_;
   StopMatcher matcher_;
   ThinkTokens think_;
   bool in_reasoning_ = false, include_stop_ = false, skip_special_ = true;
   size_t fed_ = 0, content_start_ = 0;
+  size_t reasoning_held_ = 0;  // of the matcher's withheld bytes, the reasoning's (they come first)
 };
 
 }  // namespace vireo::server

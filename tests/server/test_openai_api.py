@@ -536,7 +536,8 @@ def test_skip_special_tokens_false_end_to_end(demo, tmp_path):
     with a special token in it. /v1/completions returns every token's text, <sop> and </think>
     included; chat under --reasoning-parser glm45 keeps the </think> that ends the
     reasoning out of both parts (as vLLM's parser) and writes the content's special tokens, streamed
-    or not; the default skips them. The EOS that ends the reply is not written either way."""
+    or not; the default skips them. The EOS that ends the reply is not written either way. Stop
+    strings match across </think>, as vLLM's (on the whole text)."""
     text = "Hmm.</think>Yes<sop>ok"
     tok = lambda s: json.loads(demo.http("POST", "/tokenize", {"model": MODEL, "prompt": s,
                                                                  "add_special_tokens": False})[1])["tokens"]
@@ -565,6 +566,26 @@ def test_skip_special_tokens_false_end_to_end(demo, tmp_path):
         assert "".join(d.content or "" for d in deltas) == "Yes<sop>ok"
         status, err = error_of(s.http("POST", "/v1/completions", dict(comp, skip_special_tokens="no")))
         assert status == 400 and err["param"] == "skip_special_tokens", err
+        # A stop string spanning </think> stops there (vLLM matches stops on the whole text, before
+        # its reasoning parser splits it): the reasoning is cut before it, and there is no content.
+        for extra in ({}, raw):
+            r = client.chat.completions.create(**kw, stop=["m.Ye"], extra_body=extra)
+            m = r.choices[0].message
+            assert r.choices[0].finish_reason == "stop" and m.model_extra["reasoning_content"] == "Hm", m
+            assert not m.content, m
+            chunks = list(client.chat.completions.create(**kw, stop=["m.Ye"], stream=True, extra_body=extra))
+            deltas = [c.choices[0].delta for c in chunks if c.choices]
+            assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == "Hm"
+            assert not "".join(d.content or "" for d in deltas)
+        # A stop string's start withheld at </think> that turns out not to be one comes out as
+        # reasoning, before the content.
+        r = client.chat.completions.create(**kw, stop=["m.Yes!"])
+        m = r.choices[0].message
+        assert m.model_extra["reasoning_content"] == "Hmm." and m.content == "Yesok", m
+        deltas = [c.choices[0].delta for c in client.chat.completions.create(**kw, stop=["m.Yes!"], stream=True)
+                  if c.choices]
+        assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == "Hmm."
+        assert "".join(d.content or "" for d in deltas) == "Yesok"
     finally:
         s.stop()
 
