@@ -183,6 +183,13 @@ TEST(TextOutput, SettlesWithheldTextIntoTheReasoning) {
   EXPECT_GT(held_at, close_at + 1);
   EXPECT_EQ(pieces[held_at].held_reasoning, "do");
   EXPECT_FALSE(pieces[held_at].reasoning);
+  // A reply ending at </think>: the withheld tail comes out at the end, as reasoning.
+  const std::vector<int32_t> ends(ids.begin(), ids.begin() + std::ptrdiff_t(close_at + 1));
+  TextOutput short_reply(&demo_tokenizer(), {"done"}, think, true);
+  p = run(short_reply, ends);
+  EXPECT_EQ(p.reasoning, "We are do");
+  EXPECT_EQ(p.content, "");
+  EXPECT_FALSE(p.stopped);
 
   // A stop string inside the reasoning stops there.
   TextOutput early(&demo_tokenizer(), {"are"}, think, true);
