@@ -59,18 +59,20 @@ TextPiece TextOutput::token(int32_t id) {
   // A marker that splits here (</think> ending the reasoning, <think> opening the reply) is text in
   // neither part: with special tokens written it is not decoded at all (a byte-level vocabulary's
   // text is then the rest's, as if it were cut out). Elsewhere it is text like any special token.
-  const bool marker = think_.splits() && ((in_reasoning_ && id == think_.close) || (fed_ == 1 && id == think_.open));
-  std::string released = matcher_.feed(marker && !skip_special_ ? std::string() : decoder_->step(uint32_t(id)));
+  const bool closes = think_.splits() && in_reasoning_ && id == think_.close;
+  const bool opens = think_.splits() && fed_ == 1 && id == think_.open;
+  std::string released =
+      matcher_.feed((closes || opens) && !skip_special_ ? std::string() : decoder_->step(uint32_t(id)));
   if (!in_reasoning_) {
     TextPiece out = content_piece(std::move(released));
-    if (think_.splits() && fed_ == 1 && id == think_.open) {
+    if (opens) {
       in_reasoning_ = true;  // (nothing was withheld before the first id)
       content_start_ = fed_;
     }
     return out;
   }
   TextPiece out{std::move(released), true, {}};
-  if (think_.splits() && id == think_.close) {
+  if (closes) {
     // The reasoning ends: an incomplete character is settled into it; a possible stop string's
     // start stays withheld (a stop string may go on in the content).
     out.text += matcher_.feed(decoder_->finish());
@@ -83,8 +85,7 @@ TextPiece TextOutput::token(int32_t id) {
 TextPiece TextOutput::content_piece(std::string released) {
   const size_t r = std::min(released.size(), reasoning_held_);
   reasoning_held_ = matcher_.stopped() ? 0 : reasoning_held_ - r;
-  TextPiece out{released.substr(r), false, released.substr(0, r)};
-  return out;
+  return {released.substr(r), false, released.substr(0, r)};
 }
 
 TextPiece TextOutput::stop_token(int32_t id) {
