@@ -25,6 +25,13 @@ std::vector<int32_t> ids_of(const std::string& text) {
   return std::vector<int32_t>(u.begin(), u.end());
 }
 
+// The ids of `parts` (text pieces, or single ids) in order.
+std::vector<int32_t> cat(std::initializer_list<std::vector<int32_t>> parts) {
+  std::vector<int32_t> out;
+  for (const std::vector<int32_t>& p : parts) out.insert(out.end(), p.begin(), p.end());
+  return out;
+}
+
 ThinkTokens demo_think() {
   const ThinkTokens t = think_tokens_of(demo_tokenizer());
   EXPECT_EQ(t.open, int32_t(*demo_tokenizer().token_to_id("<think>")));
@@ -60,9 +67,7 @@ Parts run(TextOutput& out, const std::vector<int32_t>& ids) {
 TEST(TextOutput, SplitsTheReplyAtThinkEnd) {
   const ThinkTokens think = demo_think();
   const std::vector<int32_t> reasoning = ids_of("Paris is the capital. ü"), content = ids_of(" It is Paris.");
-  std::vector<int32_t> ids = reasoning;
-  ids.push_back(think.close);
-  ids.insert(ids.end(), content.begin(), content.end());
+  const std::vector<int32_t> ids = cat({reasoning, {think.close}, content});
 
   // The prompt ended with <think>: everything before </think> is reasoning.
   TextOutput inside(&demo_tokenizer(), {}, think, true);
@@ -79,8 +84,7 @@ TEST(TextOutput, SplitsTheReplyAtThinkEnd) {
   EXPECT_EQ(p.content_start, 0u);
 
   // A reply that opens its own reasoning with <think> as its first token enters it.
-  std::vector<int32_t> opened = {think.open};
-  opened.insert(opened.end(), ids.begin(), ids.end());
+  const std::vector<int32_t> opened = cat({{think.open}, ids});
   TextOutput self(&demo_tokenizer(), {}, think, false);
   p = run(self, opened);
   EXPECT_EQ(p.reasoning, "Paris is the capital. ü");
@@ -89,9 +93,7 @@ TEST(TextOutput, SplitsTheReplyAtThinkEnd) {
 
   // <think> later on is not an opening; no markers at all: no split.
   TextOutput later(&demo_tokenizer(), {}, think, false);
-  std::vector<int32_t> late = content;
-  late.push_back(think.open);
-  late.insert(late.end(), reasoning.begin(), reasoning.end());
+  const std::vector<int32_t> late = cat({content, {think.open}, reasoning});
   p = run(later, late);
   EXPECT_EQ(p.reasoning, "");
   EXPECT_EQ(p.content, " It is Paris.Paris is the capital. ü");
@@ -108,12 +110,7 @@ TEST(TextOutput, SpecialTokensWrittenWhenNotSkipped) {
   const ThinkTokens think = demo_think();
   const int32_t eot = int32_t(*demo_tokenizer().token_to_id("<|endoftext|>"));
   const std::vector<int32_t> reasoning = ids_of("Paris is the capital. ü"), content = ids_of(" It is Paris.");
-  std::vector<int32_t> ids = reasoning;
-  ids.push_back(think.close);
-  ids.insert(ids.end(), content.begin(), content.end());
-  ids.push_back(eot);
-  ids.push_back(think.open);
-  ids.insert(ids.end(), content.begin(), content.end());
+  const std::vector<int32_t> ids = cat({reasoning, {think.close}, content, {eot, think.open}, content});
   TextOutput inside(&demo_tokenizer(), {}, think, true, false, /*skip_special=*/false);
   Parts p = run(inside, ids);
   EXPECT_EQ(p.reasoning, "Paris is the capital. ü");
@@ -128,8 +125,7 @@ TEST(TextOutput, SpecialTokensWrittenWhenNotSkipped) {
   EXPECT_EQ(p.reasoning, "");
   EXPECT_EQ(p.content, "Paris is the capital. ü</think> It is Paris.<|endoftext|><think> It is Paris.");
   // A reply opening its reasoning with <think>: that one is in neither part.
-  std::vector<int32_t> opened = {think.open};
-  opened.insert(opened.end(), ids.begin(), ids.end());
+  const std::vector<int32_t> opened = cat({{think.open}, ids});
   TextOutput self(&demo_tokenizer(), {}, think, false, false, false);
   p = run(self, opened);
   EXPECT_EQ(p.reasoning, "Paris is the capital. ü");
@@ -147,10 +143,7 @@ TEST(TextOutput, SettlesWithheldTextIntoTheReasoning) {
   // reasoning parser splits the text: one spanning </think> stops there, the reasoning cut before
   // it. The reasoning's tail withheld past the marker comes out with the content's ids, still as
   // reasoning, once it cannot start one.
-  std::vector<int32_t> ids = ids_of("We are do");
-  ids.push_back(think.close);
-  const std::vector<int32_t> after = ids_of("ne. Done here.");
-  ids.insert(ids.end(), after.begin(), after.end());
+  const std::vector<int32_t> ids = cat({ids_of("We are do"), {think.close}, ids_of("ne. Done here.")});
   TextOutput out(&demo_tokenizer(), {"done", "Done"}, think, true);
   Parts p = run(out, ids);
   EXPECT_EQ(p.reasoning, "We are ");
@@ -201,9 +194,7 @@ TEST(TextOutput, SettlesWithheldTextIntoTheReasoning) {
   // A character whose bytes span two tokens, cut by </think>, is settled with the reasoning.
   const std::vector<int32_t> emoji = ids_of("🙂");
   ASSERT_GE(emoji.size(), 2u) << "the test needs a character of several byte tokens";
-  std::vector<int32_t> cut = {emoji[0], think.close};
-  const std::vector<int32_t> tail = ids_of("ok");
-  cut.insert(cut.end(), tail.begin(), tail.end());
+  const std::vector<int32_t> cut = cat({{emoji[0], think.close}, ids_of("ok")});
   TextOutput split(&demo_tokenizer(), {}, think, true);
   p = run(split, cut);
   EXPECT_EQ(p.reasoning, demo_tokenizer().decode(std::vector<uint32_t>{uint32_t(emoji[0])}, true));
