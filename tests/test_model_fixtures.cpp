@@ -445,6 +445,41 @@ TEST(ModelFixtures, BatchedPicksEqualEachItemsOwn) {
   MlaCache cg(*be, m->cache_shape(), int(n), 16);
   m->forward_batch({g}, cg);
   EXPECT_NE(together[1], greedy);
+
+  // The same step holding at most 2 rows of logits (set_logit_rows: a server's bound): lm_head
+  // runs in 5 slices, items 1 and 4 split across two; the same picks and logits, a buffer of 2
+  // rows, and item 4's 3 rows handed to rows_out as the slices come (rows 0-1, then row 2).
+  auto m2 = GlmDsaModel::load(f.dir, *be);
+  m2->set_logit_rows(2);
+  std::vector<std::vector<int32_t>> sliced(n);
+  std::vector<std::vector<float>> ls(n);
+  std::vector<BatchItem> batch2 = items_of(sliced, ls);
+  std::vector<int64_t> firsts;
+  std::vector<float> handed;
+  batch2[4].rows_out = [&](int64_t first, int64_t rows, const float* x) {
+    firsts.push_back(first);
+    handed.insert(handed.end(), x, x + rows * V);
+  };
+  MlaCache c2(*be, m2->cache_shape(), int(n), 16);
+  m2->forward_batch(batch2, c2);
+  EXPECT_EQ(m2->logit_buffer_rows(), 2);
+  for (size_t i = 0; i < n; ++i) {
+    EXPECT_EQ(sliced[i], together[i]) << "item " << i;
+    if (spec[i].logits) {
+      EXPECT_LE(max_row_rel_l2(ls[i].data(), lt[i].data(), 1, V), 1e-5) << "item " << i;
+    }
+  }
+  std::vector<float> want4(size_t(3 * V));
+  BatchItem r4 = single[4];
+  r4.logits = want4.data();
+  MlaCache c4(*be, m->cache_shape(), int(n), 16);
+  m->forward_batch({r4}, c4);
+  EXPECT_EQ(firsts, (std::vector<int64_t>{0, 2}));
+  ASSERT_EQ(handed.size(), want4.size());
+  EXPECT_LE(max_row_rel_l2(handed.data(), want4.data(), 3, V), 1e-5);
+  BatchItem both = batch2[4];
+  both.logits = want4.data();
+  EXPECT_THROW(m2->forward_batch({both}, c4), Error);  // rows_out or logits, not both
 }
 
 TEST(ModelFixtures, AutoPathPicksTheCheaperAttention) {

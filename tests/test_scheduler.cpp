@@ -366,6 +366,9 @@ void prompt_logprobs_are_the_teacher_forced_log_softmax(bool cuda) {
   echo_more.max_tokens = 5;
   echo_more.prompt.resize(40);
   const SchedRequest other = greedy({toks.begin() + 3, toks.begin() + 20}, 6);
+  // At most 3 rows of logits held (a server's bound, GlmDsaModel::set_logit_rows): a step's 8-row
+  // chunks and decode row come out of lm_head in slices, the prompt rows handed over as they come.
+  m.model->set_logit_rows(3);
   Scheduler s(*m.model, *m.backend, manual(3, 256, 8));
   auto h0 = s.submit(echo), h1 = s.submit(other), h2 = s.submit(echo_more);
   for (int i = 0; i < 1000 && s.step(); ++i) {
@@ -404,6 +407,7 @@ void prompt_logprobs_are_the_teacher_forced_log_softmax(bool cuda) {
   };
   check(*h0, toks.size(), 0);
   check(*h2, 40, 5);
+  EXPECT_EQ(m.model->logit_buffer_rows(), 3);
   std::printf("  prompt logprobs: max |diff| %.2e from transformers' log-softmax\n", worst);
   EXPECT_LT(worst, cuda ? 1e-3 : 1e-4);
   if (!cuda) {  // CUDA's batched steps are not batch-invariant

@@ -104,6 +104,8 @@ int64_t step_tokens_for(int64_t chunk, int64_t context, int64_t batch) {
   return std::max<int64_t>(1, std::min(chunk + batch - 1, context * batch));
 }
 
+int64_t serve_logit_rows(int64_t max_batch, bool mtp) { return std::max<int64_t>((mtp ? 2 : 1) * max_batch, 64); }
+
 namespace {
 
 ExpertStoreOptions store_options(const StreamingFlags& f) {
@@ -377,8 +379,10 @@ Action add_plan(CLI::App& app) {
     auto ck = Checkpoint::open(o->model);
     const uint64_t budget = o->budget.empty() ? 0 : parse_byte_size(o->budget, "--memory-budget");
     const uint64_t gpu = o->gpu_budget.empty() ? 0 : parse_byte_size(o->gpu_budget, "--gpu-budget");
-    MemoryPlan p =
-        plan_for(*ck, c, budget, o->context, o->batch, step_tokens_for(o->prefill_chunk, o->context, o->batch), 0, gpu);
+    // (The rows of logits serve holds: as many as run and chat need, and more.)
+    MemoryPlan p = plan_for(*ck, c, budget, o->context, o->batch,
+                            step_tokens_for(o->prefill_chunk, o->context, o->batch), serve_logit_rows(o->batch, o->mtp),
+                            gpu);
     std::fputs(p.table().c_str(), stdout);
     if (p.gpu && gpu < p.g.minimum)
       fail("--gpu-budget ", format_bytes(gpu), " is below the minimum of ", format_bytes(p.g.minimum), " for ",

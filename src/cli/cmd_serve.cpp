@@ -1,5 +1,6 @@
 // `vireo serve`: the OpenAI-compatible server. The port is bound first and /health answers 503
 // while the model loads; SIGINT/SIGTERM stop it cleanly.
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -181,6 +182,11 @@ Action add_serve(CLI::App& app) {
     auto backend = make_cli_backend(o->device, o->math);
     LoadedModel lm;
     int64_t context = o->context;
+    // Rows of logits a step holds (serve_logit_rows; prompt_logprobs' come in slices). On the CPU the
+    // host's copies are the same memory: the model's slice on its way out and the scheduler's rows.
+    const int64_t per_row = o->mtp ? 2 : 1;
+    const int64_t logit_rows = serve_logit_rows(o->max_batch, o->mtp);
+    const int64_t host_logit_rows = o->device == "cpu" ? logit_rows + per_row * o->max_batch : 0;
     if (!o->synthetic.empty()) {
       GlmDsaConfig c = glm5_synthetic_config(o->layers, o->experts);
       if (context == 0) context = 4096;
@@ -189,17 +195,16 @@ Action add_serve(CLI::App& app) {
       sm.name = o->name.empty() ? "synthetic-" + o->synthetic : o->name;
     } else {
       if (context == 0) context = std::min<int64_t>(load_glm_dsa_config(o->model).max_position_embeddings, 4096);
-      // A step: up to prefill_chunk prompt tokens besides the other rows' decode tokens; each row
-      // that needs logits (logprobs) gets one.
-      // --mtp: each decoding row runs two tokens with two rows of logits.
-      const int64_t per_row = o->mtp ? 2 : 1;
+      // A step: up to prefill_chunk prompt tokens besides the other rows' decode tokens (--mtp: two
+      // tokens a decoding row).
       lm = load_model(o->model, *backend, o->sf, context, o->max_batch,
                       step_tokens_for(o->prefill_chunk, context, o->max_batch) + (per_row - 1) * o->max_batch,
-                      per_row * o->max_batch, o->mtp);
+                      logit_rows + host_logit_rows, o->mtp);
       sm.name = o->name.empty() ? std::filesystem::path(o->model).lexically_normal().filename().string() : o->name;
       if (sm.name.empty())
         sm.name = std::filesystem::path(o->model).lexically_normal().parent_path().filename().string();
     }
+    lm.model->set_logit_rows(logit_rows);
     sm.context = context;
     sm.vocab = lm.model->config().vocab_size;
     SchedulerOptions so;

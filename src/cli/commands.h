@@ -74,6 +74,10 @@ uint64_t estimate_backend_bytes(const GlmDsaConfig& c, int64_t T, bool fp8_weigh
 // The largest step of a command feeding prompts in chunks of `chunk` tokens (a chunk may share
 // a step with the other batch - 1 rows' decode tokens), for `batch` sequences of `context`.
 int64_t step_tokens_for(int64_t chunk, int64_t context, int64_t batch);
+// Rows of logits `vireo serve` holds in backend memory (GlmDsaModel::set_logit_rows): each decoding
+// row's (two with --mtp), at least 64: a prompt chunk's rows for prompt_logprobs (echo) come in
+// slices of this many, so the memory plan holds whatever the requests ask.
+int64_t serve_logit_rows(int64_t max_batch, bool mtp);
 // --prefill-chunk of run and chat: prompt tokens per forward step. Without the flag, 512 under a
 // budget (the plan sizes scratch for that step) and 0 (the whole prompt in one step) without.
 struct PrefillChunkFlag {

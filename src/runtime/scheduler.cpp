@@ -441,10 +441,20 @@ bool Scheduler::step() {
     it.T = T;
     it.keep_hidden = opt_.mtp_drafts;
     request_output(r, it, T == left);
-    if (r.req.prompt_logprobs) {  // every row: each predicts the prompt's next token (the last, the first new one)
-      r.prompt_rows.resize(size_t(T * vocab_));
-      it.logits = r.prompt_rows.data();
+    if (r.req.prompt_logprobs) {
+      // Every row: each predicts the prompt's next token (the last, the first new one). The rows
+      // come a slice at a time (GlmDsaModel::set_logit_rows), each made into PromptToken events
+      // as it comes, so no [T, vocab] is held; the prompt's last row is kept for the first token.
+      Running* held = &r;  // (running_ does not change during the step)
+      const int64_t at = r.prefilled;
+      const bool last_chunk = T == left;
+      it.logits = nullptr;
       it.all_logits = true;
+      it.rows_out = [this, held, at, T, last_chunk](int64_t first, int64_t n, const float* rows) {
+        emit_prompt_logprobs(*held, at + first, n, rows);
+        if (last_chunk && first + n == T)
+          std::copy_n(rows + (n - 1) * vocab_, vocab_, logits_[size_t(held->row)].begin());
+      };
     }
     items.push_back(it);
     owner.push_back(i);
@@ -471,19 +481,15 @@ bool Scheduler::step() {
     if (chunk[owner[k]] > 0 && r.prefilled < P) {
       const int64_t at = r.prefilled, n = chunk[owner[k]];
       r.prefilled += n;
-      if (r.req.prompt_logprobs) {
-        emit_prompt_logprobs(r, at, n, items[k].logits);
+      if (r.req.prompt_logprobs) {  // its PromptToken events went out during the step (rows_out)
         if (r.prefilled == P && r.req.max_tokens > 0) {
-          emit_token(r, items[k].logits + (n - 1) * vocab_);
+          emit_token(r, logits_[size_t(r.row)].data());
         } else if (r.prefilled == P) {  // echo: the prompt's logprobs only
           SchedEvent f;
           f.kind = SchedEvent::Kind::Finish;
           f.reason = FinishReason::Length;
           finish(r, std::move(f));
         }
-        // The chunk's [T, vocab] rows are spent: a list of prompts then holds one step's rows at
-        // most, not a chunk's each until it ends (GLM-5's vocabulary: 159 MB a 256-token chunk).
-        std::vector<float>().swap(r.prompt_rows);
         continue;
       }
       if (r.prefilled < P || opt_.mtp_drafts) {

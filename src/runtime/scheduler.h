@@ -182,7 +182,6 @@ class Scheduler {
     int32_t picks[2] = {-1, -1};    // greedy: the backend's argmax of the pair's rows
     int64_t verify_pos = 0;         // the cache length before the two-token step
     std::vector<int32_t> mtp_next;  // the tokens the MTP pass reads after this step's rows
-    std::vector<float> prompt_rows;  // prompt_logprobs: a chunk's rows of logits
     // Requests that want no logprobs need no logits on the host: the backend picks the token
     // (argmax or sample_rows; on a GPU: 4 bytes copied back instead of the vocabulary's logits).
     // Logprobs need the row; penalties and biases too (the sampler adjusts it: the request's history).

@@ -408,6 +408,8 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
     }
     if (it.sample)
       for (int64_t k = 0; k < (it.all_logits ? it.T : 1); ++k) validate_sample_row_args(it.sample[k], k);
+    if (it.rows_out && (!it.all_logits || it.logits))
+      fail("forward: rows_out takes every row's logits (all_logits) instead of `logits`");
     AttentionPath p = path;
     if (p == AttentionPath::Auto) p = choose_path(it.T, pos0);
     Segment s{it.row, N, it.T, pos0, p};
@@ -476,7 +478,11 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
     cos_sin_ = scratch(4, size_t(N * half * 2));
     backend_.copy_from_host(cos_sin_, cs_host.data(), cs_host.size());
   }
-  float* lg = scratch(3, size_t(n_out * V));
+  // More rows of logits than the model may hold (set_logit_rows): lm_head runs after the step,
+  // a slice at a time (head_slices); never a recorded step's (its rows are a decode batch's).
+  const bool sliced = logit_rows_ > 0 && n_out > logit_rows_;
+  VIREO_ASSERT(!sliced || (!recorded && K == 1));
+  float* lg = scratch(3, size_t((sliced ? logit_rows_ : n_out) * V));
   bool any_token = false;
   for (const BatchItem& it : items) any_token = any_token || it.token || it.queue_pick;
   int32_t* chosen = any_token ? pick_slots(n_picks) : nullptr;  // before a recording is checked
@@ -489,9 +495,11 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
   const auto t_launch = clock::now();
   hidden_kept_.clear();  // the rows a step kept are valid until the next step
   keep_hidden_ = keep_hidden;
+  defer_head_ = sliced;
   if (recorded) run_recorded(segs, N, cache, ids, lg, K);
   else run_steps(segs, N, cache, ids, lg, K);
   keep_hidden_ = false;
+  defer_head_ = false;
   if (keep_hidden) {
     for (const Segment& s : segs) hidden_kept_.push_back({s.row, s.offset, s.T, s.pos0});
     hidden_cache_ = cache.id();
@@ -500,16 +508,35 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
   const bool picked = argmax_in_step_;
   argmax_in_step_ = false;
 
+  // Rows [a, b) of the step's logits, at lg: each item's part of them copied out and picked from.
+  const auto emit = [&](const float* lg_a, int64_t a, int64_t b) {
+    int64_t r = 0;
+    for (const BatchItem& it : items) {
+      const int64_t n = it.all_logits ? it.T : 1, lo = std::max(r, a), hi = std::min(r + n, b);
+      if (lo < hi) {
+        const float* rows = lg_a + (lo - a) * V;
+        const size_t count = size_t((hi - lo) * V);
+        if (it.logits) backend_.copy_to_host(it.logits + (lo - r) * V, rows, count);
+        if (it.rows_out) {
+          host_rows_.resize(std::max(host_rows_.size(), count));
+          backend_.copy_to_host(host_rows_.data(), rows, count);
+          it.rows_out(lo - r, hi - lo, host_rows_.data());
+        }
+        if ((it.token || it.queue_pick) && it.sample)
+          backend_.sample_rows(rows, hi - lo, V, it.sample + (lo - r), chosen + lo);
+        else if ((it.token || it.queue_pick) && !picked)
+          backend_.argmax_rows(rows, hi - lo, V, chosen + lo);
+      }
+      r += n;
+    }
+  };
+  if (sliced) head_slices(head_rows_, n_out, emit);
+  else emit(lg, 0, n_out);
   int64_t r = 0;
   for (const BatchItem& it : items) {
     const int64_t n = it.all_logits ? it.T : 1;
-    if (it.logits) backend_.copy_to_host(it.logits, lg + r * V, size_t(n * V));
-    if (it.token || it.queue_pick) {
-      if (it.sample) backend_.sample_rows(lg + r * V, n, V, it.sample, chosen + r);
-      else if (!picked) backend_.argmax_rows(lg + r * V, n, V, chosen + r);
-      if (it.queue_pick) backend_.queue_read_i32(chosen + r, size_t(n * K));
-      else backend_.copy_to_host_i32(it.token, chosen + r, size_t(n));
-    }
+    if (it.queue_pick) backend_.queue_read_i32(chosen + r, size_t(n * K));
+    else if (it.token) backend_.copy_to_host_i32(it.token, chosen + r, size_t(n));
     r += n;
   }
   // What a following step may take as its token (BatchItem::token_from_pick): this one's pick,
@@ -729,7 +756,8 @@ void GlmDsaModel::run_step(const std::vector<Segment>& segs, int64_t N, MlaCache
     backend_.add_rms_norm(h, out, N, D, vec(weights_.final_norm), eps, hidden);
     if (segs.size() == 1) {
       const int64_t first = segs[0].all_logits ? 0 : N - 1;
-      backend_.matmul(hidden + first * D, N - first, weights_.lm_head, lg);
+      head_rows_ = hidden + first * D;
+      if (!defer_head_) backend_.matmul(head_rows_, N - first, weights_.lm_head, lg);
       return;
     }
     int64_t r = 0;  // the rows whose logits were asked for, side by side
@@ -738,7 +766,8 @@ void GlmDsaModel::run_step(const std::vector<Segment>& segs, int64_t N, MlaCache
       backend_.copy_rows(xn + r * D, D, hidden + (s.offset + first) * D, D, n, D);
       r += n;
     }
-    backend_.matmul(xn, r, weights_.lm_head, lg);
+    head_rows_ = xn;
+    if (!defer_head_) backend_.matmul(xn, r, weights_.lm_head, lg);
     return;
   }
   int64_t r = 0;
@@ -748,8 +777,30 @@ void GlmDsaModel::run_step(const std::vector<Segment>& segs, int64_t N, MlaCache
                           xn + r * D);
     r += n;
   }
+  head_rows_ = xn;
+  if (defer_head_) return;
   backend_.matmul(xn, r, weights_.lm_head, lg);
   if (argmax_in_step_) backend_.argmax_rows(lg, 1, c.vocab_size, step_pick_);
+}
+
+void GlmDsaModel::head_slices(const float* rows, int64_t n,
+                              const std::function<void(const float*, int64_t, int64_t)>& emit) {
+  const int64_t D = config_.hidden_size, slice = logit_rows_ > 0 ? std::min(n, logit_rows_) : n;
+  float* lg = scratch(3, size_t(slice * config_.vocab_size));
+  for (int64_t a = 0; a < n; a += slice) {
+    const int64_t b = std::min(n, a + slice);
+    backend_.matmul(rows + a * D, b - a, weights_.lm_head, lg);
+    emit(lg, a, b);
+  }
+}
+
+void GlmDsaModel::set_logit_rows(int64_t rows) {
+  if (rows < 0) fail("logit rows: must be 0 (no bound) or positive, got ", rows);
+  logit_rows_ = rows;
+}
+
+int64_t GlmDsaModel::logit_buffer_rows() const {
+  return scratch_size_.size() > 3 ? int64_t(scratch_size_[3] / size_t(config_.vocab_size)) : 0;
 }
 
 void GlmDsaModel::mtp_forward(int64_t first, int64_t T, const int32_t* next, MlaCache& cache, int row, int64_t pos0,
@@ -857,17 +908,24 @@ void GlmDsaModel::mtp_forward_batch(const std::vector<MtpItem>& items, MlaCache&
     backend_.add_rms_norm(h + (s.offset + r0) * D, out + (s.offset + r0) * D, n, D, vec(m.head_norm), eps, xn + r * D);
     r += n;
   }
-  float* lg = scratch(3, size_t(n_out * V));
-  backend_.matmul(xn, n_out, weights_.lm_head, lg);
   bool any_draft = false;
   for (const MtpItem& it : items) any_draft = any_draft || it.draft;
   int32_t* pick = any_draft ? scratch_i32(kMtpPickSlot, size_t(n_out)) : nullptr;
-  if (any_draft) backend_.argmax_rows(lg, n_out, V, pick);
+  head_slices(xn, n_out, [&](const float* lg, int64_t a, int64_t b) {
+    if (any_draft) backend_.argmax_rows(lg, b - a, V, pick + a);
+    int64_t r = 0;
+    for (size_t i = 0; i < items.size(); ++i) {
+      if (!items[i].logits && !items[i].draft) continue;
+      const int64_t n = items[i].all_logits ? segs[i].T : 1, lo = std::max(r, a), hi = std::min(r + n, b);
+      if (items[i].logits && lo < hi)
+        backend_.copy_to_host(items[i].logits + (lo - r) * V, lg + (lo - a) * V, size_t((hi - lo) * V));
+      r += n;
+    }
+  });
   r = 0;
   for (size_t i = 0; i < items.size(); ++i) {
     if (!items[i].logits && !items[i].draft) continue;
     const int64_t n = items[i].all_logits ? segs[i].T : 1;
-    if (items[i].logits) backend_.copy_to_host(items[i].logits, lg + r * V, size_t(n * V));
     if (items[i].draft) backend_.copy_to_host_i32(items[i].draft, pick + r, size_t(n));
     r += n;
   }

@@ -2,6 +2,7 @@
 // GlmDsaModel: the forward pass of the GLM-DSA family (spec §3), written once against Backend.
 #include <algorithm>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -33,6 +34,10 @@ struct BatchItem {
   int64_t T = 0;
   float* logits = nullptr;          // host: [T, vocab] if all_logits, else [1, vocab] (last token); may be null
   bool all_logits = false;
+  // all_logits without `logits`: the rows handed over as lm_head makes them, a slice at a time
+  // (host [n, vocab]: rows [first, first + n) of the item's T, valid during the call), so that
+  // neither the caller nor the model holds [T, vocab] (see GlmDsaModel::set_logit_rows).
+  std::function<void(int64_t first, int64_t n, const float* rows)> rows_out;
   // Host, same rows as logits: tokens chosen on the backend, so no logits need copying back: the
   // argmax of each row, or with `sample` (host, one per row) Backend::sample_rows' draws.
   int32_t* token = nullptr;
@@ -173,6 +178,15 @@ class GlmDsaModel {
   void mtp_forward_batch(const std::vector<MtpItem>& items, MlaCache& cache);
   bool has_mtp() const { return config_.mtp_layers > 0; }
 
+  // The most rows of logits a step holds in backend memory (0, the default: every row it asks
+  // for). A step asking for more (a prompt chunk's rows for prompt_logprobs) runs lm_head over
+  // them in slices of `rows`, each copied out (or handed to BatchItem::rows_out) before the next:
+  // a server's memory plan counts `rows` rows, whatever its prompts ask (cli/cmd_serve.cpp).
+  void set_logit_rows(int64_t rows);
+  int64_t logit_rows() const { return logit_rows_; }
+  // The rows of logits the model's buffer holds now (it grows to the largest slice a step made).
+  int64_t logit_buffer_rows() const;
+
   // The path AttentionPath::Auto takes for T new tokens after pos0 cached ones.
   AttentionPath choose_path(int64_t T, int64_t pos0) const;
 
@@ -222,6 +236,10 @@ class GlmDsaModel {
   void run_steps(std::vector<Segment>& segs, int64_t N, MlaCache& cache, const int32_t* ids, float* logits, int steps);
   // Embedding, layers, final norm and lm_head for one step: logits [rows asked for, vocab].
   void run_step(const std::vector<Segment>& segs, int64_t N, MlaCache& cache, const int32_t* ids, float* logits);
+  // lm_head over `n` final-norm rows in backend memory ([n, hidden]) in slices of at most
+  // logit_rows_ rows (one slice when unbounded), each into scratch slot 3, then emit(lg, a, b)
+  // for rows [a, b) (lg: row a's logits) before the next slice overwrites them.
+  void head_slices(const float* rows, int64_t n, const std::function<void(const float*, int64_t, int64_t)>& emit);
   void rope_table(int64_t pos0, int64_t T, float* cos_sin) const;  // host [T, rope/2, 2]
   // rope_host_ and rope_dev_ then hold positions [0, end) at least, [0, max(end, cap)) at most.
   void grow_rope_table(int64_t end, int64_t cap);
@@ -292,6 +310,12 @@ class GlmDsaModel {
   bool argmax_in_step_ = false;  // this step's run_step (and its recording) ends with its pick
   int32_t* step_pick_ = nullptr;     // where run_step's argmax goes (argmax_in_step_)
   bool keep_hidden_ = false;         // this step's run_step keeps its hidden rows (kHiddenSlot)
+  int64_t logit_rows_ = 0;           // set_logit_rows
+  // This step's run_step stops before lm_head (the rows come in slices: head_slices) and leaves
+  // its final-norm rows at head_rows_ ([rows asked for, hidden] in backend memory).
+  bool defer_head_ = false;
+  const float* head_rows_ = nullptr;
+  std::vector<float> host_rows_;  // a slice of rows on its way to BatchItem::rows_out
   // The rows the last forward kept (kHiddenSlot), one entry a cache row: none when empty.
   struct KeptRows {
     int row = 0;
