@@ -380,9 +380,9 @@ Action add_plan(CLI::App& app) {
     const uint64_t budget = o->budget.empty() ? 0 : parse_byte_size(o->budget, "--memory-budget");
     const uint64_t gpu = o->gpu_budget.empty() ? 0 : parse_byte_size(o->gpu_budget, "--gpu-budget");
     // (The rows of logits serve holds: as many as run and chat need, and more.)
-    MemoryPlan p = plan_for(*ck, c, budget, o->context, o->batch,
-                            step_tokens_for(o->prefill_chunk, o->context, o->batch), serve_logit_rows(o->batch, o->mtp),
-                            gpu);
+    MemoryPlan p =
+        plan_for(*ck, c, budget, o->context, o->batch, step_tokens_for(o->prefill_chunk, o->context, o->batch),
+                 serve_logit_rows(o->batch, o->mtp), gpu);
     std::fputs(p.table().c_str(), stdout);
     if (p.gpu && gpu < p.g.minimum)
       fail("--gpu-budget ", format_bytes(gpu), " is below the minimum of ", format_bytes(p.g.minimum), " for ",

@@ -524,8 +524,7 @@ void GlmDsaModel::forward_batch(const std::vector<BatchItem>& items, MlaCache& c
         }
         if ((it.token || it.queue_pick) && it.sample)
           backend_.sample_rows(rows, hi - lo, V, it.sample + (lo - r), chosen + lo);
-        else if ((it.token || it.queue_pick) && !picked)
-          backend_.argmax_rows(rows, hi - lo, V, chosen + lo);
+        else if ((it.token || it.queue_pick) && !picked) backend_.argmax_rows(rows, hi - lo, V, chosen + lo);
       }
       r += n;
     }
