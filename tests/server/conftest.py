@@ -82,9 +82,10 @@ class Server:
                 out[name] = float(value)
         return out
 
-    def rss_bytes(self):
+    def rss_bytes(self, field="VmRSS"):
+        """The process's resident bytes now (VmRSS), or at their peak so far (field="VmHWM")."""
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
         return 0
 

@@ -7,7 +7,7 @@ import os
 import openai
 import pytest
 
-from conftest import API_KEY, DEMO, Server, demo_cases
+from conftest import API_KEY, DEMO, Server, demo_cases, demo_server
 
 MODEL = "vireo-demo"
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
@@ -306,6 +306,30 @@ def read_npy_f32(path):
     for d in header["shape"]:
         n *= d
     return header["shape"], struct.unpack(f"<{n}f", data[start:start + 4 * n])
+
+
+def test_echo_holds_a_slice_of_rows_not_the_chunks():
+    """echo with logprobs over a 1000-token prompt read in one chunk: its [1000, vocab] logits come
+    out of lm_head in slices of 64 rows (the server's bound, GlmDsaModel::set_logit_rows), so the
+    process's peak RSS grows by about a slice (2 MB at the demo's vocabulary of 8192), not by the
+    chunk's 33 MB twice (the backend's rows and the host's copy), over the same prompt's plain
+    request; and the logprobs are the plain request's picks."""
+    server = demo_server("--max-batch", "1", "--prefill-chunk", "1024", "--context", "1100")
+    try:
+        client = server.client()
+        prompt = [(37 * i) % 8000 + 100 for i in range(1000)]
+        plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+        before = server.rss_bytes("VmHWM")
+        echoed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=1,
+                                           temperature=0)
+        grown = server.rss_bytes("VmHWM") - before
+        lp = echoed.choices[0].logprobs
+        assert len(lp.tokens) == 1001 and lp.token_logprobs[0] is None
+        assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+        assert echoed.choices[0].text.endswith(plain.choices[0].text)
+        assert grown < 16 << 20, f"peak RSS grew {grown / 2**20:.1f} MiB for the echo"
+    finally:
+        server.stop()
 
 
 def test_echo_scores_the_prompt(demo):
@@ -895,7 +919,6 @@ def test_continue_final_message(tmp_path):
     its tokens are what /v1/completions generates from that prompt; a final message with no text
     to continue is refused by field. (The demo's own template ends an assistant turn with its
     text, so a template that closes turns shows the cut.)"""
-    from conftest import demo_server
     (tmp_path / "t.jinja").write_text("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|endoftext|>{% endfor %}"
                                       "{% if add_generation_prompt %}<|assistant|>{% endif %}")
     s = demo_server("--max-batch", "2", "--chat-template", str(tmp_path / "t.jinja"))
@@ -927,7 +950,6 @@ def test_continue_final_message(tmp_path):
 def test_chat_template_override(tmp_path):
     """serve --chat-template FILE renders chat with that template (the special tokens still from
     tokenizer_config.json): /tokenize's ids are the template's text's."""
-    from conftest import demo_server
     (tmp_path / "t.jinja").write_text("{{ eos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}")
     s = demo_server("--max-batch", "2", "--chat-template", str(tmp_path / "t.jinja"))
     try:
@@ -944,7 +966,6 @@ def test_throughput_lines_after_work():
     with work, none while idle. (The server takes vLLM's --max-num-seqs and --max-model-len.)"""
     import re
     import time
-    from conftest import demo_server
     s = demo_server("--max-num-seqs", "2", "--max-model-len", "300", "--log-interval", "0.5")  # (vLLM's names)
     try:
         assert json.loads(s.http("GET", "/v1/models")[1])["data"][0]["max_model_len"] == 300
