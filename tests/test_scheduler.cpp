@@ -441,6 +441,64 @@ void prompt_logprobs_are_the_teacher_forced_log_softmax(bool cuda) {
   }
 }
 
+// prompt_logprobs on a drafting (--mtp) scheduler: its prompt chunks keep their hidden rows for the
+// MTP pass, and with at most 3 rows of logits held their rows come in slices. The PromptToken
+// events are the plain scheduler's, the tokens after them transformers' greedy continuation on
+// the demo model (beside another greedy request), and its chunks write the MTP layer's entries as
+// a plain request's do: the same drafts verified and kept as without prompt_logprobs.
+void prompt_logprobs_with_drafts_are_the_plain_ones(bool cuda) {
+  std::vector<std::vector<int32_t>> want;
+  const auto arrivals = demo_arrivals(1, want);
+  SchedRequest echo = arrivals[4].second;  // 70 prompt tokens: 9 chunks of 8
+  echo.prompt_logprobs = true;
+  echo.logprobs = true;
+  echo.top_logprobs = 2;
+  struct Seen {
+    std::vector<int32_t> prompt, tokens;
+    std::vector<float> logprobs;
+    SchedulerStats stats;
+  };
+  auto run = [&](const SchedRequest& r, bool mtp) {
+    Loaded m(kDemo, cuda, mtp);
+    m.model->set_logit_rows(3);
+    Scheduler s(*m.model, *m.backend, manual(2, 256, 8, mtp));
+    auto h = s.submit(r), other = s.submit(arrivals[1].second);
+    while (s.step()) {
+    }
+    Seen seen;
+    SchedEvent ev;
+    while (h->next(ev, std::chrono::milliseconds(0))) {
+      if (ev.kind == SchedEvent::Kind::PromptToken) seen.prompt.push_back(ev.token);
+      else if (ev.kind == SchedEvent::Kind::Token) seen.tokens.push_back(ev.token);
+      else EXPECT_EQ(ev.kind, SchedEvent::Kind::Finish);
+      if (ev.kind != SchedEvent::Kind::Finish) seen.logprobs.push_back(ev.logprob);
+    }
+    EXPECT_EQ(drain(*other).ids, want[1]) << (mtp ? "drafting" : "plain");
+    seen.stats = s.stats();
+    return seen;
+  };
+  const Seen plain = run(echo, false), drafted = run(echo, true);
+  EXPECT_EQ(plain.prompt, std::vector<int32_t>(echo.prompt.begin() + 1, echo.prompt.end()));
+  EXPECT_EQ(plain.tokens, want[4]);
+  EXPECT_EQ(drafted.prompt, plain.prompt);
+  EXPECT_EQ(drafted.tokens, plain.tokens);
+  ASSERT_EQ(drafted.logprobs.size(), plain.logprobs.size());
+  for (size_t i = 0; i < plain.logprobs.size(); ++i)
+    EXPECT_NEAR(drafted.logprobs[i], plain.logprobs[i], cuda ? 1e-3 : 1e-5) << "event " << i;
+  const Seen unscored = run(arrivals[4].second, true);
+  EXPECT_EQ(unscored.tokens, want[4]);
+  EXPECT_GT(drafted.stats.drafts_kept, 0u);
+  EXPECT_EQ(drafted.stats.drafted, unscored.stats.drafted);
+  EXPECT_EQ(drafted.stats.drafts_kept, unscored.stats.drafts_kept);
+}
+
+TEST(Scheduler, PromptLogprobsWithDraftsAreThePlainOnes) { prompt_logprobs_with_drafts_are_the_plain_ones(false); }
+
+TEST(Scheduler, PromptLogprobsWithDraftsAreThePlainOnesOnCuda) {
+  REQUIRE_CUDA();
+  prompt_logprobs_with_drafts_are_the_plain_ones(true);
+}
+
 TEST(Scheduler, PromptLogprobsAreTheTeacherForcedLogSoftmax) {
   prompt_logprobs_are_the_teacher_forced_log_softmax(false);
 }

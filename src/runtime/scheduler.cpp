@@ -80,8 +80,6 @@ std::shared_ptr<RequestHandle> Scheduler::submit(SchedRequest r) {
     if (id < 0 || id >= vocab_) fail("prompt: token id ", id, " is out of range (vocabulary of ", vocab_, ")");
   if (r.max_tokens < (r.prompt_logprobs ? 0 : 1))
     fail("max_tokens: must be at least ", r.prompt_logprobs ? 0 : 1, ", got ", r.max_tokens);
-  if (r.prompt_logprobs && opt_.mtp_drafts)
-    fail("prompt_logprobs: not supported with speculative decoding (this server drafts with --mtp)");
   const int64_t P = int64_t(r.prompt.size());
   if (P >= opt_.context) fail("prompt: ", P, " tokens do not fit the context of ", opt_.context, " tokens");
   if (r.max_tokens > opt_.context - P)  // (not P + max_tokens: a request's max_tokens may be near 2^63)
@@ -481,34 +479,31 @@ bool Scheduler::step() {
     if (chunk[owner[k]] > 0 && r.prefilled < P) {
       const int64_t at = r.prefilled, n = chunk[owner[k]];
       r.prefilled += n;
-      if (r.req.prompt_logprobs) {  // its PromptToken events went out during the step (rows_out)
-        if (r.prefilled == P && r.req.max_tokens > 0) {
-          emit_token(r, logits_[size_t(r.row)].data());
-        } else if (r.prefilled == P) {  // echo: the prompt's logprobs only
-          SchedEvent f;
-          f.kind = SchedEvent::Kind::Finish;
-          f.reason = FinishReason::Length;
-          finish(r, std::move(f));
-        }
+      // prompt_logprobs: its PromptToken events went out during the step (rows_out), and the
+      // prompt's last row, the first token's, is in logits_.
+      const float* last = r.req.prompt_logprobs ? logits_[size_t(r.row)].data() : items[k].logits;
+      if (r.req.prompt_logprobs && r.prefilled == P && r.req.max_tokens == 0) {  // echo: the prompt's logprobs only
+        SchedEvent f;
+        f.kind = SchedEvent::Kind::Finish;
+        f.reason = FinishReason::Length;
+        finish(r, std::move(f));
         continue;
       }
-      if (r.prefilled < P || opt_.mtp_drafts) {
-        // The MTP entries at the chunk's positions read the token after each: the prompt's, and
-        // after the prompt's last, the first token.
-        if (r.prefilled == P) emit_token(r, items[k].logits);
-        if (!r.handle || !opt_.mtp_drafts) continue;
-        r.mtp_next.assign(r.req.prompt.begin() + at + 1, r.req.prompt.end());
-        r.mtp_next.resize(size_t(n));
-        if (r.prefilled == P) r.mtp_next.back() = r.last;
-        MtpItem x;
-        x.row = r.row;
-        x.T = n;
-        x.next = r.mtp_next.data();
-        x.pos0 = at;
-        mtp.push_back(x);
-        mtp_owner.push_back(r.prefilled == P ? &r : nullptr);  // a draft after the prompt only
-        continue;
-      }
+      if (r.prefilled == P) emit_token(r, last);
+      if (!r.handle || !opt_.mtp_drafts) continue;
+      // The MTP entries at the chunk's positions read the token after each: the prompt's, and
+      // after the prompt's last, the first token.
+      r.mtp_next.assign(r.req.prompt.begin() + at + 1, r.req.prompt.end());
+      r.mtp_next.resize(size_t(n));
+      if (r.prefilled == P) r.mtp_next.back() = r.last;
+      MtpItem x;
+      x.row = r.row;
+      x.T = n;
+      x.next = r.mtp_next.data();
+      x.pos0 = at;
+      mtp.push_back(x);
+      mtp_owner.push_back(r.prefilled == P ? &r : nullptr);  // a draft after the prompt only
+      continue;
     } else if (opt_.mtp_drafts) {
       MtpItem x;
       if (after_verify(r, items[k].logits, x)) {

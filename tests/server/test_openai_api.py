@@ -819,6 +819,21 @@ def test_mtp_serving_keeps_greedy_tokens_and_counts_drafts(demo_mtp):
     assert m["vireo_generation_tokens_total"] >= kept
 
 
+def test_mtp_serving_scores_echoed_prompts_as_the_plain_server(demo, demo_mtp):
+    """serve --mtp: echo with logprobs (lm-eval's loglikelihood requests) gives the plain server's
+    prompt logprobs and tokens, with max_tokens 0 and with tokens asked for."""
+    ids = demo_cases()[4]["prompt_ids"]
+    for max_tokens in (0, 6):
+        kw = dict(model=MODEL, prompt=ids, max_tokens=max_tokens, echo=True, logprobs=2, temperature=0)
+        want, got = demo.client().completions.create(**kw), demo_mtp.client().completions.create(**kw)
+        assert got.choices[0].text == want.choices[0].text
+        wl, gl = want.choices[0].logprobs, got.choices[0].logprobs
+        assert gl.tokens == wl.tokens and len(gl.tokens) == len(ids) + max_tokens
+        assert gl.token_logprobs[0] is None
+        for g, w in zip(gl.token_logprobs[1:], wl.token_logprobs[1:]):
+            assert abs(g - w) < 1e-4, (g, w)
+
+
 def test_reasoning_parser_splits_chat_replies(demo, demo_reasoning):
     """--reasoning-parser glm45: the demo's chat template ends its generation prompt with <think>,
     so a reply is reasoning until </think>; the demo model does not write one within 16 tokens, so
