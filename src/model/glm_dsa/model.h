@@ -183,7 +183,6 @@ class GlmDsaModel {
   // them in slices of `rows`, each copied out (or handed to BatchItem::rows_out) before the next:
   // a server's memory plan counts `rows` rows, whatever its prompts ask (cli/cmd_serve.cpp).
   void set_logit_rows(int64_t rows);
-  int64_t logit_rows() const { return logit_rows_; }
   // The rows of logits the model's buffer holds now (it grows to the largest slice a step made).
   int64_t logit_buffer_rows() const;
 
