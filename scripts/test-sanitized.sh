@@ -8,7 +8,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
 flags="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined"
+# A fuzz campaign (VIREO_FUZZ_SCALE=N, tests/test_helpers.h) runs N times the iterations: the slowest
+# fuzz test (TokenizerFile.FuzzMutationsLoadOrFailCleanly) takes ~18 s a unit of N here, so each
+# test's limit grows with N (at N = 60 the default 600 s stopped it mid-run).
+scale=${VIREO_FUZZ_SCALE:-1}
+[[ $scale =~ ^[0-9]+$ ]] && [ "$scale" -ge 1 ] || scale=1
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DVIREO_CUDA=OFF \
+  -DVIREO_TEST_TIMEOUT=$((600 + 40 * scale)) \
   -DCMAKE_CXX_FLAGS="$flags" -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=address,undefined" >/dev/null
 cmake --build build-asan -j"$(nproc)"
 # The server test checks the process's RSS after a round of streams: ASan's quarantine of freed
