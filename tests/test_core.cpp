@@ -7,9 +7,22 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "core/error.h"
 #include "core/thread_pool.h"
 
 using namespace vireo;
+
+// An error's message is one line whatever it quotes: control characters become escapes, every other
+// byte (UTF-8 included) stays.
+TEST(Error, MessagesAreOneLine) {
+  EXPECT_EQ(std::string(Error("role 'a\nb'\r\tx\x01\x7f \xc3\xa9 \\n").what()),
+            "role 'a\\nb'\\r\\tx\\x01\\x7f \xc3\xa9 \\n");
+  try {
+    fail("tensor '", std::string("w\n1"), "': bad dtype");
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()), "tensor 'w\\n1': bad dtype");
+  }
+}
 
 TEST(DType, Bf16RoundTripAndRounding) {
   EXPECT_EQ(bf16_to_f32(f32_to_bf16(1.5f)), 1.5f);

@@ -203,6 +203,22 @@ TEST(OpenAiApi, DocumentsReachTheChatTemplate) {
   }
 }
 
+// A refusal quoting what the client sent stays one line: a role with a newline in it (found by a
+// 200x fuzz campaign, seed 63) is named with the newline escaped.
+TEST(OpenAiApi, RefusalsQuotingTheRequestAreOneLine) {
+  const ServedModel m = demo_served();
+  try {
+    parse_request(R"({"messages": [{"role": "user", "content": "hi"}, {"role": "assist\nant\u0001", "content": "x"}]})",
+                  true, m);
+    FAIL() << "an unknown role was accepted";
+  } catch (const ApiError& e) {
+    EXPECT_EQ(e.param, "messages[1].role");
+    EXPECT_EQ(std::string(e.what()),
+              "messages[1].role: unknown role 'assist\\nant\\x01' (expected system, developer, user, assistant or "
+              "tool)");
+  }
+}
+
 TEST(OpenAiApi, FuzzedBodiesParseOrNameTheField) {
   const ServedModel m = demo_served();
   const auto seeds = seed_bodies();

@@ -8,8 +8,34 @@
 
 namespace vireo {
 
+// `s` with its control characters written as escapes (\n, \r, \t, \xHH; other bytes as they
+// are, UTF-8 included): a message quoting user input (a request's role, a tensor name read from a
+// file) stays one line wherever it is printed or logged.
+inline std::string one_line(const std::string& s) {
+  std::string out;
+  out.reserve(s.size());
+  for (const char ch : s) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (c >= 0x20 && c != 0x7f) {
+      out += ch;
+    } else if (c == '\n') {
+      out += "\\n";
+    } else if (c == '\r') {
+      out += "\\r";
+    } else if (c == '\t') {
+      out += "\\t";
+    } else {
+      static const char hex[] = "0123456789abcdef";
+      out += "\\x";
+      out += hex[c >> 4];
+      out += hex[c & 15];
+    }
+  }
+  return out;
+}
+
 struct Error : std::runtime_error {
-  explicit Error(const std::string& msg) : std::runtime_error(msg) {}
+  explicit Error(const std::string& msg) : std::runtime_error(one_line(msg)) {}
 };
 
 namespace detail {
