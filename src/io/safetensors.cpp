@@ -43,13 +43,13 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
     ::close(fd);
     fail(path, ": truncated safetensors file (", size_, " bytes, no header)");
   }
-  map_ = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+  void* const mapped = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+  const int map_errno = errno;  // (before close may set it)
   ::close(fd);
-  if (map_ == MAP_FAILED) {
-    map_ = nullptr;
-    fail(path, ": mmap failed: ", std::strerror(errno));
-  }
-  const uint8_t* base = static_cast<const uint8_t*>(map_);
+  if (mapped == MAP_FAILED) fail(path, ": mmap failed: ", std::strerror(map_errno));
+  map_.p = mapped;
+  map_.n = size_;
+  const uint8_t* base = static_cast<const uint8_t*>(mapped);
   uint64_t header_len = 0;
   for (int i = 0; i < 8; ++i) header_len |= uint64_t(base[i]) << (8 * i);
   if (header_len > size_ - 8)
@@ -105,8 +105,10 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   }
 }
 
-SafetensorsFile::~SafetensorsFile() {
-  if (map_) ::munmap(map_, size_);
+SafetensorsFile::~SafetensorsFile() = default;
+
+SafetensorsFile::Mapping::~Mapping() {
+  if (p) ::munmap(p, n);
 }
 
 const TensorInfo* Checkpoint::find(const std::string& name) const {
