@@ -44,10 +44,12 @@ StreamingExpertStore::StreamingExpertStore(const Checkpoint& ck, const ExpertSto
       ::close(fd);
     }
   }
-  arena_bytes_ = size_t(o.slots) * size_t(layout_.slot_bytes());
-  arena_ = map_arena(arena_bytes_);
+  // Everything that can throw before the arena's mapping comes first: a constructor that throws
+  // never runs the destructor, so only the try below unmaps it.
   weights_.resize(size_t(o.slots));
   errors_.resize(size_t(o.slots));
+  arena_bytes_ = size_t(o.slots) * size_t(layout_.slot_bytes());
+  arena_ = map_arena(arena_bytes_);
   try {
     reader_ = std::make_unique<ExpertReader>(layout_.files(), o.direct, o.io_threads, o.read_chunk);
   } catch (...) {
