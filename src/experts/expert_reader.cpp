@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <system_error>
 
 namespace vireo {
 
@@ -38,18 +39,29 @@ ExpertReader::ExpertReader(const std::vector<std::string>& files, DirectIo mode,
   // followed by DONTNEED.
   direct_ = mode != DirectIo::Off && open_all(files, true, mode == DirectIo::Auto, fds_);
   if (!direct_) open_all(files, false, false, fds_);
-  for (int i = 0; i < std::max(threads, 1); ++i) threads_.emplace_back([this] { worker(); });
+  // A constructor that throws never runs the destructor: if a thread cannot start, stop the ones
+  // that did (a joinable std::thread destroyed unjoined ends the process) and close the files.
+  try {
+    for (int i = 0; i < std::max(threads, 1); ++i) threads_.emplace_back([this] { worker(); });
+  } catch (const std::system_error& e) {
+    stop_all();
+    fail("cannot start ", std::max(threads, 1), " expert I/O threads (--io-threads): ", e.what());
+  }
 }
 
-ExpertReader::~ExpertReader() {
+void ExpertReader::stop_all() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
   }
   cv_.notify_all();
   for (auto& t : threads_) t.join();
+  threads_.clear();
   for (int fd : fds_) ::close(fd);
+  fds_.clear();
 }
+
+ExpertReader::~ExpertReader() { stop_all(); }
 
 void ExpertReader::read(const std::vector<ExpertExtent>& extents, char* base, bool urgent, Done done) {
   auto req = std::make_shared<Request>();

@@ -50,6 +50,7 @@ class ExpertReader {
     std::shared_ptr<Request> req;
   };
   void worker();
+  void stop_all();  // stops and joins the threads, closes the files (the destructor's work)
   void run(Chunk& c);
 
   std::vector<int> fds_;
