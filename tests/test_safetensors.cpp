@@ -101,6 +101,24 @@ TEST(Safetensors, MalformedFilesAreErrors) {
   EXPECT_NE(open_error(pack(R"({"a": {"dtype": "F32", "shape": [-2, 2], "data_offsets": [0, 16]}})", data))
                 .find("negative"), std::string::npos);
   EXPECT_NE(open_error(pack("[1, 2]", data)).find("not a JSON object"), std::string::npos);
+  // (a number past double's range: nlohmann's out_of_range, not parse_error)
+  EXPECT_NE(open_error(pack(R"({"a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 1e999]}})", data))
+                .find("invalid JSON"),
+            std::string::npos);
+}
+
+// read_json_file names the file for every JSON it cannot read, a number past double's range too.
+TEST(JsonFile, UnreadableJsonNamesTheFile) {
+  TempDir d("json");
+  for (const std::string text : {"{\"a\": ", "{\"a\": 1e800}"}) {
+    write_file(d / "x.json", text);
+    try {
+      read_json_file(d / "x.json");
+      ADD_FAILURE() << text << ": read";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("x.json: malformed JSON"), std::string::npos) << e.what();
+    }
+  }
 }
 
 // A refused file leaves nothing mapped: its mapping goes when the constructor throws. (It used to

@@ -43,7 +43,7 @@ Action add_tokenize(CLI::App& app) {
         Json j;
         try {
           j = Json::parse(line);
-        } catch (const Json::parse_error&) {
+        } catch (const Json::exception&) {
           fail("stdin line ", n, ": not valid JSON (expected one JSON string per line)");
         }
         if (!j.is_string()) fail("stdin line ", n, ": expected a JSON string, found ", j.type_name());

@@ -20,7 +20,7 @@ Json read_json_file(const std::string& path) {
   ss << in.rdbuf();
   try {
     return Json::parse(ss.str());
-  } catch (const Json::parse_error& e) {
+  } catch (const Json::exception& e) {  // (parse_error, or out_of_range for a number past double's range)
     std::string what = e.what();
     // nlohmann's message starts with "[json.exception.parse_error.101] parse error at line..."
     auto pos = what.find("] ");

@@ -57,7 +57,7 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   Json header;
   try {
     header = Json::parse(base + 8, base + 8 + header_len);
-  } catch (const Json::parse_error&) {
+  } catch (const Json::exception&) {
     fail(path, ": malformed safetensors header (invalid JSON)");
   }
   if (!header.is_object()) fail(path, ": malformed safetensors header (not a JSON object)");

@@ -146,7 +146,7 @@ GlmDsaConfig parse_glm_dsa_config(const std::string& config_text, const std::str
   Json j;
   try {
     j = Json::parse(config_text);
-  } catch (const Json::parse_error& e) {
+  } catch (const Json::exception& e) {  // (parse_error, or out_of_range for a number past double's range)
     std::string what = e.what();
     auto pos = what.find("] ");
     fail(src, ": malformed JSON: ", pos == std::string::npos ? what : what.substr(pos + 2));
@@ -246,7 +246,7 @@ GlmDsaConfig parse_glm_dsa_config(const std::string& config_text, const std::str
     Json g;
     try {
       g = Json::parse(generation_text);
-    } catch (const Json::parse_error&) {
+    } catch (const Json::exception&) {
       fail("generation_config.json: malformed JSON");
     }
     if (g.is_object() && g.contains("eos_token_id")) add_eos(g["eos_token_id"], c.eos_ids, "generation_config.json");
