@@ -409,6 +409,9 @@ TEST(DemoModel, TokenizeAndDetokenizeCommands) {
   RunResult bad = run_vireo("tokenize --model " + kModel + " --jsonl", "not json\n");
   EXPECT_EQ(bad.exit_code, 1);
   EXPECT_NE(bad.err.find("stdin line 1"), std::string::npos) << bad.err;
+  // A number past double's range (nlohmann's out_of_range, not parse_error) is the same clean error.
+  expect_clean_error(run_vireo("tokenize --model " + kModel + " --jsonl", "\"x\"\n1e800\n"),
+                     "stdin line 2: not valid JSON");
 }
 
 TEST(DemoModel, RunFromPromptFileAndWithChatTemplate) {
