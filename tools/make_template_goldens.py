@@ -202,6 +202,9 @@ UNIT_CASES = [
     ("subscripts", "{{ m['role'] }} {{ m.role }} {{ m.content[0] }} {{ items[-1] }} {{ items[5] is defined }} {{ m['nope'] is defined }}", {"m": {"role": "user", "content": "hey"}, "items": [1, 2, 3]}),
     ("slicing", "{{ s[1:] }} {{ s[:-1] }} {{ s[::-1] }} {{ l[1:3] }} {{ l[::2] }} {{ l[-2:] }} {{ l[5:] }} {{ s[2:100] }}", {"s": "héllo", "l": [1, 2, 3, 4, 5]}),
     ("attr_on_none", "{{ x.y is defined }}", {"x": None}),
+    # A tuple index is no string's, list's or JSON object's key: undefined. jinja2 takes no trailing comma.
+    ("tuple_subscripts", "[{{ s[1, 2] }}|{{ l[0, 1] is defined }}|{{ m[1, 2] is defined }}|{{ l[0] }}]", {"s": "héllo", "l": [7, 8], "m": {"a": 1}}),
+    ("error_subscript_trailing_comma", "{{ l[0,] }}", {"l": [7, 8]}),
     ("dict_literal_order", "{{ {'b': 1, 'a': 2} | tojson }}", {}),
     ("string_escapes", "{{ 'tab\\tnewline\\nquote\\'uni\\u00e9' }}|{{ \"dq\\\"\" }}|{{ 'keep\\q' }}", {}),
     ("adjacent_strings", "{{ 'a' 'b' \"c\" }}", {}),

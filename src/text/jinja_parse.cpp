@@ -980,7 +980,7 @@ class Parser {
     while (!is_op("]")) {
       if (!parts.empty()) {
         expect_op(",");
-        if (is_op("]")) break;
+        if (is_op("]")) error_here("unexpected ']' after ',' in a subscript");  // (as jinja2)
       }
       parts.push_back(parse_subscribed());
     }
@@ -990,6 +990,10 @@ class Parser {
       index = std::move(parts[0]);
     } else {
       if (parts.empty()) error(pos, "expected an index");
+      // A slice has no value of its own here (slice(null, a, b, c) takes its object from the
+      // subscript), so one inside a tuple index cannot be evaluated.
+      for (const ExprPtr& p : parts)
+        if (p->kind == ExprKind::slice) error(p->pos, "a slice inside a tuple subscript (x[a, b:c]) is not supported");
       index = node(ExprKind::tuple, pos);
       index->args = std::move(parts);
     }
