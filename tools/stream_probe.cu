@@ -19,11 +19,14 @@
 //  3. Does L2 keep a weight's first bytes through other streaming reads ("L2 keep")? A prefix of
 //     P MB touched by plain loads, by loads with an evict_last policy or by prefetch.global.L2::
 //     evict_last, then 64 MB of other reads, then the prefix read as o_proj's rows, timed alone.
+//  4. (Session 65) Does o_proj read faster whole when the first W KB of each row are in L2 ("o_proj
+//     warm")? The answer says whether warming its row heads beside the attention can gain at all.
 // Each form row: the median of 9 timed replays of a round robin over enough copies of the weights
 // that none is in L2 when read again; GB/s counts each weight byte read once.
 //
 //   build-cuda/vireo_stream_probe [FORM]  (built with the CUDA backend; needs an sm_90 GPU)
-// FORM: only the forms whose name holds it (and reg, their reference), no L2-keep section.
+// FORM: only the forms whose name holds it (and reg, their reference), no L2-keep or o_proj-warm
+// section; `warm`: the o_proj-warm section alone.
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -219,14 +222,36 @@ __global__ void __launch_bounds__(512, 1)
   if (acc == 0x9e3779b9u) *sink = acc;
 }
 
+// The first `prefix` bytes of each of `rows` rows (row_bytes apart) touched by loads in `mode`
+// (touch's 0: plain, 2: evict_last policy): a warming kernel's work on o_proj's row heads.
+__global__ void __launch_bounds__(512, 1) touch_prefix(const uint8_t* __restrict__ buf, int64_t rows, int64_t row_bytes,
+                                                       int64_t prefix, int mode, unsigned* sink) {
+  const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, nt = int64_t(gridDim.x) * blockDim.x;
+  const int64_t cpr = prefix / 16, n = rows * cpr;
+  uint64_t pol = 0;
+  if (mode == 2) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(pol));
+  auto at = [&](int64_t i) { return reinterpret_cast<const uint4*>(buf + (i / cpr) * row_bytes) + i % cpr; };
+  unsigned acc = 0;
+  int64_t i = tid;
+  for (; i + 7 * nt < n; i += 8 * nt) {
+    uint4 a[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) a[k] = mode == 0 ? ld16(at(i + k * nt)) : ld16_policy(at(i + k * nt), pol);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) acc ^= fold(a[k]);
+  }
+  for (; i < n; i += nt) acc ^= fold(mode == 0 ? ld16(at(i)) : ld16_policy(at(i), pol));
+  if (acc == 0x9e3779b9u) *sink = acc;
+}
+
 // The unit loop of the forms below: each warp's units u = warp * grid + block, ... (a pair of
 // rows of R bytes, row b after row a), four 16-byte chunks of each row a lane a trip (load_pair4);
 // chunk(wa, wb, c, acc_a, acc_b) adds chunk c of both rows, keep(lane) says whose sums the warp adds.
-template <class Chunk, class Keep>
+template <int WARPS = kWarps, class Chunk, class Keep>
 __device__ __forceinline__ void walk_pairs(const uint8_t* __restrict__ w, int64_t units, int R, float* __restrict__ out,
                                            Chunk chunk, Keep keep) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nv = R / 16;
-  for (int64_t u = int64_t(warp) * gridDim.x + blockIdx.x; u < units; u += int64_t(gridDim.x) * kWarps) {
+  for (int64_t u = int64_t(warp) * gridDim.x + blockIdx.x; u < units; u += int64_t(gridDim.x) * WARPS) {
     const uint4* ar = reinterpret_cast<const uint4*>(w + u * 2 * R);
     const uint4* br = ar + nv;
     float acc_a = 0.0f, acc_b = 0.0f;
@@ -290,14 +315,16 @@ __global__ void __launch_bounds__(32 * kWarps, 1)
 
 // fast-fp8 candidate: x staged as f16 per 128-column block (stage_x_f16), each chunk summed by 8
 // f16x2 FMAs (dot_chunk_h), scaled by x's block scale in f32 (the weights' scales are 1 here, as
-// reg applies none). Checked against reg's sums (max |diff| / max |reg|).
-__global__ void __launch_bounds__(32 * kWarps, 1)
+// reg applies none). Checked against reg's sums (max |diff| / max |reg|). WARPS 32: o_proj's
+// blocks in the step (one of 32 warps an SM, a row pair a warp: its 3072 pairs in one wave).
+template <int WARPS = kWarps>
+__global__ void __launch_bounds__(32 * WARPS, 1)
     walk_h(const uint8_t* __restrict__ w, int64_t units, int R, const float* __restrict__ x, float* __restrict__ out) {
   extern __shared__ float4 sm4[];
   uint4* xh = reinterpret_cast<uint4*>(sm4);           // R halves
   float* xsc = reinterpret_cast<float*>(sm4) + R / 2;  // R / 128 scales
   stage_x_f16(x, R, xh, xsc);
-  walk_pairs(
+  walk_pairs<WARPS>(
       w, units, R, out,
       [&](int64_t, const uint4& wa, const uint4& wb, int c, float& acc_a, float& acc_b) {
         const uint4 x0 = xh[xh_slot(2 * c)], x1 = xh[xh_slot(2 * c + 1)];
@@ -312,6 +339,7 @@ int main(int argc, char** argv) {
   // An argument: only the forms whose name holds it (reg always, as the others' reference), and no
   // L2-keep section.
   const char* only = argc > 1 ? argv[1] : nullptr;
+  const bool warm_only = only && std::strcmp(only, "warm") == 0;  // the o_proj warm-prefix section alone
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   cudaDeviceProp prop;
@@ -365,7 +393,8 @@ int main(int argc, char** argv) {
   for (auto k : {walk_bulk<false>, walk_bulk<true>})
     CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max));
   CHECK(cudaFuncSetAttribute(walk_mma, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max));
-  CHECK(cudaFuncSetAttribute(walk_h, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max));
+  for (auto k : {walk_h<kWarps>, walk_h<32>})
+    CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max));
 
   struct Shape {
     const char* name;
@@ -394,6 +423,7 @@ int main(int argc, char** argv) {
       {"f16 x, hfma2", false, false, 0, 0, false, true},
   };
   for (const Shape& sh : shapes) {
+    if (warm_only) break;
     const int64_t units = int64_t(sh.bytes / (2 * size_t(sh.R)));
     const int copies =
         int(std::max<size_t>(1, std::min<size_t>(pool_bytes / sh.bytes, (size_t(400) << 20) / sh.bytes + 1)));
@@ -407,7 +437,7 @@ int main(int argc, char** argv) {
       auto run = [&](int c, float* o) {
         const uint8_t* p = pool + size_t(c % copies) * sh.bytes;
         if (f.h16) {
-          walk_h<<<sms, 32 * kWarps, smem, st>>>(p, units, sh.R, x, o);
+          walk_h<kWarps><<<sms, 32 * kWarps, smem, st>>>(p, units, sh.R, x, o);
         } else if (f.mma) {
           walk_mma<<<sms, 32 * kWarps, smem, st>>>(p, units, sh.R, xq8, xsc, wsc, o);
         } else if (!f.bulk) {
@@ -538,6 +568,69 @@ int main(int argc, char** argv) {
                     double(P) / 1e3 / us[4], tus[4]);
       }
     }
+  }
+  // o_proj with warm row heads: o_proj's 6144 rows of 16 KB (100.7 MB) read whole as the step's
+  // blocks read them (walk_h<32>: one block of 32 warps an SM, a row pair a warp, f16 x), after
+  // the first W KB of every row were loaded with an evict_last policy (or plainly) just before,
+  // optionally with S MB of other reads between. Session 48's step trace found o_proj's advance
+  // unchanged with 4 KB a row warmed ~24 us earlier: if its time is its DRAM bytes, W KB of 16 in
+  // L2 should take ~W/16 of it off ("if DRAM-bound"); if not, warming o_proj cannot gain.
+  if (!only || warm_only) {
+    unsigned* sink;
+    CHECK(cudaMalloc(&sink, 4));
+    const int64_t R = 16384, rows = 6144, units = rows / 2;
+    const size_t bytes = size_t(rows * R), span = size_t(128) << 20, flush = size_t(256) << 20, S = size_t(16) << 20;
+    uint8_t* fbuf = pool + pool_bytes - flush;
+    uint8_t* sbuf = fbuf - S;
+    const size_t smem = size_t(R) * 2 + size_t(R) / 32;
+    struct Warm {
+      const char* name;
+      int64_t W;     // bytes a row warmed (0: none)
+      int mode;      // touch_prefix's
+      bool between;  // S MB read plainly between the warming and o_proj
+    };
+    const Warm warms[] = {{"cold", 0, 0, false},
+                          {"2 KB a row evict_last", 2048, 2, false},
+                          {"4 KB a row evict_last", 4096, 2, false},
+                          {"8 KB a row evict_last", 8192, 2, false},
+                          {"4 KB a row evict_last, 16 MB between", 4096, 2, true},
+                          {"4 KB a row plain loads", 4096, 0, false},
+                          {"8 KB a row plain loads", 8192, 0, false}};
+    float cold_us = 0;
+    for (const Warm& m : warms) {
+      std::vector<float> us, tus;
+      for (int t = 0; t < 9; ++t) {
+        uint8_t* w = pool + size_t(t % 4) * span;
+        touch<<<sms, 512, 0, st>>>(pool, 4 * span, 4, sink);  // every copy's lines demoted
+        touch<<<sms, 512, 0, st>>>(fbuf, flush, 0, sink);     // and L2 flushed
+        cudaEvent_t t0, t1;
+        CHECK(cudaEventCreate(&t0));
+        CHECK(cudaEventCreate(&t1));
+        CHECK(cudaEventRecord(t0, st));
+        if (m.W > 0) touch_prefix<<<sms, 512, 0, st>>>(w, rows, R, m.W, m.mode, sink);
+        CHECK(cudaEventRecord(t1, st));
+        if (m.between) touch<<<sms, 512, 0, st>>>(sbuf, S, 0, sink);
+        CHECK(cudaEventRecord(e0, st));
+        walk_h<32><<<sms, 32 * 32, smem, st>>>(w, units, int(R), x, out);
+        CHECK(cudaEventRecord(e1, st));
+        CHECK(cudaEventSynchronize(e1));
+        float ms = 0, tms = 0;
+        CHECK(cudaEventElapsedTime(&ms, e0, e1));
+        CHECK(cudaEventElapsedTime(&tms, t0, t1));
+        us.push_back(ms * 1e3f);
+        tus.push_back(tms * 1e3f);
+        CHECK(cudaEventDestroy(t0));
+        CHECK(cudaEventDestroy(t1));
+      }
+      CHECK(cudaGetLastError());
+      std::sort(us.begin(), us.end());
+      std::sort(tus.begin(), tus.end());
+      if (m.W == 0) cold_us = us[4];
+      std::printf("o_proj warm  %-40s read %6.1f us (%5.0f GB/s; if DRAM-bound %6.1f)  warm %6.1f us\n", m.name, us[4],
+                  double(bytes) / 1e3 / us[4], double(cold_us) * (1.0 - double(m.W) / double(R)), tus[4]);
+    }
+    touch<<<sms, 512, 0, st>>>(pool, 4 * span, 4, sink);
+    CHECK(cudaStreamSynchronize(st));
   }
   {
     double gbs = 0;
