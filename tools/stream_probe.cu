@@ -335,6 +335,41 @@ __global__ void __launch_bounds__(32 * WARPS, 1)
       [](int) { return true; });
 }
 
+// Nine trials of: prep(t) (untimed), touch(t) (timed: *touch_us), between(t), read(t) (timed:
+// *read_us); the medians. t picks the trial's copy of the weights.
+template <class Prep, class Touch, class Between, class Read>
+cudaError_t touch_then_read(cudaStream_t st, cudaEvent_t e0, cudaEvent_t e1, Prep prep, Touch touch_fn, Between between,
+                            Read read, float* read_us, float* touch_us) {
+  std::vector<float> us, tus;
+  cudaEvent_t t0, t1;
+  CHECK(cudaEventCreate(&t0));
+  CHECK(cudaEventCreate(&t1));
+  for (int t = 0; t < 9; ++t) {
+    prep(t);
+    CHECK(cudaEventRecord(t0, st));
+    touch_fn(t);
+    CHECK(cudaEventRecord(t1, st));
+    between(t);
+    CHECK(cudaEventRecord(e0, st));
+    read(t);
+    CHECK(cudaEventRecord(e1, st));
+    CHECK(cudaEventSynchronize(e1));
+    float ms = 0, tms = 0;
+    CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    CHECK(cudaEventElapsedTime(&tms, t0, t1));
+    us.push_back(ms * 1e3f);
+    tus.push_back(tms * 1e3f);
+  }
+  CHECK(cudaEventDestroy(t0));
+  CHECK(cudaEventDestroy(t1));
+  CHECK(cudaGetLastError());
+  std::sort(us.begin(), us.end());
+  std::sort(tus.begin(), tus.end());
+  *read_us = us[4];
+  *touch_us = tus[4];
+  return cudaSuccess;
+}
+
 int main(int argc, char** argv) {
   // An argument: only the forms whose name holds it (reg always, as the others' reference), and no
   // L2-keep section.
@@ -534,38 +569,29 @@ int main(int argc, char** argv) {
                           {"evict_last prefetch, no stream", 3, -1}};
     for (size_t P : {size_t(16) << 20, size_t(32) << 20, size_t(48) << 20}) {
       for (const Mode& m : modes) {
-        std::vector<float> us, tus;
-        for (int t = 0; t < 9; ++t) {
-          uint8_t* w = pool + size_t(t % 4) * (size_t(64) << 20);
-          // Every copy's lines demoted (an earlier trial's evict_last lines would otherwise hold
-          // part of L2 through the flush: the first form, demoting only this copy, read 9.6 to
-          // 12.2 us for the same 32 MB row on different runs), then L2 flushed by other reads.
-          touch<<<sms, 512, 0, st>>>(pool, size_t(4) * (size_t(64) << 20), 4, sink);
-          touch<<<sms, 512, 0, st>>>(fbuf, flush, 0, sink);
-          cudaEvent_t t0, t1;
-          CHECK(cudaEventCreate(&t0));
-          CHECK(cudaEventCreate(&t1));
-          CHECK(cudaEventRecord(t0, st));
-          if (m.a >= 0) touch<<<sms, 512, 0, st>>>(w, P, m.a, sink);
-          CHECK(cudaEventRecord(t1, st));
-          if (m.b >= 0) touch<<<sms, 512, 0, st>>>(sbuf, S, m.b, sink);
-          CHECK(cudaEventRecord(e0, st));
-          walk_reg<true><<<sms, 32 * kWarps, 16384 * 4, st>>>(w, int64_t(P / 32768), 16384, x, out);
-          CHECK(cudaEventRecord(e1, st));
-          CHECK(cudaEventSynchronize(e1));
-          float ms = 0, tms = 0;
-          CHECK(cudaEventElapsedTime(&ms, e0, e1));
-          CHECK(cudaEventElapsedTime(&tms, t0, t1));
-          us.push_back(ms * 1e3f);
-          tus.push_back(tms * 1e3f);
-          CHECK(cudaEventDestroy(t0));
-          CHECK(cudaEventDestroy(t1));
-        }
-        CHECK(cudaGetLastError());
-        std::sort(us.begin(), us.end());
-        std::sort(tus.begin(), tus.end());
-        std::printf("L2 keep %4zu MB  %-42s read %7.1f us (%5.0f GB/s)  touch %7.1f us\n", P >> 20, m.name, us[4],
-                    double(P) / 1e3 / us[4], tus[4]);
+        auto copy = [&](int t) { return pool + size_t(t % 4) * (size_t(64) << 20); };
+        float us = 0, tus = 0;
+        CHECK(touch_then_read(
+            st, e0, e1,
+            [&](int) {
+              // Every copy's lines demoted (an earlier trial's evict_last lines would otherwise hold
+              // part of L2 through the flush: the first form, demoting only this copy, read 9.6 to
+              // 12.2 us for the same 32 MB row on different runs), then L2 flushed by other reads.
+              touch<<<sms, 512, 0, st>>>(pool, size_t(4) * (size_t(64) << 20), 4, sink);
+              touch<<<sms, 512, 0, st>>>(fbuf, flush, 0, sink);
+            },
+            [&](int t) {
+              if (m.a >= 0) touch<<<sms, 512, 0, st>>>(copy(t), P, m.a, sink);
+            },
+            [&](int) {
+              if (m.b >= 0) touch<<<sms, 512, 0, st>>>(sbuf, S, m.b, sink);
+            },
+            [&](int t) {
+              walk_reg<true><<<sms, 32 * kWarps, 16384 * 4, st>>>(copy(t), int64_t(P / 32768), 16384, x, out);
+            },
+            &us, &tus));
+        std::printf("L2 keep %4zu MB  %-42s read %7.1f us (%5.0f GB/s)  touch %7.1f us\n", P >> 20, m.name, us,
+                    double(P) / 1e3 / us, tus);
       }
     }
   }
@@ -598,36 +624,24 @@ int main(int argc, char** argv) {
                           {"8 KB a row plain loads", 8192, 0, false}};
     float cold_us = 0;
     for (const Warm& m : warms) {
-      std::vector<float> us, tus;
-      for (int t = 0; t < 9; ++t) {
-        uint8_t* w = pool + size_t(t % 4) * span;
-        touch<<<sms, 512, 0, st>>>(pool, 4 * span, 4, sink);  // every copy's lines demoted
-        touch<<<sms, 512, 0, st>>>(fbuf, flush, 0, sink);     // and L2 flushed
-        cudaEvent_t t0, t1;
-        CHECK(cudaEventCreate(&t0));
-        CHECK(cudaEventCreate(&t1));
-        CHECK(cudaEventRecord(t0, st));
-        if (m.W > 0) touch_prefix<<<sms, 512, 0, st>>>(w, rows, R, m.W, m.mode, sink);
-        CHECK(cudaEventRecord(t1, st));
-        if (m.between) touch<<<sms, 512, 0, st>>>(sbuf, S, 0, sink);
-        CHECK(cudaEventRecord(e0, st));
-        walk_h<32><<<sms, 32 * 32, smem, st>>>(w, units, int(R), x, out);
-        CHECK(cudaEventRecord(e1, st));
-        CHECK(cudaEventSynchronize(e1));
-        float ms = 0, tms = 0;
-        CHECK(cudaEventElapsedTime(&ms, e0, e1));
-        CHECK(cudaEventElapsedTime(&tms, t0, t1));
-        us.push_back(ms * 1e3f);
-        tus.push_back(tms * 1e3f);
-        CHECK(cudaEventDestroy(t0));
-        CHECK(cudaEventDestroy(t1));
-      }
-      CHECK(cudaGetLastError());
-      std::sort(us.begin(), us.end());
-      std::sort(tus.begin(), tus.end());
-      if (m.W == 0) cold_us = us[4];
-      std::printf("o_proj warm  %-40s read %6.1f us (%5.0f GB/s; if DRAM-bound %6.1f)  warm %6.1f us\n", m.name, us[4],
-                  double(bytes) / 1e3 / us[4], double(cold_us) * (1.0 - double(m.W) / double(R)), tus[4]);
+      auto copy = [&](int t) { return pool + size_t(t % 4) * span; };
+      float us = 0, tus = 0;
+      CHECK(touch_then_read(
+          st, e0, e1,
+          [&](int) {
+            touch<<<sms, 512, 0, st>>>(pool, 4 * span, 4, sink);  // every copy's lines demoted
+            touch<<<sms, 512, 0, st>>>(fbuf, flush, 0, sink);     // and L2 flushed
+          },
+          [&](int t) {
+            if (m.W > 0) touch_prefix<<<sms, 512, 0, st>>>(copy(t), rows, R, m.W, m.mode, sink);
+          },
+          [&](int) {
+            if (m.between) touch<<<sms, 512, 0, st>>>(sbuf, S, 0, sink);
+          },
+          [&](int t) { walk_h<32><<<sms, 32 * 32, smem, st>>>(copy(t), units, int(R), x, out); }, &us, &tus));
+      if (m.W == 0) cold_us = us;
+      std::printf("o_proj warm  %-40s read %6.1f us (%5.0f GB/s; if DRAM-bound %6.1f)  warm %6.1f us\n", m.name, us,
+                  double(bytes) / 1e3 / us, double(cold_us) * (1.0 - double(m.W) / double(R)), tus);
     }
     touch<<<sms, 512, 0, st>>>(pool, 4 * span, 4, sink);
     CHECK(cudaStreamSynchronize(st));
