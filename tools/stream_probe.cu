@@ -337,10 +337,10 @@ __global__ void __launch_bounds__(32 * WARPS, 1)
 }
 
 // Nine trials of: prep(t) (untimed), touch(t) (timed: *touch_us), between(t), read(t) (timed:
-// *read_us); the medians. t picks the trial's copy of the weights.
+// *read_us); the medians. t picks the trial's copy of the weights. A failed CUDA call exits (CHECK).
 template <class Prep, class Touch, class Between, class Read>
-cudaError_t touch_then_read(cudaStream_t st, cudaEvent_t e0, cudaEvent_t e1, Prep prep, Touch touch_fn, Between between,
-                            Read read, float* read_us, float* touch_us) {
+void touch_then_read(cudaStream_t st, cudaEvent_t e0, cudaEvent_t e1, Prep prep, Touch touch_fn, Between between,
+                     Read read, float* read_us, float* touch_us) {
   std::vector<float> us, tus;
   cudaEvent_t t0, t1;
   CHECK(cudaEventCreate(&t0));
@@ -368,7 +368,6 @@ cudaError_t touch_then_read(cudaStream_t st, cudaEvent_t e0, cudaEvent_t e1, Pre
   std::sort(tus.begin(), tus.end());
   *read_us = us[4];
   *touch_us = tus[4];
-  return cudaSuccess;
 }
 
 int main(int argc, char** argv) {
@@ -572,7 +571,7 @@ int main(int argc, char** argv) {
       for (const Mode& m : modes) {
         auto copy = [&](int t) { return pool + size_t(t % 4) * (size_t(64) << 20); };
         float us = 0, tus = 0;
-        CHECK(touch_then_read(
+        touch_then_read(
             st, e0, e1,
             [&](int) {
               // Every copy's lines demoted (an earlier trial's evict_last lines would otherwise hold
@@ -590,7 +589,7 @@ int main(int argc, char** argv) {
             [&](int t) {
               walk_reg<true><<<sms, 32 * kWarps, 16384 * 4, st>>>(copy(t), int64_t(P / 32768), 16384, x, out);
             },
-            &us, &tus));
+            &us, &tus);
         std::printf("L2 keep %4zu MB  %-42s read %7.1f us (%5.0f GB/s)  touch %7.1f us\n", P >> 20, m.name, us,
                     double(P) / 1e3 / us, tus);
       }
@@ -627,7 +626,7 @@ int main(int argc, char** argv) {
     for (const Warm& m : warms) {
       auto copy = [&](int t) { return pool + size_t(t % 4) * span; };
       float us = 0, tus = 0;
-      CHECK(touch_then_read(
+      touch_then_read(
           st, e0, e1,
           [&](int) {
             touch<<<sms, 512, 0, st>>>(pool, 4 * span, 4, sink);  // every copy's lines demoted
@@ -639,7 +638,7 @@ int main(int argc, char** argv) {
           [&](int) {
             if (m.between) touch<<<sms, 512, 0, st>>>(sbuf, S, 0, sink);
           },
-          [&](int t) { walk_h<32><<<sms, 32 * 32, smem, st>>>(copy(t), units, int(R), x, out); }, &us, &tus));
+          [&](int t) { walk_h<32><<<sms, 32 * 32, smem, st>>>(copy(t), units, int(R), x, out); }, &us, &tus);
       if (m.W == 0) cold_us = us;
       std::printf("o_proj warm  %-40s read %6.1f us (%5.0f GB/s; if DRAM-bound %6.1f)  warm %6.1f us\n", m.name, us,
                   double(bytes) / 1e3 / us, double(cold_us) * (1.0 - double(m.W) / double(R)), tus);
